@@ -1,0 +1,1 @@
+"""jzero: DeepSpeed's ZeRO rebuilt natively for JAX/XLA."""

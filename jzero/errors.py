@@ -1,0 +1,36 @@
+"""Exceptions and warnings jzero raises.
+
+Every error jzero raises for bad input is a :class:`JZeroError` whose message is one paragraph:
+what is wrong, which key / file / leaf it is, and how to fix it. They are raised before any device
+work starts, so a user never sees a traceback from inside JAX for a mistake in their input.
+"""
+
+from __future__ import annotations
+
+
+class JZeroError(Exception):
+  """Base class of all jzero errors."""
+
+
+class ConfigError(JZeroError, ValueError):
+  """A DeepSpeed-style config (or an argument that stands in for one) is invalid."""
+
+
+class NotSupportedError(ConfigError):
+  """A valid DeepSpeed setting that jzero does not implement (yet); the message names the key."""
+
+
+class MeshError(ConfigError):
+  """A mesh file or mesh description does not fit the devices present."""
+
+
+class CheckpointError(JZeroError):
+  """A checkpoint is missing, corrupt, incomplete or does not match the model."""
+
+
+class DataError(JZeroError, ValueError):
+  """Training data cannot be read or is too small for the requested batch."""
+
+
+class JZeroWarning(UserWarning):
+  """A setting jzero accepts but handles differently from DeepSpeed (the message says how)."""
