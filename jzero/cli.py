@@ -1,0 +1,134 @@
+"""The ``jzero`` command line.
+
+``jzero train --config configs/zero3.json`` trains the embedded GPT on the embedded corpus (the
+Python standard library's source, as bytes) on 8 simulated CPU devices, with a progress bar, the
+loss every ``steps_per_print`` steps, and a summary at the end.
+
+Bad input (config, mesh, data) is reported as one paragraph on stderr with exit status 2, before
+any device work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Sequence
+
+from jzero.errors import JZeroError
+
+DEFAULT_DEVICES = 8
+
+
+def _add_device_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--devices", type=int, default=DEFAULT_DEVICES,
+                 help="simulate this many CPU devices (default 8); 0 uses the devices JAX finds")
+  p.add_argument("--mesh", default=None,
+                 help="mesh file (configs/mesh/*.yaml); default: all devices on one data axis")
+
+
+def _setup_devices(n: int) -> None:
+  if n:
+    from jzero.mesh import simulate_cpu_devices
+    simulate_cpu_devices(n)
+
+
+def _train(args: argparse.Namespace) -> int:
+  _setup_devices(args.devices)
+  import jax
+  import numpy as np
+  from flax import nnx
+  from tqdm import tqdm
+
+  import jzero
+  from jzero.data import ByteCorpus
+  from jzero.models import GPT, GPTConfig, lm_loss
+  from jzero import memory
+
+  config = jzero.Config.load(args.config)
+  model_cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
+                        n_heads=args.heads)
+  corpus = ByteCorpus.load(args.data, seq_len=model_cfg.seq_len)
+  auto = {"micro_batch_size": args.micro_batch}
+  if args.warmup_steps is not None:
+    auto["warmup_num_steps"] = args.warmup_steps
+  engine = jzero.initialize(model=lambda rngs: GPT(model_cfg, rngs=rngs), loss_fn=lm_loss,
+                            config=config, mesh=args.mesh, total_num_steps=args.steps,
+                            auto_values=auto)
+  cfg = engine.config
+  print(f"jzero: ZeRO stage {cfg.zero_optimization.stage}, {cfg.precision}, mesh "
+        f"{engine.mesh.describe()}")
+  print(f"jzero: data {corpus.source} ({len(corpus) / 2**20:.1f} MiB); batch "
+        f"{cfg.train_batch_size} x {model_cfg.seq_len} tokens = micro {cfg.train_micro_batch_size_per_gpu} "
+        f"x gas {cfg.gradient_accumulation_steps} x dp {engine.mesh.dp_size}")
+  state = engine.init(jax.random.key(args.seed))
+  n_params = sum(l.numel for l in engine.plan.leaf_list())
+  print(f"jzero: model GPT {model_cfg.n_layers} layers x d {model_cfg.d_model}, {n_params / 1e6:.2f}M "
+        f"parameters")
+
+  every = cfg.steps_per_print
+  losses, step_times = [], []
+  tokens_per_step = cfg.train_batch_size * model_cfg.seq_len
+  bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True,
+             disable=args.no_progress)
+  for step in bar:
+    batch = engine.shard_batch(corpus.batch(step, cfg.train_batch_size, seed=args.seed))
+    t0 = time.perf_counter()
+    state, metrics = engine.train_step(state, batch)
+    loss = float(metrics["loss"])  # waits for the step
+    step_times.append(time.perf_counter() - t0)
+    losses.append(loss)
+    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{float(metrics['lr']):.2e}")
+    if every and (step + 1) % every == 0:
+      tqdm.write(f"step {step + 1:5d}  loss {loss:.4f}  grad_norm {float(metrics['grad_norm']):.3f}  "
+                 f"lr {float(metrics['lr']):.3e}  loss_scale {float(metrics['loss_scale']):.0f}  "
+                 f"{step_times[-1] * 1e3:.0f} ms")
+  bar.close()
+
+  val = engine.eval_loss(state, corpus.batch(0, cfg.train_batch_size, seed=args.seed, split="val"))
+  steady = step_times[1:] or step_times
+  tail = losses[-min(10, len(losses)):]
+  print()
+  print(f"loss: start {losses[0]:.4f} -> end {float(np.mean(tail)):.4f} (mean of last {len(tail)} "
+        f"steps); validation {val:.4f}")
+  print(f"throughput: {tokens_per_step / float(np.median(steady)):,.0f} tokens/s (median step "
+        f"{float(np.median(steady)) * 1e3:.0f} ms; first step incl. compile "
+        f"{step_times[0]:.1f} s)")
+  print(memory.format_state_report(memory.state_report(engine, state)))
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="jzero", description=__doc__.splitlines()[0])
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  t = sub.add_parser("train", help="train the embedded GPT on the embedded corpus")
+  t.add_argument("--config", required=True, help="DeepSpeed-style JSON or YAML config")
+  _add_device_args(t)
+  t.add_argument("--steps", type=int, default=150, help="optimizer steps (default 150)")
+  t.add_argument("--data", default=None, help="text file or directory (default: the stdlib source)")
+  t.add_argument("--seed", type=int, default=0)
+  t.add_argument("--micro-batch", type=int, default=4,
+                 help="fills train_micro_batch_size_per_gpu when the config says 'auto'")
+  t.add_argument("--warmup-steps", type=int, default=None,
+                 help="fills scheduler warmup_num_steps when the config says 'auto'")
+  t.add_argument("--layers", type=int, default=8)
+  t.add_argument("--d-model", type=int, default=256)
+  t.add_argument("--heads", type=int, default=4)
+  t.add_argument("--seq-len", type=int, default=128)
+  t.add_argument("--no-progress", action="store_true", help="no progress bar")
+  t.set_defaults(func=_train)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    return args.func(args)
+  except JZeroError as e:
+    print(f"jzero: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

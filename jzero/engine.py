@@ -1,0 +1,500 @@
+"""The training engine: ``jzero.initialize(...)`` -> ``engine.init`` / ``engine.train_step``.
+
+One optimizer step is one ``jax.jit`` whose body is a ``shard_map`` over the whole mesh, with the
+plan's shardings as the jit's in/out shardings and the train state donated. Inside, every
+collective is explicit (see :mod:`jzero.collectives`), so the compiled HLO moves exactly the bytes
+ZeRO says it should:
+
+1. For each micro-batch (``lax.scan`` over ``gradient_accumulation_steps``): forward and backward
+   on the device's slice of the batch. Stage-3 partitioned params are gathered by a collective
+   whose backward reduce-scatters (stacked layers: one layer at a time inside
+   :func:`jzero.scan_layers`); stage-2 gradients are reduce-scattered into the partitioned
+   accumulator after every micro-batch; stage 0/1 accumulate the full local gradient.
+2. Stage 0 all-reduces the accumulated gradient, stage 1 reduce-scatters it.
+3. fp16: any inf/nan anywhere -> skip the step and let the loss scaler back off (DeepSpeed's
+   dynamic loss scaling). Gradients are unscaled, the true global norm is computed from the
+   partitions (a ``psum`` of partial sums of squares) and the gradient clipped DeepSpeed's way:
+   ``g *= min(1, clip / (norm + 1e-6))``.
+4. The optax update runs on each device's partition of the fp32 master (or, in fp32, of the params
+   themselves); stage 1/2 all-gather the updated partitions into new replicated compute params,
+   stage 3 just casts its partition.
+
+The loss of a micro-batch is each device's mean over its slice, divided by the data-parallel size
+and by ``gradient_accumulation_steps`` before the backward pass, so the summed gradient is the
+gradient of the global mean loss -- the same number a single device computes on the whole batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jzero import collectives
+from jzero.collectives import ZeroShard
+from jzero.config import Config
+from jzero.errors import ConfigError, DataError
+from jzero.layers import LayerPolicy, engine_context
+from jzero.mesh import MeshSpec, ZeroMesh
+from jzero.model import ModelAdapter, as_model
+from jzero.optim import build_optimizer
+from jzero.plan import LeafPlan, Plan, make_plan
+from jzero.precision import LossScaler, LossScaleState, has_overflow
+
+__all__ = ["TrainState", "Engine", "initialize"]
+
+PyTree = Any
+_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+class TrainState(NamedTuple):
+  """Everything one optimizer step reads and writes, laid out by the plan.
+
+  Attributes:
+    step: optimizer steps taken (DeepSpeed's ``global_steps``; skipped fp16 steps included).
+    skipped: steps skipped because of fp16 overflow.
+    params: compute params (compute dtype) in the plan's param layout.
+    master: fp32 master params in the plan's state layout; None in fp32 training.
+    opt_state: the optax state, param-like leaves in the state layout.
+    loss_scale: the loss scaler's state.
+    rng: raw key data of the training PRNG key (``jax.random.key_data``).
+  """
+
+  step: jax.Array
+  skipped: jax.Array
+  params: PyTree
+  master: PyTree | None
+  opt_state: PyTree
+  loss_scale: LossScaleState
+  rng: jax.Array
+
+
+@dataclasses.dataclass
+class Engine:
+  """A model, a loss, a resolved config and a mesh, compiled into ZeRO train steps.
+
+  Create with :func:`initialize`. ``plan`` exists after :meth:`init`.
+  """
+
+  config: Config
+  mesh: ZeroMesh
+  model: ModelAdapter
+  loss_fn: Callable[..., Any]
+  tx: optax.GradientTransformation
+  schedule: Callable[[jax.Array], jax.Array] | None
+  scaler: LossScaler
+  stacked_layers: tuple[str, ...]
+  plan: Plan | None = None
+  _step_fn: Any = dataclasses.field(default=None, repr=False)
+  _eval_fn: Any = dataclasses.field(default=None, repr=False)
+
+  # -- configuration read by the step ---------------------------------------------------------------
+  @property
+  def stage(self) -> int:
+    return self.config.zero_optimization.stage
+
+  @property
+  def compute_dtype(self):
+    return _DTYPES[self.config.precision]
+
+  @property
+  def global_batch_size(self) -> int:
+    return self.config.train_batch_size
+
+  @property
+  def gas(self) -> int:
+    return self.config.gradient_accumulation_steps
+
+  @property
+  def micro_batch_size(self) -> int:
+    return self.config.train_micro_batch_size_per_gpu
+
+  def _is_stacked(self, path: str) -> bool:
+    return any(path == s or path.startswith(s + "/") for s in self.stacked_layers)
+
+  def _checks_overflow(self) -> bool:
+    precision = self.config.precision
+    return precision == "fp16" or (precision == "bf16" and self.config.bf16.check_grad_overflow)
+
+  # -- plan and shardings ---------------------------------------------------------------------------
+  def _make_plan(self, rng: jax.Array, sample_batch: Any) -> Plan:
+    zero = self.config.zero_optimization
+    accum = self.config.data_types.grad_accum_dtype
+    comm = self.config.communication_data_type
+    return make_plan(
+        self.model.abstract_params(rng, sample_batch), stage=zero.stage, mesh=self.mesh,
+        compute_dtype=self.compute_dtype,
+        grad_accum_dtype=_DTYPES[accum] if accum else jnp.float32,
+        comm_dtype=_DTYPES[comm] if comm else None, stacked=self._is_stacked,
+        persistence_threshold=zero.param_persistence_threshold,
+        model_persistence_threshold=zero.model_persistence_threshold,
+        reduce_scatter=zero.reduce_scatter, reduce_bucket_size=zero.reduce_bucket_size,
+        gather_bucket_size=zero.prefetch_bucket_size if zero.stage == 3 else zero.allgather_bucket_size,
+        overlap_comm=bool(zero.overlap_comm))
+
+  def _require_plan(self) -> Plan:
+    if self.plan is None:
+      raise RuntimeError("the engine has no plan yet: call engine.init(rng, sample_batch) first.")
+    return self.plan
+
+  def state_specs(self) -> TrainState:
+    """PartitionSpecs of every TrainState leaf (prefix tree)."""
+    plan = self._require_plan()
+    return TrainState(step=P(), skipped=P(), params=plan.param_specs(),
+                      master=plan.state_specs() if plan.has_master else None,
+                      opt_state=plan.opt_specs(self.tx), loss_scale=P(), rng=P())
+
+  def state_shardings(self) -> TrainState:
+    """NamedShardings of every TrainState leaf (prefix tree)."""
+    return jax.tree.map(self._require_plan().sharding, self.state_specs(),
+                        is_leaf=lambda x: isinstance(x, P))
+
+  def batch_sharding(self) -> NamedSharding:
+    return self._require_plan().sharding(self._require_plan().batch_spec())
+
+  # -- init -----------------------------------------------------------------------------------------
+  def init(self, rng: jax.Array, sample_batch: Any = None) -> TrainState:
+    """Creates the train state directly in its ZeRO placement.
+
+    Args:
+      rng: a PRNG key; split into the model-init key and the training key (dropout etc.).
+      sample_batch: a batch, needed by Linen models to trace ``module.init``.
+    """
+    if self.plan is None:
+      self.plan = self._make_plan(rng, sample_batch)
+    plan, compute = self.plan, self.compute_dtype
+
+    def to_layout(leaf: LeafPlan, x: jax.Array, partitioned: bool) -> jax.Array:
+      if not partitioned or leaf.pad == 0:
+        return x
+      widths = [(0, 0)] * x.ndim
+      widths[leaf.shard_dim] = (0, leaf.pad)
+      return jnp.pad(x, widths)
+
+    def make_state(rng, params):
+      init_key, train_key = jax.random.split(rng)
+      if params is None:
+        params = self.model.init_params(init_key, sample_batch)
+      p32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+      state_layout = plan.map(lambda l, x: to_layout(l, x, l.state_partitioned), p32)
+      return TrainState(
+          step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32),
+          params=plan.map(lambda l, x: to_layout(l, x, l.param_partitioned).astype(compute), p32),
+          master=state_layout if plan.has_master else None,
+          opt_state=self.tx.init(state_layout), loss_scale=self.scaler.init(),
+          rng=jax.random.key_data(train_key))
+
+    shardings = self.state_shardings()
+    if self.model.initial_params is not None:
+      return jax.jit(make_state, out_shardings=shardings)(rng, self.model.initial_params)
+    return jax.jit(lambda r: make_state(r, None), out_shardings=shardings)(rng)
+
+  # -- the step -------------------------------------------------------------------------------------
+  def _reduce_micro(self, leaf: LeafPlan, g: jax.Array) -> jax.Array:
+    """A micro-batch's gradient -> what the accumulator holds (partitioned from stage 2 on)."""
+    plan, axes = self.plan, self.mesh
+    if leaf.param_partitioned:  # reduce-scattered over the ZeRO axes by gather's backward
+      g = lax.psum(g.astype(plan.comm_dtype), axes.replica_axes) if axes.replica_axes else g
+    elif leaf.grad_partitioned:
+      g = collectives.reduce_scatter(g.astype(plan.comm_dtype), leaf.shard_dim, leaf.padded,
+                                     axes.zero_axes)
+      g = lax.psum(g, axes.replica_axes) if axes.replica_axes else g
+    return g.astype(plan.grad_accum_dtype)
+
+  def _reduce_final(self, leaf: LeafPlan, g: jax.Array) -> jax.Array:
+    """Accumulated gradient -> fp32 gradient in the state layout, summed over devices."""
+    plan, axes = self.plan, self.mesh
+    if leaf.grad_partitioned:
+      return g.astype(jnp.float32)
+    g = g.astype(plan.comm_dtype)
+    if not leaf.state_partitioned:  # stage 0 (or a 0-d leaf): all-reduce
+      g = lax.psum(g, axes.batch_axes)
+    elif plan.reduce_scatter:  # stage 1
+      g = collectives.reduce_scatter(g, leaf.shard_dim, leaf.padded, axes.zero_axes)
+      g = lax.psum(g, axes.replica_axes) if axes.replica_axes else g
+    else:  # stage 1 with reduce_scatter: false -- all-reduce, keep the own slice
+      g = collectives.local_slice(lax.psum(g, axes.batch_axes), leaf.shard_dim, leaf.padded,
+                                  axes.zero_axes)
+    return g.astype(jnp.float32)
+
+  def _model_params(self, params: PyTree) -> PyTree:
+    """Stored params -> what the model sees: stage-3 partitions gathered, stacked ones wrapped."""
+    plan, axes = self.plan, self.mesh.zero_axes
+
+    def leaf_param(leaf: LeafPlan, p):
+      if not leaf.param_partitioned:
+        return p
+      shard = ZeroShard(p, leaf.shard_dim, leaf.shape[leaf.shard_dim], axes, plan.comm_dtype)
+      return shard if leaf.stacked else shard.gather()
+
+    return plan.map(leaf_param, params)
+
+  def _local_master(self, leaf: LeafPlan, p: jax.Array) -> jax.Array:
+    """fp32 training: this device's partition of a param, as the optimizer's master."""
+    if leaf.state_partitioned and not leaf.param_partitioned:
+      return collectives.local_slice(p, leaf.shard_dim, leaf.padded, self.mesh.zero_axes)
+    return p
+
+  def _compute_param(self, leaf: LeafPlan, m: jax.Array) -> jax.Array:
+    """Updated master partition -> compute param in the param layout."""
+    if leaf.state_partitioned and not leaf.param_partitioned:
+      m = collectives.all_gather(m, leaf.shard_dim, leaf.shape[leaf.shard_dim], self.mesh.zero_axes)
+    return m.astype(self.plan.compute_dtype)
+
+  def _local_step(self, state: TrainState, batch: PyTree):
+    plan, axes = self.plan, self.mesh
+    gas, micro = self.gas, self.micro_batch_size
+    micro_batches = jax.tree.map(lambda x: x.reshape((gas, micro) + x.shape[1:]), batch)
+    scale = state.loss_scale.scale
+    mean_over = axes.dp_size if self.config.gradient_allreduce_op == "mean" else 1
+    loss_mult = scale / (gas * mean_over)
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    key = jax.random.fold_in(key, lax.axis_index(axes.batch_axes))
+    policy = LayerPolicy(checkpoint_activations=self.config.activation_checkpointing is not None,
+                         regather=self.stage == 3)
+    pass_rng = "rng" in inspect.signature(self.loss_fn).parameters
+
+    def scaled_loss(params, mb, rng):
+      with engine_context(policy):
+        model = self.model.bind(self._model_params(params))
+        out = self.loss_fn(model, mb, rng=rng) if pass_rng else self.loss_fn(model, mb)
+      loss, aux = out if isinstance(out, tuple) else (out, {})
+      loss = loss.astype(jnp.float32)
+      return loss * loss_mult, (loss, aux)
+
+    def micro_grads(mb, i):
+      grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+      (_, (loss, aux)), g = grad_fn(state.params, mb, jax.random.fold_in(key, i))
+      return loss, aux, plan.map(self._reduce_micro, g)
+
+    if gas == 1:
+      loss, aux, grads = micro_grads(jax.tree.map(lambda x: x[0], micro_batches), 0)
+    else:
+      def accumulate(acc, xs):
+        out = micro_grads(*xs)
+        return jax.tree.map(jnp.add, acc, out), None
+
+      first = jax.tree.map(lambda x: x[0], micro_batches)
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(micro_grads, first, 0))
+      (loss, aux, grads), _ = lax.scan(accumulate, zeros, (micro_batches, jnp.arange(gas)))
+      loss, aux = loss / gas, jax.tree.map(lambda a: a / gas, aux)
+    grads = plan.map(self._reduce_final, grads)
+
+    if self._checks_overflow():
+      overflow = lax.psum(has_overflow(grads).astype(jnp.int32), axes.zero_axes) > 0
+    else:
+      overflow = jnp.zeros((), bool)
+    grads = jax.tree.map(lambda g: g / scale, grads)
+    grad_norm = self._global_norm(grads)
+    clip = self.config.gradient_clipping
+    if clip > 0:
+      factor = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
+      grads = jax.tree.map(lambda g: g * factor, grads)
+
+    def apply_update(_):
+      master = state.master if plan.has_master else plan.map(self._local_master, state.params)
+      updates, opt_state = self.tx.update(grads, state.opt_state, master)
+      master = optax.apply_updates(master, updates)
+      return plan.map(self._compute_param, master), (master if plan.has_master else None), opt_state
+
+    def skip(_):
+      return state.params, state.master, state.opt_state
+
+    if self._checks_overflow():
+      params, master, opt_state = lax.cond(overflow, skip, apply_update, None)
+    else:
+      params, master, opt_state = apply_update(None)
+
+    applied = state.step - state.skipped
+    metrics = {
+        "loss": lax.pmean(loss, axes.batch_axes),
+        "grad_norm": grad_norm,
+        "lr": self.schedule(applied) if self.schedule is not None else jnp.nan,
+        "loss_scale": scale,
+        "overflow": overflow,
+        "min_scale_overflow": self.scaler.at_min_scale_overflow(state.loss_scale, overflow),
+        **{k: lax.pmean(v, axes.batch_axes) for k, v in aux.items()},
+    }
+    new_state = TrainState(
+        step=state.step + 1, skipped=state.skipped + overflow.astype(jnp.int32), params=params,
+        master=master, opt_state=opt_state, loss_scale=self.scaler.update(state.loss_scale, overflow),
+        rng=state.rng)
+    return new_state, metrics
+
+  def _global_norm(self, grads: PyTree) -> jax.Array:
+    """L2 norm of the full gradient, from partitions: psum of the partitioned partial sums."""
+    plan = self.plan
+    parts = plan.map(lambda l, g: (jnp.sum(jnp.square(g)), l.state_partitioned), grads)
+    flat = jax.tree.leaves(parts, is_leaf=lambda x: isinstance(x, tuple))
+    partitioned = sum((s for s, split in flat if split), jnp.zeros((), jnp.float32))
+    replicated = sum((s for s, split in flat if not split), jnp.zeros((), jnp.float32))
+    return jnp.sqrt(lax.psum(partitioned, self.mesh.zero_axes) + replicated)
+
+  def _build_step(self, batch: PyTree):
+    plan = self._require_plan()
+    specs = self.state_specs()
+    batch_specs = jax.tree.map(lambda _: plan.batch_spec(), batch)
+    body = jax.shard_map(self._local_step, mesh=self.mesh.mesh, in_specs=(specs, batch_specs),
+                         out_specs=(specs, P()), check_vma=False)
+    to_sharding = lambda tree: jax.tree.map(plan.sharding, tree, is_leaf=lambda x: isinstance(x, P))
+    return jax.jit(body, in_shardings=(to_sharding(specs), to_sharding(batch_specs)),
+                   out_shardings=(to_sharding(specs), plan.sharding(P())), donate_argnums=0,
+                   compiler_options=plan.xla_options() or None)
+
+  def _check_batch(self, batch: PyTree) -> None:
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+      if not np.shape(x) or np.shape(x)[0] != self.global_batch_size:
+        name = jax.tree_util.keystr(path) or "batch"
+        raise DataError(
+            f"batch leaf {name} has shape {tuple(np.shape(x))}; its leading dimension must be "
+            f"train_batch_size = {self.global_batch_size} (train_micro_batch_size_per_gpu "
+            f"{self.micro_batch_size} x gradient_accumulation_steps {self.gas} x data-parallel "
+            f"size {self.mesh.dp_size}).")
+
+  def train_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
+    """One optimizer step on a global batch (leading dim ``train_batch_size``). Donates ``state``."""
+    self._check_batch(batch)
+    if self._step_fn is None:
+      self._step_fn = self._build_step(batch)
+    return self._step_fn(state, batch)
+
+  def compile_step(self, state: TrainState, batch: PyTree):
+    """The compiled step (for ``memory_analysis()`` and the HLO) without running it."""
+    self._check_batch(batch)
+    if self._step_fn is None:
+      self._step_fn = self._build_step(batch)
+    return self._step_fn.lower(state, batch).compile()
+
+  def shard_batch(self, batch: PyTree) -> PyTree:
+    """Places a host batch (numpy) on the mesh, split over the batch axes."""
+    self._check_batch(batch)
+    return jax.device_put(batch, self.batch_sharding())
+
+  def eval_loss(self, state: TrainState, batch: PyTree) -> float:
+    """Mean loss of ``batch`` (leading dim a multiple of the data-parallel size), no update."""
+    plan = self._require_plan()
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+      if not np.shape(x) or np.shape(x)[0] % self.mesh.dp_size:
+        raise DataError(f"eval batch leaf {jax.tree_util.keystr(path) or 'batch'} has shape "
+                        f"{tuple(np.shape(x))}; its leading dimension must be a multiple of the "
+                        f"data-parallel size {self.mesh.dp_size}.")
+    if self._eval_fn is None:
+      def local_loss(params, mb):
+        with engine_context(LayerPolicy()):
+          out = self.loss_fn(self.model.bind(self._model_params(params)), mb)
+        loss = out[0] if isinstance(out, tuple) else out
+        return lax.pmean(loss.astype(jnp.float32), self.mesh.batch_axes)
+
+      specs = plan.param_specs()
+      body = jax.shard_map(local_loss, mesh=self.mesh.mesh, in_specs=(specs, plan.batch_spec()),
+                           out_specs=P(), check_vma=False)
+      self._eval_fn = jax.jit(body)
+    return float(self._eval_fn(state.params, jax.device_put(batch, self.batch_sharding())))
+
+  # -- reading the state back -----------------------------------------------------------------------
+  def logical_params(self, state: TrainState, dtype: Any = jnp.float32) -> PyTree:
+    """Parameters in the model's own shapes (padding removed), replicated, in ``dtype``.
+
+    The fp32 master in mixed precision, the params themselves in fp32.
+    """
+    plan = self._require_plan()
+    source = state.master if plan.has_master else state.params
+
+    def unpad(leaf: LeafPlan, x):
+      if leaf.shard_dim is not None and x.shape[leaf.shard_dim] != leaf.shape[leaf.shard_dim]:
+        x = lax.slice_in_dim(x, 0, leaf.shape[leaf.shard_dim], axis=leaf.shard_dim)
+      return x.astype(dtype)
+
+    return jax.jit(lambda s: plan.map(unpad, s), out_shardings=plan.sharding(P()))(source)
+
+  def bind(self, params: PyTree) -> Any:
+    """The user's model built from logical params (e.g. :meth:`logical_params`), for evaluation."""
+    return self.model.bind(params)
+
+
+def _as_mesh(mesh: Any) -> ZeroMesh:
+  if mesh is None:
+    return MeshSpec.default().build()
+  if isinstance(mesh, ZeroMesh):
+    return mesh
+  if isinstance(mesh, MeshSpec):
+    return mesh.build()
+  if isinstance(mesh, (str, Path)):
+    return MeshSpec.load(mesh).build()
+  if isinstance(mesh, jax.sharding.Mesh):
+    names = tuple(mesh.axis_names)
+    return ZeroMesh(mesh=mesh, zero_axes=names, batch_axes=names)
+  raise ConfigError(f"mesh must be None, a mesh file path, a MeshSpec, a ZeroMesh or a "
+                    f"jax.sharding.Mesh; got {type(mesh).__name__}.")
+
+
+def _as_prefixes(value: str | Sequence[str] | None) -> tuple[str, ...]:
+  if value is None:
+    return ()
+  return (value,) if isinstance(value, str) else tuple(value)
+
+
+def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | str | Path,
+               mesh: Any = None, *, optimizer: optax.GradientTransformation | None = None,
+               stacked_layers: str | Sequence[str] | None = None, hidden_size: int | None = None,
+               total_num_steps: int | None = None, auto_values: dict | None = None,
+               init_inputs: Callable[[Any], tuple] | None = None) -> Engine:
+  """Builds a ZeRO engine, DeepSpeed-style: ``engine = jzero.initialize(model=..., ...)``.
+
+  Everything about the input is checked here, before any device work: the config is parsed and
+  validated, unsupported settings are refused, "auto" values are resolved and the batch triple is
+  checked against the mesh.
+
+  Args:
+    model: a Flax NNX module, a factory ``rngs -> nnx.Module``, or a Linen module.
+    loss_fn: ``loss_fn(model, batch) -> loss`` or ``-> (loss, aux_dict)``; the loss is the mean over
+      the batch it is given. If it has an ``rng`` parameter it gets a per-device, per-micro-batch key.
+    config: a DeepSpeed config: :class:`jzero.Config`, dict, or path of a JSON / YAML file.
+    mesh: None (all devices on one data axis), a mesh file path, a MeshSpec, a ZeroMesh, or a
+      ``jax.sharding.Mesh`` (all axes used for ZeRO and the batch).
+    optimizer: an optax transformation to use instead of the config's ``optimizer`` block.
+    stacked_layers: path(s) of the params subtree(s) stacked over a leading layer axis and run with
+      :func:`jzero.scan_layers` (default: the model's ``stacked_layers`` attribute, if any).
+    hidden_size: fills hidden-size "auto" values (default: read from the model when it has one).
+    total_num_steps: fills ``scheduler.params.total_num_steps: "auto"``.
+    auto_values: values for other "auto" keys (``micro_batch_size``, ``lr``, ``warmup_num_steps``...).
+    init_inputs: Linen only: ``batch -> args`` for ``module.init``.
+  """
+  cfg = config if isinstance(config, Config) else Config.load(config)
+  cfg.check_supported()
+  zmesh = _as_mesh(mesh)
+  adapter = as_model(model, init_inputs)
+  cfg = cfg.resolve(dp_world_size=zmesh.dp_size, hidden_size=hidden_size or adapter.hidden_size,
+                    total_num_steps=total_num_steps, auto_values=auto_values)
+  if optimizer is None:
+    tx, schedule = build_optimizer(_block(cfg.optimizer), _block(cfg.scheduler))
+  else:
+    tx, schedule = optimizer, None
+  if cfg.precision == "fp16":
+    fp16 = cfg.fp16
+    scaler = LossScaler.from_config(
+        loss_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
+        loss_scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis, min_loss_scale=fp16.min_loss_scale)
+  else:
+    scaler = LossScaler.disabled()
+  if stacked_layers is None:
+    stacked_layers = adapter.stacked_layers
+  return Engine(config=cfg, mesh=zmesh, model=adapter, loss_fn=loss_fn, tx=tx, schedule=schedule,
+                scaler=scaler, stacked_layers=_as_prefixes(stacked_layers))
+
+
+def _block(block: Any) -> dict | None:
+  """A config's optimizer / scheduler block as DeepSpeed's plain ``{"type", "params"}`` dict."""
+  if block is None:
+    return None
+  return {"type": block.type, "params": dict(block.params)}

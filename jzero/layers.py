@@ -1,0 +1,102 @@
+"""What a model calls so that ZeRO-3 gathers its parameters one layer at a time.
+
+A model whose layers are stacked over a leading axis runs them with :func:`scan_layers`::
+
+  def __call__(self, x):
+    graphdef, stacked = nnx.split(self.blocks)          # every leaf has a leading layer axis
+    def layer(x, params):
+      return nnx.merge(graphdef, params)(x)
+    return jzero.scan_layers(layer, x, stacked)
+
+Outside a jzero engine this is a plain ``lax.scan``. Inside a stage-3 engine the stacked leaves
+arrive as :class:`~jzero.collectives.ZeroShard` partitions; ``scan_layers`` gathers each layer's
+parameters at the top of the scan body, so only one layer is ever full on a device, and
+rematerialises the body under a policy that never saves a gathered parameter for the backward pass:
+backward gathers the layer again instead of keeping L full layers alive. When the config has an
+``activation_checkpointing`` block the body is rematerialised whole (only the layer inputs are kept),
+which is what DeepSpeed's per-layer activation checkpointing does.
+
+The engine sets the policy with :func:`engine_context` while it traces the loss; models never do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Callable, Iterator
+
+import jax
+from jax import lax
+
+from jzero.collectives import GATHERED, ZeroShard
+
+__all__ = ["gather", "remat", "scan_layers", "engine_context", "LayerPolicy"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPolicy:
+  """How the engine wants each scanned layer rematerialised.
+
+  Attributes:
+    checkpoint_activations: keep only the layer inputs (DeepSpeed activation checkpointing).
+    regather: never keep gathered parameters for backward (ZeRO-3); backward gathers again.
+  """
+
+  checkpoint_activations: bool = False
+  regather: bool = False
+
+  def jax_policy(self) -> Callable[..., bool] | None:
+    if self.checkpoint_activations:
+      return jax.checkpoint_policies.nothing_saveable
+    if self.regather:
+      return jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+    return None
+
+
+_POLICY: contextvars.ContextVar[LayerPolicy | None] = contextvars.ContextVar(
+    "jzero_layer_policy", default=None)
+
+
+@contextlib.contextmanager
+def engine_context(policy: LayerPolicy) -> Iterator[None]:
+  """Used by the engine while tracing the loss: sets the remat policy of :func:`scan_layers`."""
+  token = _POLICY.set(policy)
+  try:
+    yield
+  finally:
+    _POLICY.reset(token)
+
+
+def gather(tree: Any) -> Any:
+  """Replaces every ZeRO-3 partition in ``tree`` by the full parameter (identity on arrays)."""
+  return jax.tree.map(lambda x: x.gather() if isinstance(x, ZeroShard) else x, tree,
+                      is_leaf=lambda x: isinstance(x, ZeroShard))
+
+
+def remat(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` rematerialised as the current engine asks (unchanged outside an engine)."""
+  policy = _POLICY.get()
+  if policy is None or policy.jax_policy() is None:
+    return fn
+  return jax.checkpoint(fn, policy=policy.jax_policy(), prevent_cse=False)
+
+
+def scan_layers(layer: Callable[[Any, Any], Any], carry: Any, stacked_params: Any, *,
+                unroll: int = 1) -> Any:
+  """Runs ``carry = layer(carry, params_i)`` for each layer i of ``stacked_params``.
+
+  Args:
+    layer: (carry, one layer's parameters) -> new carry.
+    carry: the input of the first layer (activations).
+    stacked_params: pytree whose leaves have a leading layer axis (ZeroShards under ZeRO-3).
+    unroll: passed to ``lax.scan``.
+
+  Returns:
+    The output of the last layer.
+  """
+  def body(c, params):
+    return layer(c, gather(params)), None
+
+  out, _ = lax.scan(remat(body), carry, stacked_params, unroll=unroll)
+  return out

@@ -1,0 +1,150 @@
+"""Model adapters: the three things the engine needs from a Flax model.
+
+The engine keeps parameters as a plain nested dict (the model's parameter tree, ``nnx.Param`` values
+or Linen's ``params`` collection) and needs to (1) know their shapes before creating them, (2) create
+them inside ``jit`` so they are born in their ZeRO placement, and (3) turn a params dict back into
+something the user's ``loss_fn(model, batch)`` can call.
+
+* Flax NNX: pass a module, or a factory ``rngs -> module`` (preferred for big models: nothing is
+  created on the host). ``loss_fn`` receives the module rebuilt from the params.
+* Flax Linen: pass the module; ``loss_fn`` receives ``model(*args) = module.apply({"params": p}, *args)``.
+  ``init_inputs(batch) -> args`` says what to call ``module.init`` with (default: ``(batch,)``).
+
+jzero trains parameters only: a model with other mutable state (batch statistics, RNG counters held
+in the module) is refused, since the engine would silently freeze that state.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable
+
+import jax
+from flax import linen as nn
+from flax import nnx
+
+from jzero.errors import NotSupportedError
+
+__all__ = ["ModelAdapter", "NnxModel", "LinenModel", "as_model"]
+
+PyTree = Any
+
+
+class ModelAdapter(abc.ABC):
+  """Interface the engine uses; see the module docstring."""
+
+  hidden_size: int | None = None
+  stacked_layers: Any = None  # the model's own `stacked_layers` attribute, if it declares one
+  initial_params: PyTree | None = None  # concrete params when the model already holds them
+
+  @abc.abstractmethod
+  def abstract_params(self, rng: jax.Array, sample_batch: Any) -> PyTree:
+    """ShapeDtypeStructs of the params dict (logical shapes)."""
+
+  @abc.abstractmethod
+  def init_params(self, rng: jax.Array, sample_batch: Any) -> PyTree:
+    """The params dict, traceable under jit."""
+
+  @abc.abstractmethod
+  def bind(self, params: PyTree) -> Any:
+    """What ``loss_fn`` receives as its model, built from a params dict."""
+
+
+def _hidden_size(obj: Any) -> int | None:
+  for owner in (obj, getattr(obj, "config", None), getattr(obj, "cfg", None)):
+    for name in ("hidden_size", "d_model"):
+      value = getattr(owner, name, None) if owner is not None else None
+      if isinstance(value, int):
+        return value
+  return None
+
+
+def _check_only_params(rest: nnx.State, what: str) -> None:
+  leaves = jax.tree_util.tree_flatten_with_path(rest)[0]
+  if leaves:
+    path = "/".join(str(getattr(k, "key", k)) for k in leaves[0][0])
+    raise NotSupportedError(
+        f"{what} holds non-parameter state (first at {path!r}); jzero trains nnx.Param variables "
+        f"only and would leave that state frozen. Keep RNG streams out of the module (take `rng` in "
+        f"loss_fn instead) and use models without batch statistics.")
+
+
+class NnxModel(ModelAdapter):
+  """Adapter for a Flax NNX module or a factory ``rngs -> module``."""
+
+  def __init__(self, model: nnx.Module | Callable[[nnx.Rngs], nnx.Module]):
+    if isinstance(model, nnx.Module):
+      self._factory = None
+      graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+      _check_only_params(rest, type(model).__name__)
+      self.initial_params = params.to_pure_dict()
+      abstract_module = model
+    else:
+      self._factory = model
+      abstract_module = nnx.eval_shape(lambda: model(nnx.Rngs(0)))
+      graphdef, params, rest = nnx.split(abstract_module, nnx.Param, ...)
+      _check_only_params(rest, type(abstract_module).__name__)
+    self._graphdef = graphdef
+    self._template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    self.hidden_size = _hidden_size(abstract_module)
+    self.stacked_layers = getattr(abstract_module, "stacked_layers", None)
+
+  def abstract_params(self, rng, sample_batch):
+    return self._template.to_pure_dict()
+
+  def init_params(self, rng, sample_batch):
+    if self._factory is None:
+      return self.initial_params
+    return nnx.split(self._factory(nnx.Rngs(rng)), nnx.Param, ...)[1].to_pure_dict()
+
+  def bind(self, params):
+    state = jax.tree.map(lambda x: x, self._template)  # fresh Variables, template untouched
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(self._graphdef, state)
+
+
+class LinenModel(ModelAdapter):
+  """Adapter for a Flax Linen module (parameters in the ``params`` collection)."""
+
+  def __init__(self, module: nn.Module, init_inputs: Callable[[Any], tuple] | None = None):
+    self._module = module
+    self._inputs = init_inputs or (lambda batch: (batch,))
+    self.hidden_size = _hidden_size(module)
+    self.stacked_layers = getattr(module, "stacked_layers", None)
+
+  def _init(self, rng, sample_batch):
+    if sample_batch is None:
+      raise ValueError("a Linen model needs a sample batch to initialise: engine.init(rng, batch).")
+    variables = self._module.init(rng, *self._inputs(sample_batch))
+    extra = sorted(set(variables) - {"params"})
+    if extra:
+      raise NotSupportedError(
+          f"{type(self._module).__name__} has variable collections {extra} besides 'params'; jzero "
+          f"trains parameters only and would leave them frozen.")
+    return variables["params"]
+
+  def abstract_params(self, rng, sample_batch):
+    return jax.eval_shape(self._init, rng, sample_batch)
+
+  def init_params(self, rng, sample_batch):
+    return self._init(rng, sample_batch)
+
+  def bind(self, params):
+    module = self._module
+
+    def apply(*args, **kwargs):
+      return module.apply({"params": params}, *args, **kwargs)
+
+    return apply
+
+
+def as_model(model: Any, init_inputs: Callable[[Any], tuple] | None = None) -> ModelAdapter:
+  """Wraps a Flax NNX module / factory or a Linen module in its adapter."""
+  if isinstance(model, ModelAdapter):
+    return model
+  if isinstance(model, nn.Module):
+    return LinenModel(model, init_inputs)
+  if isinstance(model, nnx.Module) or callable(model):
+    return NnxModel(model)
+  raise TypeError(f"model must be a Flax NNX module, a factory rngs -> nnx.Module, or a Linen "
+                  f"module; got {type(model).__name__}.")

@@ -1,0 +1,320 @@
+"""The placement plan: where every leaf's compute param, gradient, fp32 master and optimizer state live.
+
+ZeRO is a placement plan. For each parameter leaf the plan decides, from the stage, the mesh and the
+leaf's shape, how the four things are laid out over the ZeRO axes of the mesh:
+
+==================  =============  ==========  ==========  ==========
+thing               stage 0 (DDP)  stage 1     stage 2     stage 3
+==================  =============  ==========  ==========  ==========
+compute params      replicated     replicated  replicated  partitioned
+gradients           replicated     replicated  partitioned partitioned
+fp32 master         replicated     partitioned partitioned partitioned
+optimizer state     replicated     partitioned partitioned partitioned
+==================  =============  ==========  ==========  ==========
+
+Everything else -- the train step, checkpoints, memory reports -- reads this plan; no other module
+decides where an array lives.
+
+**Layout of a partitioned leaf.** A partitioned leaf keeps its shape (so optimizer masks, checkpoints
+and memory reports see real shapes) and is split along one dimension, its ``shard_dim``, over the
+ZeRO axes. The dimension is the first one divisible by the ZeRO size; when none is, the one that
+needs the least padding, padded with zeros up to a multiple of the ZeRO size. So every device holds
+exactly the same number of elements (per-device bytes stay balanced) and at most ``N - 1`` slices
+of padding per leaf. Padding stays zero through the optimizer (its gradient is zero, so Adam's
+moments and the decayed weight stay zero) and is sliced off whenever a full parameter is rebuilt.
+Leaves stacked over a leading layer axis (layers under ``scan``) are never split along that axis:
+each device holds a slice of *every* layer, so a scan can gather one layer at a time. ``shard_dim``
+is stored as a negative index so that it stays right after ``scan`` drops the layer axis.
+0-d leaves cannot be split and stay replicated at every stage.
+
+**Gradients.** Stage 0 and 1 accumulate each device's full local gradient over the micro-batches
+and reduce once at the end: all-reduce (stage 0) or reduce-scatter into the partition (stage 1;
+all-reduce then keep the own slice when ``reduce_scatter`` is false). Stage 2 reduce-scatters after
+every micro-batch into a partitioned accumulator. Stage 3 partitioned params are gathered by a
+collective whose backward is the reduce-scatter, so their gradients arrive partitioned.
+
+**Persistence.** In stage 3, leaves smaller than ``stage3_param_persistence_threshold`` elements
+(per layer, for stacked leaves) keep a replicated compute param, as DeepSpeed's persistent params do;
+their gradients, master and optimizer state are still partitioned (stage-2 treatment). Up to
+``stage3_model_persistence_threshold`` elements in all are kept, smallest leaves first.
+
+**Precision.** fp32 training keeps no separate master: the optimizer updates the fp32 params (for a
+replicated param in stage 1/2 each device updates its own slice, then all-gathers). bf16 / fp16
+training keeps an fp32 master in the master layout and casts it to the compute dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jzero.mesh import ZeroMesh
+
+__all__ = ["LeafPlan", "Plan", "make_plan", "path_str"]
+
+PyTree = Any
+
+
+def path_str(path: Sequence[Any]) -> str:
+  """'blocks/attn/kernel' for a jax key path."""
+  parts = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+  """The plan of one parameter leaf.
+
+  Attributes:
+    path: '/'-joined key path of the leaf in the params tree.
+    shape: logical shape (the model's), including the leading layer axis when stacked.
+    stacked: the leaf is stacked over a leading layer axis and gathered one layer at a time.
+    shard_dim: negative index of the dimension split over the ZeRO axes; None for 0-d leaves.
+    padded: size of ``shard_dim`` after zero-padding to a multiple of the ZeRO size.
+    param_partitioned: the compute param is partitioned (stage 3, not persistent).
+    state_partitioned: master and optimizer state are partitioned (stage >= 1).
+    grad_partitioned: the gradient accumulator is partitioned (stage >= 2).
+  """
+
+  path: str
+  shape: tuple[int, ...]
+  stacked: bool
+  shard_dim: int | None
+  padded: int
+  param_partitioned: bool
+  state_partitioned: bool
+  grad_partitioned: bool
+
+  @property
+  def numel(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def layer_numel(self) -> int:
+    """Elements per layer (the unit DeepSpeed thresholds apply to)."""
+    return self.numel // self.shape[0] if self.stacked else self.numel
+
+  @property
+  def padded_shape(self) -> tuple[int, ...]:
+    """Global shape of a partitioned array of this leaf (shard_dim padded)."""
+    if self.shard_dim is None:
+      return self.shape
+    shape = list(self.shape)
+    shape[self.shard_dim] = self.padded
+    return tuple(shape)
+
+  @property
+  def pad(self) -> int:
+    return 0 if self.shard_dim is None else self.padded - self.shape[self.shard_dim]
+
+
+def _choose_shard_dim(shape: tuple[int, ...], stacked: bool, n: int) -> tuple[int | None, int]:
+  """(negative shard dim, padded size) for a leaf; see the module docstring."""
+  first = 1 if stacked else 0
+  dims = list(range(first, len(shape)))
+  if not dims:
+    return None, 0
+  for d in dims:
+    if shape[d] % n == 0:
+      return d - len(shape), shape[d]
+  def padded_numel(d):
+    return math.ceil(shape[d] / n) * n * (math.prod(shape) // shape[d])
+  d = min(dims, key=padded_numel)
+  return d - len(shape), math.ceil(shape[d] / n) * n
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Per-leaf placement of params, gradients, master and optimizer state (see module docstring).
+
+  Attributes:
+    stage: ZeRO stage 0..3.
+    mesh: the mesh and its ZeRO / batch axes.
+    leaves: a pytree with the structure of the params whose leaves are :class:`LeafPlan`.
+    compute_dtype: dtype of the compute params (float32, bfloat16 or float16).
+    grad_accum_dtype: dtype of the gradient accumulator.
+    comm_dtype: dtype gradients are reduced in.
+    reduce_scatter: stage 1/2 reduce gradients with reduce-scatter (else all-reduce + own slice).
+    reduce_bucket_size: elements per gradient reduction bucket (DeepSpeed's reduce_bucket_size).
+    gather_bucket_size: elements per parameter all-gather bucket (allgather_bucket_size in stage
+      1/2, stage3_prefetch_bucket_size in stage 3).
+    overlap_comm: overlap collectives with compute.
+  """
+
+  stage: int
+  mesh: ZeroMesh
+  leaves: PyTree
+  compute_dtype: Any
+  grad_accum_dtype: Any
+  comm_dtype: Any
+  reduce_scatter: bool = True
+  reduce_bucket_size: int = 500_000_000
+  gather_bucket_size: int = 500_000_000
+  overlap_comm: bool = False
+
+  # -- what exists ----------------------------------------------------------------------------------
+  @property
+  def has_master(self) -> bool:
+    """A separate fp32 master exists only in mixed precision (fp32 updates the params in place)."""
+    return jnp.dtype(self.compute_dtype) != jnp.float32
+
+  def leaf_list(self) -> list[LeafPlan]:
+    return jax.tree.leaves(self.leaves, is_leaf=lambda x: isinstance(x, LeafPlan))
+
+  def map(self, fn: Callable[..., Any], *trees: PyTree) -> PyTree:
+    """tree.map over (LeafPlan, *matching leaves of trees)."""
+    return jax.tree.map(fn, self.leaves, *trees, is_leaf=lambda x: isinstance(x, LeafPlan))
+
+  # -- partition specs ------------------------------------------------------------------------------
+  def _split_spec(self, leaf: LeafPlan) -> P:
+    spec: list[Any] = [None] * len(leaf.shape)
+    axes = self.mesh.zero_axes
+    spec[leaf.shard_dim] = axes[0] if len(axes) == 1 else axes
+    return P(*spec)
+
+  def param_spec(self, leaf: LeafPlan) -> P:
+    return self._split_spec(leaf) if leaf.param_partitioned else P()
+
+  def state_spec(self, leaf: LeafPlan) -> P:
+    return self._split_spec(leaf) if leaf.state_partitioned else P()
+
+  def grad_spec(self, leaf: LeafPlan) -> P:
+    return self._split_spec(leaf) if leaf.grad_partitioned else P()
+
+  def param_shape(self, leaf: LeafPlan) -> tuple[int, ...]:
+    """Global shape of the stored compute param."""
+    return leaf.padded_shape if leaf.param_partitioned else leaf.shape
+
+  def state_shape(self, leaf: LeafPlan) -> tuple[int, ...]:
+    """Global shape of the master / optimizer-state leaves."""
+    return leaf.padded_shape if leaf.state_partitioned else leaf.shape
+
+  def param_specs(self) -> PyTree:
+    return self.map(self.param_spec)
+
+  def state_specs(self) -> PyTree:
+    return self.map(self.state_spec)
+
+  def abstract_master(self) -> PyTree:
+    """ShapeDtypeStructs (global shapes) of the fp32 params in the master layout."""
+    return self.map(lambda l: jax.ShapeDtypeStruct(self.state_shape(l), jnp.float32))
+
+  def opt_specs(self, tx: optax.GradientTransformation) -> PyTree:
+    """Partition specs of ``tx``'s state: param-like leaves follow the master layout; the rest
+    (step counts, scalars) are replicated."""
+    abstract_state = jax.eval_shape(tx.init, self.abstract_master())
+    return optax.tree_utils.tree_map_params(
+        tx, lambda _, spec: spec, abstract_state, self.state_specs(),
+        transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+
+  def batch_spec(self) -> P:
+    axes = self.mesh.batch_axes
+    return P(axes[0] if len(axes) == 1 else axes)
+
+  def sharding(self, spec: P) -> NamedSharding:
+    return NamedSharding(self.mesh.mesh, spec)
+
+  # -- how collectives are scheduled ----------------------------------------------------------------
+  def xla_options(self) -> dict[str, Any]:
+    """XLA compile options that carry DeepSpeed's bucket and overlap knobs.
+
+    XLA's collective combiners merge independent collectives up to a byte threshold -- exactly what
+    DeepSpeed's buckets do by hand -- and its latency-hiding scheduler overlaps them with compute.
+    These passes exist in the GPU compiler; the CPU backend has neither (it runs collectives one by
+    one, in order), so the options are only passed when compiling for GPU.
+    """
+    if self.mesh.mesh.devices.flat[0].platform != "gpu":
+      return {}
+    reduce_bytes = self.reduce_bucket_size * jnp.dtype(self.comm_dtype).itemsize
+    return {
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": reduce_bytes,
+        "xla_gpu_all_reduce_combine_threshold_bytes": reduce_bytes,
+        "xla_gpu_all_gather_combine_threshold_bytes":
+            self.gather_bucket_size * jnp.dtype(self.compute_dtype).itemsize,
+        "xla_gpu_enable_latency_hiding_scheduler": self.overlap_comm,
+    }
+
+  # -- per-device accounting ------------------------------------------------------------------------
+  def local_numel(self, leaf: LeafPlan, partitioned: bool) -> int:
+    """Elements one device holds of a leaf laid out partitioned or replicated."""
+    if partitioned:
+      return math.prod(leaf.padded_shape) // self.mesh.zero_size
+    return leaf.numel
+
+
+def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dtype: Any,
+              grad_accum_dtype: Any = jnp.float32, comm_dtype: Any | None = None,
+              stacked: Callable[[str], bool] = lambda path: False,
+              persistence_threshold: int = 100_000, model_persistence_threshold: int | None = None,
+              reduce_scatter: bool = True, reduce_bucket_size: int = 500_000_000,
+              gather_bucket_size: int = 500_000_000, overlap_comm: bool = False) -> Plan:
+  """Builds the plan for a params pytree.
+
+  Args:
+    abstract_params: params pytree (arrays or ShapeDtypeStructs) in the model's logical shapes.
+    stage: ZeRO stage 0..3.
+    mesh: mesh with its ZeRO / batch axes.
+    compute_dtype: dtype of the compute params.
+    grad_accum_dtype: dtype of the gradient accumulator.
+    comm_dtype: dtype gradients are reduced in (default: the compute dtype).
+    stacked: path -> whether the leaf carries a leading layer axis gathered per layer by a scan.
+    persistence_threshold: stage 3 leaves with fewer elements per layer keep a replicated param.
+    model_persistence_threshold: cap on the total elements of persistent params (None: no cap).
+    reduce_scatter: stage 1/2 reduce with reduce-scatter (False: all-reduce, keep own slice).
+    reduce_bucket_size, gather_bucket_size, overlap_comm: see :meth:`Plan.xla_options`.
+  """
+  if stage not in (0, 1, 2, 3):
+    raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+  n = mesh.zero_size
+  flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+  drafts = []
+  for path, x in flat:
+    p = path_str(path)
+    shape = tuple(x.shape)
+    is_stacked = bool(stacked(p)) and len(shape) >= 1
+    dim, padded = _choose_shard_dim(shape, is_stacked, n)
+    drafts.append((p, shape, is_stacked, dim, padded))
+
+  persistent: set[str] = set()
+  if stage == 3:
+    budget = math.inf if model_persistence_threshold is None else model_persistence_threshold
+    small = []
+    for p, shape, is_stacked, dim, _ in drafts:
+      numel = math.prod(shape)
+      per_layer = numel // shape[0] if is_stacked else numel
+      if dim is not None and per_layer < persistence_threshold:
+        small.append((numel, p))
+    for numel, p in sorted(small):
+      if numel > budget:
+        break
+      persistent.add(p)
+      budget -= numel
+
+  leaves = []
+  for p, shape, is_stacked, dim, padded in drafts:
+    splittable = dim is not None and stage >= 1
+    leaves.append(LeafPlan(
+        path=p, shape=shape, stacked=is_stacked, shard_dim=dim if splittable else None,
+        padded=padded if splittable else 0,
+        param_partitioned=splittable and stage == 3 and p not in persistent,
+        state_partitioned=splittable,
+        grad_partitioned=splittable and stage >= 2))
+  return Plan(stage=stage, mesh=mesh, leaves=jax.tree_util.tree_unflatten(treedef, leaves),
+              compute_dtype=jnp.dtype(compute_dtype), grad_accum_dtype=jnp.dtype(grad_accum_dtype),
+              comm_dtype=jnp.dtype(comm_dtype or compute_dtype), reduce_scatter=reduce_scatter,
+              reduce_bucket_size=reduce_bucket_size, gather_bucket_size=gather_bucket_size,
+              overlap_comm=overlap_comm)
