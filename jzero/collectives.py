@@ -8,8 +8,6 @@ Every function here runs on one device's local arrays inside ``jax.shard_map`` o
   **reduce-scatter** (``psum_scatter``) of the full gradient back into the partition: this is how
   stage 3 gets partitioned gradients out of the backward pass without ever all-reducing a full
   gradient (on the CPU backend GSPMD would all-reduce and slice: 2x the bytes; see DESIGN.md).
-  The gathered value is tagged ``GATHERED`` so a remat policy can refuse to keep it for the
-  backward pass, which then gathers again.
 * :func:`all_gather` -- rebuild a full array from partitions (stage 1/2 after the update).
 * :func:`reduce_scatter` -- sum full local gradients over devices, keep the own partition.
 * :func:`local_slice` -- this device's partition of a replicated array (no communication).
@@ -26,12 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
-__all__ = ["GATHERED", "ZeroShard", "gather", "all_gather", "reduce_scatter", "local_slice"]
-
-GATHERED = "jzero_gathered"
-"""checkpoint_name of gathered parameters: remat policies exclude it so backward re-gathers."""
+__all__ = ["ZeroShard", "gather", "all_gather", "reduce_scatter", "local_slice"]
 
 Axes = tuple[str, ...]
 
@@ -93,7 +87,7 @@ def gather(shard: jax.Array, dim: int, size: int, axes: Axes, comm_dtype: Any = 
     axes: mesh axes the partition is split over.
     comm_dtype: dtype the gradient is reduce-scattered in (default: the gradient's dtype).
   """
-  return checkpoint_name(_gather(shard, dim, size, axes, comm_dtype), GATHERED)
+  return _gather(shard, dim, size, axes, comm_dtype)
 
 
 @jax.tree_util.register_pytree_node_class

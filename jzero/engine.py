@@ -259,8 +259,7 @@ class Engine:
     loss_mult = scale / (gas * mean_over)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     key = jax.random.fold_in(key, lax.axis_index(axes.batch_axes))
-    policy = LayerPolicy(checkpoint_activations=self.config.activation_checkpointing is not None,
-                         regather=self.stage == 3)
+    policy = LayerPolicy(checkpoint_activations=self.config.activation_checkpointing is not None)
     pass_rng = "rng" in inspect.signature(self.loss_fn).parameters
 
     def scaled_loss(params, mb, rng):

@@ -77,7 +77,7 @@ class NnxModel(ModelAdapter):
       self._factory = None
       graphdef, params, rest = nnx.split(model, nnx.Param, ...)
       _check_only_params(rest, type(model).__name__)
-      self.initial_params = params.to_pure_dict()
+      self.initial_params = nnx.to_pure_dict(params)
       abstract_module = model
     else:
       self._factory = model
@@ -90,12 +90,12 @@ class NnxModel(ModelAdapter):
     self.stacked_layers = getattr(abstract_module, "stacked_layers", None)
 
   def abstract_params(self, rng, sample_batch):
-    return self._template.to_pure_dict()
+    return nnx.to_pure_dict(self._template)
 
   def init_params(self, rng, sample_batch):
     if self._factory is None:
       return self.initial_params
-    return nnx.split(self._factory(nnx.Rngs(rng)), nnx.Param, ...)[1].to_pure_dict()
+    return nnx.to_pure_dict(nnx.split(self._factory(nnx.Rngs(rng)), nnx.Param, ...)[1])
 
   def bind(self, params):
     state = jax.tree.map(lambda x: x, self._template)  # fresh Variables, template untouched

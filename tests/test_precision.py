@@ -1,6 +1,6 @@
 """jzero.precision against a transcription of DeepSpeed's DynamicLossScaler and its unit tests.
 
-``_DSDynamicLossScaler`` is ``DynamicLossScaler.update_scale`` of
+``DeepSpeedDynamicLossScaler`` is ``DynamicLossScaler.update_scale`` of
 ``deepspeed/runtime/fp16/loss_scaler.py`` without its logging. The hand-checked numbers come from
 DeepSpeed's ``tests/unit/runtime/half_precision/test_zero_optim_overflow.py`` (TestZeROFloat16)
 and ``test_dynamic_loss_scale.py`` (TestUnfused, TestZeroStage0Hysteresis).
@@ -18,42 +18,7 @@ import pytest
 from jzero.errors import ConfigError
 from jzero.precision import LossScaler, LossScaleState, has_overflow
 
-
-class _DSDynamicLossScaler:
-
-  def __init__(self, init_scale, scale_window, min_scale, delayed_shift, consecutive_hysteresis,
-               raise_error_at_min_scale=True):
-    self.cur_scale = init_scale
-    self.cur_iter = 0
-    self.last_overflow_iter = -1
-    self.scale_factor = 2.0
-    self.scale_window = scale_window
-    self.min_scale = min_scale
-    self.delayed_shift = delayed_shift
-    self.cur_hysteresis = delayed_shift
-    self.consecutive_hysteresis = consecutive_hysteresis
-    self.raise_error_at_min_scale = raise_error_at_min_scale
-
-  def update_scale(self, overflow):
-    if overflow:
-      if self.delayed_shift == 1 or self.cur_hysteresis == 1:
-        if (self.cur_scale == self.min_scale) and self.raise_error_at_min_scale:
-          raise Exception(
-            "Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
-        else:
-          self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-      else:
-        self.cur_hysteresis -= 1
-      self.last_overflow_iter = self.cur_iter
-    else:
-      if self.consecutive_hysteresis:
-        self.cur_hysteresis = self.delayed_shift
-      stable_interval = (self.cur_iter - self.last_overflow_iter) - 1
-      if (stable_interval > 0) and (stable_interval % self.scale_window == 0):
-        if not self.consecutive_hysteresis:
-          self.cur_hysteresis = self.delayed_shift
-        self.cur_scale *= self.scale_factor
-    self.cur_iter += 1
+from deepspeed_reference import DeepSpeedDynamicLossScaler
 
 
 def _scaler(power=8, window=2, hysteresis=2, consecutive=False, min_scale=1.0):
@@ -96,7 +61,7 @@ def test_matches_deepspeed_on_random_sequences(seed, config):
   # and hysteresis all happen.
   overflows = [bool(x) for x in rng.random(400) < np.repeat(rng.choice([p, 0.0, 1.0], 20), 20)]
   scaler = _scaler(**config)
-  ref = _DSDynamicLossScaler(2.0**config["power"], config["window"], config["min_scale"],
+  ref = DeepSpeedDynamicLossScaler(2.0**config["power"], config["window"], config["min_scale"],
                              config["hysteresis"], config["consecutive"])
   update, at_min = jax.jit(scaler.update), jax.jit(scaler.at_min_scale_overflow)
   state = scaler.init()
@@ -126,7 +91,7 @@ def test_scale_growth_stops_at_float32_largest_power_of_two():
 def test_matches_deepspeed_inside_scan():
   scaler = _scaler(power=12, window=7, hysteresis=2, consecutive=False, min_scale=0.25)
   overflows = np.random.default_rng(0).random(3000) < 0.15
-  ref = _DSDynamicLossScaler(2.0**12, 7, 0.25, 2, False, raise_error_at_min_scale=False)
+  ref = DeepSpeedDynamicLossScaler(2.0**12, 7, 0.25, 2, False, raise_error_at_min_scale=False)
   expected = []
   for overflow in overflows:
     ref.update_scale(bool(overflow))

@@ -1,0 +1,237 @@
+"""Communication you can see: the collectives of a compiled step, read from its HLO.
+
+:func:`collectives` walks the optimized HLO module of a compiled step (``compiled.as_text()``) and
+returns every all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute with
+
+* the bytes of the full (unpartitioned) buffer it moves,
+* how many times it runs per step (collectives inside ``while`` loops -- the layer scan, the
+  micro-batch scan -- run ``known_trip_count`` times; a ``conditional`` branch is counted once,
+  an upper bound),
+* its group size and the mesh axes its replica groups span, so traffic inside a node can be told
+  from traffic across nodes on a ``node x local`` mesh,
+* the bytes one device sends per run under the ring algorithm: all-gather and reduce-scatter
+  ``(n-1)/n * full``, all-reduce ``2 (n-1)/n * full``, all-to-all ``(n-1)/n * full``,
+  collective-permute the whole buffer.
+
+:func:`comm_volume` sums them per step and expresses the total in units of Psi (the parameter
+count times the bytes of one element), the unit of the ZeRO paper's communication analysis:
+DDP, ZeRO-1 and ZeRO-2 move ``2 Psi`` per device per step, ZeRO-3 ``3 Psi`` (times ``(n-1)/n`` for
+a ring of ``n`` devices, which the paper rounds to 1).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+from jzero.mesh import ZeroMesh
+
+__all__ = ["Collective", "CommVolume", "collectives", "comm_volume", "zero_theory"]
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
+          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+          "c128": 16}
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+_ARRAY = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)="
+                    r"%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective instruction of a compiled step."""
+
+  kind: str
+  name: str
+  full_bytes: int  # the unpartitioned buffer: AG output, RS input, AR / A2A / CP operand
+  group_size: int
+  axes: tuple[str, ...]  # mesh axes the replica groups span
+  count: int  # runs per step
+
+  @property
+  def sent_bytes(self) -> float:
+    """Bytes one device sends per run (ring algorithm)."""
+    n = self.group_size
+    if n <= 1:
+      return 0.0
+    if self.kind == "all-reduce":
+      return 2 * (n - 1) / n * self.full_bytes
+    if self.kind == "collective-permute":
+      return float(self.full_bytes)
+    return (n - 1) / n * self.full_bytes
+
+  @property
+  def step_bytes(self) -> float:
+    return self.sent_bytes * self.count
+
+
+def _type_bytes(type_str: str) -> int:
+  return sum(_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
+             for dt, dims in _ARRAY.findall(type_str))
+
+
+def _groups(attrs: str, n_devices: int) -> list[list[int]]:
+  m = re.search(r"replica_groups=\{(\{[^=]*?\})\}", attrs)
+  if m:
+    return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([^{}]*)\}", m.group(1))]
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+  if m:
+    g, s = int(m.group(1)), int(m.group(2))
+    ids = np.arange(math.prod(int(d) for d in m.group(3).split(","))).reshape(
+        [int(d) for d in m.group(3).split(",")])
+    if m.group(4):
+      ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+    return ids.reshape(g, s).tolist()
+  m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+  if m:
+    pairs = re.findall(r"\{(\d+),(\d+)\}", m.group(0))
+    return [[int(a), int(b)] for a, b in pairs]
+  return [list(range(n_devices))]  # empty replica_groups: all devices
+
+
+def _axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+  names, sizes = list(mesh_shape), list(mesh_shape.values())
+  spanned = set()
+  for g in groups:
+    coords = np.array(np.unravel_index(np.asarray(g), sizes)).T
+    for i, name in enumerate(names):
+      if len(set(coords[:, i])) > 1:
+        spanned.add(name)
+  return tuple(n for n in names if n in spanned)
+
+
+def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]:
+  """Every collective of an optimized HLO module, with its per-step run count.
+
+  Args:
+    hlo_text: ``compiled.as_text()`` of the step (or any optimized HLO module text).
+    mesh: the mesh the step runs on (names the axes groups span); None: axes left empty.
+  """
+  mesh_shape = dict(mesh.mesh.shape) if mesh is not None else {}
+  n_devices = math.prod(mesh_shape.values()) if mesh_shape else 1
+  comps: dict[str, list[tuple[str, str, str, str]]] = {}
+  calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = header.group(2)
+      comps[current] = []
+      if header.group(1):
+        entry = current
+      continue
+    inst = _INSTR.match(line)
+    if not inst or current is None:
+      continue
+    name, type_str, op, rest = inst.group(2), inst.group(3), inst.group(4), inst.group(5)
+    comps[current].append((name, type_str, op, rest))
+    trips = 1
+    if op == "while":
+      m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
+      trips = int(m.group(1)) if m else 1
+    for callee in _CALLS.findall(rest):
+      calls[current].append((callee, trips))
+    for branches in _BRANCHES.findall(rest):
+      for callee in branches.split(","):
+        calls[current].append((callee.strip().lstrip("%"), 1))
+  if entry is None:
+    raise ValueError("not an HLO module: no ENTRY computation found")
+
+  runs: dict[str, int] = collections.defaultdict(int)
+
+  def visit(comp: str, mult: int) -> None:
+    runs[comp] += mult
+    for callee, trips in calls.get(comp, ()):
+      if callee in comps:
+        visit(callee, mult * trips)
+
+  visit(entry, 1)
+  found = []
+  for comp, insts in comps.items():
+    if not runs.get(comp):
+      continue
+    for name, type_str, op, rest in insts:
+      kind = op.removesuffix("-start")
+      if kind not in KINDS or op.endswith("-done"):
+        continue
+      groups = _groups(rest, n_devices)
+      size = len(groups[0]) if kind != "collective-permute" else n_devices
+      if op == "all-gather-start":  # async form: an (operand, output) tuple; count the output
+        dt, dims = _ARRAY.findall(type_str)[-1]
+        out = _type_bytes(f"{dt}[{dims}]")
+      else:
+        out = _type_bytes(type_str)
+      full = out * size if kind == "reduce-scatter" else out
+      found.append(Collective(kind=kind, name=name, full_bytes=full, group_size=size,
+                              axes=_axes(groups, mesh_shape) if mesh_shape else (),
+                              count=runs[comp]))
+  return found
+
+
+def zero_theory(stage: int, n: int) -> float:
+  """Bytes one device sends per step, in Psi units, for ZeRO ``stage`` over ``n`` devices (ring)."""
+  return (3 if stage == 3 else 2) * (n - 1) / n
+
+
+@dataclasses.dataclass(frozen=True)
+class CommVolume:
+  """Per-step communication of a compiled step."""
+
+  ops: list[Collective]
+  psi_bytes: int  # parameter count x bytes per element
+
+  @property
+  def total_bytes(self) -> float:
+    return sum(c.step_bytes for c in self.ops)
+
+  @property
+  def total_psi(self) -> float:
+    return self.total_bytes / self.psi_bytes
+
+  def by_kind(self) -> dict[str, float]:
+    out: dict[str, float] = collections.defaultdict(float)
+    for c in self.ops:
+      out[c.kind] += c.step_bytes
+    return dict(out)
+
+  def by_axes(self) -> dict[tuple[str, ...], float]:
+    out: dict[tuple[str, ...], float] = collections.defaultdict(float)
+    for c in self.ops:
+      out[c.axes] += c.step_bytes
+    return dict(out)
+
+  def table(self) -> str:
+    """A per-kind / per-axes table of bytes sent per device per step."""
+    rows = collections.defaultdict(lambda: [0, 0.0])
+    for c in self.ops:
+      key = (c.kind, "x".join(c.axes) or "-")
+      rows[key][0] += c.count
+      rows[key][1] += c.step_bytes
+    lines = [f"{'collective':<20}{'axes':<14}{'runs/step':>10}{'MiB sent/device':>17}{'Psi':>8}"]
+    for (kind, axes), (count, sent) in sorted(rows.items()):
+      lines.append(f"{kind:<20}{axes:<14}{count:>10}{sent / 2**20:>17.3f}"
+                   f"{sent / self.psi_bytes:>8.3f}")
+    lines.append(f"{'total':<44}{self.total_bytes / 2**20:>17.3f}{self.total_psi:>8.3f}")
+    return "\n".join(lines)
+
+
+def comm_volume(compiled: Any, mesh: ZeroMesh, *, num_params: int, bytes_per_param: int
+                ) -> CommVolume:
+  """Collectives of a compiled step and their per-step volume in Psi units.
+
+  Args:
+    compiled: a compiled step (``engine.compile_step(...)``) or its HLO text.
+    mesh: the mesh it runs on.
+    num_params: Psi, the model's parameter count.
+    bytes_per_param: bytes of one communicated element (4 for fp32, 2 for bf16 / fp16).
+  """
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  return CommVolume(ops=collectives(text, mesh), psi_bytes=num_params * bytes_per_param)

@@ -1,0 +1,240 @@
+"""The engine against a plain single-device optax loop, and the placement each stage promises.
+
+"Relative difference" below is, per parameter leaf, ||zero - reference|| / ||reference||, and the
+largest over all leaves; for losses, |zero - reference| / reference per step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+import jzero
+from jzero.models import GPTConfig, lm_loss
+from jzero.profile import collectives
+from zero_testing import (SMALL, batches, ds_config, engine_run, gpt_factory, max_relative_diff,
+                          reference_run)
+
+N = 8
+DEFAULT = GPTConfig()  # the default job's model: 8 layers, d 256, 6.4M parameters
+STEPS = 20
+
+
+@functools.lru_cache(maxsize=None)
+def _default_data():
+  return batches(DEFAULT.seq_len, N, STEPS)  # micro-batch 1 per device
+
+
+@functools.lru_cache(maxsize=None)
+def _default_run(stage: int, precision: str = "fp32"):
+  engine = jzero.initialize(gpt_factory(DEFAULT), lm_loss, ds_config(stage, precision=precision))
+  return engine_run(engine, _default_data())
+
+
+@functools.lru_cache(maxsize=None)
+def _default_reference():
+  initial, _, _ = _default_run(0)
+  return reference_run(DEFAULT, initial, _default_data())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_stage_matches_single_device_optax(stage):
+  ref_params, ref_losses = _default_reference()
+  initial, params, losses = _default_run(stage)
+  assert max_relative_diff(initial, _default_run(0)[0]) == 0.0  # same start for every stage
+  loss_diff = np.max(np.abs(np.array(losses) - ref_losses) / np.array(ref_losses))
+  assert loss_diff <= 1e-5, (stage, losses, ref_losses)
+  assert max_relative_diff(params, ref_params) <= 1e-5
+  assert ref_losses[-1] < ref_losses[0] - 0.5  # it really trained
+
+
+def test_bf16_stays_close_to_fp32():
+  """bf16 compute with an fp32 master: losses within 2% of fp32 over 20 steps (README)."""
+  _, _, fp32 = _default_run(3)
+  _, params, bf16 = _default_run(3, "bf16")
+  rel = np.abs(np.array(bf16) - fp32) / np.array(fp32)
+  assert rel.max() <= 0.02, rel
+  assert max_relative_diff(params, _default_run(3)[1]) <= 0.05
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradient_accumulation_matches_one_big_micro_batch(stage):
+  data = batches(SMALL.seq_len, 8 * N, 2)
+  _, one, loss_one = engine_run(
+      jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(stage, micro=8, gas=1)), data)
+  _, acc, loss_acc = engine_run(
+      jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(stage, micro=2, gas=4)), data)
+  np.testing.assert_allclose(loss_acc, loss_one, rtol=1e-5)
+  assert max_relative_diff(acc, one) <= 1e-5
+
+
+def _local_numel(x: jax.Array) -> int:
+  return x.addressable_shards[0].data.size
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_device_holds_its_share(stage):
+  engine = jzero.initialize(gpt_factory(SMALL), lm_loss,
+                            ds_config(stage, stage3_param_persistence_threshold=1000))
+  state = engine.init(jax.random.key(0))
+  plan = engine.plan
+  mu = state.opt_state[0].mu  # AdamW's first moment, one leaf per param
+  for leaf, m, p in zip(plan.leaf_list(), jax.tree.leaves(mu), jax.tree.leaves(state.params)):
+    full = int(np.prod(plan.state_shape(leaf)))
+    if stage >= 1 and leaf.shard_dim is not None:
+      assert _local_numel(m) * N == full, leaf.path  # 1/N of every optimizer-state leaf
+    else:
+      assert _local_numel(m) == full, leaf.path
+    if stage == 3 and leaf.layer_numel >= 1000:
+      assert leaf.param_partitioned and _local_numel(p) * N == int(np.prod(plan.param_shape(leaf)))
+    else:
+      assert _local_numel(p) == leaf.numel, leaf.path  # replicated compute param
+  assert state.master is None  # fp32: the optimizer updates the params themselves
+
+
+def _compiled(stage: int, cfg: GPTConfig = SMALL, **zero):
+  engine = jzero.initialize(gpt_factory(cfg), lm_loss, ds_config(stage, **zero))
+  state = engine.init(jax.random.key(0))
+  batch = engine.shard_batch(batches(cfg.seq_len, N, 1)[0])
+  return engine, engine.compile_step(state, batch)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradients_are_reduce_scattered_not_all_reduced(stage):
+  engine, compiled = _compiled(stage, stage3_param_persistence_threshold=0)
+  ops = collectives(compiled.as_text(), engine.mesh)
+  grad_bytes = 4 * sum(l.numel for l in engine.plan.leaf_list())
+  all_reduce = sum(o.full_bytes * o.count for o in ops if o.kind == "all-reduce")
+  reduce_scatter = sum(o.full_bytes * o.count for o in ops if o.kind == "reduce-scatter")
+  if stage == 0:
+    assert all_reduce >= grad_bytes and reduce_scatter == 0
+  else:
+    # Every gradient byte goes through a reduce-scatter; all-reduces carry only scalars (loss,
+    # norm), never a gradient.
+    assert reduce_scatter >= grad_bytes
+    assert all(o.full_bytes <= 64 for o in ops if o.kind == "all-reduce"), \
+        [o for o in ops if o.kind == "all-reduce"]
+
+
+def test_stage3_gathers_one_layer_at_a_time():
+  """L vs 2L layers at the default width: temp memory grows by far less than L more full layers."""
+  def temp_and_params(layers: int, checkpointing: bool):
+    cfg = GPTConfig(n_layers=layers)
+    zero = ds_config(3)
+    if checkpointing:
+      zero["activation_checkpointing"] = {}
+    engine = jzero.initialize(gpt_factory(cfg), lm_loss, zero)
+    state = engine.init(jax.random.key(0))
+    compiled = engine.compile_step(state, engine.shard_batch(batches(cfg.seq_len, N, 1)[0]))
+    full = 4 * sum(l.numel for l in engine.plan.leaf_list())
+    return compiled.memory_analysis().temp_size_in_bytes, full
+
+  for checkpointing, bound in ((False, 0.6), (True, 0.25)):
+    temp_l, full_l = temp_and_params(4, checkpointing)
+    temp_2l, full_2l = temp_and_params(8, checkpointing)
+    extra_params = full_2l - full_l  # what holding the extra layers' full params would cost
+    assert temp_2l - temp_l < bound * extra_params, (checkpointing, temp_l, temp_2l, extra_params)
+
+
+def test_uneven_leaves_are_padded_and_exact():
+  """d_model 36 and 3 heads: many dimensions are not divisible by 8 and need padding."""
+  cfg = GPTConfig(d_model=36, n_layers=2, n_heads=3, seq_len=24)
+  data = batches(cfg.seq_len, N, 3)
+  results = {}
+  for stage in (1, 3):
+    engine = jzero.initialize(gpt_factory(cfg), lm_loss,
+                              ds_config(stage, stage3_param_persistence_threshold=0))
+    results[stage] = engine_run(engine, data)
+    assert any(l.pad for l in engine.plan.leaf_list())
+  ref_params, ref_losses = reference_run(cfg, results[1][0], data)
+  for stage, (_, params, losses) in results.items():
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert max_relative_diff(params, ref_params) <= 1e-5, stage
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hybrid_mesh_zero_within_node(stage):
+  """ZeRO over `local` (4), replicas over `node` (2): still the single-device result."""
+  mesh = jzero.MeshSpec.from_dict(
+      {"axes": {"node": 2, "local": 4}, "zero_axes": ["local"], "batch_axes": ["node", "local"]})
+  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(stage), mesh=mesh)
+  data = batches(SMALL.seq_len, N, 3)
+  initial, params, losses = engine_run(engine, data)
+  ref_params, ref_losses = reference_run(SMALL, initial, data)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert max_relative_diff(params, ref_params) <= 1e-5
+  mu = jax.tree.leaves(engine.init(jax.random.key(0)).opt_state[0].mu)
+  big = max(mu, key=lambda x: x.size)
+  assert big.addressable_shards[0].data.size * 4 == big.size  # partitioned 4 ways, not 8
+
+
+class _LinenMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.gelu(nn.Dense(40)(x))
+    return nn.Dense(3)(x)
+
+
+def test_linen_model_through_its_apply_function():
+  def loss_fn(apply, batch):
+    return jnp.mean((apply(batch["x"]) - batch["y"]) ** 2)
+
+  rng = np.random.default_rng(0)
+  data = [{"x": rng.normal(size=(N, 12)).astype(np.float32),
+           "y": rng.normal(size=(N, 3)).astype(np.float32)} for _ in range(4)]
+  results = []
+  for stage in (0, 3):
+    engine = jzero.initialize(_LinenMLP(), loss_fn, ds_config(stage, stage3_param_persistence_threshold=0),
+                              init_inputs=lambda b: (b["x"],))
+    state = engine.init(jax.random.key(0), data[0])
+    for b in data:
+      state, metrics = engine.train_step(state, engine.shard_batch(b))
+    results.append((jax.tree.map(np.asarray, engine.logical_params(state)), float(metrics["loss"])))
+  assert max_relative_diff(results[1][0], results[0][0]) <= 1e-5
+  assert abs(results[1][1] - results[0][1]) <= 1e-5 * results[0][1]
+
+
+def test_fp16_dynamic_loss_scale_follows_deepspeed():
+  """A crafted overflow sequence: skips, hysteresis, halvings, growth after the window, the floor."""
+  from deepspeed_reference import DeepSpeedDynamicLossScaler
+
+  cfg = ds_config(2)
+  cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 5,
+                 "loss_scale_window": 2, "hysteresis": 2, "min_loss_scale": 4}
+
+  def loss_fn(model, batch):  # `boost` blows the fp16 gradients up on chosen steps
+    return lm_loss(model, batch) * batch["boost"][0]
+
+  engine = jzero.initialize(gpt_factory(SMALL), loss_fn, cfg)
+  state = engine.init(jax.random.key(0))
+  reference = DeepSpeedDynamicLossScaler(init_scale=2.0**5, scale_window=2, min_scale=4,
+                                         delayed_shift=2, consecutive_hysteresis=False)
+  overflows = [0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 1]
+  data = batches(SMALL.seq_len, N, len(overflows))
+  reached_floor = False
+  for overflow, batch in zip(overflows, data):
+    batch = dict(batch, boost=np.full((N,), 1e10 if overflow else 1.0, np.float32))
+    before = jax.tree.map(np.asarray, engine.logical_params(state))
+    expected_scale = reference.cur_scale
+    try:
+      reference.update_scale(bool(overflow))
+      ds_raises = False
+    except Exception:  # DeepSpeed ends the run: overflow with the scale already at its minimum
+      ds_raises = True
+    state, metrics = engine.train_step(state, engine.shard_batch(batch))
+    assert float(metrics["loss_scale"]) == expected_scale
+    assert bool(metrics["overflow"]) == bool(overflow)
+    assert bool(metrics["min_scale_overflow"]) == ds_raises
+    after = jax.tree.map(np.asarray, engine.logical_params(state))
+    changed = max_relative_diff(after, before) > 0
+    assert changed != bool(overflow)  # a step with overflow is skipped entirely
+    reached_floor |= ds_raises
+    if ds_raises:
+      break
+  assert reached_floor
+  assert int(state.skipped) == sum(overflows[: int(state.step)])

@@ -1,0 +1,107 @@
+"""Bad input gets one clear paragraph naming the key / file, before any device work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import jzero
+from jzero.models import lm_loss
+from zero_testing import SMALL, ds_config, gpt_factory
+
+DS_CONFIGS = Path(__file__).parent / "data" / "ds_configs"
+
+
+def _init(config, **kw):
+  return jzero.initialize(gpt_factory(SMALL), lm_loss, config, **kw)
+
+
+def _one_paragraph(message: str) -> None:
+  assert "\n\n" not in message and "Traceback" not in message
+
+
+@pytest.mark.parametrize("config, key", [
+    ({**ds_config(2), "zero_optimization": {"stgae": 2}}, "zero_optimization.stgae"),
+    ({**ds_config(2), "zero_optimization": {"stage": 4}}, "zero_optimization.stage"),
+    ({**ds_config(2), "zero_optimization": {"stage": "two"}}, "zero_optimization.stage"),
+    ({**ds_config(2), "gradient_clipping": "high"}, "gradient_clipping"),
+    ({**ds_config(2), "train_batch_size": 33, "train_micro_batch_size_per_gpu": 17,
+      "gradient_accumulation_steps": 2}, "train_batch_size"),
+    ({**ds_config(2), "fp16": {"enabled": True, "loss_scael": 0}}, "fp16.loss_scael"),
+])
+def test_bad_config_names_the_key(config, key):
+  with pytest.raises(jzero.ConfigError) as e:
+    _init(config)
+  assert key in str(e.value)
+  _one_paragraph(str(e.value))
+
+
+def test_batch_mismatch_names_all_three_numbers():
+  cfg = {**ds_config(2), "train_batch_size": 33, "train_micro_batch_size_per_gpu": 2,
+         "gradient_accumulation_steps": 2}
+  with pytest.raises(jzero.ConfigError) as e:
+    _init(cfg)
+  for text in ("33", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "8"):
+    assert text in str(e.value)
+
+
+def test_missing_config_file(tmp_path):
+  missing = tmp_path / "nope.json"
+  with pytest.raises(jzero.ConfigError) as e:
+    _init(str(missing))
+  assert str(missing) in str(e.value)
+
+
+def test_mesh_that_does_not_fit_the_devices(tmp_path):
+  mesh = tmp_path / "mesh.yaml"
+  mesh.write_text("axes: {node: 3, local: 2}\n")
+  with pytest.raises(jzero.MeshError) as e:
+    _init(ds_config(2), mesh=str(mesh))
+  assert str(mesh) in str(e.value) and "8 are present" in str(e.value)
+  _one_paragraph(str(e.value))
+
+
+def test_mesh_file_errors(tmp_path):
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("axes: {data: 8}\nzero_axes: [model]\n")
+  with pytest.raises(jzero.MeshError, match="zero_axes names \\['model'\\]"):
+    jzero.MeshSpec.load(bad)
+  with pytest.raises(jzero.MeshError, match="does not exist"):
+    jzero.MeshSpec.load(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("name, key", [
+    ("huggingface_transformers__tests_deepspeed_ds_config_zero3.json",
+     "zero_optimization.offload_optimizer.device=cpu"),
+    ("deepspeedai_DeepSpeed__docs__tutorials_zeropp.md.json", "zero_quantized_weights"),
+])
+def test_later_features_are_refused_at_initialize(name, key):
+  with pytest.raises(jzero.NotSupportedError) as e:
+    _init(str(DS_CONFIGS / name), auto_values={"micro_batch_size": 1})
+  assert key in str(e.value) and "not yet supported" in str(e.value)
+
+
+def test_wrong_batch_shape_is_a_data_error():
+  engine = _init(ds_config(1))
+  with pytest.raises(jzero.DataError, match="train_batch_size = 8"):
+    engine.shard_batch({"tokens": __import__("numpy").zeros((7, 33), "int32")})
+
+
+def _cli(*args, cwd=None):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "jzero.cli", *args], capture_output=True, text=True,
+                        env=env, cwd=cwd, timeout=300)
+
+
+def test_cli_reports_bad_config_without_traceback(tmp_path):
+  cfg = tmp_path / "cfg.json"
+  cfg.write_text(json.dumps({**ds_config(3), "zero_optimization": {"stage": 3, "prefetch_bucket": 5}}))
+  out = _cli("train", "--config", str(cfg), "--steps", "1")
+  assert out.returncode == 2
+  assert "zero_optimization.prefetch_bucket" in out.stderr
+  assert "Traceback" not in out.stderr and "jax" not in out.stderr.lower()

@@ -1,0 +1,103 @@
+"""Shared pieces of the engine tests: configs, a plain single-device optax loop, comparisons."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jzero.data import ByteCorpus
+from jzero.models import GPT, GPTConfig, lm_loss
+
+LR, BETAS, EPS, WD, CLIP = 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
+
+SMALL = GPTConfig(d_model=64, n_layers=2, n_heads=4, seq_len=32)
+
+
+def ds_config(stage: int, *, micro: int = 1, gas: int = 1, precision: str = "fp32",
+              **zero) -> dict:
+  """A DeepSpeed config for the engine tests: AdamW at a constant lr, clipping at 1.0."""
+  cfg = {
+      "train_micro_batch_size_per_gpu": micro,
+      "gradient_accumulation_steps": gas,
+      "gradient_clipping": CLIP,
+      "optimizer": {"type": "AdamW",
+                    "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
+      "zero_optimization": {"stage": stage, **zero},
+  }
+  if precision == "bf16":
+    cfg["bf16"] = {"enabled": True}
+  return cfg
+
+
+def gpt_factory(cfg: GPTConfig):
+  return lambda rngs: GPT(cfg, rngs=rngs)
+
+
+_CORPUS: dict[int, ByteCorpus] = {}
+
+
+def corpus(seq_len: int) -> ByteCorpus:
+  if seq_len not in _CORPUS:
+    _CORPUS[seq_len] = ByteCorpus.load(None, seq_len=seq_len, max_bytes=1 << 20)
+  return _CORPUS[seq_len]
+
+
+def batches(seq_len: int, batch_size: int, steps: int) -> list[dict]:
+  return [corpus(seq_len).batch(i, batch_size) for i in range(steps)]
+
+
+def reference_run(cfg: GPTConfig, params: dict, data: list[dict]):
+  """The plain single-device optax loop: same model, same data, whole batch on one device.
+
+  Independent of jzero's optimizer code: optax's own clip_by_global_norm and adamw.
+  """
+  device = jax.devices()[0]
+  params = jax.device_put(jax.tree.map(np.asarray, params), device)
+  model = GPT(cfg, rngs=nnx.Rngs(0))
+  graphdef, template = nnx.split(model, nnx.Param)
+  tx = optax.chain(optax.clip_by_global_norm(CLIP),
+                   optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD))
+
+  def loss(p, batch):
+    state = jax.tree.map(lambda x: x, template)
+    nnx.replace_by_pure_dict(state, p)
+    return lm_loss(nnx.merge(graphdef, state), batch)
+
+  @jax.jit
+  def step(p, opt, batch):
+    value, grads = jax.value_and_grad(loss)(p, batch)
+    updates, opt = tx.update(grads, opt, p)
+    return optax.apply_updates(p, updates), opt, value
+
+  opt = tx.init(params)
+  losses = []
+  for batch in data:
+    params, opt, value = step(params, opt, jax.device_put(batch, device))
+    losses.append(float(value))
+  return params, losses
+
+
+def engine_run(engine, data: list[dict], seed: int = 0):
+  """Trains ``engine`` on ``data``; returns (initial logical params, final logical params, losses)."""
+  state = engine.init(jax.random.key(seed))
+  initial = jax.tree.map(np.asarray, engine.logical_params(state))
+  losses = []
+  for batch in data:
+    state, metrics = engine.train_step(state, engine.shard_batch(batch))
+    losses.append(float(metrics["loss"]))
+  return initial, jax.tree.map(np.asarray, engine.logical_params(state)), losses
+
+
+def max_relative_diff(a, b) -> float:
+  """Largest leaf-wise ||a - b|| / ||b|| over two param trees (0-norm leaves compared absolutely)."""
+  diffs = jax.tree.map(
+      lambda x, y: float(np.linalg.norm(np.asarray(x, np.float64) - np.asarray(y, np.float64))
+                         / max(np.linalg.norm(np.asarray(y, np.float64)), 1e-30)), a, b)
+  return max(jax.tree.leaves(diffs))
+
+
+def leaf_count_bytes(tree) -> int:
+  return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
