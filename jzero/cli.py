@@ -16,6 +16,7 @@ import time
 from typing import Sequence
 
 from jzero.errors import JZeroError
+from jzero.models.gpt import GPTConfig
 
 DEFAULT_DEVICES = 8
 
@@ -42,8 +43,9 @@ def _train(args: argparse.Namespace) -> int:
 
   import jzero
   from jzero.data import ByteCorpus
-  from jzero.models import GPT, GPTConfig, lm_loss
+  from jzero.models import GPT, lm_loss
   from jzero import memory
+  from jzero.precision import MIN_SCALE_ERROR
 
   config = jzero.Config.load(args.config)
   model_cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
@@ -76,6 +78,9 @@ def _train(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     state, metrics = engine.train_step(state, batch)
     loss = float(metrics["loss"])  # waits for the step
+    if bool(metrics["min_scale_overflow"]):
+      raise JZeroError(f"step {step + 1}: {MIN_SCALE_ERROR} (fp16 overflow with the loss scale at "
+                       f"min_loss_scale; DeepSpeed stops here too)")
     step_times.append(time.perf_counter() - t0)
     losses.append(loss)
     bar.set_postfix(loss=f"{loss:.3f}", lr=f"{float(metrics['lr']):.2e}")
@@ -105,17 +110,18 @@ def build_parser() -> argparse.ArgumentParser:
   t = sub.add_parser("train", help="train the embedded GPT on the embedded corpus")
   t.add_argument("--config", required=True, help="DeepSpeed-style JSON or YAML config")
   _add_device_args(t)
-  t.add_argument("--steps", type=int, default=150, help="optimizer steps (default 150)")
+  t.add_argument("--steps", type=int, default=250, help="optimizer steps (default 250)")
   t.add_argument("--data", default=None, help="text file or directory (default: the stdlib source)")
   t.add_argument("--seed", type=int, default=0)
   t.add_argument("--micro-batch", type=int, default=4,
                  help="fills train_micro_batch_size_per_gpu when the config says 'auto'")
   t.add_argument("--warmup-steps", type=int, default=None,
                  help="fills scheduler warmup_num_steps when the config says 'auto'")
-  t.add_argument("--layers", type=int, default=8)
-  t.add_argument("--d-model", type=int, default=256)
-  t.add_argument("--heads", type=int, default=4)
-  t.add_argument("--seq-len", type=int, default=128)
+  default = GPTConfig()
+  t.add_argument("--layers", type=int, default=default.n_layers)
+  t.add_argument("--d-model", type=int, default=default.d_model)
+  t.add_argument("--heads", type=int, default=default.n_heads)
+  t.add_argument("--seq-len", type=int, default=default.seq_len)
   t.add_argument("--no-progress", action="store_true", help="no progress bar")
   t.set_defaults(func=_train)
   return parser

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -49,7 +48,7 @@ def batches(seq_len: int, batch_size: int, steps: int) -> list[dict]:
   return [corpus(seq_len).batch(i, batch_size) for i in range(steps)]
 
 
-def reference_run(cfg: GPTConfig, params: dict, data: list[dict]):
+def reference_run(cfg: GPTConfig, params: dict, data: list[dict], loss_fn=lm_loss):
   """The plain single-device optax loop: same model, same data, whole batch on one device.
 
   Independent of jzero's optimizer code: optax's own clip_by_global_norm and adamw.
@@ -64,7 +63,7 @@ def reference_run(cfg: GPTConfig, params: dict, data: list[dict]):
   def loss(p, batch):
     state = jax.tree.map(lambda x: x, template)
     nnx.replace_by_pure_dict(state, p)
-    return lm_loss(nnx.merge(graphdef, state), batch)
+    return loss_fn(nnx.merge(graphdef, state), batch)
 
   @jax.jit
   def step(p, opt, batch):
@@ -98,6 +97,3 @@ def max_relative_diff(a, b) -> float:
                          / max(np.linalg.norm(np.asarray(y, np.float64)), 1e-30)), a, b)
   return max(jax.tree.leaves(diffs))
 
-
-def leaf_count_bytes(tree) -> int:
-  return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))

@@ -29,7 +29,7 @@ class GPTConfig:
   """Shape of the model. The default has 6.4M parameters."""
 
   vocab_size: int = 256
-  seq_len: int = 128
+  seq_len: int = 64
   d_model: int = 256
   n_layers: int = 8
   n_heads: int = 4

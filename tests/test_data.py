@@ -1,0 +1,45 @@
+"""The embedded corpus and deterministic per-step batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jzero.data import ByteCorpus, stdlib_files
+from jzero.errors import DataError
+
+
+def test_stdlib_corpus_is_real_python_source():
+  files = stdlib_files()
+  assert len(files) > 100 and all(f.suffix == ".py" for f in files)
+  corpus = ByteCorpus.load(None, seq_len=64, max_bytes=1 << 20)
+  assert len(corpus) == 1 << 20
+  assert b"def " in corpus.tokens[:200_000].tobytes()
+
+
+def test_batches_are_a_pure_function_of_seed_and_step():
+  corpus = ByteCorpus.load(None, seq_len=16, max_bytes=1 << 18)
+  a, b = corpus.batch(7, 4, seed=1), corpus.batch(7, 4, seed=1)
+  np.testing.assert_array_equal(a["tokens"], b["tokens"])
+  assert a["tokens"].shape == (4, 17) and a["tokens"].dtype == np.int32
+  assert not np.array_equal(corpus.batch(8, 4, seed=1)["tokens"], a["tokens"])
+  # train and validation windows come from their own parts of the corpus
+  split = int(len(corpus) * 0.95)
+  train, val = corpus.tokens[:split].tobytes(), corpus.tokens[split:].tobytes()
+  for w in corpus.batch(0, 8, split="val")["tokens"]:
+    assert w.astype(np.uint8).tobytes() in val
+  for w in corpus.batch(0, 8)["tokens"]:
+    assert w.astype(np.uint8).tobytes() in train
+
+
+def test_text_file_and_errors(tmp_path):
+  f = tmp_path / "t.txt"
+  f.write_text("hello world " * 100)
+  corpus = ByteCorpus.load(f, seq_len=8)
+  assert corpus.source == str(f) and len(corpus) == 1200
+  with pytest.raises(DataError, match="does not exist"):
+    ByteCorpus.load(tmp_path / "missing.txt", seq_len=8)
+  tiny = tmp_path / "tiny.txt"
+  tiny.write_text("abc")
+  with pytest.raises(DataError, match="fewer than one sequence"):
+    ByteCorpus.load(tiny, seq_len=8)
