@@ -8,6 +8,9 @@
   state, metrics = engine.train_step(state, engine.shard_batch(batch))
 """
 
+import logging as _logging
+import sys as _sys
+
 from jzero.config import Config
 from jzero.engine import Engine, TrainState, initialize
 from jzero.errors import (CheckpointError, ConfigError, DataError, JZeroError, JZeroWarning,
@@ -17,6 +20,16 @@ from jzero.mesh import MeshSpec, ZeroMesh, simulate_cpu_devices
 from jzero.plan import Plan, make_plan
 
 __version__ = "0.1.0"
+
+# Like DeepSpeed's logger: step reports (every steps_per_print) go to stdout unless the user
+# configures the "jzero" logger themselves.
+_logger = _logging.getLogger("jzero")
+if not _logger.handlers:
+  _handler = _logging.StreamHandler(_sys.stdout)
+  _handler.setFormatter(_logging.Formatter("[jzero] %(message)s"))
+  _logger.addHandler(_handler)
+  _logger.setLevel(_logging.INFO)
+  _logger.propagate = False
 
 __all__ = [
     "Config", "Engine", "TrainState", "initialize", "gather", "remat", "scan_layers", "MeshSpec",

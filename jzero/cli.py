@@ -11,6 +11,7 @@ any device work.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from typing import Sequence
@@ -38,8 +39,8 @@ def _train(args: argparse.Namespace) -> int:
   _setup_devices(args.devices)
   import jax
   import numpy as np
-  from flax import nnx
   from tqdm import tqdm
+  from tqdm.contrib.logging import logging_redirect_tqdm
 
   import jzero
   from jzero.data import ByteCorpus
@@ -68,26 +69,22 @@ def _train(args: argparse.Namespace) -> int:
   print(f"jzero: model GPT {model_cfg.n_layers} layers x d {model_cfg.d_model}, {n_params / 1e6:.2f}M "
         f"parameters")
 
-  every = cfg.steps_per_print
   losses, step_times = [], []
   tokens_per_step = cfg.train_batch_size * model_cfg.seq_len
   bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True,
              disable=args.no_progress)
-  for step in bar:
-    batch = engine.shard_batch(corpus.batch(step, cfg.train_batch_size, seed=args.seed))
-    t0 = time.perf_counter()
-    state, metrics = engine.train_step(state, batch)
-    loss = float(metrics["loss"])  # waits for the step
-    if bool(metrics["min_scale_overflow"]):
-      raise JZeroError(f"step {step + 1}: {MIN_SCALE_ERROR} (fp16 overflow with the loss scale at "
-                       f"min_loss_scale; DeepSpeed stops here too)")
-    step_times.append(time.perf_counter() - t0)
-    losses.append(loss)
-    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{float(metrics['lr']):.2e}")
-    if every and (step + 1) % every == 0:
-      tqdm.write(f"step {step + 1:5d}  loss {loss:.4f}  grad_norm {float(metrics['grad_norm']):.3f}  "
-                 f"lr {float(metrics['lr']):.3e}  loss_scale {float(metrics['loss_scale']):.0f}  "
-                 f"{step_times[-1] * 1e3:.0f} ms")
+  with logging_redirect_tqdm(loggers=[logging.getLogger("jzero")]):
+    for step in bar:
+      batch = engine.shard_batch(corpus.batch(step, cfg.train_batch_size, seed=args.seed))
+      t0 = time.perf_counter()
+      state, metrics = engine.train_step(state, batch)  # logs every steps_per_print steps
+      loss = float(metrics["loss"])  # waits for the step
+      step_times.append(time.perf_counter() - t0)
+      if bool(metrics["min_scale_overflow"]):
+        raise JZeroError(f"step {step + 1}: {MIN_SCALE_ERROR} (fp16 overflow with the loss scale "
+                         f"at min_loss_scale; DeepSpeed stops here too)")
+      losses.append(loss)
+      bar.set_postfix(loss=f"{loss:.3f}", lr=f"{float(metrics['lr']):.2e}")
   bar.close()
 
   val = engine.eval_loss(state, corpus.batch(0, cfg.train_batch_size, seed=args.seed, split="val"))

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
+import logging
+import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -49,10 +50,12 @@ from jzero.model import ModelAdapter, as_model
 from jzero.optim import build_optimizer
 from jzero.plan import LeafPlan, Plan, make_plan
 from jzero.precision import LossScaler, LossScaleState, has_overflow
+from jzero.profile import StepTiming
 
 __all__ = ["TrainState", "Engine", "initialize"]
 
 PyTree = Any
+logger = logging.getLogger("jzero")
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
@@ -94,8 +97,11 @@ class Engine:
   scaler: LossScaler
   stacked_layers: tuple[str, ...]
   plan: Plan | None = None
+  timings: list[StepTiming] = dataclasses.field(default_factory=list)
   _step_fn: Any = dataclasses.field(default=None, repr=False)
+  _split_fns: Any = dataclasses.field(default=None, repr=False)
   _eval_fn: Any = dataclasses.field(default=None, repr=False)
+  _host_step: int | None = dataclasses.field(default=None, repr=False)
 
   # -- configuration read by the step ---------------------------------------------------------------
   @property
@@ -250,13 +256,17 @@ class Engine:
       m = collectives.all_gather(m, leaf.shard_dim, leaf.shape[leaf.shard_dim], self.mesh.zero_axes)
     return m.astype(self.plan.compute_dtype)
 
-  def _local_step(self, state: TrainState, batch: PyTree):
+  def _local_grads(self, state: TrainState, batch: PyTree):
+    """Forward + backward over the micro-batches and the gradient reduction.
+
+    Returns (fp32 gradients summed over devices in the state layout, still multiplied by the loss
+    scale; mean loss; mean aux).
+    """
     plan, axes = self.plan, self.mesh
     gas, micro = self.gas, self.micro_batch_size
     micro_batches = jax.tree.map(lambda x: x.reshape((gas, micro) + x.shape[1:]), batch)
-    scale = state.loss_scale.scale
     mean_over = axes.dp_size if self.config.gradient_allreduce_op == "mean" else 1
-    loss_mult = scale / (gas * mean_over)
+    loss_mult = state.loss_scale.scale / (gas * mean_over)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     key = jax.random.fold_in(key, lax.axis_index(axes.batch_axes))
     policy = LayerPolicy(checkpoint_activations=self.config.activation_checkpointing is not None)
@@ -286,8 +296,13 @@ class Engine:
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(micro_grads, first, 0))
       (loss, aux, grads), _ = lax.scan(accumulate, zeros, (micro_batches, jnp.arange(gas)))
       loss, aux = loss / gas, jax.tree.map(lambda a: a / gas, aux)
-    grads = plan.map(self._reduce_final, grads)
+    mean = lambda x: lax.pmean(x, axes.batch_axes)
+    return plan.map(self._reduce_final, grads), mean(loss), jax.tree.map(mean, aux)
 
+  def _local_update(self, state: TrainState, grads: PyTree, loss: jax.Array, aux: dict):
+    """Overflow check, unscale, clip by the global norm, optimizer update -> (state, metrics)."""
+    plan, axes = self.plan, self.mesh
+    scale = state.loss_scale.scale
     if self._checks_overflow():
       overflow = lax.psum(has_overflow(grads).astype(jnp.int32), axes.zero_axes) > 0
     else:
@@ -315,19 +330,22 @@ class Engine:
 
     applied = state.step - state.skipped
     metrics = {
-        "loss": lax.pmean(loss, axes.batch_axes),
+        "loss": loss,
         "grad_norm": grad_norm,
         "lr": self.schedule(applied) if self.schedule is not None else jnp.nan,
         "loss_scale": scale,
         "overflow": overflow,
         "min_scale_overflow": self.scaler.at_min_scale_overflow(state.loss_scale, overflow),
-        **{k: lax.pmean(v, axes.batch_axes) for k, v in aux.items()},
+        **aux,
     }
     new_state = TrainState(
         step=state.step + 1, skipped=state.skipped + overflow.astype(jnp.int32), params=params,
         master=master, opt_state=opt_state, loss_scale=self.scaler.update(state.loss_scale, overflow),
         rng=state.rng)
     return new_state, metrics
+
+  def _local_step(self, state: TrainState, batch: PyTree):
+    return self._local_update(state, *self._local_grads(state, batch))
 
   def _global_norm(self, grads: PyTree) -> jax.Array:
     """L2 norm of the full gradient, from partitions: psum of the partitioned partial sums."""
@@ -338,16 +356,27 @@ class Engine:
     replicated = sum((s for s, split in flat if not split), jnp.zeros((), jnp.float32))
     return jnp.sqrt(lax.psum(partitioned, self.mesh.zero_axes) + replicated)
 
-  def _build_step(self, batch: PyTree):
+  def _jit(self, fn, in_specs: tuple, out_specs: Any, donate: tuple[int, ...]):
+    """jit(shard_map(fn)) with the plan's shardings as the jit's in/out shardings."""
     plan = self._require_plan()
-    specs = self.state_specs()
-    batch_specs = jax.tree.map(lambda _: plan.batch_spec(), batch)
-    body = jax.shard_map(self._local_step, mesh=self.mesh.mesh, in_specs=(specs, batch_specs),
-                         out_specs=(specs, P()), check_vma=False)
     to_sharding = lambda tree: jax.tree.map(plan.sharding, tree, is_leaf=lambda x: isinstance(x, P))
-    return jax.jit(body, in_shardings=(to_sharding(specs), to_sharding(batch_specs)),
-                   out_shardings=(to_sharding(specs), plan.sharding(P())), donate_argnums=0,
-                   compiler_options=plan.xla_options() or None)
+    body = jax.shard_map(fn, mesh=self.mesh.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+    return jax.jit(body, in_shardings=to_sharding(in_specs), out_shardings=to_sharding(out_specs),
+                   donate_argnums=donate, compiler_options=plan.xla_options() or None)
+
+  def _build_step(self, batch: PyTree):
+    specs, batch_specs = self.state_specs(), jax.tree.map(lambda _: self.plan.batch_spec(), batch)
+    return self._jit(self._local_step, (specs, batch_specs), (specs, P()), donate=(0,))
+
+  def _build_split_step(self, batch: PyTree):
+    """The step as two jits -- forward+backward+reduction, then the update -- for timing them."""
+    specs, batch_specs = self.state_specs(), jax.tree.map(lambda _: self.plan.batch_spec(), batch)
+    grad_specs = self.plan.state_specs()
+    grads = self._jit(self._local_grads, (specs, batch_specs), (grad_specs, P(), P()), donate=())
+    update = self._jit(self._local_update, (specs, grad_specs, P(), P()), (specs, P()),
+                       donate=(0,))
+    return grads, update
 
   def _check_batch(self, batch: PyTree) -> None:
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
@@ -360,11 +389,45 @@ class Engine:
             f"size {self.mesh.dp_size}).")
 
   def train_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
-    """One optimizer step on a global batch (leading dim ``train_batch_size``). Donates ``state``."""
+    """One optimizer step on a global batch (leading dim ``train_batch_size``). Donates ``state``.
+
+    Every ``steps_per_print`` steps the step's metrics are logged (logger ``jzero``). With
+    ``wall_clock_breakdown`` the step runs as two jits, forward+backward+reduction then the
+    update, each timed to completion (``block_until_ready``); the timings are appended to
+    ``engine.timings`` and logged with the metrics.
+    """
     self._check_batch(batch)
-    if self._step_fn is None:
-      self._step_fn = self._build_step(batch)
-    return self._step_fn(state, batch)
+    if self._host_step is None:
+      self._host_step = int(state.step)
+    if self.config.wall_clock_breakdown:
+      if self._split_fns is None:
+        self._split_fns = self._build_split_step(batch)
+      grads_fn, update_fn = self._split_fns
+      t0 = time.perf_counter()
+      grads = jax.block_until_ready(grads_fn(state, batch))
+      t1 = time.perf_counter()
+      state, metrics = jax.block_until_ready(update_fn(state, *grads))
+      self.timings.append(StepTiming(step=self._host_step + 1, forward_backward_s=t1 - t0,
+                                     optimizer_s=time.perf_counter() - t1))
+    else:
+      if self._step_fn is None:
+        self._step_fn = self._build_step(batch)
+      state, metrics = self._step_fn(state, batch)
+    self._host_step += 1
+    every = self.config.steps_per_print
+    if every and self._host_step % every == 0:
+      self._log_step(metrics)
+    return state, metrics
+
+  def _log_step(self, metrics: dict) -> None:
+    line = (f"step {self._host_step}: loss {float(metrics['loss']):.4f} | grad_norm "
+            f"{float(metrics['grad_norm']):.3f} | lr {float(metrics['lr']):.3e} | loss_scale "
+            f"{float(metrics['loss_scale']):g}{' | overflow: step skipped' if bool(metrics['overflow']) else ''}")
+    if self.config.wall_clock_breakdown and self.timings:
+      t = self.timings[-1]
+      line += (f" | time (ms) fwd+bwd {t.forward_backward_s * 1e3:.1f} | optimizer "
+               f"{t.optimizer_s * 1e3:.1f} | total {t.total_s * 1e3:.1f}")
+    logger.info(line)
 
   def compile_step(self, state: TrainState, batch: PyTree):
     """The compiled step (for ``memory_analysis()`` and the HLO) without running it."""

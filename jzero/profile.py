@@ -31,7 +31,7 @@ import numpy as np
 
 from jzero.mesh import ZeroMesh
 
-__all__ = ["Collective", "CommVolume", "collectives", "comm_volume", "zero_theory"]
+__all__ = ["Collective", "CommVolume", "StepTiming", "collectives", "comm_volume", "zero_theory"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
@@ -235,3 +235,16 @@ def comm_volume(compiled: Any, mesh: ZeroMesh, *, num_params: int, bytes_per_par
   """
   text = compiled if isinstance(compiled, str) else compiled.as_text()
   return CommVolume(ops=collectives(text, mesh), psi_bytes=num_params * bytes_per_param)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+  """Wall-clock time of one step run with ``wall_clock_breakdown`` (each part run to completion)."""
+
+  step: int
+  forward_backward_s: float  # forward + backward over all micro-batches + gradient reduction
+  optimizer_s: float  # overflow check, clipping, optimizer update, parameter all-gather
+
+  @property
+  def total_s(self) -> float:
+    return self.forward_backward_s + self.optimizer_s
