@@ -48,7 +48,7 @@ from jzero.layers import LayerPolicy, engine_context
 from jzero.mesh import MeshSpec, ZeroMesh
 from jzero.model import ModelAdapter, as_model
 from jzero.optim import build_optimizer
-from jzero.plan import LeafPlan, Plan, make_plan
+from jzero.plan import LeafPlan, Plan, make_plan, path_str
 from jzero.precision import LossScaler, LossScaleState, has_overflow
 from jzero.profile import StepTiming
 
@@ -168,12 +168,14 @@ class Engine:
     return self._require_plan().sharding(self._require_plan().batch_spec())
 
   # -- init -----------------------------------------------------------------------------------------
-  def init(self, rng: jax.Array, sample_batch: Any = None) -> TrainState:
+  def init(self, rng: jax.Array, sample_batch: Any = None, *, params: PyTree = None) -> TrainState:
     """Creates the train state directly in its ZeRO placement.
 
     Args:
       rng: a PRNG key; split into the model-init key and the training key (dropout etc.).
       sample_batch: a batch, needed by Linen models to trace ``module.init``.
+      params: start from these parameters (the model's logical shapes, e.g. imported weights)
+        instead of the model's initialisation; optimizer state starts fresh.
     """
     if self.plan is None:
       self.plan = self._make_plan(rng, sample_batch)
@@ -200,9 +202,25 @@ class Engine:
           rng=jax.random.key_data(train_key))
 
     shardings = self.state_shardings()
-    if self.model.initial_params is not None:
-      return jax.jit(make_state, out_shardings=shardings)(rng, self.model.initial_params)
+    if params is None:
+      params = self.model.initial_params
+    if params is not None:
+      self._check_params(params)
+      return jax.jit(make_state, out_shardings=shardings)(rng, params)
     return jax.jit(lambda r: make_state(r, None), out_shardings=shardings)(rng)
+
+  def _check_params(self, params: PyTree) -> None:
+    """Given parameters must have the model's tree structure and logical shapes."""
+    plan = self.plan
+    got = {plan_path: np.shape(x) for plan_path, x in _flat_paths(params)}
+    want = {l.path: l.shape for l in plan.leaf_list()}
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+      raise ConfigError(f"parameters do not match the model: missing {missing[:5]}, unexpected "
+                        f"{extra[:5]} (paths are '/'-joined keys of the params tree).")
+    bad = [f"{p}: {got[p]} (model: {want[p]})" for p in want if tuple(got[p]) != want[p]]
+    if bad:
+      raise ConfigError(f"parameters do not match the model's shapes: {'; '.join(bad[:5])}.")
 
   # -- the step -------------------------------------------------------------------------------------
   def _reduce_micro(self, leaf: LeafPlan, g: jax.Array) -> jax.Array:
@@ -481,6 +499,10 @@ class Engine:
   def bind(self, params: PyTree) -> Any:
     """The user's model built from logical params (e.g. :meth:`logical_params`), for evaluation."""
     return self.model.bind(params)
+
+
+def _flat_paths(tree: PyTree) -> list[tuple[str, Any]]:
+  return [(path_str(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def _as_mesh(mesh: Any) -> ZeroMesh:
