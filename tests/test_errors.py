@@ -86,6 +86,21 @@ def test_later_features_are_refused_at_initialize(name, key):
   assert key in str(e.value) and "not yet supported" in str(e.value)
 
 
+@pytest.mark.parametrize("name", ["ds_zero2_offload.json", "ds_zero3_offload.json"])
+def test_shipped_offload_configs_load_and_are_refused(name):
+  path = Path(__file__).parents[1] / "configs" / name
+  jzero.Config.load(path)  # valid DeepSpeed config
+  with pytest.raises(jzero.NotSupportedError, match="offload_optimizer.device=cpu"):
+    _init(str(path))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_shipped_stage_configs_resolve(stage):
+  path = Path(__file__).parents[1] / "configs" / f"zero{stage}.json"
+  engine = _init(str(path), total_num_steps=100)
+  assert engine.config.zero_optimization.stage == stage and engine.global_batch_size == 32
+
+
 def test_wrong_batch_shape_is_a_data_error():
   engine = _init(ds_config(1))
   with pytest.raises(jzero.DataError, match="train_batch_size = 8"):
