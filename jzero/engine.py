@@ -30,6 +30,7 @@ import dataclasses
 import inspect
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -43,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jzero import collectives
 from jzero.collectives import ZeroShard
 from jzero.config import Config
-from jzero.errors import ConfigError, DataError
+from jzero.errors import ConfigError, DataError, JZeroWarning
 from jzero.layers import LayerPolicy, engine_context
 from jzero.mesh import MeshSpec, ZeroMesh
 from jzero.model import ModelAdapter, as_model
@@ -428,9 +429,7 @@ class Engine:
       self.timings.append(StepTiming(step=self._host_step + 1, forward_backward_s=t1 - t0,
                                      optimizer_s=time.perf_counter() - t1))
     else:
-      if self._step_fn is None:
-        self._step_fn = self._build_step(batch)
-      state, metrics = self._step_fn(state, batch)
+      state, metrics = self.jitted_step(batch)(state, batch)
     self._host_step += 1
     every = self.config.steps_per_print
     if every and self._host_step % every == 0:
@@ -447,12 +446,16 @@ class Engine:
                f"{t.optimizer_s * 1e3:.1f} | total {t.total_s * 1e3:.1f}")
     logger.info(line)
 
-  def compile_step(self, state: TrainState, batch: PyTree):
-    """The compiled step (for ``memory_analysis()`` and the HLO) without running it."""
+  def jitted_step(self, batch: PyTree):
+    """The jitted (not yet compiled) fused step, e.g. to lower or ``jax.export`` it."""
     self._check_batch(batch)
     if self._step_fn is None:
       self._step_fn = self._build_step(batch)
-    return self._step_fn.lower(state, batch).compile()
+    return self._step_fn
+
+  def compile_step(self, state: TrainState, batch: PyTree):
+    """The compiled step (for ``memory_analysis()`` and the HLO) without running it."""
+    return self.jitted_step(batch).lower(state, batch).compile()
 
   def shard_batch(self, batch: PyTree) -> PyTree:
     """Places a host batch (numpy) on the mesh, split over the batch axes."""
@@ -571,10 +574,31 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
         consecutive_hysteresis=fp16.consecutive_hysteresis, min_loss_scale=fp16.min_loss_scale)
   else:
     scaler = LossScaler.disabled()
+  _warn_gpu_only_knobs(cfg, zmesh)
   if stacked_layers is None:
     stacked_layers = adapter.stacked_layers
   return Engine(config=cfg, mesh=zmesh, model=adapter, loss_fn=loss_fn, tx=tx, schedule=schedule,
                 scaler=scaler, stacked_layers=_as_prefixes(stacked_layers))
+
+
+def _warn_gpu_only_knobs(cfg: Config, mesh: ZeroMesh) -> None:
+  """Bucket sizes and overlap_comm reach XLA as GPU compile options (Plan.xla_options); say so
+  once when they are set to something other than DeepSpeed's defaults on another backend."""
+  platform = mesh.mesh.devices.flat[0].platform
+  if platform == "gpu":
+    return
+  zero = cfg.zero_optimization
+  fields = type(zero).model_fields
+  changed = [f"{fields[name].alias or name}={getattr(zero, name)}"
+             for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size")
+             if getattr(zero, name) != fields[name].default]
+  if zero.overlap_comm != (zero.stage == 3):
+    changed.append(f"overlap_comm={zero.overlap_comm}")
+  if changed:
+    warnings.warn(
+        f"zero_optimization {', '.join(changed)}: jzero passes bucket sizes and overlap to XLA's "
+        f"collective combiners and latency-hiding scheduler, which the GPU compiler has and the "
+        f"{platform} backend does not; on {platform} these settings change nothing.", JZeroWarning)
 
 
 def _block(block: Any) -> dict | None:

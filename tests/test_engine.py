@@ -255,3 +255,40 @@ def test_fp16_dynamic_loss_scale_follows_deepspeed():
       break
   assert reached_floor
   assert int(state.skipped) == sum(overflows[: int(state.step)])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_step_lowers_for_cuda(stage):
+  """GPU-ready: the step exports for CUDA with its collectives (no GPU needed to lower)."""
+  from jax import export
+
+  engine = jzero.initialize(gpt_factory(SMALL), lm_loss,
+                            ds_config(stage, stage3_param_persistence_threshold=0))
+  state = engine.init(jax.random.key(0))
+  batch = engine.shard_batch(batches(SMALL.seq_len, N, 1)[0])
+  exported = export.export(engine.jitted_step(batch), platforms=("cuda",))(state, batch)
+  assert exported.platforms == ("cuda",)
+  module = exported.mlir_module()
+  assert "reduce_scatter" in module and "all_gather" in module
+
+
+def test_bucket_knobs_warn_on_cpu():
+  with pytest.warns(jzero.JZeroWarning, match="reduce_bucket_size=10000000.*change nothing"):
+    jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(2, reduce_bucket_size=10**7))
+
+
+def test_wall_clock_breakdown_times_both_halves_and_logs(caplog):
+  data = batches(SMALL.seq_len, N, 4)
+  plain = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(2))
+  timed = jzero.initialize(gpt_factory(SMALL), lm_loss,
+                           {**ds_config(2), "wall_clock_breakdown": True, "steps_per_print": 2})
+  with caplog.at_level("INFO", logger="jzero"):
+    _, p_plain, l_plain = engine_run(plain, data)
+    _, p_timed, l_timed = engine_run(timed, data)
+  np.testing.assert_allclose(l_timed, l_plain, rtol=1e-6)  # same step, split in two jits
+  assert max_relative_diff(p_timed, p_plain) <= 1e-6
+  assert [t.step for t in timed.timings] == [1, 2, 3, 4] and not plain.timings
+  assert all(t.forward_backward_s > 0 and t.optimizer_s > 0 for t in timed.timings)
+  lines = [r.getMessage() for r in caplog.records]
+  assert sum("fwd+bwd" in l for l in lines) == 2  # steps 2 and 4
+  assert any(l.startswith("step 4: loss") for l in lines)
