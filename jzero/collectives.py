@@ -25,12 +25,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["ZeroShard", "gather", "all_gather", "reduce_scatter", "local_slice"]
+__all__ = ["ZeroShard", "gather", "all_gather", "reduce_scatter", "local_slice", "pad_to"]
 
 Axes = tuple[str, ...]
 
 
-def _pad_to(x: jax.Array, dim: int, padded: int) -> jax.Array:
+def pad_to(x: jax.Array, dim: int, padded: int) -> jax.Array:
+  """Zero-pads dimension ``dim`` of ``x`` at its end to size ``padded``."""
   extra = padded - x.shape[dim]
   if extra == 0:
     return x
@@ -47,7 +48,7 @@ def all_gather(shard: jax.Array, dim: int, size: int, axes: Axes) -> jax.Array:
 
 def reduce_scatter(full: jax.Array, dim: int, padded: int, axes: Axes) -> jax.Array:
   """Sum of ``full`` over the devices on ``axes``, this device's partition of it."""
-  return lax.psum_scatter(_pad_to(full, dim % full.ndim, padded), axes,
+  return lax.psum_scatter(pad_to(full, dim % full.ndim, padded), axes,
                           scatter_dimension=dim % full.ndim, tiled=True)
 
 
@@ -55,7 +56,7 @@ def local_slice(full: jax.Array, dim: int, padded: int, axes: Axes) -> jax.Array
   """This device's partition of a replicated array (no communication)."""
   d = dim % full.ndim
   step = padded // lax.axis_size(axes)
-  return lax.dynamic_slice_in_dim(_pad_to(full, d, padded), lax.axis_index(axes) * step, step, axis=d)
+  return lax.dynamic_slice_in_dim(pad_to(full, d, padded), lax.axis_index(axes) * step, step, axis=d)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))

@@ -183,11 +183,7 @@ class Engine:
     plan, compute = self.plan, self.compute_dtype
 
     def to_layout(leaf: LeafPlan, x: jax.Array, partitioned: bool) -> jax.Array:
-      if not partitioned or leaf.pad == 0:
-        return x
-      widths = [(0, 0)] * x.ndim
-      widths[leaf.shard_dim] = (0, leaf.pad)
-      return jnp.pad(x, widths)
+      return leaf.to_padded(x) if partitioned else x
 
     def make_state(rng, params):
       init_key, train_key = jax.random.split(rng)
@@ -491,12 +487,7 @@ class Engine:
     """
     plan = self._require_plan()
     source = state.master if plan.has_master else state.params
-
-    def unpad(leaf: LeafPlan, x):
-      if leaf.shard_dim is not None and x.shape[leaf.shard_dim] != leaf.shape[leaf.shard_dim]:
-        x = lax.slice_in_dim(x, 0, leaf.shape[leaf.shard_dim], axis=leaf.shard_dim)
-      return x.astype(dtype)
-
+    unpad = lambda leaf, x: leaf.to_logical(x).astype(dtype)
     return jax.jit(lambda s: plan.map(unpad, s), out_shardings=plan.sharding(P()))(source)
 
   def bind(self, params: PyTree) -> Any:

@@ -51,10 +51,11 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jzero.collectives import pad_to
 from jzero.mesh import ZeroMesh
 
 __all__ = ["LeafPlan", "Plan", "make_plan", "path_str"]
@@ -120,6 +121,16 @@ class LeafPlan:
   @property
   def pad(self) -> int:
     return 0 if self.shard_dim is None else self.padded - self.shape[self.shard_dim]
+
+  def to_padded(self, x: jax.Array) -> jax.Array:
+    """A logical-shape array zero-padded to :attr:`padded_shape`."""
+    return x if self.pad == 0 else pad_to(x, self.shard_dim % x.ndim, self.padded)
+
+  def to_logical(self, x: jax.Array) -> jax.Array:
+    """An array of :attr:`padded_shape` (or the logical shape) cut back to the logical shape."""
+    if self.shard_dim is None or x.shape[self.shard_dim] == self.shape[self.shard_dim]:
+      return x
+    return lax.slice_in_dim(x, 0, self.shape[self.shard_dim], axis=self.shard_dim % x.ndim)
 
 
 def _choose_shard_dim(shape: tuple[int, ...], stacked: bool, n: int) -> tuple[int | None, int]:
