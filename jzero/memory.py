@@ -1,20 +1,424 @@
-"""Memory you can see: per-device bytes of the train state, measured from the live arrays.
+"""Memory you can see: what ZeRO predicts per device, and what a live engine holds.
 
-``state_report`` reads, for one device, the bytes of every shard that device holds of the compute
-params, the fp32 master and the optimizer state (``arr.addressable_shards``), by memory kind; the
-gradient buffer, which lives only inside the compiled step, is counted from the plan (its layout
-times the compute dtype), as ZeRO's accounting does.
+**The estimator** (:func:`estimate`) is the ZeRO paper's arithmetic. With Ψ parameters, ``N``
+ZeRO partitions (devices x nodes), ``p`` / ``g`` bytes per parameter of compute params and
+gradients (2 in fp16 / bf16, 4 in fp32) and ``K`` bytes per parameter of optimizer state (Adam
+with an fp32 master: K = 12 = 4 master + 8 moments; jzero's fp32 training keeps no master, K = 8),
+one device holds:
+
+=========  ====================  =========  =========  =========================
+stage      params                grads      optimizer  total (p = g = 2)
+=========  ====================  =========  =========  =========================
+0 (DDP)    pΨ                    gΨ         KΨ         (4 + K)Ψ
+1          pΨ                    gΨ         KΨ/N       4Ψ + KΨ/N
+2          pΨ                    gΨ/N       KΨ/N       2Ψ + (2 + K)Ψ/N
+3          p(Ψ - Ψr)/N + pΨr     gΨ/N       KΨ/N       (4 + K)Ψ/N + 2Ψr(1 - 1/N)
+=========  ====================  =========  =========  =========================
+
+Ψr is the stage-3 *persistent* parameters (see :mod:`jzero.plan`): leaves with fewer than
+``persistence_threshold`` elements (per layer for leaves stacked over a layer axis) keep a
+replicated compute param; their gradients and optimizer state stay partitioned. Ψr needs the
+leaves' shapes (pass them instead of a count); padding to a multiple of N is ignored.
+
+Offload moves a category off the device, per process (one process per device):
+
+* ``offload_optimizer`` (stages 1-3; ZeRO-Offload): the optimizer state and fp32 master
+  (KΨ/N) and their update go to ``"cpu"`` (host memory), or to ``"nvme"`` in stage 3
+  (ZeRO-Infinity). The gradient partition the update reads (gΨ/N) goes to host memory with it, as
+  in ZeRO-Offload, so stage 2 and 3 keep no gradients on the device; stage 1 still accumulates the
+  full local gradient (gΨ) on the device before reducing it.
+* ``offload_param`` (stage 3 only; ZeRO-Infinity): the partitioned compute params,
+  p(Ψ - Ψr)/N, go to ``"cpu"`` or ``"nvme"``; persistent params stay on the device.
+
+Counted are the model states that live across steps, nothing else: not the stage-3 working set
+(one gathered layer and its full gradient before the reduce-scatter), not communication buckets,
+not allocator slack. Those are temporaries of the compiled step; :func:`memory_report` shows them
+in XLA's ``memory_analysis()``. Activations are added when given (:func:`activation_bytes`).
+
+How this relates to DeepSpeed's estimators (``estimate_zero2_model_states_mem_needs`` and
+``estimate_zero3_model_states_mem_needs``), which assume fp16 and Adam:
+
+* GPU, no offload: DeepSpeed's ZeRO-2 2Ψ + 18Ψ/N and ZeRO-3 4·L + 18Ψ/N count an fp32 copy of
+  the gradient partition (18 = 2 fp16 grads + 4 fp32 grads + 12), which jzero forms only inside
+  the step, and 4·L for the largest layer L gathered in stage 3 (a temporary here). jzero:
+  2Ψ + 14Ψ/N and 16Ψ/N + 2Ψr(1 - 1/N).
+* GPU with offload: DeepSpeed's ZeRO-2 2Ψ, ZeRO-3 4·L + 2Ψ/N (optimizer) and 4·L (params too)
+  are jzero's pΨ, p(Ψ - Ψr)/N + pΨr and pΨr without the 4·L.
+* CPU: DeepSpeed gives bytes per node, times an ``additional_buffer_factor`` of 1.5. ZeRO-2
+  offload: Ψ·max(4·N, 16)·1.5, i.e. the whole optimizer state plus fp32 gradients (16Ψ) on every
+  node, or each process's fp32 copy of the model at load time (4Ψ per process). ZeRO-3:
+  16Ψ/nodes·1.5 (optimizer) and 18Ψ/nodes·1.5 (params too). jzero creates the state directly in
+  its placement, so per node it counts devices_per_node x the per-process bytes:
+  (2 + 12)Ψ/nodes and (2 + 2 + 12)Ψ/nodes, with no buffer factor.
+
+**Measured accounting** (:func:`memory_report`) reads, for the first device of a live engine's
+mesh, the bytes of every shard that device holds of the compute params, the fp32 master and the
+optimizer state (``arr.addressable_shards``), by memory kind (``device``, ``pinned_host``,
+``unpinned_host``; a tier outside JAX's memory kinds, such as NVMe, adds its own key). The
+gradient buffer lives only inside the compiled step, so it is counted from the plan (its layout
+times the compute dtype), as ZeRO's accounting does. Given a batch, the report adds the compiled
+step's ``memory_analysis()``, and it sets the estimator's prediction for the same model beside the
+measurement.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
-from typing import Any
+import dataclasses
+import math
+import re
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import optax
 
-__all__ = ["live_bytes", "state_report", "format_state_report"]
+from jzero.errors import ConfigError
+from jzero.plan import path_str
+
+__all__ = [
+    "PRECISION_BYTES", "CATEGORIES", "TIERS", "REPORT_CATEGORIES", "DEFAULT_PERSISTENCE_THRESHOLD",
+    "ParamShape", "param_shapes", "persistent_numel", "Estimate", "estimate",
+    "activation_bytes", "Recommendation", "recommend", "format_bytes", "format_estimates",
+    "live_bytes", "state_report", "CompiledMemory", "MemoryReport", "memory_report",
+    "format_memory_report", "add_estimate_arguments", "run_estimate",
+]
+
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+CATEGORIES = ("params", "grads", "optimizer")
+TIERS = ("device", "host", "nvme")
+_OFFLOAD_TIER = {"cpu": "host", "nvme": "nvme"}
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold
+
+
+# -- model shapes ----------------------------------------------------------------------------------
+class ParamShape(NamedTuple):
+  """Shape of one parameter leaf; ``stacked``: it has a leading layer axis (run under scan).
+
+  A plan's :class:`jzero.plan.LeafPlan` has the same two fields and can be used in its place.
+  """
+
+  shape: tuple[int, ...]
+  stacked: bool = False
+
+
+def param_shapes(abstract_params: Any, stacked_layers: Sequence[str] = ()) -> list[ParamShape]:
+  """The :class:`ParamShape` of every leaf of a params pytree (arrays or ShapeDtypeStructs).
+
+  Args:
+    abstract_params: the params pytree.
+    stacked_layers: '/'-joined path prefixes of the subtrees stacked over a layer axis.
+  """
+  def is_stacked(path: str) -> bool:
+    return any(path == s or path.startswith(s + "/") for s in stacked_layers)
+
+  flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+  return [ParamShape(tuple(x.shape), is_stacked(path_str(p)) and len(x.shape) >= 1)
+          for p, x in flat]
+
+
+def _splittable(leaf: ParamShape) -> bool:
+  """A leaf can be partitioned: it has a dimension other than its layer axis."""
+  return len(leaf.shape) > (1 if leaf.stacked else 0)
+
+
+def persistent_numel(leaves: Sequence[ParamShape], threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+                     model_threshold: int | None = None) -> int:
+  """Elements of the stage-3 params that stay replicated (Ψr), chosen as :func:`make_plan` does.
+
+  Leaves with fewer than ``threshold`` elements per layer, smallest first, up to
+  ``model_threshold`` elements in all (None: no cap); leaves that cannot be split (0-d) too.
+  """
+  budget = math.inf if model_threshold is None else model_threshold
+  fixed, small = 0, []
+  for leaf in leaves:
+    numel = math.prod(leaf.shape)
+    if not _splittable(leaf):
+      fixed += numel
+    elif (numel // leaf.shape[0] if leaf.stacked else numel) < threshold:
+      small.append(numel)
+  kept = 0
+  for numel in sorted(small):
+    if numel > budget:
+      break
+    kept += numel
+    budget -= numel
+  return fixed + kept
+
+
+# -- the estimator ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """Bytes one process (one device) needs for one ZeRO configuration; see the module docstring.
+
+  Attributes:
+    stage: ZeRO stage 0..3.
+    offload_optimizer: where the optimizer state went: None, "cpu" or "nvme".
+    offload_param: where the stage-3 partitioned params went: None, "cpu" or "nvme".
+    num_params: Ψ.
+    persistent_params: Ψr, stage-3 params kept replicated (0 in other stages).
+    devices: N, the number of ZeRO partitions (devices per node x nodes).
+    devices_per_node: processes per node (host bytes per node = per process x this).
+    param_bytes: bytes per compute param (p).
+    bytes: tier ("device", "host", "nvme") -> category ("params", "grads", "optimizer") -> bytes.
+    activations: activation bytes per device (0: not estimated).
+  """
+
+  stage: int
+  offload_optimizer: str | None
+  offload_param: str | None
+  num_params: int
+  persistent_params: int
+  devices: int
+  devices_per_node: int
+  param_bytes: int
+  bytes: dict[str, dict[str, float]]
+  activations: float = 0.0
+
+  @property
+  def name(self) -> str:
+    """'DDP (stage 0)', 'ZeRO-2', 'ZeRO-3 + optimizer->cpu, params->nvme', ..."""
+    name = "DDP (stage 0)" if self.stage == 0 else f"ZeRO-{self.stage}"
+    moved = [f"{what}->{where}" for what, where in
+             (("optimizer", self.offload_optimizer), ("params", self.offload_param)) if where]
+    return f"{name} + {', '.join(moved)}" if moved else name
+
+  def tier_total(self, tier: str) -> float:
+    """Model-state bytes per process on one tier ("device", "host" or "nvme")."""
+    return sum(self.bytes[tier].values())
+
+  @property
+  def model_states(self) -> float:
+    """Model-state bytes on the device: params + grads + optimizer state."""
+    return self.tier_total("device")
+
+  @property
+  def device_total(self) -> float:
+    """Bytes on the device: model states + activations."""
+    return self.model_states + self.activations
+
+  @property
+  def host_per_node(self) -> float:
+    return self.tier_total("host") * self.devices_per_node
+
+
+def _offload_problem(stage: int, offload_optimizer: str | None,
+                     offload_param: str | None) -> str | None:
+  """Why a stage cannot have these offload settings (None: it can)."""
+  for key, value in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+    if value is not None and value not in _OFFLOAD_TIER:
+      return f"{key} must be None, 'cpu' or 'nvme', got {value!r}."
+  if offload_optimizer and stage == 0:
+    return ("offload_optimizer needs ZeRO stage 1, 2 or 3 (stage 0 does not partition the "
+            "optimizer state).")
+  if offload_param and stage != 3:
+    return f"offload_param needs ZeRO stage 3, got stage {stage}: only stage 3 partitions params."
+  if "nvme" in (offload_optimizer, offload_param) and stage != 3:
+    return (f"NVMe offload (ZeRO-Infinity) needs ZeRO stage 3, got stage {stage}; use 'cpu' in "
+            f"stages 1 and 2.")
+  return None
+
+
+def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1, nodes: int = 1, *,
+             param_bytes: int = 2, grad_bytes: int | None = None, optimizer_bytes: float = 12,
+             offload_optimizer: str | None = None, offload_param: str | None = None,
+             persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+             model_persistence_threshold: int | None = None, activations: float = 0.0) -> Estimate:
+  """Per-device bytes of one ZeRO configuration (formulas and offload rules: module docstring).
+
+  Args:
+    params: the parameter count Ψ, or the leaves' shapes (:func:`param_shapes`, or a plan's
+      ``leaf_list()``), which add stage-3 persistence.
+    stage: ZeRO stage 0..3.
+    devices: devices per node.
+    nodes: nodes; N = devices x nodes.
+    param_bytes: bytes per compute param (p).
+    grad_bytes: bytes per gradient (g; default ``param_bytes``).
+    optimizer_bytes: optimizer-state bytes per param, fp32 master included (K).
+    offload_optimizer: None, "cpu" or "nvme".
+    offload_param: None, "cpu" or "nvme" (stage 3).
+    persistence_threshold: with shapes: stage-3 leaves with fewer elements per layer stay
+      replicated.
+    model_persistence_threshold: with shapes: cap on the persistent elements (None: no cap).
+    activations: activation bytes per device to add to the device total.
+
+  Raises:
+    ConfigError: an offload setting the stage does not have.
+  """
+  if stage not in (0, 1, 2, 3):
+    raise ConfigError(f"ZeRO stage must be 0..3, got {stage}.")
+  problem = _offload_problem(stage, offload_optimizer, offload_param)
+  if problem:
+    raise ConfigError(problem)
+  n, g, k = devices * nodes, param_bytes if grad_bytes is None else grad_bytes, optimizer_bytes
+  if isinstance(params, (int, float)):
+    psi, persistent = int(params), 0
+  else:
+    psi = sum(math.prod(leaf.shape) for leaf in params)
+    persistent = (persistent_numel(params, persistence_threshold, model_persistence_threshold)
+                  if stage == 3 else 0)
+  tiers = {tier: dict.fromkeys(CATEGORIES, 0.0) for tier in TIERS}
+  device = tiers["device"]
+  device["params"] = (param_bytes * (psi - persistent) / n + param_bytes * persistent
+                      if stage == 3 else param_bytes * psi)
+  device["grads"] = g * psi / n if stage >= 2 else g * psi
+  device["optimizer"] = k * psi / n if stage >= 1 else k * psi
+  if offload_optimizer:
+    tiers[_OFFLOAD_TIER[offload_optimizer]]["optimizer"], device["optimizer"] = k * psi / n, 0.0
+    tiers["host"]["grads"], device["grads"] = g * psi / n, (g * psi if stage == 1 else 0.0)
+  if offload_param:
+    tiers[_OFFLOAD_TIER[offload_param]]["params"] = param_bytes * (psi - persistent) / n
+    device["params"] = float(param_bytes * persistent)
+  return Estimate(stage=stage, offload_optimizer=offload_optimizer, offload_param=offload_param,
+                  num_params=psi, persistent_params=persistent, devices=n,
+                  devices_per_node=devices, param_bytes=param_bytes, bytes=tiers,
+                  activations=activations)
+
+
+def activation_bytes(micro_batch: int, seq_len: int, hidden: int, layers: int, heads: int, *,
+                     bytes_per_element: int = 2, checkpointing: bool = False) -> float:
+  """Activation bytes per device of a transformer's layers (Korthikanti et al. 2022, Table 2).
+
+  Without recomputation a layer keeps s·b·h·(34 + 5·a·s/h) bytes in fp16 (the 34 counts 2-byte
+  tensors and 1-byte dropout masks; 5·a·s/h the attention scores, softmax and its dropout); with
+  full activation checkpointing only its 2-byte input, 2·s·b·h. Both scale by
+  ``bytes_per_element / 2``. Not counted: embeddings, the output logits and the one layer being
+  recomputed during the backward pass.
+
+  Args:
+    micro_batch: b, sequences per device per micro-batch.
+    seq_len: s.
+    hidden: h.
+    layers: L.
+    heads: a.
+    bytes_per_element: 2 (fp16 / bf16) or 4 (fp32).
+    checkpointing: full activation checkpointing (keep each layer's input only).
+  """
+  sbh = seq_len * micro_batch * hidden
+  per_layer = 2 * sbh if checkpointing else sbh * (34 + 5 * heads * seq_len / hidden)
+  return layers * per_layer * bytes_per_element / 2
+
+
+_OFFLOAD_VARIANTS = ((2, "cpu", None), (3, "cpu", None), (3, "cpu", "cpu"), (3, "nvme", "cpu"),
+                     (3, "nvme", "nvme"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+  """The answer of :func:`recommend`; ``str()`` says it in one line.
+
+  Attributes:
+    budget: device memory in bytes.
+    headroom: fraction of ``budget`` kept free.
+    choice: the configuration that fits, or None.
+    devices_needed: when none fits, the devices at which plain ZeRO-3 would (None: at no count,
+      since persistent params and activations alone exceed the budget).
+  """
+
+  budget: float
+  headroom: float
+  choice: Estimate | None
+  devices_needed: int | None
+
+  @property
+  def usable(self) -> float:
+    return self.budget * (1 - self.headroom)
+
+  def __str__(self) -> str:
+    limit = (f"{format_bytes(self.usable)} usable per device ({format_bytes(self.budget)} budget, "
+             f"{self.headroom:.0%} headroom)")
+    if self.choice is not None:
+      return f"{self.choice.name} fits: {format_bytes(self.choice.device_total)} of {limit}"
+    if self.devices_needed is None:
+      return (f"does not fit at any device count: persistent params and activations alone exceed "
+              f"{limit}")
+    return f"does not fit: needs {self.devices_needed} devices (ZeRO-3) for {limit}"
+
+
+def recommend(params: float | Sequence[ParamShape], budget: float, devices: int = 1,
+              nodes: int = 1, *, headroom: float = 0.1, host_budget: float | None = None,
+              **kwargs: Any) -> Recommendation:
+  """Which stage? The smallest that fits the device budget, else an offload variant, else how many
+  devices plain ZeRO-3 needs.
+
+  A configuration fits when its device total (model states + activations) is at most
+  ``budget * (1 - headroom)`` and, with ``host_budget``, its host bytes per node at most
+  ``host_budget * (1 - headroom)``. Stages 0-3 are tried in order, then, from the least offload
+  to the most: ZeRO-2 and ZeRO-3 with the optimizer on the host, ZeRO-3 with the params on the
+  host too, then the optimizer on NVMe, then both on NVMe. Like :func:`estimate` it counts model
+  states and activations only: leave room in ``headroom`` for the step's temporaries (the stage-3
+  gathered layer, communication buffers).
+
+  Args:
+    params, devices, nodes: as for :func:`estimate`.
+    budget: device memory in bytes.
+    headroom: fraction of each budget kept free.
+    host_budget: host memory per node in bytes (None: not checked).
+    **kwargs: the other arguments of :func:`estimate` (bytes per param, thresholds, activations).
+  """
+  usable = budget * (1 - headroom)
+  host_usable = math.inf if host_budget is None else host_budget * (1 - headroom)
+  candidates = [(s, None, None) for s in range(4)] + list(_OFFLOAD_VARIANTS)
+  for stage, opt, param in candidates:
+    est = estimate(params, stage, devices, nodes, offload_optimizer=opt, offload_param=param,
+                   **kwargs)
+    if est.device_total <= usable and est.host_per_node <= host_usable:
+      return Recommendation(budget, headroom, est, None)
+  zero3 = estimate(params, 3, devices, nodes, **kwargs)
+  return Recommendation(budget, headroom, None, _devices_needed(zero3, usable))
+
+
+def _devices_needed(zero3: Estimate, usable: float) -> int | None:
+  """Devices at which a plain ZeRO-3 estimate's device total drops to ``usable``: everything but
+  the persistent params and the activations is divided by N."""
+  fixed = zero3.param_bytes * zero3.persistent_params + zero3.activations
+  if fixed >= usable:
+    return None
+  return math.ceil((zero3.device_total - fixed) * zero3.devices / (usable - fixed))
+
+
+# -- tables ----------------------------------------------------------------------------------------
+def format_bytes(n: float) -> str:
+  """Decimal units up to GB (GB = 1e9 bytes): '38.50 GB', '2,100.00 GB', '25.58 MB'."""
+  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if abs(n) >= scale:
+      return f"{n / scale:,.2f} {unit}"
+  return f"{n:,.0f} B"
+
+
+def _cell(n: float) -> str:
+  return format_bytes(n) if n else "-"
+
+
+def _table(header: list[str], rows: list[list[str]], indent: str = "") -> str:
+  """Plain-text table: first column left-aligned, the others right-aligned."""
+  widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+  def line(cells):
+    return indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                              for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+  return "\n".join([line(header), *(line(r) for r in rows)])
+
+
+def format_estimates(estimates: Sequence[Estimate]) -> str:
+  """A table of estimates: device bytes by category and in total, offloaded bytes per process."""
+  acts = any(e.activations for e in estimates)
+  per_node = any(e.devices_per_node > 1 and e.tier_total("host") for e in estimates)
+  header = (["configuration", *CATEGORIES] + ["activations"] * acts
+            + ["device total", "host/process"] + ["host/node"] * per_node + ["nvme/process"])
+  rows = []
+  for e in estimates:
+    rows.append([e.name, *(_cell(e.bytes["device"][c]) for c in CATEGORIES)]
+                + [_cell(e.activations)] * acts
+                + [format_bytes(e.device_total), _cell(e.tier_total("host"))]
+                + [_cell(e.host_per_node)] * per_node + [_cell(e.tier_total("nvme"))])
+  return _table(header, rows)
+
+
+# -- measured accounting ---------------------------------------------------------------------------
+REPORT_CATEGORIES = ("params", "grads", "master", "optimizer")
+_KIND_ORDER = ("device", "pinned_host", "unpinned_host")
 
 
 def live_bytes(tree: Any, device: jax.Device | None = None) -> dict[str, int]:
@@ -36,7 +440,11 @@ def live_bytes(tree: Any, device: jax.Device | None = None) -> dict[str, int]:
 
 
 def state_report(engine: Any, state: Any) -> dict[str, dict[str, int]]:
-  """Per-device bytes of params / grads / master / optimizer state for one device of ``engine``."""
+  """Bytes the first device of ``engine``'s mesh holds: category -> memory kind -> bytes.
+
+  Categories are :data:`REPORT_CATEGORIES`; params, master and optimizer are measured from the
+  live arrays, grads counted from the plan (``{}`` where a category has no arrays).
+  """
   plan = engine.plan
   device = engine.mesh.mesh.devices.flat[0]
   itemsize = jnp.dtype(plan.compute_dtype).itemsize
@@ -49,14 +457,279 @@ def state_report(engine: Any, state: Any) -> dict[str, dict[str, int]]:
   }
 
 
-def format_state_report(report: dict[str, dict[str, int]]) -> str:
-  """A small table of :func:`state_report`."""
-  lines = ["per-device bytes (device 0):"]
-  total = 0
-  for name, kinds in report.items():
-    n = sum(kinds.values())
-    total += n
-    where = ", ".join(f"{k}" for k in kinds) or "-"
-    lines.append(f"  {name:<10} {n / 2**20:10.3f} MiB  ({where})")
-  lines.append(f"  {'total':<10} {total / 2**20:10.3f} MiB")
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+  """One device's bytes of a compiled step, from XLA's ``memory_analysis()``."""
+
+  argument: int
+  output: int
+  temp: int
+  alias: int
+  generated_code: int
+
+  @classmethod
+  def of(cls, compiled: Any) -> CompiledMemory:
+    """Reads ``compiled.memory_analysis()`` of a ``jax.stages.Compiled``."""
+    a = compiled.memory_analysis()
+    return cls(argument=a.argument_size_in_bytes, output=a.output_size_in_bytes,
+               temp=a.temp_size_in_bytes, alias=a.alias_size_in_bytes,
+               generated_code=a.generated_code_size_in_bytes)
+
+  @property
+  def peak(self) -> int:
+    """argument + output + temp - alias: donated buffers reused for outputs count once."""
+    return self.argument + self.output + self.temp - self.alias
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+  """Measured and predicted model-state bytes of one device of a live engine.
+
+  Attributes:
+    device: the device measured (the first of the mesh).
+    precision: "fp32", "bf16" or "fp16".
+    measured: category (:data:`REPORT_CATEGORIES`) -> memory kind -> bytes.
+    predicted: category -> bytes the estimator puts on the device.
+    estimate: the estimator's answer for this model (Ψ, Ψr, N, stage).
+    optimizer_bytes: K, optimizer-state bytes per param read from the live state (master included).
+    compiled: the compiled step's memory analysis, when a batch was given.
+  """
+
+  device: str
+  precision: str
+  measured: dict[str, dict[str, int]]
+  predicted: dict[str, float]
+  estimate: Estimate
+  optimizer_bytes: float
+  compiled: CompiledMemory | None = None
+
+  def measured_bytes(self, category: str | None = None) -> int:
+    """Measured bytes of one category, over all memory kinds (None: all categories)."""
+    names = REPORT_CATEGORIES if category is None else (category,)
+    return sum(sum(self.measured[c].values()) for c in names)
+
+  def predicted_bytes(self, category: str | None = None) -> float:
+    """Predicted bytes of one category (None: all categories)."""
+    names = REPORT_CATEGORIES if category is None else (category,)
+    return sum(self.predicted[c] for c in names)
+
+  def ratio(self, category: str | None = None) -> float:
+    """measured / predicted for one category (None: the total); nan where nothing is predicted."""
+    predicted = self.predicted_bytes(category)
+    return self.measured_bytes(category) / predicted if predicted else math.nan
+
+
+def _state_bytes_per_param(engine: Any, state: Any) -> tuple[float, float]:
+  """(fp32 master, optimizer state) bytes per parameter, from the live state's global arrays.
+
+  Optimizer leaves that optax marks as param-like (Adam's moments, not its step count) count.
+  """
+  plan = engine.plan
+  numel = sum(math.prod(plan.state_shape(l)) for l in plan.leaf_list())
+  param_like = optax.tree_utils.tree_map_params(engine.tx, lambda x: x.nbytes, state.opt_state,
+                                                transform_non_params=lambda _: 0)
+  master = sum(x.nbytes for x in jax.tree.leaves(state.master))
+  return master / numel, sum(jax.tree.leaves(param_like)) / numel
+
+
+def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
+  """Measured bytes of the first device of ``engine``'s mesh beside the estimator's prediction.
+
+  The prediction uses the plan's leaves (Ψ, stacked layers), the mesh's ZeRO size as N, the
+  config's stage and persistence thresholds, the compute dtype's bytes for params and grads, and K
+  read from the live state (fp32 master + param-like optimizer leaves per param: 8 for Adam in
+  fp32, 12 in bf16 / fp16).
+
+  Args:
+    engine: an engine after :meth:`Engine.init`.
+    state: its train state.
+    batch: a global batch placed on the mesh; adds the compiled step's memory analysis.
+  """
+  plan, zero = engine.plan, engine.config.zero_optimization
+  master_k, opt_k = _state_bytes_per_param(engine, state)
+  est = estimate(plan.leaf_list(), plan.stage, engine.mesh.zero_size,
+                 param_bytes=jnp.dtype(plan.compute_dtype).itemsize,
+                 optimizer_bytes=master_k + opt_k,
+                 persistence_threshold=zero.param_persistence_threshold,
+                 model_persistence_threshold=zero.model_persistence_threshold)
+  device = est.bytes["device"]
+  per_k = device["optimizer"] / (master_k + opt_k) if master_k + opt_k else 0.0
+  predicted = {"params": device["params"], "grads": device["grads"], "master": per_k * master_k,
+               "optimizer": per_k * opt_k}
+  compiled = CompiledMemory.of(engine.compile_step(state, batch)) if batch is not None else None
+  return MemoryReport(device=str(engine.mesh.mesh.devices.flat[0]),
+                      precision=engine.config.precision, measured=state_report(engine, state),
+                      predicted=predicted, estimate=est, optimizer_bytes=master_k + opt_k,
+                      compiled=compiled)
+
+
+def format_memory_report(report: MemoryReport) -> str:
+  """A table of :func:`memory_report`: per category measured bytes by memory kind, measured,
+  predicted and their ratio; then the compiled step's memory analysis."""
+  est = report.estimate
+  present = {k for kinds in report.measured.values() for k in kinds}
+  kinds = [k for k in _KIND_ORDER if k in present] + sorted(present - set(_KIND_ORDER))
+  persistent = f" ({est.persistent_params:,} persistent)" if est.persistent_params else ""
+  lines = [f"memory per device ({report.device}): {est.name}, {report.precision}, N = "
+           f"{est.devices}, {est.num_params:,} params{persistent}, optimizer state K = "
+           f"{report.optimizer_bytes:g} B/param"]
+  header = ["model states", *kinds, "measured", "predicted", "measured/predicted"]
+  rows = []
+  for name in (*REPORT_CATEGORIES, None):
+    ratio = report.ratio(name)
+    label = name or "total"
+    rows.append([f"{label} (plan)" if name == "grads" else label]
+                + [_cell(report.measured[name].get(k, 0)) if name else "" for k in kinds]
+                + [_cell(report.measured_bytes(name)), _cell(report.predicted_bytes(name)),
+                   "-" if math.isnan(ratio) else f"{ratio:.4f}"])
+  lines.append(_table(header, rows, indent="  "))
+  c = report.compiled
+  if c is not None:
+    lines.append(f"compiled step (XLA memory_analysis): argument {format_bytes(c.argument)}, "
+                 f"output {format_bytes(c.output)}, temp {format_bytes(c.temp)}, alias "
+                 f"{format_bytes(c.alias)}, generated code {format_bytes(c.generated_code)}; "
+                 f"peak {format_bytes(c.peak)}")
   return "\n".join(lines)
+
+
+# -- `jzero estimate` ------------------------------------------------------------------------------
+_COUNT_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+_BYTE_UNITS = {"": 1, "B": 1, **{prefix + suffix: base**i for i, prefix in enumerate("KMGT", 1)
+                                  for suffix, base in (("", 1000), ("B", 1000), ("I", 1024),
+                                                       ("IB", 1024))}}
+_NUMBER = r"\s*(\d+(?:\.\d*)?(?:[eE]\+?\d+)?)\s*"
+
+
+def _parse_count(text: str) -> int:
+  """'7e9', '7B', '350M', '6.4M' -> a parameter count."""
+  m = re.fullmatch(_NUMBER + r"([KMBGT]?)\s*", text, re.IGNORECASE)
+  if not m:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count such as 7e9, 7B or 350M")
+  return round(float(m[1]) * _COUNT_SUFFIX[m[2].upper()])
+
+
+def _parse_bytes(text: str) -> float:
+  """'16GB', '80GiB', '512MB', '1e9' -> bytes (kB/MB/GB/TB decimal, KiB/MiB/GiB/TiB binary)."""
+  m = re.fullmatch(_NUMBER + r"([KMGT]?I?B?)\s*", text, re.IGNORECASE)
+  if not m or m[2].upper() not in _BYTE_UNITS:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a memory size such as 16GB or 80GiB")
+  return float(m[1]) * _BYTE_UNITS[m[2].upper()]
+
+
+def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
+  """Adds the ``jzero estimate`` flags to ``parser`` (see :func:`run_estimate`)."""
+  what = parser.add_mutually_exclusive_group(required=True)
+  what.add_argument("--params", type=_parse_count, help="parameter count, e.g. 7e9, 7B or 350M")
+  what.add_argument("--model", choices=["default"],
+                    help="the embedded GPT by its leaf shapes (stage-3 persistence counted); "
+                         "--seq-len/--hidden/--layers/--heads reshape it")
+  parser.add_argument("--devices", type=int, default=8, help="devices per node (default 8)")
+  parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1); N = devices x nodes")
+  parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None,
+                      help="one ZeRO stage (default: all)")
+  parser.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16",
+                      help="dtype of params and grads (default fp16)")
+  parser.add_argument("--optimizer-bytes", type=float, default=None, metavar="K",
+                      help="optimizer-state bytes per param, fp32 master included (default: 12 in "
+                           "fp16/bf16 = master + Adam moments, 8 in fp32 = moments only)")
+  parser.add_argument("--offload-optimizer", choices=("cpu", "nvme"), default=None,
+                      help="also show the stages with the optimizer state offloaded")
+  parser.add_argument("--offload-param", choices=("cpu", "nvme"), default=None,
+                      help="also show ZeRO-3 with the params offloaded")
+  parser.add_argument("--persistence-threshold", type=_parse_count,
+                      default=DEFAULT_PERSISTENCE_THRESHOLD,
+                      help="stage3_param_persistence_threshold, with --model (default 100000)")
+  acts = parser.add_argument_group("activations (Korthikanti et al. 2022), with --micro-batch")
+  acts.add_argument("--micro-batch", type=int, default=None, help="sequences per device")
+  acts.add_argument("--seq-len", type=int, default=None)
+  acts.add_argument("--hidden", "--d-model", dest="hidden", type=int, default=None)
+  acts.add_argument("--layers", type=int, default=None)
+  acts.add_argument("--heads", type=int, default=None)
+  acts.add_argument("--checkpoint-activations", action="store_true",
+                    help="full activation checkpointing: keep each layer's input only")
+  fit = parser.add_argument_group("which stage?")
+  fit.add_argument("--budget", type=_parse_bytes, default=None,
+                   help="device memory, e.g. 16GB or 80GiB: the smallest stage that fits")
+  fit.add_argument("--host-budget", type=_parse_bytes, default=None,
+                   help="host memory per node, checked for the offload variants")
+  fit.add_argument("--headroom", type=float, default=0.1,
+                   help="fraction of each budget kept free (default 0.1)")
+
+
+def _estimate_inputs(args: argparse.Namespace):
+  """(Ψ or leaf shapes, activation shape (s, h, L, a) or None, description of the model)."""
+  if args.model:
+    from jzero.model import as_model  # noqa: PLC0415 (only --model needs the model code)
+    from jzero.models import GPT, GPTConfig  # noqa: PLC0415
+
+    d = GPTConfig()
+    cfg = GPTConfig(seq_len=args.seq_len or d.seq_len, d_model=args.hidden or d.d_model,
+                    n_layers=args.layers or d.n_layers, n_heads=args.heads or d.n_heads)
+    adapter = as_model(lambda rngs: GPT(cfg, rngs=rngs))
+    params = param_shapes(adapter.abstract_params(None, None), adapter.stacked_layers)
+    shape = (cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads)
+    what = f"default GPT, {cfg.n_layers} layers x d {cfg.d_model}, seq {cfg.seq_len}"
+  else:
+    params, shape = args.params, (args.seq_len, args.hidden, args.layers, args.heads)
+    what = "given count"
+    missing = [f for f, v in zip(("--seq-len", "--hidden", "--layers", "--heads"), shape)
+               if v is None]
+    if args.micro_batch and missing:
+      raise ConfigError(f"--micro-batch estimates activations and needs the transformer's shape: "
+                        f"give {' '.join(missing)} too (or use --model default).")
+  return params, (shape if args.micro_batch else None), what
+
+
+def _estimate_rows(args: argparse.Namespace) -> list[tuple[int, str | None, str | None]]:
+  """(stage, offload_optimizer, offload_param) of each table row: the stages, then the offload
+  variants of those stages that have them (an explicit --stage must have them)."""
+  stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
+  rows = [(s, None, None) for s in stages]
+  if args.offload_optimizer or args.offload_param:
+    for s in stages:
+      problem = _offload_problem(s, args.offload_optimizer, args.offload_param)
+      if problem and args.stage is not None:
+        raise ConfigError(problem)
+      if not problem:
+        rows.append((s, args.offload_optimizer, args.offload_param))
+  return rows
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+  """``jzero estimate``: prints the per-device table and, with ``--budget``, which stage fits.
+
+  Raises:
+    ConfigError: flags that do not go together (the CLI prints it and exits with status 2).
+  """
+  params, act_shape, what = _estimate_inputs(args)
+  p = PRECISION_BYTES[args.precision]
+  k = args.optimizer_bytes
+  if k is None:
+    k = 8 if args.precision == "fp32" else 12
+  acts = 0.0
+  if act_shape:
+    acts = activation_bytes(args.micro_batch, *act_shape, bytes_per_element=p,
+                            checkpointing=args.checkpoint_activations)
+  common = dict(param_bytes=p, optimizer_bytes=k, persistence_threshold=args.persistence_threshold,
+                activations=acts)
+  rows = [estimate(params, s, args.devices, args.nodes, offload_optimizer=o, offload_param=q,
+                   **common) for s, o, q in _estimate_rows(args)]
+  first = rows[0]
+  print(f"jzero estimate: {first.num_params:,} params ({what}); N = {first.devices} devices "
+        f"({args.nodes} x {args.devices} per node); {args.precision} params and grads ({p} B "
+        f"each), optimizer state K = {k:g} B/param")
+  if not isinstance(params, int):
+    print(f"  ZeRO-3 keeps {persistent_numel(params, args.persistence_threshold):,} params "
+          f"replicated (persistence threshold {args.persistence_threshold:,})")
+  if act_shape:
+    s, h, layers, heads = act_shape
+    print(f"  activations: micro-batch {args.micro_batch} x seq {s}, hidden {h}, {layers} layers, "
+          f"{heads} heads, checkpointing {'on' if args.checkpoint_activations else 'off'}: "
+          f"{format_bytes(acts)} per device")
+  print("per device (host and NVMe: per process; GB = 1e9 bytes):")
+  print(format_estimates(rows))
+  if args.budget is not None:
+    choice = recommend(params, args.budget, args.devices, args.nodes, headroom=args.headroom,
+                       host_budget=args.host_budget, **common)
+    print(f"which stage? {choice}")
+  return 0
