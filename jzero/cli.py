@@ -4,8 +4,13 @@
 Python standard library's source, as bytes) on 8 simulated CPU devices, with a progress bar, the
 loss every ``steps_per_print`` steps, and a summary at the end.
 
-Bad input (config, mesh, data) is reported as one paragraph on stderr with exit status 2, before
-any device work.
+``--checkpoint-dir DIR`` saves sharded checkpoints there and resumes from the latest one.
+``jzero estimate --params 7e9 --devices 8`` prints ZeRO's per-device memory table.
+``jzero convert CKPT --safetensors model.safetensors`` consolidates a sharded training checkpoint
+into plain weights (DeepSpeed's ``zero_to_fp32``); ``jzero inspect CKPT`` describes one.
+
+Bad input (config, mesh, data, checkpoint) is reported as one paragraph on stderr with exit status
+2, before any device work.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ def _train(args: argparse.Namespace) -> int:
   import jzero
   from jzero.data import ByteCorpus
   from jzero.models import GPT, lm_loss
-  from jzero import memory
+  from jzero import checkpoint, memory
   from jzero.precision import MIN_SCALE_ERROR
 
   config = jzero.Config.load(args.config)
@@ -65,14 +70,19 @@ def _train(args: argparse.Namespace) -> int:
         f"{cfg.train_batch_size} x {model_cfg.seq_len} tokens = micro {cfg.train_micro_batch_size_per_gpu} "
         f"x gas {cfg.gradient_accumulation_steps} x dp {engine.mesh.dp_size}")
   state = engine.init(jax.random.key(args.seed))
+  start = 0
+  if args.checkpoint_dir and checkpoint.latest_step(args.checkpoint_dir) is not None:
+    state = engine.load_checkpoint(args.checkpoint_dir)
+    start = int(state.step)
+    print(f"jzero: resumed from {args.checkpoint_dir} at step {start}")
   n_params = sum(l.numel for l in engine.plan.leaf_list())
   print(f"jzero: model GPT {model_cfg.n_layers} layers x d {model_cfg.d_model}, {n_params / 1e6:.2f}M "
         f"parameters")
 
   losses, step_times = [], []
   tokens_per_step = cfg.train_batch_size * model_cfg.seq_len
-  bar = tqdm(range(args.steps), desc="train", unit="step", dynamic_ncols=True,
-             disable=args.no_progress)
+  bar = tqdm(range(start, args.steps), desc="train", unit="step", dynamic_ncols=True,
+             initial=start, total=args.steps, disable=args.no_progress)
   with logging_redirect_tqdm(loggers=[logging.getLogger("jzero")]):
     for step in bar:
       batch = engine.shard_batch(corpus.batch(step, cfg.train_batch_size, seed=args.seed))
@@ -85,7 +95,17 @@ def _train(args: argparse.Namespace) -> int:
                          f"at min_loss_scale; DeepSpeed stops here too)")
       losses.append(loss)
       bar.set_postfix(loss=f"{loss:.3f}", lr=f"{float(metrics['lr']):.2e}")
+      if args.checkpoint_dir and (step + 1 == args.steps or (
+          args.save_every and (step + 1) % args.save_every == 0)):
+        engine.save_checkpoint(state, args.checkpoint_dir, keep=args.keep)  # async
   bar.close()
+  if args.checkpoint_dir:
+    engine.wait_for_checkpoints()
+    print(f"jzero: checkpoint at step {checkpoint.latest_step(args.checkpoint_dir)} in "
+          f"{args.checkpoint_dir}")
+  if not losses:
+    print(f"jzero: nothing to train: the checkpoint is at step {start} of {args.steps}")
+    return 0
 
   val = engine.eval_loss(state, corpus.batch(0, cfg.train_batch_size, seed=args.seed, split="val"))
   steady = step_times[1:] or step_times
@@ -96,7 +116,38 @@ def _train(args: argparse.Namespace) -> int:
   print(f"throughput: {tokens_per_step / float(np.median(steady)):,.0f} tokens/s (median step "
         f"{float(np.median(steady)) * 1e3:.0f} ms; first step incl. compile "
         f"{step_times[0]:.1f} s)")
-  print(memory.format_state_report(memory.state_report(engine, state)))
+  print(memory.format_memory_report(engine.memory_report(state)))
+  return 0
+
+
+def _host_only() -> None:
+  """convert / inspect are host work: unless JAX has started, keep it off any accelerator (a
+  training job may be using it)."""
+  import jax
+  from jax._src import xla_bridge  # backends_are_initialized has no public home in jax 0.10
+
+  if not xla_bridge.backends_are_initialized():
+    jax.config.update("jax_platforms", "cpu")
+
+
+def _convert(args: argparse.Namespace) -> int:
+  _host_only()
+  from jzero import checkpoint
+
+  report = checkpoint.consolidate(args.checkpoint, step=args.step, safetensors=args.safetensors,
+                                  orbax=args.orbax, dtype=args.dtype)
+  print(f"jzero: step {report.step}: {report.leaves} leaves, {report.total_bytes / 2**20:.2f} MiB "
+        f"of {report.dtype} weights (largest leaf {report.largest_leaf_bytes / 2**20:.2f} MiB)")
+  for out in report.outputs:
+    print(f"jzero: wrote {out}")
+  return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+  _host_only()
+  from jzero import checkpoint
+
+  print(checkpoint.describe(args.checkpoint, args.step))
   return 0
 
 
@@ -120,7 +171,34 @@ def build_parser() -> argparse.ArgumentParser:
   t.add_argument("--heads", type=int, default=default.n_heads)
   t.add_argument("--seq-len", type=int, default=default.seq_len)
   t.add_argument("--no-progress", action="store_true", help="no progress bar")
+  t.add_argument("--checkpoint-dir", default=None,
+                 help="save here (at the end and every --save-every steps) and resume from its "
+                      "latest checkpoint if there is one")
+  t.add_argument("--save-every", type=int, default=0, help="also save every N steps")
+  t.add_argument("--keep", type=int, default=None, help="keep only the last K checkpoints")
   t.set_defaults(func=_train)
+
+  e = sub.add_parser("estimate", help="per-device memory of the ZeRO stages (analytic, no "
+                     "device work)")
+  from jzero import memory
+  memory.add_estimate_arguments(e)
+  e.set_defaults(func=memory.run_estimate)
+
+  c = sub.add_parser("convert", help="consolidate a training checkpoint into plain weights "
+                     "(DeepSpeed's zero_to_fp32)")
+  c.add_argument("checkpoint", help="checkpoint directory (or one step's directory)")
+  c.add_argument("--step", type=int, default=None, help="step to convert (default: latest)")
+  c.add_argument("--safetensors", default=None, help="write the weights to this safetensors file")
+  c.add_argument("--orbax", default=None,
+                 help="write the weights as a params-only Orbax checkpoint in this directory")
+  c.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                 help="dtype of the written weights (default fp32)")
+  c.set_defaults(func=_convert)
+
+  i = sub.add_parser("inspect", help="describe a checkpoint: step, stage, mesh, precision, arrays")
+  i.add_argument("checkpoint", help="checkpoint directory (or one step's directory)")
+  i.add_argument("--step", type=int, default=None, help="step to describe (default: latest)")
+  i.set_defaults(func=_inspect)
   return parser
 
 

@@ -490,6 +490,30 @@ class Engine:
     unpad = lambda leaf, x: leaf.to_logical(x).astype(dtype)
     return jax.jit(lambda s: plan.map(unpad, s), out_shardings=plan.sharding(P()))(source)
 
+  # -- checkpoints (jzero.checkpoint; imported here because it imports this module) ----------------
+  def save_checkpoint(self, state: TrainState, directory: str | Path, step: int | None = None, *,
+                      keep: int | None = None, extra: dict | None = None) -> None:
+    """Starts an asynchronous sharded save of ``state`` (see :mod:`jzero.checkpoint`)."""
+    from jzero import checkpoint
+    checkpoint.save_checkpoint(self, state, directory, step, keep=keep, extra=extra)
+
+  def load_checkpoint(self, directory: str | Path, step: int | None = None, *,
+                      params_only: bool = False, sample_batch: Any = None) -> TrainState:
+    """Restores a checkpoint of any stage / device count into this engine's placement."""
+    from jzero import checkpoint
+    return checkpoint.load_checkpoint(self, directory, step, params_only=params_only,
+                                      sample_batch=sample_batch)
+
+  def wait_for_checkpoints(self) -> None:
+    """Blocks until every pending save is finalized (``latest`` moved)."""
+    from jzero import checkpoint
+    checkpoint.wait_until_finished()
+
+  def memory_report(self, state: TrainState, batch: PyTree = None):
+    """Measured per-device bytes next to the estimator's prediction (see :mod:`jzero.memory`)."""
+    from jzero import memory
+    return memory.memory_report(self, state, batch)
+
   def bind(self, params: PyTree) -> Any:
     """The user's model built from logical params (e.g. :meth:`logical_params`), for evaluation."""
     return self.model.bind(params)
