@@ -3,7 +3,8 @@
   python bench/zero_stages.py [--devices 8] [--steps 12] [--out bench/out]
 
 For the default model (jzero.models.GPT, 6.4M parameters) and each stage it prints one table row:
-train-state bytes per device (measured from the live arrays; predicted by the estimator; ratio),
+model-state bytes per device (params, gradient buffer, master, optimizer state: measured from the
+live arrays and the plan; predicted by the estimator; their ratio),
 XLA's peak bytes for the compiled step, communication per step in Psi units (from the HLO) against
 ZeRO's theory, the median step time over the timed steps with its ratio to stage 0, and the
 compile time. The stages' steps are timed round-robin (one step of each stage in turn) so that the
@@ -46,7 +47,6 @@ def main() -> int:
   import jax
   import numpy as np
 
-  from jzero import memory
   from jzero.data import ByteCorpus
   from jzero.mesh import MeshSpec
   from jzero.models import GPT, GPTConfig, lm_loss
@@ -79,10 +79,10 @@ def main() -> int:
     psi = sum(l.numel for l in engine.plan.leaf_list())
     volume = comm_volume(compiled, engine.mesh, num_params=psi, bytes_per_param=4)
     analysis = compiled.memory_analysis()
-    report = memory.state_report(engine, state)
+    report = engine.memory_report(state)
     runs[stage] = dict(
         engine=engine, state=state, psi=psi, compile_s=compile_s,
-        state_bytes=sum(sum(v.values()) for v in report.values()),
+        state_bytes=report.measured_bytes(), predicted_bytes=report.predicted_bytes(),
         peak_bytes=analysis.argument_size_in_bytes + analysis.output_size_in_bytes
         + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes,
         comm_psi=volume.total_psi, theory_psi=zero_theory(stage, args.devices), times=[])
@@ -103,6 +103,8 @@ def main() -> int:
   for stage, run in runs.items():
     step = statistics.median(run["times"])
     rows.append({"stage": stage, "state_mib": run["state_bytes"] / 2**20,
+                 "predicted_mib": run["predicted_bytes"] / 2**20,
+                 "measured_vs_predicted": run["state_bytes"] / run["predicted_bytes"],
                  "peak_mib": run["peak_bytes"] / 2**20, "comm_psi": run["comm_psi"],
                  "theory_psi": run["theory_psi"], "step_ms": step * 1e3, "vs_stage0": step / base,
                  "compile_s": run["compile_s"]})
@@ -117,8 +119,7 @@ def main() -> int:
     for name, (stage, zero) in variants.items():
       engine = jzero.initialize(factory, lm_loss, config(stage, 1, **zero), mesh=mesh(n))
       state = engine.init(jax.random.key(0))
-      row[name] = sum(sum(v.values()) for v in
-                      memory.state_report(engine, state).values()) / 2**20
+      row[name] = engine.memory_report(state).measured_bytes() / 2**20
       del state
     scale_rows.append(row)
 
@@ -144,10 +145,11 @@ def _markdown(meta: dict, rows: list[dict], scale_rows: list[dict]) -> str:
            f"params, fp32, {meta['devices']} simulated CPU devices, micro-batch "
            f"{meta['micro_batch']} x {meta['seq_len']} tokens, median of {meta['timed_steps']} steps",
            "",
-           "| stage | state MiB/device | peak MiB (XLA) | comm / step (Psi) | theory | step ms | vs stage 0 | compile s |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| stage | state MiB/device (measured) | predicted | ratio | peak MiB (XLA) | comm / step (Psi) | theory | step ms | vs stage 0 | compile s |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    lines.append(f"| {r['stage']} | {r['state_mib']:.2f} | {r['peak_mib']:.1f} | {r['comm_psi']:.3f} | "
+    lines.append(f"| {r['stage']} | {r['state_mib']:.2f} | {r['predicted_mib']:.2f} | "
+                 f"{r['measured_vs_predicted']:.4f} | {r['peak_mib']:.1f} | {r['comm_psi']:.3f} | "
                  f"{r['theory_psi']:.3f} | {r['step_ms']:.0f} | {r['vs_stage0']:.2f} | "
                  f"{r['compile_s']:.1f} |")
   names = [k for k in scale_rows[0] if k != "devices"]
