@@ -45,7 +45,6 @@ def main() -> int:
   import jzero
   jzero.simulate_cpu_devices(max([args.devices, *scaling]))
   import jax
-  import numpy as np
 
   from jzero.data import ByteCorpus
   from jzero.mesh import MeshSpec

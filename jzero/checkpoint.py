@@ -81,7 +81,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jzero.engine import Engine, TrainState
 from jzero.errors import CheckpointError, JZeroWarning
-from jzero.plan import LeafPlan, Plan, path_str
+from jzero.plan import LeafPlan, Plan, flatten_paths, path_str
 
 __all__ = [
     "Checkpointer", "save_checkpoint", "load_checkpoint", "wait_until_finished", "latest_step",
@@ -104,11 +104,6 @@ _REPLICA_PARALLEL_MIN_BYTES = 1 << 20
 
 
 # --- names of the stored arrays ------------------------------------------------------------------
-
-
-def _flatten(tree: PyTree) -> dict[str, Any]:
-  """{'/'-joined key path: leaf}; None subtrees (fp32's master) have no leaves."""
-  return {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _nest(flat: dict[str, Any]) -> dict:
@@ -419,7 +414,7 @@ class Checkpointer:
     except (TypeError, ValueError) as e:
       raise CheckpointError(f"extra must be JSON-serialisable (it is stored in {META_FILE}): "
                             f"{e}.") from None
-    arrays = _flatten(state)
+    arrays = flatten_paths(state)
     dtype16 = _weights16_dtype(engine)
     items = {"state": ocp.args.PyTreeSave(_nest(arrays)),
              "meta": ocp.args.JsonSave(_metadata(engine, state, step, arrays, dtype16, extra))}
@@ -443,7 +438,7 @@ class Checkpointer:
                    out_shardings=shardings)
       cached = self._cast_fns[id(plan)] = (plan, fn)
     truth = state.master if plan.has_master else state.params
-    return _flatten(cached[1](truth))
+    return flatten_paths(cached[1](truth))
 
   def _finalize(self, step: int) -> None:
     """Background: wait for Orbax's commit, then record the files, move ``latest``, prune."""
@@ -601,7 +596,7 @@ def _restore_arrays(step_dir: Path, requests: dict[str, tuple[str, jax.ShapeDtyp
   args = {src: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype,
                                     strict=False) for src, t in by_source.items()}
   try:
-    restored = _flatten(ocp.Checkpointer(_array_tree_handler()).restore(
+    restored = flatten_paths(ocp.Checkpointer(_array_tree_handler()).restore(
         step_dir / "state", args=ocp.args.PyTreeRestore(
             item=_nest(by_source), restore_args=_nest(args), partial_restore=True)))
   except Exception as e:
@@ -660,7 +655,7 @@ def load_checkpoint(engine: Engine, directory: str | os.PathLike, step: int | No
   _check_model(meta, plan, step_dir)
   shardings = _broadcast(engine.state_shardings(), abstract)
   targets = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for (name, x), s in
-             zip(_flatten(abstract).items(), jax.tree.leaves(shardings))}
+             zip(flatten_paths(abstract).items(), jax.tree.leaves(shardings))}
   leaves = _opt_leaves(engine, abstract.opt_state)
   if not params_only:
     _check_optimizer(meta, engine, targets, leaves, step_dir)
@@ -754,7 +749,7 @@ def _read_leaves(step_dir: Path, meta: dict) -> Iterator[tuple[str, np.ndarray]]
       args = ocp.args.PyTreeRestore(
           item=_nest({name: 0}), partial_restore=True,
           restore_args=_nest({name: ocp.RestoreArgs(restore_type=np.ndarray)}))
-      stored = _flatten(handler.restore(step_dir / "state", args=args))[name]
+      stored = flatten_paths(handler.restore(step_dir / "state", args=args))[name]
     except Exception as e:
       raise CheckpointError(f"checkpoint {step_dir}: array {name} cannot be read: "
                             f"{_root_cause(e)}") from e
@@ -864,8 +859,8 @@ def read_weights(path: str | os.PathLike) -> dict[str, np.ndarray]:
     except (SafetensorError, OSError, ValueError) as e:
       raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
   if not (path / "_METADATA").is_file():
-    hint = (f"; for a training checkpoint use load_checkpoint(..., params_only=True) or "
-            f"convert it first" if (path / LATEST_FILE).exists() or _is_step_dir(path) else "")
+    hint = ("; for a training checkpoint use load_checkpoint(..., params_only=True) or "
+            "convert it first" if (path / LATEST_FILE).exists() or _is_step_dir(path) else "")
     raise CheckpointError(f"{path} is not a params-only Orbax checkpoint (no _METADATA){hint}.")
   handler = ocp.PyTreeCheckpointHandler()
   try:
@@ -876,7 +871,7 @@ def read_weights(path: str | os.PathLike) -> dict[str, np.ndarray]:
   except Exception as e:
     raise CheckpointError(f"{path}: the Orbax checkpoint cannot be read: {type(e).__name__}: "
                           f"{e}") from e
-  return _flatten(tree)
+  return flatten_paths(tree)
 
 
 def load_weights(engine: Engine, path: str | os.PathLike, *, sample_batch: Any = None) -> PyTree:
@@ -895,7 +890,7 @@ def load_weights(engine: Engine, path: str | os.PathLike, *, sample_batch: Any =
   """
   flat = read_weights(path)
   model = engine.model.abstract_params(jax.random.key(0), sample_batch)
-  want = _flatten(model)
+  want = flatten_paths(model)
   missing, unexpected = sorted(set(want) - set(flat)), sorted(set(flat) - set(want))
   if missing or unexpected:
     raise CheckpointError(f"weights {path} are for another model: the model's leaves {missing[:5]} "

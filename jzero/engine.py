@@ -49,7 +49,7 @@ from jzero.layers import LayerPolicy, engine_context
 from jzero.mesh import MeshSpec, ZeroMesh
 from jzero.model import ModelAdapter, as_model
 from jzero.optim import build_optimizer
-from jzero.plan import LeafPlan, Plan, make_plan, path_str
+from jzero.plan import LeafPlan, Plan, flatten_paths, make_plan
 from jzero.precision import LossScaler, LossScaleState, has_overflow
 from jzero.profile import StepTiming
 
@@ -209,7 +209,7 @@ class Engine:
   def _check_params(self, params: PyTree) -> None:
     """Given parameters must have the model's tree structure and logical shapes."""
     plan = self.plan
-    got = {plan_path: np.shape(x) for plan_path, x in _flat_paths(params)}
+    got = {path: np.shape(x) for path, x in flatten_paths(params).items()}
     want = {l.path: l.shape for l in plan.leaf_list()}
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or extra:
@@ -425,7 +425,7 @@ class Engine:
       self.timings.append(StepTiming(step=self._host_step + 1, forward_backward_s=t1 - t0,
                                      optimizer_s=time.perf_counter() - t1))
     else:
-      state, metrics = self.jitted_step(batch)(state, batch)
+      state, metrics = self._fused_step(batch)(state, batch)
     self._host_step += 1
     every = self.config.steps_per_print
     if every and self._host_step % every == 0:
@@ -445,6 +445,9 @@ class Engine:
   def jitted_step(self, batch: PyTree):
     """The jitted (not yet compiled) fused step, e.g. to lower or ``jax.export`` it."""
     self._check_batch(batch)
+    return self._fused_step(batch)
+
+  def _fused_step(self, batch: PyTree):
     if self._step_fn is None:
       self._step_fn = self._build_step(batch)
     return self._step_fn
@@ -517,10 +520,6 @@ class Engine:
   def bind(self, params: PyTree) -> Any:
     """The user's model built from logical params (e.g. :meth:`logical_params`), for evaluation."""
     return self.model.bind(params)
-
-
-def _flat_paths(tree: PyTree) -> list[tuple[str, Any]]:
-  return [(path_str(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def _as_mesh(mesh: Any) -> ZeroMesh:

@@ -58,7 +58,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jzero.collectives import pad_to
 from jzero.mesh import ZeroMesh
 
-__all__ = ["LeafPlan", "Plan", "make_plan", "path_str"]
+__all__ = ["LeafPlan", "Plan", "make_plan", "path_str", "flatten_paths"]
 
 PyTree = Any
 
@@ -74,6 +74,11 @@ def path_str(path: Sequence[Any]) -> str:
     else:
       parts.append(str(k))
   return "/".join(parts)
+
+
+def flatten_paths(tree: PyTree) -> dict[str, Any]:
+  """{'/'-joined key path: leaf} of a pytree (None subtrees have no leaves)."""
+  return {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,12 +41,13 @@ def _default_reference(per_sequence_means: bool = False):
   """The single-device loop; optionally with the loss written as the mean of per-sequence means
   (the same number mathematically, rounded differently): the float32 noise floor of the loop."""
   initial, _, _ = _default_run(0)
-  loss = lm_loss
-  if per_sequence_means:
-    def loss(model, batch):
-      tokens = batch["tokens"]
-      return jnp.mean(jnp.stack([lm_loss(model, {"tokens": tokens[i:i + 1]})
-                                 for i in range(tokens.shape[0])]))
+
+  def mean_of_sequence_means(model, batch):
+    tokens = batch["tokens"]
+    return jnp.mean(jnp.stack([lm_loss(model, {"tokens": tokens[i:i + 1]})
+                               for i in range(tokens.shape[0])]))
+
+  loss = mean_of_sequence_means if per_sequence_means else lm_loss
   return reference_run(DEFAULT, initial, _default_data(), loss_fn=loss)
 
 
