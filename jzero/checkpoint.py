@@ -82,6 +82,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jzero.engine import Engine, TrainState
 from jzero.errors import CheckpointError, JZeroWarning
 from jzero.plan import LeafPlan, Plan, flatten_paths, path_str
+from jzero.precision import DTYPES
 
 __all__ = [
     "Checkpointer", "save_checkpoint", "load_checkpoint", "wait_until_finished", "latest_step",
@@ -96,8 +97,6 @@ FILES_FILE = "jzero_files.json"
 LATEST_FILE = "latest"
 WEIGHTS16 = "weights16"
 _DELETING = ".jzero-deleting"
-_DTYPES = {"fp32": np.dtype(jnp.float32), "bf16": np.dtype(jnp.bfloat16),
-           "fp16": np.dtype(jnp.float16)}
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _WRITE_CHUNK_BYTES = 1 << 20
 _REPLICA_PARALLEL_MIN_BYTES = 1 << 20
@@ -330,7 +329,7 @@ def _weights16_dtype(engine: Engine) -> np.dtype | None:
   if not engine.config.zero_optimization.gather_16bit_weights_on_model_save:
     return None
   compute = np.dtype(engine.plan.compute_dtype)
-  return compute if compute.itemsize == 2 else _DTYPES["bf16"]
+  return compute if compute.itemsize == 2 else DTYPES["bf16"]
 
 
 def _spread_sharding(engine: Engine, shape: tuple[int, ...]) -> NamedSharding:
@@ -798,15 +797,15 @@ def consolidate(directory: str | os.PathLike, *, step: int | None = None,
     orbax: directory of the params-only Orbax checkpoint to write.
     dtype: "fp32", "bf16" or "fp16".
   """
-  if dtype not in _DTYPES:
-    raise CheckpointError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}.")
+  if dtype not in DTYPES:
+    raise CheckpointError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
   if safetensors is None and orbax is None:
     raise CheckpointError("nothing to write: give a safetensors file and / or an Orbax directory.")
   for out in (safetensors, orbax):
     if out is not None and Path(out).exists():
       raise CheckpointError(f"{out} already exists; remove it or choose another output path.")
   step_dir, meta = _open(directory, step)
-  out_dtype = _DTYPES[dtype]
+  out_dtype = DTYPES[dtype]
   shapes = {path: shape for path, shape, _ in _stored_leaves(meta)}
   sizes = [math.prod(s) * out_dtype.itemsize for s in shapes.values()]
   collected: dict[str, np.ndarray] = {}

@@ -50,14 +50,13 @@ from jzero.mesh import MeshSpec, ZeroMesh
 from jzero.model import ModelAdapter, as_model
 from jzero.optim import build_optimizer
 from jzero.plan import LeafPlan, Plan, flatten_paths, make_plan
-from jzero.precision import LossScaler, LossScaleState, has_overflow
+from jzero.precision import DTYPES, LossScaler, LossScaleState, has_overflow
 from jzero.profile import StepTiming
 
 __all__ = ["TrainState", "Engine", "initialize"]
 
 PyTree = Any
 logger = logging.getLogger("jzero")
-_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 
 class TrainState(NamedTuple):
@@ -111,7 +110,7 @@ class Engine:
 
   @property
   def compute_dtype(self):
-    return _DTYPES[self.config.precision]
+    return DTYPES[self.config.precision]
 
   @property
   def global_batch_size(self) -> int:
@@ -140,8 +139,8 @@ class Engine:
     return make_plan(
         self.model.abstract_params(rng, sample_batch), stage=zero.stage, mesh=self.mesh,
         compute_dtype=self.compute_dtype,
-        grad_accum_dtype=_DTYPES[accum] if accum else jnp.float32,
-        comm_dtype=_DTYPES[comm] if comm else None, stacked=self._is_stacked,
+        grad_accum_dtype=DTYPES[accum] if accum else jnp.float32,
+        comm_dtype=DTYPES[comm] if comm else None, stacked=self._is_stacked,
         persistence_threshold=zero.param_persistence_threshold,
         model_persistence_threshold=zero.model_persistence_threshold,
         reduce_scatter=zero.reduce_scatter, reduce_bucket_size=zero.reduce_bucket_size,

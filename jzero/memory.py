@@ -76,6 +76,7 @@ import optax
 
 from jzero.errors import ConfigError
 from jzero.plan import path_str
+from jzero.precision import DTYPES
 
 __all__ = [
     "PRECISION_BYTES", "CATEGORIES", "TIERS", "REPORT_CATEGORIES", "DEFAULT_PERSISTENCE_THRESHOLD",
@@ -85,7 +86,7 @@ __all__ = [
     "format_memory_report", "add_estimate_arguments", "run_estimate",
 ]
 
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PRECISION_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 CATEGORIES = ("params", "grads", "optimizer")
 TIERS = ("device", "host", "nvme")
 _OFFLOAD_TIER = {"cpu": "host", "nvme": "nvme"}

@@ -46,6 +46,11 @@ import jax.numpy as jnp
 
 from jzero.errors import ConfigError
 
+DTYPES = {"fp32": jnp.dtype(jnp.float32), "bf16": jnp.dtype(jnp.bfloat16),
+          "fp16": jnp.dtype(jnp.float16)}
+"""DeepSpeed's precision names ("fp32", "bf16", "fp16": config.precision, data_types,
+communication_data_type) -> dtypes."""
+
 MIN_SCALE_ERROR = (
   "Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")
 _MAX_SCALE = 2.0**127  # the largest power of two in float32

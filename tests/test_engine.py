@@ -7,6 +7,7 @@ largest over all leaves; for losses, |zero - reference| / reference per step.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -278,18 +279,34 @@ def test_bucket_knobs_warn_on_cpu():
     jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(2, reduce_bucket_size=10**7))
 
 
-def test_wall_clock_breakdown_times_both_halves_and_logs(caplog):
+class _Records(logging.Handler):
+  """Collects the "jzero" logger's records directly: the logger does not propagate to the root
+  (where pytest's caplog listens), so relying on caplog would depend on test order."""
+
+  def __init__(self):
+    super().__init__(logging.INFO)
+    self.records = []
+
+  def emit(self, record):
+    self.records.append(record)
+
+
+def test_wall_clock_breakdown_times_both_halves_and_logs():
   data = batches(SMALL.seq_len, N, 4)
   plain = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(2))
   timed = jzero.initialize(gpt_factory(SMALL), lm_loss,
                            {**ds_config(2), "wall_clock_breakdown": True, "steps_per_print": 2})
-  with caplog.at_level("INFO", logger="jzero"):
+  logger, captured = logging.getLogger("jzero"), _Records()
+  logger.addHandler(captured)
+  try:
     _, p_plain, l_plain = engine_run(plain, data)
     _, p_timed, l_timed = engine_run(timed, data)
+  finally:
+    logger.removeHandler(captured)
   np.testing.assert_allclose(l_timed, l_plain, rtol=1e-6)  # same step, split in two jits
   assert max_relative_diff(p_timed, p_plain) <= 1e-6
   assert [t.step for t in timed.timings] == [1, 2, 3, 4] and not plain.timings
   assert all(t.forward_backward_s > 0 and t.optimizer_s > 0 for t in timed.timings)
-  lines = [r.getMessage() for r in caplog.records]
+  lines = [r.getMessage() for r in captured.records]
   assert sum("fwd+bwd" in l for l in lines) == 2  # steps 2 and 4
   assert any(l.startswith("step 4: loss") for l in lines)
