@@ -10,6 +10,8 @@ leaves only a temporary directory, which the next :class:`Checkpointer` on that 
 After the commit jzero (the primary process, still in the background) records the size of every
 file of the step (``jzero_files.json``), then moves ``latest`` to it (write + rename), then deletes
 the steps beyond ``keep``. ``latest`` therefore only ever names a complete, verified step.
+With several processes, waiting for a save (:func:`wait_until_finished`, or the next save) ends
+with a barrier, so no process reads ``latest`` before the primary has moved it.
 
 Beside the arrays goes one JSON document: format version, jzero / JAX / Orbax versions, the step and
 the data position (the number of optimizer steps taken: batches are a pure function of the step,
@@ -77,6 +79,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jzero.engine import Engine, TrainState
@@ -468,6 +471,8 @@ class Checkpointer:
     if self._finalizer is not None:
       self._finalizer.join()
       self._finalizer = None
+      if jax.process_count() > 1:  # only the primary moves `latest`: the others wait for it here
+        multihost_utils.sync_global_devices("jzero-checkpoint-finalized")
     if self._failure is not None:
       step, error = self._failure
       self._failure = None
