@@ -15,7 +15,7 @@ from jzero.config import Config
 from jzero.engine import Engine, TrainState, initialize
 from jzero.errors import (CheckpointError, ConfigError, DataError, JZeroError, JZeroWarning,
                           MeshError, NotSupportedError)
-from jzero.layers import gather, remat, scan_layers
+from jzero.layers import gather, linen_scan_layers, remat, scan_layers
 from jzero.mesh import MeshSpec, ZeroMesh, simulate_cpu_devices
 from jzero.plan import Plan, make_plan
 
@@ -32,7 +32,8 @@ if not _logger.handlers:
   _logger.propagate = False
 
 __all__ = [
-    "Config", "Engine", "TrainState", "initialize", "gather", "remat", "scan_layers", "MeshSpec",
-    "ZeroMesh", "simulate_cpu_devices", "Plan", "make_plan", "JZeroError", "ConfigError",
-    "NotSupportedError", "MeshError", "DataError", "CheckpointError", "JZeroWarning",
+    "Config", "Engine", "TrainState", "initialize", "gather", "remat", "scan_layers",
+    "linen_scan_layers", "MeshSpec", "ZeroMesh", "simulate_cpu_devices", "Plan", "make_plan",
+    "JZeroError", "ConfigError", "NotSupportedError", "MeshError", "DataError", "CheckpointError",
+    "JZeroWarning",
 ]

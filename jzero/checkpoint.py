@@ -466,12 +466,16 @@ class Checkpointer:
         os.rename(path, doomed)
         shutil.rmtree(doomed)
 
-  def wait_until_finished(self) -> None:
-    """Blocks until the last save is committed and ``latest`` names it; raises if it failed."""
+  def wait_until_finished(self, *, sync_processes: bool = True) -> None:
+    """Blocks until the last save is committed and ``latest`` names it; raises if it failed.
+
+    With several processes it ends with a barrier (only the primary moves ``latest``), unless
+    ``sync_processes`` is False (at interpreter exit, when JAX's distributed runtime may be gone).
+    """
     if self._finalizer is not None:
       self._finalizer.join()
       self._finalizer = None
-      if jax.process_count() > 1:  # only the primary moves `latest`: the others wait for it here
+      if sync_processes and jax.process_count() > 1:
         multihost_utils.sync_global_devices("jzero-checkpoint-finalized")
     if self._failure is not None:
       step, error = self._failure
@@ -528,7 +532,11 @@ def wait_until_finished(directory: str | os.PathLike | None = None) -> None:
       _CHECKPOINTERS[path].wait_until_finished()
 
 
-atexit.register(wait_until_finished)
+@atexit.register
+def _finish_at_exit() -> None:
+  """A process never exits with a save half-written (no barrier: the runtime may be shut down)."""
+  for ckpt in _CHECKPOINTERS.values():
+    ckpt.wait_until_finished(sync_processes=False)
 
 
 # --- restoring -----------------------------------------------------------------------------------

@@ -118,8 +118,9 @@ class ZeroShard:
   def __jax_array__(self):
     raise TypeError(
         "a ZeRO-3 parameter partition reached the model ungathered. Layers listed in "
-        "`stacked_layers` must be run with jzero.scan_layers (or call jzero.gather on each layer's "
-        "parameters inside the scan body); otherwise leave them out of `stacked_layers`.")
+        "`stacked_layers` must be run with jzero.scan_layers (Linen: built with "
+        "jzero.linen_scan_layers), or call jzero.gather on each layer's parameters inside the scan "
+        "body; otherwise leave them out of `stacked_layers`.")
 
   def __repr__(self):
     return f"ZeroShard(shape={getattr(self.shard, 'shape', None)}, dim={self.dim}, size={self.size})"

@@ -22,6 +22,16 @@ block the body is rematerialised whole (only the layer inputs are kept), which i
 DeepSpeed's per-layer activation checkpointing does.
 
 The engine sets the policy with :func:`engine_context` while it traces the loss; models never do.
+
+A Flax Linen model builds its stacked layers with :func:`linen_scan_layers` instead, inside its
+``setup`` or ``@nn.compact`` ``__call__`` (so that the engine's policy is known)::
+
+  Blocks = jzero.linen_scan_layers(Block, length=n_layers)   # Block: (carry, x) -> (carry, y)
+  x, _ = Blocks(name="blocks")(x, None)                      # stacked_layers = ("blocks",)
+
+It is ``nn.scan`` over ``nn.map_variables(Block, "params", trans_in_fn=gather)``: Linen slices each
+layer's partitions out of the stack, the layer's parameters are gathered at the top of the body,
+and the body is rematerialised under the same policy as :func:`scan_layers`.
 """
 
 from __future__ import annotations
@@ -32,11 +42,12 @@ import dataclasses
 from typing import Any, Callable, Iterator
 
 import jax
+from flax import linen as nn
 from jax import lax
 
 from jzero.collectives import ZeroShard
 
-__all__ = ["gather", "remat", "scan_layers", "engine_context", "LayerPolicy"]
+__all__ = ["gather", "remat", "scan_layers", "linen_scan_layers", "engine_context", "LayerPolicy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,3 +115,28 @@ def scan_layers(layer: Callable[[Any, Any], Any], carry: Any, stacked_params: An
 
   out, _ = lax.scan(remat(body), carry, stacked_params, unroll=unroll)
   return out
+
+
+def linen_scan_layers(block: type[nn.Module], length: int, *, variable_axes: dict | None = None,
+                      split_rngs: dict | None = None, **scan_kwargs: Any) -> type[nn.Module]:
+  """The Flax Linen counterpart of :func:`scan_layers`: ``length`` stacked copies of ``block``.
+
+  Call it inside the model's ``setup`` or ``@nn.compact`` method (the engine's remat policy is
+  read then). Outside an engine it is a plain ``nn.scan``.
+
+  Args:
+    block: a Linen module class called as ``block(...)(carry, x) -> (carry, y)`` (``nn.scan``'s
+      convention); its ``params`` get a leading layer axis.
+    length: number of layers.
+    variable_axes, split_rngs: added to ``nn.scan``'s (``{"params": 0}``, ``{"params": True}``).
+    **scan_kwargs: passed to ``nn.scan`` (``in_axes``, ``unroll``, ...).
+
+  Returns:
+    A module class; list its instance's name in ``stacked_layers``.
+  """
+  layer = nn.map_variables(block, "params", trans_in_fn=gather, init=True)
+  policy = _POLICY.get()
+  if policy is not None:
+    layer = nn.remat(layer, policy=policy.jax_policy(), prevent_cse=False)
+  return nn.scan(layer, variable_axes={"params": 0, **(variable_axes or {})},
+                 split_rngs={"params": True, **(split_rngs or {})}, length=length, **scan_kwargs)

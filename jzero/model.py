@@ -9,6 +9,7 @@ something the user's ``loss_fn(model, batch)`` can call.
   created on the host). ``loss_fn`` receives the module rebuilt from the params.
 * Flax Linen: pass the module; ``loss_fn`` receives ``model(*args) = module.apply({"params": p}, *args)``.
   ``init_inputs(batch) -> args`` says what to call ``module.init`` with (default: ``(batch,)``).
+  Stacked layers built with :func:`jzero.linen_scan_layers` are gathered one layer at a time.
 
 jzero trains parameters only: a model with other mutable state (batch statistics, RNG counters held
 in the module) is refused, since the engine would silently freeze that state.
@@ -22,7 +23,9 @@ from typing import Any, Callable
 import jax
 from flax import linen as nn
 from flax import nnx
+from flax.errors import ScopeParamShapeError
 
+from jzero.collectives import ZeroShard
 from jzero.errors import NotSupportedError
 
 __all__ = ["ModelAdapter", "NnxModel", "LinenModel", "as_model"]
@@ -133,7 +136,17 @@ class LinenModel(ModelAdapter):
     module = self._module
 
     def apply(*args, **kwargs):
-      return module.apply({"params": params}, *args, **kwargs)
+      try:
+        return module.apply({"params": params}, *args, **kwargs)
+      except ScopeParamShapeError as e:
+        if not any(isinstance(x, ZeroShard) for x in jax.tree.leaves(
+            params, is_leaf=lambda x: isinstance(x, ZeroShard))):
+          raise
+        raise NotSupportedError(
+            f"{type(module).__name__}: a layer received its ZeRO-3 partition instead of the full "
+            f"parameter ({e}). Build the layers listed in `stacked_layers` with "
+            f"jzero.linen_scan_layers (it gathers each layer's parameters), or leave them out of "
+            f"`stacked_layers`.") from None
 
     return apply
 
