@@ -34,14 +34,46 @@ def _add_device_args(p: argparse.ArgumentParser) -> None:
                  help="mesh file (configs/mesh/*.yaml); default: all devices on one data axis")
 
 
-def _setup_devices(n: int) -> None:
+def _add_process_args(p: argparse.ArgumentParser) -> None:
+  g = p.add_argument_group("several processes (jax.distributed; run the same command in each)")
+  g.add_argument("--coordinator", default=None,
+                 help="HOST:PORT of process 0's coordinator (with --num-processes, --process-id); "
+                      "--devices then counts each process's devices")
+  g.add_argument("--num-processes", type=int, default=None, help="number of processes")
+  g.add_argument("--process-id", type=int, default=None, help="this process's index, from 0")
+
+
+def _check_process_args(args: argparse.Namespace) -> None:
+  given = [a is not None for a in (args.coordinator, args.num_processes, args.process_id)]
+  if any(given) and not all(given):
+    raise JZeroError("--coordinator, --num-processes and --process-id go together: give all three "
+                     "(the same coordinator and count in every process) or none.")
+  if all(given):
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+      raise JZeroError(f"--process-id {args.process_id} must be in [0, --num-processes "
+                       f"{args.num_processes}).")
+    host, _, port = args.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+      raise JZeroError(f"--coordinator {args.coordinator!r} must be HOST:PORT, e.g. 127.0.0.1:7777.")
+
+
+def _setup_devices(n: int, args: argparse.Namespace | None = None) -> None:
+  """N simulated CPU devices (per process), then joins the distributed job if one is given."""
+  if args is not None:
+    _check_process_args(args)
   if n:
     from jzero.mesh import simulate_cpu_devices
     simulate_cpu_devices(n)
+  if args is not None and args.coordinator is not None:
+    import jax
+    if n:  # CPU devices talk to other processes over gloo
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
 
 
 def _train(args: argparse.Namespace) -> int:
-  _setup_devices(args.devices)
+  _setup_devices(args.devices, args)
   import jax
   import numpy as np
   from tqdm import tqdm
@@ -53,6 +85,10 @@ def _train(args: argparse.Namespace) -> int:
   from jzero import checkpoint, memory
   from jzero.precision import MIN_SCALE_ERROR
 
+  primary = jax.process_index() == 0
+  say = print if primary else (lambda *a, **k: None)  # process 0 reports for the job
+  if not primary:
+    logging.getLogger("jzero").setLevel(logging.WARNING)
   config = jzero.Config.load(args.config)
   model_cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
                         n_heads=args.heads)
@@ -64,9 +100,9 @@ def _train(args: argparse.Namespace) -> int:
                             config=config, mesh=args.mesh, total_num_steps=args.steps,
                             auto_values=auto)
   cfg = engine.config
-  print(f"jzero: ZeRO stage {cfg.zero_optimization.stage}, {cfg.precision}, mesh "
+  say(f"jzero: ZeRO stage {cfg.zero_optimization.stage}, {cfg.precision}, mesh "
         f"{engine.mesh.describe()}")
-  print(f"jzero: data {corpus.source} ({len(corpus) / 2**20:.1f} MiB); batch "
+  say(f"jzero: data {corpus.source} ({len(corpus) / 2**20:.1f} MiB); batch "
         f"{cfg.train_batch_size} x {model_cfg.seq_len} tokens = micro {cfg.train_micro_batch_size_per_gpu} "
         f"x gas {cfg.gradient_accumulation_steps} x dp {engine.mesh.dp_size}")
   state = engine.init(jax.random.key(args.seed))
@@ -74,15 +110,15 @@ def _train(args: argparse.Namespace) -> int:
   if args.checkpoint_dir and checkpoint.latest_step(args.checkpoint_dir) is not None:
     state = engine.load_checkpoint(args.checkpoint_dir)
     start = int(state.step)
-    print(f"jzero: resumed from {args.checkpoint_dir} at step {start}")
+    say(f"jzero: resumed from {args.checkpoint_dir} at step {start}")
   n_params = sum(l.numel for l in engine.plan.leaf_list())
-  print(f"jzero: model GPT {model_cfg.n_layers} layers x d {model_cfg.d_model}, {n_params / 1e6:.2f}M "
+  say(f"jzero: model GPT {model_cfg.n_layers} layers x d {model_cfg.d_model}, {n_params / 1e6:.2f}M "
         f"parameters")
 
   losses, step_times = [], []
   tokens_per_step = cfg.train_batch_size * model_cfg.seq_len
   bar = tqdm(range(start, args.steps), desc="train", unit="step", dynamic_ncols=True,
-             initial=start, total=args.steps, disable=args.no_progress)
+             initial=start, total=args.steps, disable=args.no_progress or not primary)
   with logging_redirect_tqdm(loggers=[logging.getLogger("jzero")]):
     for step in bar:
       batch = engine.shard_batch(corpus.batch(step, cfg.train_batch_size, seed=args.seed))
@@ -101,22 +137,22 @@ def _train(args: argparse.Namespace) -> int:
   bar.close()
   if args.checkpoint_dir:
     engine.wait_for_checkpoints()
-    print(f"jzero: checkpoint at step {checkpoint.latest_step(args.checkpoint_dir)} in "
+    say(f"jzero: checkpoint at step {checkpoint.latest_step(args.checkpoint_dir)} in "
           f"{args.checkpoint_dir}")
   if not losses:
-    print(f"jzero: nothing to train: the checkpoint is at step {start} of {args.steps}")
+    say(f"jzero: nothing to train: the checkpoint is at step {start} of {args.steps}")
     return 0
 
   val = engine.eval_loss(state, corpus.batch(0, cfg.train_batch_size, seed=args.seed, split="val"))
   steady = step_times[1:] or step_times
   tail = losses[-min(10, len(losses)):]
-  print()
-  print(f"loss: start {losses[0]:.4f} -> end {float(np.mean(tail)):.4f} (mean of last {len(tail)} "
+  say()
+  say(f"loss: start {losses[0]:.4f} -> end {float(np.mean(tail)):.4f} (mean of last {len(tail)} "
         f"steps); validation {val:.4f}")
-  print(f"throughput: {tokens_per_step / float(np.median(steady)):,.0f} tokens/s (median step "
+  say(f"throughput: {tokens_per_step / float(np.median(steady)):,.0f} tokens/s (median step "
         f"{float(np.median(steady)) * 1e3:.0f} ms; first step incl. compile "
         f"{step_times[0]:.1f} s)")
-  print(memory.format_memory_report(engine.memory_report(state)))
+  say(memory.format_memory_report(engine.memory_report(state)))
   return 0
 
 
@@ -176,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "latest checkpoint if there is one")
   t.add_argument("--save-every", type=int, default=0, help="also save every N steps")
   t.add_argument("--keep", type=int, default=None, help="keep only the last K checkpoints")
+  _add_process_args(t)
   t.set_defaults(func=_train)
 
   e = sub.add_parser("estimate", help="per-device memory of the ZeRO stages (analytic, no "

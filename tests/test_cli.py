@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--no-progress"]
@@ -40,3 +43,40 @@ def test_estimate_prints_the_classic_table():
   assert out.returncode == 0, out.stderr
   for number in ("112.00 GB", "38.50 GB", "26.25 GB", "14.00 GB"):
     assert number in out.stdout
+
+
+def test_train_in_two_processes_reports_once_and_matches_one_process():
+  """`jzero train` run in 2 processes x 4 CPU devices (gloo) is the 8-device job, reported once."""
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  train = ["train", "--config", str(CONFIGS / "zero3.json"), "--steps", "3", *TINY]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  procs = [subprocess.Popen([sys.executable, "-m", "jzero.cli", *train, "--devices", "4",
+                             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                             "--process-id", str(i)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+  outs = [p.communicate(timeout=400) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  single = _jzero(*train)
+  assert single.returncode == 0, single.stderr
+
+  def losses(out: str) -> list[float]:  # start, end, validation, printed to 4 decimals
+    line = next(l for l in out.splitlines() if l.startswith("loss: start"))
+    return [float(x) for x in re.findall(r"\d+\.\d{4}", line)]
+
+  assert len(losses(single.stdout)) == 3
+  np.testing.assert_allclose(losses(outs[0][0]), losses(single.stdout), atol=1.5e-4)
+  assert "mesh data=8 (8 cpu devices)" in outs[0][0]
+  assert "loss:" not in outs[1][0] and "jzero:" not in outs[1][0]  # process 1 stays quiet
+
+
+def test_process_flags_are_checked_before_any_device_work():
+  out = _jzero("train", "--config", str(CONFIGS / "zero3.json"), "--coordinator", "127.0.0.1:1",
+               "--num-processes", "2")
+  assert out.returncode == 2 and "go together" in out.stderr and "Traceback" not in out.stderr
+  out = _jzero("train", "--config", str(CONFIGS / "zero3.json"), "--coordinator", "localhost",
+               "--num-processes", "2", "--process-id", "0")
+  assert out.returncode == 2 and "HOST:PORT" in out.stderr
