@@ -57,23 +57,26 @@ def _check_process_args(args: argparse.Namespace) -> None:
       raise JZeroError(f"--coordinator {args.coordinator!r} must be HOST:PORT, e.g. 127.0.0.1:7777.")
 
 
-def _setup_devices(n: int, args: argparse.Namespace | None = None) -> None:
-  """N simulated CPU devices (per process), then joins the distributed job if one is given."""
-  if args is not None:
-    _check_process_args(args)
+def _setup_devices(n: int) -> None:
   if n:
     from jzero.mesh import simulate_cpu_devices
     simulate_cpu_devices(n)
-  if args is not None and args.coordinator is not None:
-    import jax
-    if n:  # CPU devices talk to other processes over gloo
-      jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
-                               process_id=args.process_id)
+
+
+def _join_processes(args: argparse.Namespace) -> None:
+  """Joins the jax.distributed job the process flags describe (after _setup_devices)."""
+  import jax
+  if args.devices:  # simulated CPU devices talk to the other processes over gloo
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
+                             process_id=args.process_id)
 
 
 def _train(args: argparse.Namespace) -> int:
-  _setup_devices(args.devices, args)
+  _check_process_args(args)
+  _setup_devices(args.devices)
+  if args.coordinator is not None:
+    _join_processes(args)
   import jax
   import numpy as np
   from tqdm import tqdm
@@ -101,10 +104,10 @@ def _train(args: argparse.Namespace) -> int:
                             auto_values=auto)
   cfg = engine.config
   say(f"jzero: ZeRO stage {cfg.zero_optimization.stage}, {cfg.precision}, mesh "
-        f"{engine.mesh.describe()}")
+      f"{engine.mesh.describe()}")
   say(f"jzero: data {corpus.source} ({len(corpus) / 2**20:.1f} MiB); batch "
-        f"{cfg.train_batch_size} x {model_cfg.seq_len} tokens = micro {cfg.train_micro_batch_size_per_gpu} "
-        f"x gas {cfg.gradient_accumulation_steps} x dp {engine.mesh.dp_size}")
+      f"{cfg.train_batch_size} x {model_cfg.seq_len} tokens = micro {cfg.train_micro_batch_size_per_gpu} "
+      f"x gas {cfg.gradient_accumulation_steps} x dp {engine.mesh.dp_size}")
   state = engine.init(jax.random.key(args.seed))
   start = 0
   if args.checkpoint_dir and checkpoint.latest_step(args.checkpoint_dir) is not None:
@@ -113,7 +116,7 @@ def _train(args: argparse.Namespace) -> int:
     say(f"jzero: resumed from {args.checkpoint_dir} at step {start}")
   n_params = sum(l.numel for l in engine.plan.leaf_list())
   say(f"jzero: model GPT {model_cfg.n_layers} layers x d {model_cfg.d_model}, {n_params / 1e6:.2f}M "
-        f"parameters")
+      f"parameters")
 
   losses, step_times = [], []
   tokens_per_step = cfg.train_batch_size * model_cfg.seq_len
@@ -138,7 +141,7 @@ def _train(args: argparse.Namespace) -> int:
   if args.checkpoint_dir:
     engine.wait_for_checkpoints()
     say(f"jzero: checkpoint at step {checkpoint.latest_step(args.checkpoint_dir)} in "
-          f"{args.checkpoint_dir}")
+        f"{args.checkpoint_dir}")
   if not losses:
     say(f"jzero: nothing to train: the checkpoint is at step {start} of {args.steps}")
     return 0
@@ -148,10 +151,10 @@ def _train(args: argparse.Namespace) -> int:
   tail = losses[-min(10, len(losses)):]
   say()
   say(f"loss: start {losses[0]:.4f} -> end {float(np.mean(tail)):.4f} (mean of last {len(tail)} "
-        f"steps); validation {val:.4f}")
+      f"steps); validation {val:.4f}")
   say(f"throughput: {tokens_per_step / float(np.median(steady)):,.0f} tokens/s (median step "
-        f"{float(np.median(steady)) * 1e3:.0f} ms; first step incl. compile "
-        f"{step_times[0]:.1f} s)")
+      f"{float(np.median(steady)) * 1e3:.0f} ms; first step incl. compile "
+      f"{step_times[0]:.1f} s)")
   say(memory.format_memory_report(engine.memory_report(state)))
   return 0
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from zero_testing import free_port
+
 CONFIGS = Path(__file__).parents[1] / "configs"
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--no-progress"]
 
@@ -47,10 +49,7 @@ def test_estimate_prints_the_classic_table():
 
 def test_train_in_two_processes_reports_once_and_matches_one_process():
   """`jzero train` run in 2 processes x 4 CPU devices (gloo) is the 8-device job, reported once."""
-  import socket
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = free_port()
   train = ["train", "--config", str(CONFIGS / "zero3.json"), "--steps", "3", *TINY]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   procs = [subprocess.Popen([sys.executable, "-m", "jzero.cli", *train, "--devices", "4",

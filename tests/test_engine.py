@@ -19,8 +19,8 @@ from flax import linen as nn
 import jzero
 from jzero.models import GPTConfig, lm_loss
 from jzero.profile import collectives
-from zero_testing import (BETAS, CLIP, EPS, LR, SMALL, WD, batches, ds_config, engine_run,
-                          gpt_factory, max_relative_diff, reference_run)
+from zero_testing import (SMALL, batches, ds_config, engine_run, gpt_factory, max_relative_diff,
+                          reference_optimizer, reference_run)
 
 N = 8
 DEFAULT = GPTConfig()  # the default job's model: 8 layers, d 256, 6.4M parameters
@@ -256,8 +256,7 @@ def test_linen_scanned_layers_match_a_plain_optax_loop():
   data = [{"x": rng.normal(size=(N, 16, 12)).astype(np.float32),
            "y": rng.normal(size=(N, 16, 3)).astype(np.float32)} for _ in range(4)]
   module = _LinenScanned()
-  tx = optax.chain(optax.clip_by_global_norm(CLIP),
-                   optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD))
+  tx = reference_optimizer()
 
   @jax.jit
   def step(p, opt, batch):

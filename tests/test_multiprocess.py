@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,22 +22,17 @@ import jzero
 from jzero.models import lm_loss
 from jzero.plan import flatten_paths
 from multiprocess_worker import BATCH, STAGE3, STEPS
-from zero_testing import SMALL, batches, ds_config, engine_run, gpt_factory, max_relative_diff
+from zero_testing import (SMALL, batches, ds_config, engine_run, free_port, gpt_factory,
+                          max_relative_diff)
 
 PROCESSES, DEVICES_PER_PROCESS = 2, 4
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
   out = tmp_path_factory.mktemp("multiprocess")
-  port = _free_port()
+  port = free_port()
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(PROCESSES), str(port),
                              str(DEVICES_PER_PROCESS), str(out)],

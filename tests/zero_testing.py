@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import jax
 import numpy as np
 import optax
@@ -48,6 +50,19 @@ def batches(seq_len: int, batch_size: int, steps: int) -> list[dict]:
   return [corpus(seq_len).batch(i, batch_size) for i in range(steps)]
 
 
+def reference_optimizer() -> optax.GradientTransformation:
+  """What ds_config's engine runs, in plain optax: clipping by the global norm, then AdamW."""
+  return optax.chain(optax.clip_by_global_norm(CLIP),
+                     optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD))
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 free right now (for a jax.distributed coordinator)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
 def reference_run(cfg: GPTConfig, params: dict, data: list[dict], loss_fn=lm_loss):
   """The plain single-device optax loop: same model, same data, whole batch on one device.
 
@@ -57,8 +72,7 @@ def reference_run(cfg: GPTConfig, params: dict, data: list[dict], loss_fn=lm_los
   params = jax.device_put(jax.tree.map(np.asarray, params), device)
   model = GPT(cfg, rngs=nnx.Rngs(0))
   graphdef, template = nnx.split(model, nnx.Param)
-  tx = optax.chain(optax.clip_by_global_norm(CLIP),
-                   optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD))
+  tx = reference_optimizer()
 
   def loss(p, batch):
     state = jax.tree.map(lambda x: x, template)
