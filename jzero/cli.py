@@ -173,9 +173,9 @@ def _convert(args: argparse.Namespace) -> int:
   _host_only()
   from jzero import checkpoint
 
-  report = checkpoint.consolidate(args.checkpoint, step=args.step, safetensors=args.safetensors,
+  report = checkpoint.consolidate(args.checkpoint, tag=args.tag, safetensors=args.safetensors,
                                   orbax=args.orbax, dtype=args.dtype)
-  print(f"jzero: step {report.step}: {report.leaves} leaves, {report.total_bytes / 2**20:.2f} MiB "
+  print(f"jzero: checkpoint {report.tag!r} (step {report.step}): {report.leaves} leaves, {report.total_bytes / 2**20:.2f} MiB "
         f"of {report.dtype} weights (largest leaf {report.largest_leaf_bytes / 2**20:.2f} MiB)")
   for out in report.outputs:
     print(f"jzero: wrote {out}")
@@ -186,7 +186,7 @@ def _inspect(args: argparse.Namespace) -> int:
   _host_only()
   from jzero import checkpoint
 
-  print(checkpoint.describe(args.checkpoint, args.step))
+  print(checkpoint.describe(args.checkpoint, args.tag))
   return 0
 
 
@@ -226,8 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
 
   c = sub.add_parser("convert", help="consolidate a training checkpoint into plain weights "
                      "(DeepSpeed's zero_to_fp32)")
-  c.add_argument("checkpoint", help="checkpoint directory (or one step's directory)")
-  c.add_argument("--step", type=int, default=None, help="step to convert (default: latest)")
+  c.add_argument("checkpoint", help="checkpoint directory (or one checkpoint's directory)")
+  c.add_argument("--tag", "--step", default=None,
+                 help="the checkpoint to convert: its tag or step (default: the latest)")
   c.add_argument("--safetensors", default=None, help="write the weights to this safetensors file")
   c.add_argument("--orbax", default=None,
                  help="write the weights as a params-only Orbax checkpoint in this directory")
@@ -236,8 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
   c.set_defaults(func=_convert)
 
   i = sub.add_parser("inspect", help="describe a checkpoint: step, stage, mesh, precision, arrays")
-  i.add_argument("checkpoint", help="checkpoint directory (or one step's directory)")
-  i.add_argument("--step", type=int, default=None, help="step to describe (default: latest)")
+  i.add_argument("checkpoint", help="checkpoint directory (or one checkpoint's directory)")
+  i.add_argument("--tag", "--step", default=None,
+                 help="the checkpoint to describe: its tag or step (default: the latest)")
   i.set_defaults(func=_inspect)
   return parser
 

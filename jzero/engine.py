@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jzero import collectives
 from jzero.collectives import ZeroShard
 from jzero.config import Config
-from jzero.errors import ConfigError, DataError, JZeroWarning
+from jzero.errors import ConfigError, DataError, JZeroError, JZeroWarning
 from jzero.layers import LayerPolicy, engine_context
 from jzero.mesh import MeshSpec, ZeroMesh
 from jzero.model import ModelAdapter, as_model
@@ -102,6 +102,7 @@ class Engine:
   _split_fns: Any = dataclasses.field(default=None, repr=False)
   _eval_fn: Any = dataclasses.field(default=None, repr=False)
   _host_step: int | None = dataclasses.field(default=None, repr=False)
+  _batch_structure: Any = dataclasses.field(default=None, repr=False)
 
   # -- configuration read by the step ---------------------------------------------------------------
   @property
@@ -392,7 +393,32 @@ class Engine:
                        donate=(0,))
     return grads, update
 
+  def check_live(self, state: TrainState, where: str) -> None:
+    """Raises JZeroError if ``state`` was donated to a train step (its arrays are deleted).
+
+    ``train_step`` donates the state it is given: its buffers become the new state's, so the old
+    one must not be used again (with several CPU devices XLA would read freed memory).
+    """
+    for x in jax.tree.leaves(state):
+      if isinstance(x, jax.Array) and x.is_deleted():
+        raise JZeroError(
+            f"{where}: this train state was donated to engine.train_step, which reuses its memory "
+            f"for the new state, so its arrays are deleted. Keep the state train_step returns: "
+            f"`state, metrics = engine.train_step(state, batch)`, and use that one.")
+
   def _check_batch(self, batch: PyTree) -> None:
+    structure = jax.tree.structure(batch)
+    if self._batch_structure is None:
+      self._batch_structure = structure
+    elif structure != self._batch_structure:
+      first = set(flatten_paths(jax.tree.unflatten(self._batch_structure,
+                                                   [0] * self._batch_structure.num_leaves)))
+      now = set(flatten_paths(batch))
+      raise DataError(
+          f"the batch's structure changed after the first train step: keys {sorted(now - first)} "
+          f"are new and {sorted(first - now)} are gone (first batch: {sorted(first)}). The step "
+          f"is compiled for the first batch's keys; give every batch the same keys (drop the "
+          f"extra ones before engine.train_step, or build a new engine for the new layout).")
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
       if not np.shape(x) or np.shape(x)[0] != self.global_batch_size:
         name = jax.tree_util.keystr(path) or "batch"
@@ -411,6 +437,7 @@ class Engine:
     ``engine.timings`` and logged with the metrics.
     """
     self._check_batch(batch)
+    self.check_live(state, "train_step")
     if self._host_step is None:
       self._host_step = int(state.step)
     if self.config.wall_clock_breakdown:
@@ -463,6 +490,7 @@ class Engine:
   def eval_loss(self, state: TrainState, batch: PyTree) -> float:
     """Mean loss of ``batch`` (leading dim a multiple of the data-parallel size), no update."""
     plan = self._require_plan()
+    self.check_live(state, "eval_loss")
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
       if not np.shape(x) or np.shape(x)[0] % self.mesh.dp_size:
         raise DataError(f"eval batch leaf {jax.tree_util.keystr(path) or 'batch'} has shape "
@@ -488,23 +516,38 @@ class Engine:
     The fp32 master in mixed precision, the params themselves in fp32.
     """
     plan = self._require_plan()
+    self.check_live(state, "logical_params")
     source = state.master if plan.has_master else state.params
     unpad = lambda leaf, x: leaf.to_logical(x).astype(dtype)
     return jax.jit(lambda s: plan.map(unpad, s), out_shardings=plan.sharding(P()))(source)
 
   # -- checkpoints (jzero.checkpoint; imported here because it imports this module) ----------------
-  def save_checkpoint(self, state: TrainState, directory: str | Path, step: int | None = None, *,
-                      keep: int | None = None, extra: dict | None = None) -> None:
-    """Starts an asynchronous sharded save of ``state`` (see :mod:`jzero.checkpoint`)."""
-    from jzero import checkpoint
-    checkpoint.save_checkpoint(self, state, directory, step, keep=keep, extra=extra)
+  def save_checkpoint(self, state: TrainState, directory: str | Path,
+                      tag: str | int | None = None, *, client_state: dict | None = None,
+                      keep: int | None = None, save_latest: bool = True) -> str:
+    """Starts an asynchronous sharded save of ``state`` as ``directory/<tag>``; returns the tag.
 
-  def load_checkpoint(self, directory: str | Path, step: int | None = None, *,
-                      params_only: bool = False, sample_batch: Any = None) -> TrainState:
-    """Restores a checkpoint of any stage / device count into this engine's placement."""
+    DeepSpeed's ``save_checkpoint(save_dir, tag, client_state, save_latest)`` with the state
+    passed explicitly. ``tag`` defaults to the state's step; ``client_state`` is any JSON-able
+    dict, given back by ``load_checkpoint(..., with_client_state=True)``. The save finishes in the
+    background; the program's end waits for it (see :mod:`jzero.checkpoint.save`).
+    """
     from jzero import checkpoint
-    return checkpoint.load_checkpoint(self, directory, step, params_only=params_only,
-                                      sample_batch=sample_batch)
+    return checkpoint.save_checkpoint(self, state, directory, tag, keep=keep,
+                                      client_state=client_state, save_latest=save_latest)
+
+  def load_checkpoint(self, directory: str | Path, tag: str | int | None = None, *,
+                      params_only: bool = False, sample_batch: Any = None,
+                      with_client_state: bool = False) -> Any:
+    """Restores a checkpoint of any stage / device count into this engine's placement.
+
+    ``tag`` names the checkpoint (default: the one ``latest`` names). Returns the TrainState, or
+    ``(state, client_state)`` with ``with_client_state=True``.
+    """
+    from jzero import checkpoint
+    return checkpoint.load_checkpoint(self, directory, tag, params_only=params_only,
+                                      sample_batch=sample_batch,
+                                      with_client_state=with_client_state)
 
   def wait_for_checkpoints(self) -> None:
     """Blocks until every pending save is finalized (``latest`` moved)."""

@@ -22,6 +22,8 @@ from safetensors import safe_open
 
 import jzero
 from jzero import checkpoint
+from jzero.checkpoint.layout import opt_leaves
+from jzero.checkpoint.restore import abstract_state, broadcast
 from jzero.cli import main as cli_main
 from jzero.errors import CheckpointError, JZeroWarning
 from jzero.models import GPTConfig, lm_loss
@@ -81,11 +83,11 @@ def _moment(name: str) -> str | None:
 
 def _place(engine, truth: dict) -> jzero.TrainState:
   """The TrainState ``engine`` would hold with these logical values, placed with device_put."""
-  abstract = checkpoint._abstract_state(engine, None)
+  abstract = abstract_state(engine, None)
   plan = engine.plan
   leaves = {f"{g}/{l.path}": l for g in ("params", "master") for l in plan.leaf_list()}
-  leaves.update(checkpoint._opt_leaves(engine, abstract.opt_state))
-  shardings = jax.tree.leaves(checkpoint._broadcast(engine.state_shardings(), abstract))
+  leaves.update(opt_leaves(engine, abstract.opt_state))
+  shardings = jax.tree.leaves(broadcast(engine.state_shardings(), abstract))
   values = []
   for (name, x), sharding in zip(flat(abstract).items(), shardings):
     leaf = leaves.get(name)
@@ -108,10 +110,10 @@ def _place(engine, truth: dict) -> jzero.TrainState:
 def _check_state(engine, state: jzero.TrainState, truth: dict) -> None:
   """``state`` holds ``truth`` exactly, in ``engine``'s layout and shardings, padding zero."""
   plan = engine.plan
-  abstract = checkpoint._abstract_state(engine, None)
-  expected = jax.tree.leaves(checkpoint._broadcast(engine.state_shardings(), abstract))
+  abstract = abstract_state(engine, None)
+  expected = jax.tree.leaves(broadcast(engine.state_shardings(), abstract))
   assert all(x.sharding == s for x, s in zip(jax.tree.leaves(state), expected))
-  leaves = checkpoint._opt_leaves(engine, abstract.opt_state)
+  leaves = opt_leaves(engine, abstract.opt_state)
   by_path = {leaf.path: leaf for leaf in plan.leaf_list()}
   for name, x in flat(state).items():
     x = np.asarray(x)
@@ -202,7 +204,7 @@ def test_resume_in_new_process_is_bitwise_exact(tmp_path):
   for job in RESUME_JOBS:
     engine = resume_engine(job)
     state, first = train(engine, engine.init(jax.random.key(0)), RESUME_AT)
-    checkpoint.save_checkpoint(engine, state, tmp_path / job, extra={"job": job})
+    checkpoint.save_checkpoint(engine, state, tmp_path / job, client_state={"job": job})
     saved = {p: np.asarray(x) for p, x in flat(engine.logical_params(state)).items()}
     state, rest = train(engine, state, RESUME_STEPS)
     straight[job] = (rest, flat(engine.logical_params(state)), saved)
@@ -214,7 +216,7 @@ def test_resume_in_new_process_is_bitwise_exact(tmp_path):
     for path, x in params.items():
       np.testing.assert_array_equal(resumed[f"{job}/{path}"], np.asarray(x), err_msg=path)
   meta = checkpoint.read_metadata(tmp_path / "fp16")
-  assert meta["data_position"] == {"step": RESUME_AT} and meta["extra"] == {"job": "fp16"}
+  assert meta["data_position"] == {"step": RESUME_AT} and meta["client_state"] == {"job": "fp16"}
   assert meta["precision"] == "fp16" and meta["stage"] == 3
 
   # A real training state, onto another stage and device count: the fp32 truth is unchanged.
@@ -270,7 +272,7 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(wide_checkpoint):
     proc.stderr.close()
     assert not (directory / str(step)).exists(), "the save finished before the kill"
     written.append(_bytes_under(tmp[0]))
-    assert checkpoint.latest_step(directory) == 1 and checkpoint.all_steps(directory) == [1]
+    assert checkpoint.latest_tag(directory) == "1" and checkpoint.all_tags(directory) == ["1"]
     restored = flat(engine.logical_params(checkpoint.load_checkpoint(engine, directory)))
     for path, x in weights.items():
       np.testing.assert_array_equal(np.asarray(restored[path]), x)
@@ -281,7 +283,7 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(wide_checkpoint):
   fresh.save(engine, state, 10)
   fresh.close()
   assert not list(directory.glob("*.orbax-checkpoint-tmp*"))
-  assert checkpoint.latest_step(directory) == 10 and checkpoint.all_steps(directory) == [1, 10]
+  assert checkpoint.latest_tag(directory) == "10" and checkpoint.all_tags(directory) == ["1", "10"]
 
 
 # --- consolidation, import, inspect --------------------------------------------------------------
@@ -342,7 +344,7 @@ def test_16bit_weights_written_at_save_and_keep_last(tmp_path):
   for step in (1, 2, 3, 4):
     checkpoint.save_checkpoint(engine, state, tmp_path, step, keep=2)
   checkpoint.wait_until_finished()
-  assert checkpoint.all_steps(tmp_path) == [3, 4] and checkpoint.latest_step(tmp_path) == 4
+  assert checkpoint.all_tags(tmp_path) == ["3", "4"] and checkpoint.latest_tag(tmp_path) == "4"
   assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4", "latest"]
   w16 = checkpoint.read_weights(tmp_path / "4" / checkpoint.WEIGHTS16)
   for path, x in truth["params"].items():
@@ -446,11 +448,11 @@ def test_corrupt_metadata_and_missing_steps(small_checkpoint, tmp_path):
   engine = _engine(2, 8)
   with pytest.raises(CheckpointError, match="does not exist"):
     checkpoint.load_checkpoint(engine, tmp_path / "nowhere")
-  with pytest.raises(CheckpointError, match=r"no checkpoint of step 3.*finalized steps: \[7\]"):
+  with pytest.raises(CheckpointError, match=r"no checkpoint '3'.*finalized checkpoints: \['7'\]"):
     checkpoint.load_checkpoint(engine, small_checkpoint, 3)
   directory = _damaged(small_checkpoint, tmp_path)
   (directory / "latest").unlink()
-  with pytest.raises(CheckpointError, match=r"no 'latest' file \(finalized steps present: \[7\]"):
+  with pytest.raises(CheckpointError, match=r"no 'latest' file \(finalized checkpoints present: \['7'\]"):
     checkpoint.load_checkpoint(engine, directory)
   (directory / "7" / "meta" / checkpoint.META_FILE).write_text("{not json")
   with pytest.raises(CheckpointError, match="jzero.json is not valid JSON"):
@@ -469,7 +471,7 @@ def test_saving_twice_or_bad_arguments_is_refused(small_checkpoint):
   with pytest.raises(CheckpointError, match="already exists"):
     checkpoint.save_checkpoint(engine, state, small_checkpoint, 7)
   with pytest.raises(CheckpointError, match="JSON-serialisable"):
-    checkpoint.save_checkpoint(engine, state, small_checkpoint, 8, extra={"f": object()})
+    checkpoint.save_checkpoint(engine, state, small_checkpoint, 8, client_state={"f": object()})
   with pytest.raises(CheckpointError, match="keep must be"):
     checkpoint.Checkpointer(small_checkpoint, keep=0)
 

@@ -1,0 +1,34 @@
+"""Checkpoints: sharded asynchronous save / restore of the train state, resharding, conversion.
+
+One module per phase:
+
+* :mod:`jzero.checkpoint.layout` -- the directory on disk: tags, ``latest``, the file list with
+  sizes and checksums that every reader verifies, the JSON description.
+* :mod:`jzero.checkpoint.save` -- :class:`Checkpointer`: the complete train state as it lies on the
+  devices, written asynchronously by Orbax, committed atomically, never lost at program exit.
+* :mod:`jzero.checkpoint.restore` -- :func:`load_checkpoint` into any stage, device count, mesh or
+  precision, each device reading only its own shard.
+* :mod:`jzero.checkpoint.weights` -- DeepSpeed's ``zero_to_fp32`` (:func:`consolidate`) and
+  importing plain weights for fine-tuning (:func:`load_weights`).
+* :mod:`jzero.checkpoint.describe` -- ``jzero inspect``.
+
+A checkpoint is named by a *tag*, DeepSpeed's word: by default the optimizer step (``DIR/20``), or
+any name (``engine.save_checkpoint(state, DIR, tag="epoch_0")``); ``DIR/latest`` holds the tag of
+the newest finalized one. Every path may be relative. Nothing in a checkpoint is executable: JSON,
+and Orbax's OCDBT / zarr array store, whose metadata is JSON too (no pickle anywhere).
+"""
+
+from jzero.checkpoint.describe import describe
+from jzero.checkpoint.layout import (CHECKSUM, FILES_FILE, LATEST_FILE, META_FILE, WEIGHTS16,
+                                     all_tags,
+                                     latest_step, latest_tag, read_metadata)
+from jzero.checkpoint.restore import load_checkpoint
+from jzero.checkpoint.save import Checkpointer, save_checkpoint, wait_until_finished
+from jzero.checkpoint.weights import ConsolidateReport, consolidate, load_weights, read_weights
+
+__all__ = [
+    "Checkpointer", "save_checkpoint", "load_checkpoint", "wait_until_finished", "latest_tag",
+    "latest_step", "all_tags", "read_metadata", "consolidate", "ConsolidateReport",
+    "load_weights", "read_weights", "describe", "CHECKSUM", "FILES_FILE", "LATEST_FILE",
+    "META_FILE", "WEIGHTS16",
+]

@@ -1,0 +1,314 @@
+"""A checkpoint directory on disk: names, ``latest``, the file list with checksums, the JSON.
+
+Everything here is host work on files; nothing touches a device. The layout::
+
+  DIR/
+    latest                      text: the tag of the newest finalized checkpoint, e.g. "20"
+    20/                         one checkpoint; its tag (default: the step) names the directory
+      state/                    Orbax PyTree (OCDBT + zarr3): the TrainState as nested dicts
+      meta/jzero.json           the JSON description (see jzero.checkpoint.save)
+      weights16/                with gather_16bit_weights_on_model_save: params-only Orbax PyTree
+      jzero_files.json          written after the commit: every file's size and checksum
+      _CHECKPOINT_METADATA ...  Orbax's own
+
+**Integrity.** After Orbax commits a checkpoint, jzero reads every file of it back once and
+records its size and an XXH3-128 checksum in ``jzero_files.json`` (written atomically), and only
+then moves ``latest``. :func:`open_checkpoint` -- used by every reader: restore, convert, inspect
+-- checks every file against that list before reading any array, so a missing, truncated or
+bit-flipped file (data, array metadata, or the JSON) is a :class:`CheckpointError` naming the
+file. XXH3 is a non-cryptographic hash: it detects accidental damage (bit rot, a bad copy), not
+deliberate tampering. The cost is one read of the checkpoint at save (in the background thread)
+and one at load; the README gives the measured seconds per GB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import optax
+import orbax.checkpoint as ocp
+import xxhash
+
+from jzero.errors import CheckpointError, JZeroWarning
+from jzero.plan import LeafPlan, path_str
+
+PyTree = Any
+FORMAT = "jzero-checkpoint"
+FORMAT_VERSION = 2  # 2: checksums in the file list, client_state, tags
+META_FILE = "jzero.json"
+FILES_FILE = "jzero_files.json"
+LATEST_FILE = "latest"
+WEIGHTS16 = "weights16"
+DELETING = ".jzero-deleting"
+ORBAX_TMP = ".orbax-checkpoint-tmp"
+CHECKSUM = "xxh3_128"
+_READ_CHUNK_BYTES = 1 << 20
+_REPLICA_PARALLEL_MIN_BYTES = 1 << 20
+
+
+# --- names of the stored arrays ------------------------------------------------------------------
+
+
+def nest(flat: dict[str, Any]) -> dict:
+  """The nested dict of a {'a/b/c': leaf} mapping (what Orbax stores and restores)."""
+  out: dict = {}
+  for name, x in flat.items():
+    *parents, last = name.split("/")
+    node = out
+    for part in parents:
+      node = node.setdefault(part, {})
+    node[last] = x
+  return out
+
+
+def opt_leaves(engine: Any, opt_state: PyTree) -> dict[str, LeafPlan | None]:
+  """For each optimizer-state array name: the plan leaf it is laid out like, or None (counts...)."""
+  marked = optax.tree_utils.tree_map_params(
+      engine.tx, lambda _, leaf: leaf, opt_state, engine.plan.leaves,
+      transform_non_params=lambda x: x, is_leaf=lambda x: isinstance(x, LeafPlan))
+  flat = jax.tree_util.tree_flatten_with_path(marked, is_leaf=lambda x: isinstance(x, LeafPlan))[0]
+  return {"opt_state/" + path_str(p): (x if isinstance(x, LeafPlan) else None) for p, x in flat}
+
+
+def array_leaves(engine: Any, state: Any) -> dict[str, LeafPlan | None]:
+  """Stored array name -> its plan leaf (params, master, param-like optimizer state) or None."""
+  leaves = {}
+  for leaf in engine.plan.leaf_list():
+    leaves[f"params/{leaf.path}"] = leaf
+    if state.master is not None:
+      leaves[f"master/{leaf.path}"] = leaf
+  leaves.update(opt_leaves(engine, state.opt_state))
+  return leaves
+
+
+def array_handler() -> ocp.PyTreeCheckpointHandler:
+  """Orbax's PyTree handler for trees of jax.Arrays, without replica-parallel writes in one process.
+
+  Replica-parallel saving splits a replicated array among the processes that hold a replica; in a
+  single process it only adds a slicing op per array, which JAX compiles on the first save (seconds
+  for a model's worth of shapes). Across processes it is kept for slices of at least 1 MiB.
+  """
+  handler = ocp.type_handlers.ArrayHandler(
+      use_replica_parallel=jax.process_count() > 1,
+      min_slice_bytes_for_replica_parallel=_REPLICA_PARALLEL_MIN_BYTES)
+  return ocp.PyTreeCheckpointHandler(
+      type_handler_registry=ocp.type_handlers.create_type_handler_registry((jax.Array, handler)))
+
+
+# --- tags and directories ------------------------------------------------------------------------
+
+
+def check_tag(tag: Any) -> str:
+  """A checkpoint tag names a directory: a non-empty string without '/' (DeepSpeed's ``tag``)."""
+  if isinstance(tag, bool) or not isinstance(tag, (str, int)) or (isinstance(tag, int) and tag < 0):
+    raise CheckpointError(f"a checkpoint tag is a directory name (a string, or a non-negative step "
+                          f"number); got {tag!r}.")
+  tag = str(tag)
+  if (not tag or tag in (".", "..", LATEST_FILE) or "/" in tag or os.sep in tag
+      or tag.startswith(".") or ORBAX_TMP in tag or tag.endswith(DELETING)):
+    raise CheckpointError(f"checkpoint tag {tag!r} cannot name a checkpoint directory: use letters, "
+                          f"digits, '_', '-' or '.' (not first), e.g. 'epoch_3' or '1200'.")
+  return tag
+
+
+def _is_checkpoint(path: Path) -> bool:
+  return (path / "meta" / META_FILE).is_file()
+
+
+def latest_tag(directory: str | os.PathLike) -> str | None:
+  """The tag named by ``DIR/latest`` (the newest finalized save), or None if there is none."""
+  path = Path(directory).absolute() / LATEST_FILE
+  if not path.is_file():
+    return None
+  text = path.read_text().strip()
+  try:
+    return check_tag(text)
+  except CheckpointError:
+    raise CheckpointError(f"{path} should name a checkpoint, but holds {text[:40]!r}. Rewrite it "
+                          f"with the tag to restore (one of {all_tags(directory)}) or pass the "
+                          f"tag explicitly.") from None
+
+
+def all_tags(directory: str | os.PathLike) -> list[str]:
+  """Tags of the finalized checkpoints in ``directory`` (committed by Orbax and recorded by
+  jzero), oldest first: by the step they hold, then by name."""
+  root = Path(directory).absolute()
+  if not root.is_dir():
+    return []
+  found = []
+  for path in root.iterdir():
+    if path.is_dir() and (path / FILES_FILE).is_file() and _is_checkpoint(path):
+      found.append((_recorded_step(path), path.name))
+  return [name for _, name in sorted(found, key=lambda x: (x[0], len(x[1]), x[1]))]
+
+
+def _recorded_step(path: Path) -> int:
+  try:
+    return int(json.loads((path / "meta" / META_FILE).read_text())["step"])
+  except (OSError, ValueError, KeyError, TypeError):
+    return -1
+
+
+def latest_step(directory: str | os.PathLike) -> int | None:
+  """The optimizer step held by the ``latest`` checkpoint of ``directory``, or None."""
+  tag = latest_tag(directory)
+  return None if tag is None else int(read_metadata(directory, tag)["step"])
+
+
+def checkpoint_dir(directory: str | os.PathLike, tag: str | int | None = None) -> Path:
+  """The absolute directory of checkpoint ``tag`` (default: ``latest``); ``directory`` may be a
+  checkpoint's own directory. Relative paths are taken from the current directory."""
+  root = Path(directory).absolute()
+  if not root.is_dir():
+    raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist.")
+  if _is_checkpoint(root):
+    if tag is not None and root.name != str(tag):
+      raise CheckpointError(f"{root} is the checkpoint {root.name!r}, not {str(tag)!r}.")
+    return root
+  if tag is None:
+    tag = latest_tag(root)
+    if tag is None:
+      tags = all_tags(root)
+      hint = (f"finalized checkpoints present: {tags}; pass one explicitly" if tags else
+              "it holds no finalized checkpoint")
+      raise CheckpointError(f"{root} has no '{LATEST_FILE}' file ({hint}).")
+    if not (root / tag).is_dir():
+      raise CheckpointError(f"{root / LATEST_FILE} names {tag!r}, but {root / tag} does not exist "
+                            f"(finalized checkpoints present: {all_tags(root)}).")
+    return root / tag
+  tag = check_tag(tag)
+  path = root / tag
+  if not path.is_dir():
+    unfinished = sorted(p.name for p in root.glob(f"{tag}{ORBAX_TMP}*"))
+    why = " (its save never finished)" if unfinished else ""
+    raise CheckpointError(f"{root} has no checkpoint {tag!r}{why}; finalized checkpoints: "
+                          f"{all_tags(root)}.")
+  return path
+
+
+def write_atomic(path: Path, text: str) -> None:
+  """Writes ``text`` to ``path`` through a temporary file, fsync and rename."""
+  tmp = path.with_name(path.name + ".tmp")
+  with open(tmp, "w") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+# --- the file list: sizes and checksums ----------------------------------------------------------
+
+
+def _checksum(path: Path) -> str:
+  """XXH3-128 of a file, read through one reused buffer (host memory stays at one chunk)."""
+  digest, buffer = xxhash.xxh3_128(), bytearray(_READ_CHUNK_BYTES)
+  view = memoryview(buffer)
+  with open(path, "rb", buffering=0) as f:
+    while n := f.readinto(buffer):
+      digest.update(view[:n])
+  return digest.hexdigest()
+
+
+def _files(step_dir: Path) -> list[Path]:
+  return [p for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != FILES_FILE]
+
+
+def record_files(step_dir: Path) -> int:
+  """Writes ``jzero_files.json``: size and checksum of every file of a committed checkpoint.
+  Returns the bytes read."""
+  files = {str(p.relative_to(step_dir)): {"size": p.stat().st_size, CHECKSUM: _checksum(p)}
+           for p in _files(step_dir)}
+  write_atomic(step_dir / FILES_FILE, json.dumps({"files": files}, indent=0))
+  return sum(f["size"] for f in files.values())
+
+
+def recorded_files(step_dir: Path) -> dict[str, int]:
+  """{relative path: size} of the files a checkpoint's file list records ({} without a list)."""
+  listing = step_dir / FILES_FILE
+  if not listing.is_file():
+    return {}
+  return {rel: entry["size"] if isinstance(entry, dict) else entry
+          for rel, entry in json.loads(listing.read_text())["files"].items()}
+
+
+def verify_files(step_dir: Path) -> None:
+  """Every file the save wrote exists with its size and checksum; else raises naming the first
+  that does not (and the finalized checkpoints to fall back to)."""
+  listing = step_dir / FILES_FILE
+  others = lambda: [t for t in all_tags(step_dir.parent) if t != step_dir.name]
+  if not listing.is_file():
+    warnings.warn(f"{step_dir} has no {FILES_FILE}: its save was interrupted after Orbax committed "
+                  f"it and before jzero recorded it, so its files cannot be checked before "
+                  f"reading.", JZeroWarning, stacklevel=3)
+    return
+  try:
+    files = json.loads(listing.read_text())["files"]
+    files = {rel: entry if isinstance(entry, dict) else {"size": entry}  # format 1: sizes only
+             for rel, entry in files.items()}
+    if not all(isinstance(e.get("size"), int) for e in files.values()):
+      raise TypeError("a size is not an integer")
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise CheckpointError(f"{listing} is not a valid file list ({e}); the checkpoint was modified "
+                          f"after it was written. Restore another checkpoint (finalized: "
+                          f"{others()}).") from None
+  for rel, entry in files.items():
+    path = step_dir / rel
+    if not path.is_file():
+      raise CheckpointError(f"checkpoint {step_dir} is incomplete: file {rel} is missing. The "
+                            f"checkpoint was damaged after it was written; restore another one "
+                            f"(finalized: {others()}).")
+    if path.stat().st_size != entry["size"]:
+      raise CheckpointError(f"checkpoint {step_dir} is corrupt: file {rel} has "
+                            f"{path.stat().st_size} bytes but {entry['size']} were written "
+                            f"(truncated or overwritten). Restore another checkpoint (finalized: "
+                            f"{others()}).")
+    if CHECKSUM in entry and _checksum(path) != entry[CHECKSUM]:
+      raise CheckpointError(f"checkpoint {step_dir} is corrupt: file {rel} does not match the "
+                            f"checksum recorded when it was written (its bytes changed: bit rot, a "
+                            f"bad copy, or an edit). Restore another checkpoint (finalized: "
+                            f"{others()}).")
+
+
+# --- the JSON description ------------------------------------------------------------------------
+
+
+def read_metadata(directory: str | os.PathLike, tag: str | int | None = None) -> dict:
+  """The JSON document of a checkpoint (default: the ``latest`` one) plus ``"path"``."""
+  step_dir = checkpoint_dir(directory, tag)
+  path = step_dir / "meta" / META_FILE
+  try:
+    meta = json.loads(path.read_text())
+  except FileNotFoundError:
+    raise CheckpointError(f"{step_dir} is not a jzero checkpoint: {path} is missing.") from None
+  except ValueError as e:
+    raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt.") from None
+  if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    raise CheckpointError(f"{path} is not a jzero checkpoint description.")
+  if meta.get("format_version", 0) > FORMAT_VERSION:
+    raise CheckpointError(f"{step_dir} was written in checkpoint format "
+                          f"{meta['format_version']} by jzero {meta['versions']['jzero']}; this "
+                          f"jzero reads format {FORMAT_VERSION}. Upgrade jzero.")
+  if "extra" in meta:  # format 1 called the client state "extra"
+    meta["client_state"] = meta.pop("extra")
+  meta["path"] = str(step_dir)
+  return meta
+
+
+def optimizer_name(config: dict) -> str:
+  """The optimizer a checkpoint's recorded config names."""
+  opt = config.get("optimizer") or {}
+  return str(opt.get("type", "a client optimizer"))
+
+
+def open_checkpoint(directory: str | os.PathLike, tag: str | int | None = None
+                    ) -> tuple[Path, dict]:
+  """(absolute checkpoint directory, its JSON) after checking every file against the file list."""
+  meta = read_metadata(directory, tag)
+  step_dir = Path(meta["path"])
+  verify_files(step_dir)
+  return step_dir, meta

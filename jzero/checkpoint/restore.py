@@ -1,0 +1,230 @@
+"""Restoring: a checkpoint of any stage, device count, mesh or precision into this engine's plan.
+
+:func:`load_checkpoint` rebuilds a TrainState for *this* engine. A partitioned leaf is zero-padded at
+the end of its shard dimension, and the padding stays zero through training, so a leaf laid out for
+one plan becomes the leaf of another by taking its logical region and zero-padding for the new plan.
+Orbax does exactly that per dimension when asked for a different global shape
+(``ArrayRestoreArgs(strict=False)``: it reads the intersection of the stored and requested regions
+into zeros), and it reads every array straight into its target sharding, so each device reads only
+its own shard and no device ever holds a full copy. The checkpoint's *truth* -- the fp32 master in
+mixed precision, the fp32 params in fp32 training -- becomes the new truth; in mixed precision the
+compute params are cast from it as the train step would. Every file is checked against its recorded
+size and checksum, and shapes, leaf paths and the optimizer-state structure against the engine,
+before any device work. ``params_only=True`` restores weights alone, with a fresh optimizer state.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jzero.checkpoint import layout
+from jzero.errors import CheckpointError, JZeroWarning
+from jzero.plan import LeafPlan, Plan, flatten_paths
+
+__all__ = ["load_checkpoint", "abstract_state", "broadcast"]
+
+PyTree = Any
+
+
+def abstract_state(engine: Any, sample_batch: Any) -> Any:
+  """The engine's TrainState as ShapeDtypeStructs (global shapes); creates the plan if needed."""
+  return jax.eval_shape(lambda rng: engine.init(rng, sample_batch), jax.random.key(0))
+
+
+def broadcast(prefix: PyTree, tree: PyTree) -> PyTree:
+  """A prefix tree of shardings (``engine.state_shardings()``) expanded to ``tree``'s leaves."""
+  return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), prefix, tree,
+                      is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def _check_model(meta: dict, plan: Plan, step_dir: Path) -> None:
+  """The checkpoint's leaves are the model's: same paths, same logical shapes."""
+  saved = {leaf["path"]: tuple(leaf["shape"]) for leaf in meta["leaves"]}
+  want = {leaf.path: leaf.shape for leaf in plan.leaf_list()}
+  missing, unexpected = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
+  if missing or unexpected:
+    raise CheckpointError(
+        f"checkpoint {step_dir} was written for another model: the model's leaves {missing[:5]} "
+        f"are not in it, and its leaves {unexpected[:5]} are not in the model.")
+  bad = [f"{p}: {saved[p]} in the checkpoint, {want[p]} in the model" for p in want
+         if saved[p] != want[p]]
+  if bad:
+    raise CheckpointError(f"checkpoint {step_dir} does not fit the model's shapes: "
+                          f"{'; '.join(bad[:5])}.")
+
+
+def _check_optimizer(meta: dict, engine: Any, targets: dict[str, jax.ShapeDtypeStruct],
+                     leaves: dict[str, LeafPlan | None], step_dir: Path) -> None:
+  """The stored optimizer state has the engine optimizer's structure and shapes."""
+  saved = {n: a for n, a in meta["arrays"].items() if n.startswith("opt_state/")}
+  want = {n for n in targets if n.startswith("opt_state/")}
+  hint = ("Pass params_only=True to restore the weights alone, with a fresh optimizer state "
+          "starting at step 0.")
+  if set(saved) != want:
+    lacking, unused = sorted(want - set(saved)), sorted(set(saved) - want)
+    found = ([f"it lacks {lacking[:4]}"] if lacking else []) + (
+        [f"it holds {unused[:4]}, which this engine's optimizer does not use"] if unused else [])
+    raise CheckpointError(
+        f"checkpoint {step_dir} holds the state of another optimizer "
+        f"({layout.optimizer_name(meta['config'])}; this engine: "
+        f"{layout.optimizer_name(engine.config.to_dict())}): {'; '.join(found)}. {hint}")
+  for name in sorted(want):
+    leaf, entry = leaves[name], saved[name]
+    if (entry["leaf"] is None) != (leaf is None):
+      raise CheckpointError(f"checkpoint {step_dir}: optimizer state {name} is laid out "
+                            f"differently in the checkpoint and in the engine's optimizer. {hint}")
+    if leaf is None and tuple(entry["shape"]) != targets[name].shape:
+      raise CheckpointError(f"checkpoint {step_dir}: optimizer state {name} has shape "
+                            f"{tuple(entry['shape'])}, the engine's optimizer "
+                            f"{targets[name].shape}. {hint}")
+
+
+def _check_batch_size(meta: dict, engine: Any, step_dir: Path) -> None:
+  """Resuming with another global batch size is allowed, and said (DeepSpeed's elastic rules)."""
+  saved = meta.get("global_batch_size", meta["config"].get("train_batch_size"))
+  if saved is not None and saved != engine.global_batch_size:
+    warnings.warn(
+        f"checkpoint {step_dir} was trained with a global batch of {saved} samples per step; "
+        f"this engine uses {engine.global_batch_size}. Training continues from optimizer step "
+        f"{meta['data_position']['step']}: the LR schedule and the data position count optimizer steps, so from "
+        f"here on each step sees {engine.global_batch_size} samples instead of {saved}.",
+        JZeroWarning, stacklevel=3)
+
+
+def _root_cause(error: BaseException) -> str:
+  """The innermost error's message: tensorstore's names the stored array and the file."""
+  while error.__cause__ is not None or error.__context__ is not None:
+    error = error.__cause__ or error.__context__
+  return f"{type(error).__name__}: {error}"
+
+
+def _restore_arrays(step_dir: Path, requests: dict[str, tuple[str, jax.ShapeDtypeStruct]]
+                    ) -> dict[str, jax.Array]:
+  """Reads stored arrays of the ``state`` item into target global shapes and shardings.
+
+  Args:
+    step_dir: the step directory.
+    requests: target name -> (stored name, target ShapeDtypeStruct with its sharding).
+  """
+  by_source = {src: target for src, target in requests.values()}
+  args = {src: ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=t.shape, dtype=t.dtype,
+                                    strict=False) for src, t in by_source.items()}
+  try:
+    restored = flatten_paths(ocp.Checkpointer(layout.array_handler()).restore(
+        step_dir / "state", args=ocp.args.PyTreeRestore(
+            item=layout.nest(by_source), restore_args=layout.nest(args), partial_restore=True)))
+  except Exception as e:
+    raise CheckpointError(f"checkpoint {step_dir}: its arrays cannot be read: "
+                          f"{_root_cause(e)}") from e
+  return {target: restored[src] for target, (src, _) in requests.items()}
+
+
+def _compute_params(engine: Any, master: PyTree, shardings: PyTree) -> PyTree:
+  """Compute params cast from the fp32 master, laid out as the plan's params (as the step does)."""
+  plan = engine.plan
+
+  def to_param(leaf: LeafPlan, x: jax.Array) -> jax.Array:
+    x = leaf.to_logical(x)
+    return (leaf.to_padded(x) if leaf.param_partitioned else x).astype(plan.compute_dtype)
+
+  return jax.jit(lambda m: plan.map(to_param, m), out_shardings=shardings)(master)
+
+
+def _fresh_opt_state(engine: Any, truth: PyTree, shardings: PyTree) -> PyTree:
+  """``tx.init`` on the truth laid out as the master (params_only restores)."""
+  plan = engine.plan
+
+  def to_state(leaf: LeafPlan, x: jax.Array) -> jax.Array:
+    x = leaf.to_logical(x)
+    return leaf.to_padded(x) if leaf.state_partitioned else x
+
+  return jax.jit(lambda t: engine.tx.init(plan.map(to_state, t)), out_shardings=shardings)(truth)
+
+
+def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | None = None, *,
+                    params_only: bool = False, sample_batch: Any = None,
+                    with_client_state: bool = False) -> Any:
+  """Restores a checkpoint into ``engine``'s placement, whatever stage / mesh / precision wrote it.
+
+  Every array is read directly into its target sharding (each device reads only its shard). The
+  checkpoint's fp32 truth (master in mixed precision, params in fp32) becomes the engine's;
+  compute params are cast from it. The loss-scaler state is kept when both runs use the same
+  precision, else it starts fresh. A checkpoint written with another global batch size restores
+  with a warning naming both sizes (the data position and the LR schedule count optimizer steps).
+
+  Args:
+    engine: the engine to restore into (its plan is created if it has none).
+    directory: a checkpoint directory (or one checkpoint's directory); may be relative.
+    tag: the checkpoint to restore (its directory name, e.g. a step or "epoch_3"; default: the
+      one ``latest`` names).
+    params_only: restore the weights alone: optimizer state, step, skipped count and loss scale
+      start fresh (as after ``engine.init``); the training RNG is the checkpoint's. For another
+      optimizer, or fine-tuning from a training checkpoint.
+    sample_batch: needed for Linen models when the engine has no plan yet (as ``engine.init``).
+    with_client_state: return ``(state, client_state)``, the dict given to ``save_checkpoint``.
+
+  Raises:
+    CheckpointError: missing / incomplete / corrupt checkpoint (naming the file), another model
+      (leaf paths or shapes), or another optimizer without ``params_only`` -- before any device
+      work.
+  """
+  step_dir, meta = layout.open_checkpoint(directory, tag)
+  abstract = abstract_state(engine, sample_batch)
+  plan = engine.plan
+  _check_model(meta, plan, step_dir)
+  shardings = broadcast(engine.state_shardings(), abstract)
+  targets = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for (name, x), s in
+             zip(flatten_paths(abstract).items(), jax.tree.leaves(shardings))}
+  leaves = layout.opt_leaves(engine, abstract.opt_state)
+  if not params_only:
+    _check_optimizer(meta, engine, targets, leaves, step_dir)
+    _check_batch_size(meta, engine, step_dir)
+
+  truth = "master" if meta["has_master"] else "params"
+  into = "master" if plan.has_master else "params"
+  requests = {f"{into}/{leaf.path}": (f"{truth}/{leaf.path}", targets[f"{into}/{leaf.path}"])
+              for leaf in plan.leaf_list()}
+  replicated = plan.sharding(P())
+  stored = meta["arrays"]
+  rng = stored["rng"]
+  requests["rng"] = ("rng", jax.ShapeDtypeStruct(tuple(rng["shape"]), np.dtype(rng["dtype"]),
+                                                  sharding=replicated))
+  same_precision = meta["precision"] == engine.config.precision
+  if not params_only:
+    for name, target in targets.items():
+      if name in ("step", "skipped") or name.startswith("opt_state/") or (
+          name.startswith("loss_scale/") and same_precision):
+        requests[name] = (name, target)
+  restored = _restore_arrays(step_dir, requests)
+
+  def group(prefix: str, tree: PyTree) -> PyTree:
+    names = [n for n in targets if n.startswith(prefix + "/")]
+    return jax.tree.unflatten(jax.tree.structure(tree), [restored[n] for n in names])
+
+  weights = group(into, getattr(abstract, into))
+  if plan.has_master:
+    master, params = weights, _compute_params(engine, weights, shardings.params)
+  else:
+    master, params = None, weights
+  if params_only:
+    zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), replicated)  # two buffers: donated
+    state = type(abstract)(step=zero(), skipped=zero(), params=params, master=master,
+                           opt_state=_fresh_opt_state(engine, weights, shardings.opt_state),
+                           loss_scale=jax.device_put(engine.scaler.init(), replicated),
+                           rng=restored["rng"])
+  else:
+    loss_scale = (group("loss_scale", abstract.loss_scale) if same_precision
+                  else jax.device_put(engine.scaler.init(), replicated))
+    state = type(abstract)(step=restored["step"], skipped=restored["skipped"], params=params,
+                           master=master, opt_state=group("opt_state", abstract.opt_state),
+                           loss_scale=loss_scale, rng=restored["rng"])
+  return (state, meta["client_state"]) if with_client_state else state

@@ -1,0 +1,350 @@
+"""Saving: the train state as it lies, asynchronously, committed atomically, never lost at exit.
+
+:class:`Checkpointer` writes the complete :class:`~jzero.engine.TrainState` with Orbax's
+``AsyncCheckpointer``: each process writes only the shards it holds (one replica of each); the call
+returns once they are copied to host memory and the files are written by a background thread while
+training goes on. Orbax writes a checkpoint into ``<tag>.orbax-checkpoint-tmp-*`` and renames it on
+commit, so a save killed part-way leaves only a temporary directory, which the next
+:class:`Checkpointer` of that directory removes. After the commit jzero (the primary process, still
+in the background) records every file's size and checksum (``jzero_files.json``), then moves
+``latest`` to it (write + rename), then deletes the checkpoints beyond ``keep``. ``latest``
+therefore only ever names a complete, verified checkpoint. With several processes, waiting for a
+save (:func:`wait_until_finished`, or the next save) ends with a barrier, so no process reads
+``latest`` before the primary has moved it.
+
+**Exit.** DeepSpeed's save is synchronous, so scripts end right after it. jzero's pending saves are
+waited for when the main thread ends -- before Python shuts down the thread pools Orbax commits
+with -- so such a script still leaves a finalized checkpoint. If a save fails then, the process
+prints one line naming the checkpoint and exits with status 1.
+
+Beside the arrays goes one JSON document: format version, jzero / JAX / Orbax versions, the tag,
+the step and the data position (the number of optimizer steps taken: batches are a pure function
+of the step, see :mod:`jzero.data`), the stage, precision, mesh, the resolved DeepSpeed config,
+every plan leaf (path, logical shape, how it was laid out), every stored array (name, stored shape,
+dtype, plan leaf) and the user's JSON ``client_state``. Nothing in a checkpoint is executable.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jzero.checkpoint import layout
+from jzero.checkpoint.layout import (DELETING, FORMAT, FORMAT_VERSION, LATEST_FILE, META_FILE,
+                                     ORBAX_TMP, WEIGHTS16)
+from jzero.errors import CheckpointError
+from jzero.plan import LeafPlan, Plan, flatten_paths
+
+__all__ = ["Checkpointer", "save_checkpoint", "wait_until_finished", "weights_json"]
+
+
+# --- the JSON document ---------------------------------------------------------------------------
+
+
+def _leaf_json(leaf: LeafPlan) -> dict:
+  return {"path": leaf.path, "shape": list(leaf.shape), "dtype": "float32",
+          "stacked": leaf.stacked, "shard_dim": leaf.shard_dim, "padded": leaf.padded,
+          "param_partitioned": leaf.param_partitioned,
+          "state_partitioned": leaf.state_partitioned}
+
+
+def _mesh_json(engine: Any) -> dict:
+  mesh = engine.mesh
+  return {"axes": {str(a): int(s) for a, s in mesh.mesh.shape.items()},
+          "zero_axes": list(mesh.zero_axes), "batch_axes": list(mesh.batch_axes),
+          "devices": mesh.size, "platform": mesh.mesh.devices.flat[0].platform,
+          "processes": jax.process_count(), "description": mesh.describe()}
+
+
+def _versions() -> dict:
+  import jzero  # at call time: jzero/__init__.py imports this package
+  return {"jzero": jzero.__version__, "jax": jax.__version__, "orbax_checkpoint": ocp.__version__}
+
+
+def _metadata(engine: Any, state: Any, tag: str, arrays: dict[str, jax.Array],
+              weights16: np.dtype | None, client_state: dict | None) -> dict:
+  plan = engine.plan
+  leaves = layout.array_leaves(engine, state)
+  return {
+      "format": FORMAT,
+      "format_version": FORMAT_VERSION,
+      "versions": _versions(),
+      "tag": tag,
+      "step": int(state.step),
+      "data_position": {"step": int(state.step)},
+      "stage": plan.stage,
+      "precision": engine.config.precision,
+      "compute_dtype": str(np.dtype(plan.compute_dtype)),
+      "has_master": plan.has_master,
+      "mesh": _mesh_json(engine),
+      "config": engine.config.to_dict(),
+      "global_batch_size": engine.global_batch_size,
+      "leaves": [_leaf_json(leaf) for leaf in plan.leaf_list()],
+      "arrays": {name: {"shape": list(x.shape), "dtype": str(np.dtype(x.dtype)),
+                        "leaf": leaves[name].path if leaves.get(name) is not None else None}
+                 for name, x in arrays.items()},
+      "weights16": None if weights16 is None else {"dtype": str(weights16), "item": WEIGHTS16},
+      "client_state": client_state or {},
+  }
+
+
+def weights_json(shapes: dict[str, tuple[tuple[int, ...], Any]], step: int, source: str) -> dict:
+  """The description stored with plain weights (``weights16/`` and ``consolidate(orbax=...)``)."""
+  return {"format": "jzero-weights", "step": step, "source": source,
+          "leaves": {name: {"shape": list(shape), "dtype": str(np.dtype(dtype))}
+                     for name, (shape, dtype) in shapes.items()}}
+
+
+# --- consolidated 16-bit weights -----------------------------------------------------------------
+
+
+def _weights16_dtype(engine: Any) -> np.dtype | None:
+  """``stage3_gather_16bit_weights_on_model_save``: the model's compute dtype, as DeepSpeed saves
+  the module's own dtype (so fp32 training writes fp32 weights, despite the key's name)."""
+  if not engine.config.zero_optimization.gather_16bit_weights_on_model_save:
+    return None
+  return np.dtype(engine.plan.compute_dtype)
+
+
+def _spread_sharding(engine: Any, shape: tuple[int, ...]) -> NamedSharding:
+  """Logical-shape arrays split over the ZeRO axes on their first evenly divisible dimension
+  (JAX arrays cannot be split unevenly); replicated when none divides."""
+  axes = engine.mesh.zero_axes
+  spec: list[Any] = [None] * len(shape)
+  for d, size in enumerate(shape):
+    if size % engine.mesh.zero_size == 0:
+      spec[d] = axes[0] if len(axes) == 1 else axes
+      break
+  return NamedSharding(engine.mesh.mesh, P(*spec))
+
+
+# --- the checkpointer ----------------------------------------------------------------------------
+
+
+class Checkpointer:
+  """Asynchronous checkpoints of one directory (see the module docstring).
+
+  Args:
+    directory: where the checkpoints go (created if missing; relative to the current directory).
+    keep: keep only the newest ``keep`` finalized checkpoints (None: keep all).
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, keep: int | None = None):
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+      raise CheckpointError(f"keep must be a positive number of checkpoints or None, got {keep!r}.")
+    self.directory = Path(directory).absolute()
+    self.keep = keep
+    self._primary = jax.process_index() == 0
+    if self._primary:
+      self.directory.mkdir(parents=True, exist_ok=True)
+      for leftover in [*self.directory.glob(f"*{DELETING}"), *self.directory.glob(f"*{ORBAX_TMP}*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+    self._orbax = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler(
+        state=layout.array_handler(), meta=ocp.JsonCheckpointHandler(filename=META_FILE),
+        **{WEIGHTS16: layout.array_handler()}))
+    self._finalizer: threading.Thread | None = None
+    self._pending: str | None = None
+    self._failure: tuple[str, BaseException] | None = None
+    self._cast_fns: dict[int, tuple[Plan, Any]] = {}
+    _wait_at_exit()
+
+  def save(self, engine: Any, state: Any, tag: str | int | None = None, *,
+           client_state: dict | None = None, save_latest: bool = True) -> str:
+    """Starts writing ``state`` as checkpoint ``tag``; returns the tag once the state is on host.
+
+    Waits for the previous save of this directory to be finalized first (and raises its error).
+
+    Args:
+      engine: the engine that produced ``state`` (its plan, config and mesh are recorded).
+      state: the train state; it may be donated to the next train step right after this returns.
+      tag: the checkpoint's directory name (DeepSpeed's ``tag``), default: the state's step.
+      client_state: JSON-serialisable user data stored in the checkpoint's JSON
+        (``load_checkpoint(..., with_client_state=True)`` gives it back).
+      save_latest: move ``latest`` to this checkpoint once it is finalized.
+    """
+    self.wait_until_finished()
+    engine.check_live(state, "save_checkpoint")
+    tag = layout.check_tag(int(state.step) if tag is None else tag)
+    if (self.directory / tag).exists():
+      raise CheckpointError(f"{self.directory / tag} already exists; checkpoints are never "
+                            f"overwritten. Save under another tag or remove it first.")
+    try:
+      json.dumps(client_state)
+    except (TypeError, ValueError) as e:
+      raise CheckpointError(f"client_state must be JSON-serialisable (it is stored in "
+                            f"{META_FILE}): {e}.") from None
+    arrays = flatten_paths(state)
+    dtype16 = _weights16_dtype(engine)
+    items = {"state": ocp.args.PyTreeSave(layout.nest(arrays)),
+             "meta": ocp.args.JsonSave(_metadata(engine, state, tag, arrays, dtype16,
+                                                 client_state))}
+    if dtype16 is not None:
+      weights = self._weights16(engine, state, dtype16)
+      items[WEIGHTS16] = ocp.args.PyTreeSave(
+          layout.nest(weights), custom_metadata={"jzero": weights_json(
+              {k: (v.shape, v.dtype) for k, v in weights.items()}, int(state.step), "save")})
+    self._orbax.save(self.directory / tag, args=ocp.args.Composite(**items))
+    self._pending = tag
+    self._finalizer = threading.Thread(target=self._finalize, args=(tag, save_latest),
+                                       name=f"jzero-checkpoint-{tag}")
+    self._finalizer.start()
+    return tag
+
+  def _weights16(self, engine: Any, state: Any, dtype: np.dtype) -> dict[str, jax.Array]:
+    """The logical weights in ``dtype``, each split over the devices (see _spread_sharding)."""
+    plan = engine.plan
+    cached = self._cast_fns.get(id(plan))
+    if cached is None:
+      shardings = plan.map(lambda leaf: _spread_sharding(engine, leaf.shape))
+      fn = jax.jit(lambda t: plan.map(lambda leaf, x: leaf.to_logical(x).astype(dtype), t),
+                   out_shardings=shardings)
+      cached = self._cast_fns[id(plan)] = (plan, fn)
+    truth = state.master if plan.has_master else state.params
+    return flatten_paths(cached[1](truth))
+
+  def _finalize(self, tag: str, save_latest: bool) -> None:
+    """Background: wait for Orbax's commit, then record the files, move ``latest``, prune."""
+    try:
+      self._orbax.wait_until_finished()
+      if self._primary:
+        layout.record_files(self.directory / tag)
+        if save_latest:
+          layout.write_atomic(self.directory / LATEST_FILE, f"{tag}\n")
+        self._prune(tag)
+    except BaseException as e:  # re-raised by wait_until_finished in the caller's thread
+      self._failure = (tag, e)
+
+  def _prune(self, newest: str) -> None:
+    """Deletes the checkpoints older than the newest ``keep`` (never ``newest`` or ``latest``); a
+    checkpoint is renamed away first, so a deletion cut short never leaves something that looks
+    like a checkpoint."""
+    if self.keep is None:
+      return
+    tags = layout.all_tags(self.directory)
+    kept = set(tags[tags.index(newest) + 1 - self.keep: tags.index(newest) + 1])
+    kept.add(layout.latest_tag(self.directory))
+    for tag in tags[:tags.index(newest)]:
+      if tag not in kept:
+        doomed = self.directory / (tag + DELETING)
+        os.rename(self.directory / tag, doomed)
+        shutil.rmtree(doomed)
+
+  def wait_until_finished(self, *, sync_processes: bool = True) -> None:
+    """Blocks until the last save is committed and ``latest`` names it; raises if it failed.
+
+    With several processes it ends with a barrier (only the primary moves ``latest``), unless
+    ``sync_processes`` is False (at interpreter exit, when JAX's distributed runtime may be gone).
+    """
+    if self._finalizer is not None:
+      self._finalizer.join()
+      self._finalizer = None
+      self._pending = None
+      if sync_processes and jax.process_count() > 1:
+        multihost_utils.sync_global_devices("jzero-checkpoint-finalized")
+    if self._failure is not None:
+      tag, error = self._failure
+      self._failure = None
+      raise CheckpointError(f"saving checkpoint {tag!r} to {self.directory} failed: "
+                            f"{type(error).__name__}: {error}") from error
+
+  def close(self) -> None:
+    """Waits for the last save and releases Orbax's resources."""
+    try:
+      self.wait_until_finished()
+    finally:
+      self._orbax.close()
+      _CHECKPOINTERS.pop(self.directory, None)
+
+
+_CHECKPOINTERS: dict[Path, Checkpointer] = {}
+
+
+def _checkpointer(directory: str | os.PathLike, keep: int | None) -> Checkpointer:
+  path = Path(directory).absolute()
+  ckpt = _CHECKPOINTERS.get(path)
+  if ckpt is None:
+    ckpt = _CHECKPOINTERS[path] = Checkpointer(path, keep=keep)
+  elif keep is not None:
+    ckpt.keep = keep
+  return ckpt
+
+
+def save_checkpoint(engine: Any, state: Any, directory: str | os.PathLike,
+                    tag: str | int | None = None, *, keep: int | None = None,
+                    client_state: dict | None = None, save_latest: bool = True) -> str:
+  """Starts an asynchronous save of ``state`` into ``directory/<tag>`` (see :class:`Checkpointer`).
+
+  One :class:`Checkpointer` per directory is kept for the life of the process, so consecutive
+  saves overlap training; :func:`wait_until_finished` waits for them, and so does the end of the
+  program. Returns the tag.
+
+  Args:
+    engine: the engine that produced ``state``.
+    state: the train state; it may be donated to the next train step right after this returns.
+    directory: the checkpoint directory (created if missing; may be relative).
+    tag: the checkpoint's name (default: the state's step), e.g. ``"epoch_0"``.
+    keep: keep only the newest ``keep`` checkpoints in ``directory`` (None: all, or as set before).
+    client_state: JSON-serialisable user data stored with the checkpoint.
+    save_latest: move ``latest`` to this checkpoint (DeepSpeed's ``save_latest``).
+  """
+  return _checkpointer(directory, keep).save(engine, state, tag, client_state=client_state,
+                                             save_latest=save_latest)
+
+
+def wait_until_finished(directory: str | os.PathLike | None = None) -> None:
+  """Blocks until the saves started by :func:`save_checkpoint` (in ``directory``, default all) are
+  finalized, with ``latest`` naming them; raises :class:`CheckpointError` if one failed."""
+  paths = list(_CHECKPOINTERS) if directory is None else [Path(directory).absolute()]
+  for path in paths:
+    if path in _CHECKPOINTERS:
+      _CHECKPOINTERS[path].wait_until_finished()
+
+
+# --- exit ----------------------------------------------------------------------------------------
+
+_EXIT_HOOK = threading.Lock()
+_exit_hook_installed = False
+
+
+def _wait_at_exit() -> None:
+  """Installs (once) the wait for pending saves at the end of the main thread.
+
+  ``threading._register_atexit`` callbacks run when the main thread has finished, before Python
+  joins the other threads and, last registered first, before ``concurrent.futures`` stops
+  accepting work -- Orbax's commit needs its thread pools, so a plain ``atexit`` hook is too late
+  ("cannot schedule new futures after shutdown"). Installed after Orbax is imported, so it runs
+  first.
+  """
+  global _exit_hook_installed
+  with _EXIT_HOOK:
+    if not _exit_hook_installed:
+      threading._register_atexit(_finish_at_exit)  # pylint: disable=protected-access
+      _exit_hook_installed = True
+
+
+def _finish_at_exit() -> None:
+  """No process exits with a save half-written; a failed one makes the exit status 1."""
+  for ckpt in list(_CHECKPOINTERS.values()):
+    finalizer, tag = ckpt._finalizer, ckpt._pending  # pylint: disable=protected-access
+    if finalizer is not None:
+      finalizer.join(timeout=1.0)
+      if finalizer.is_alive():
+        print(f"jzero: writing checkpoint {tag!r} in {ckpt.directory} before exiting...",
+              file=sys.stderr, flush=True)
+    try:
+      ckpt.wait_until_finished(sync_processes=False)
+    except CheckpointError as e:
+      print(f"jzero: error: {e}", file=sys.stderr, flush=True)
+      sys.stdout.flush()
+      os._exit(1)
