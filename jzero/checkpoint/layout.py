@@ -308,7 +308,6 @@ def optimizer_name(config: dict) -> str:
 def open_checkpoint(directory: str | os.PathLike, tag: str | int | None = None
                     ) -> tuple[Path, dict]:
   """(absolute checkpoint directory, its JSON) after checking every file against the file list."""
-  meta = read_metadata(directory, tag)
-  step_dir = Path(meta["path"])
+  step_dir = checkpoint_dir(directory, tag)
   verify_files(step_dir)
-  return step_dir, meta
+  return step_dir, read_metadata(step_dir)

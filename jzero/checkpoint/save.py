@@ -136,7 +136,8 @@ class Checkpointer:
   """Asynchronous checkpoints of one directory (see the module docstring).
 
   Args:
-    directory: where the checkpoints go (created if missing; relative to the current directory).
+    directory: where the checkpoints go (created by the first save; relative to the current
+      directory).
     keep: keep only the newest ``keep`` finalized checkpoints (None: keep all).
   """
 
@@ -146,8 +147,7 @@ class Checkpointer:
     self.directory = Path(directory).absolute()
     self.keep = keep
     self._primary = jax.process_index() == 0
-    if self._primary:
-      self.directory.mkdir(parents=True, exist_ok=True)
+    if self._primary and self.directory.is_dir():
       for leftover in [*self.directory.glob(f"*{DELETING}"), *self.directory.glob(f"*{ORBAX_TMP}*")]:
         shutil.rmtree(leftover, ignore_errors=True)
     self._orbax = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler(
@@ -176,6 +176,8 @@ class Checkpointer:
     self.wait_until_finished()
     engine.check_live(state, "save_checkpoint")
     tag = layout.check_tag(int(state.step) if tag is None else tag)
+    if self._primary:
+      self.directory.mkdir(parents=True, exist_ok=True)
     if (self.directory / tag).exists():
       raise CheckpointError(f"{self.directory / tag} already exists; checkpoints are never "
                             f"overwritten. Save under another tag or remove it first.")
