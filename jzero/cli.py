@@ -1,4 +1,4 @@
-"""The ``jzero`` command line.
+"""The jzero command line.
 
 ``jzero train --config configs/zero3.json`` trains the embedded GPT on the embedded corpus (the
 Python standard library's source, as bytes) on 8 simulated CPU devices, with a progress bar, the
@@ -29,7 +29,9 @@ DEFAULT_DEVICES = 8
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--devices", type=int, default=DEFAULT_DEVICES,
-                 help="simulate this many CPU devices (default 8); 0 uses the devices JAX finds")
+                 help="number of SIMULATED CPU devices (default 8, for trying jzero on a "
+                      "laptop); on GPUs or TPUs pass --devices 0 to use the accelerators JAX "
+                      "finds")
   p.add_argument("--mesh", default=None,
                  help="mesh file (configs/mesh/*.yaml); default: all devices on one data axis")
 
@@ -191,24 +193,38 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="jzero", description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(
+      prog="jzero", description="jzero: DeepSpeed's ZeRO rebuilt for JAX. Train with a DeepSpeed "
+      "config, estimate memory, convert and inspect checkpoints.",
+      epilog="Run 'jzero COMMAND --help' for a command's options.")
   sub = parser.add_subparsers(dest="command", required=True)
 
-  t = sub.add_parser("train", help="train the embedded GPT on the embedded corpus")
+  t = sub.add_parser(
+      "train", help="train the embedded GPT on the embedded corpus",
+      description="Train the embedded byte-level GPT on the embedded corpus (the Python standard "
+      "library's source) with a DeepSpeed config: progress bar, the loss every steps_per_print "
+      "steps, and a summary with measured and predicted memory. By default the job runs on 8 "
+      "simulated CPU devices (--devices 8) so it works on any machine; on real accelerators "
+      "pass --devices 0.")
   t.add_argument("--config", required=True, help="DeepSpeed-style JSON or YAML config")
   _add_device_args(t)
   t.add_argument("--steps", type=int, default=250, help="optimizer steps (default 250)")
   t.add_argument("--data", default=None, help="text file or directory (default: the stdlib source)")
-  t.add_argument("--seed", type=int, default=0)
+  t.add_argument("--seed", type=int, default=0,
+                 help="seed of the initial parameters and of the data order (default 0)")
   t.add_argument("--micro-batch", type=int, default=4,
                  help="fills train_micro_batch_size_per_gpu when the config says 'auto'")
   t.add_argument("--warmup-steps", type=int, default=None,
                  help="fills scheduler warmup_num_steps when the config says 'auto'")
   default = GPTConfig()
-  t.add_argument("--layers", type=int, default=default.n_layers)
-  t.add_argument("--d-model", type=int, default=default.d_model)
-  t.add_argument("--heads", type=int, default=default.n_heads)
-  t.add_argument("--seq-len", type=int, default=default.seq_len)
+  t.add_argument("--layers", type=int, default=default.n_layers,
+                 help=f"transformer blocks of the model (default {default.n_layers})")
+  t.add_argument("--d-model", type=int, default=default.d_model,
+                 help=f"hidden size of the model (default {default.d_model})")
+  t.add_argument("--heads", type=int, default=default.n_heads,
+                 help=f"attention heads; must divide --d-model (default {default.n_heads})")
+  t.add_argument("--seq-len", type=int, default=default.seq_len,
+                 help=f"tokens (bytes) per training sequence (default {default.seq_len})")
   t.add_argument("--no-progress", action="store_true", help="no progress bar")
   t.add_argument("--checkpoint-dir", default=None,
                  help="save here (at the end and every --save-every steps) and resume from its "

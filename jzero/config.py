@@ -547,8 +547,15 @@ class Config(BaseModel):
     for name in ("fp16", "bf16"):
       if data[name]["enabled"] == "auto":
         data[name]["enabled"] = auto.get(name, False)
+        if name not in auto:
+          _warn(f'{name}.enabled is "auto" and auto_values has no {name!r}: training without '
+                f"{name} (DeepSpeed's default false); pass jzero.initialize(..., "
+                f"auto_values={{{name!r}: True}}) to enable it")
     if data["gradient_clipping"] == "auto":
       data["gradient_clipping"] = auto.get("gradient_clipping", 1.0)
+      if "gradient_clipping" not in auto:
+        _warn('gradient_clipping is "auto" and auto_values has no \'gradient_clipping\': '
+              "clipping at 1.0 (DeepSpeed's default)")
     _fill_batch(data, auto, missing)
     _fill_zero(data, hidden_size, missing)
     _fill_optimizer(data, auto, missing)
@@ -676,17 +683,34 @@ _ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay"
 
 
 def _fill_batch(data: dict, auto: dict, missing: list[str]) -> None:
-  if data["gradient_accumulation_steps"] == "auto":
-    data["gradient_accumulation_steps"] = auto.get("gradient_accumulation_steps", 1)
+  """An "auto" batch key takes ``auto_values``, else is derived from the other two as DeepSpeed
+  derives a missing one; a gradient_accumulation_steps that cannot be derived is 1 (said)."""
   if data["train_batch_size"] == "auto":
     data["train_batch_size"] = None  # derived: micro * gas * data-parallel size
   micro = data["train_micro_batch_size_per_gpu"]
   if micro == "auto" or (micro is None and data["train_batch_size"] is None):
-    if "micro_batch_size" in auto:
-      data["train_micro_batch_size_per_gpu"] = auto["micro_batch_size"]
-    elif micro == "auto":
-      missing.append('train_micro_batch_size_per_gpu: is "auto"; pass '
-                     "auto_values={'micro_batch_size': N} (CLI: --micro-batch N)")
+    data["train_micro_batch_size_per_gpu"] = auto.get("micro_batch_size")
+    if data["train_micro_batch_size_per_gpu"] is None and data["train_batch_size"] is None:
+      if micro == "auto":
+        missing.append('train_micro_batch_size_per_gpu: is "auto" and train_batch_size does not '
+                       "fix it; pass jzero.initialize(..., auto_values={'micro_batch_size': N}) "
+                       "(CLI: --micro-batch N)")
+  if data["gradient_accumulation_steps"] == "auto":
+    gas = auto.get("gradient_accumulation_steps")
+    derivable = data["train_batch_size"] is not None and isinstance(
+        data["train_micro_batch_size_per_gpu"], int)
+    if gas is None and not derivable:
+      gas = 1
+      _warn('gradient_accumulation_steps is "auto" and neither auto_values nor '
+            "train_batch_size / train_micro_batch_size_per_gpu fix it: using 1 (DeepSpeed's "
+            "default)")
+    data["gradient_accumulation_steps"] = gas
+
+
+def _field_default(block: type[BaseModel], key: str) -> Any:
+  """The default of a block's field given by name or alias."""
+  field = next(f for name, f in block.model_fields.items() if key in (name, f.alias))
+  return field.get_default(call_default_factory=True)
 
 
 def _fill_zero(data: dict, hidden_size: int | None, missing: list[str]) -> None:
@@ -699,14 +723,24 @@ def _fill_zero(data: dict, hidden_size: int | None, missing: list[str]) -> None:
     if zero[key] != "auto":
       continue
     if hidden_size is None:
-      missing.append(f'zero_optimization.{key}: is "auto"; pass hidden_size=<the model\'s '
-                     "hidden size> to resolve(), jzero derives it from that like Hugging Face")
+      missing.append(f'zero_optimization.{key}: is "auto"; pass jzero.initialize(..., '
+                     "hidden_size=H) (read from the model's hidden_size or d_model when it has "
+                     "one); jzero derives it from that like Hugging Face")
     else:
       zero[key] = rule(hidden_size)
-  for block in (zero, zero["offload_param"], zero["offload_optimizer"], data["fp16"],
-                data["bf16"]):
+  blocks = {"zero_optimization": (zero, ZeroConfig),
+            "zero_optimization.offload_param": (zero["offload_param"], OffloadParamConfig),
+            "zero_optimization.offload_optimizer": (zero["offload_optimizer"],
+                                                    OffloadOptimizerConfig),
+            "fp16": (data["fp16"], Fp16Config), "bf16": (data["bf16"], Bf16Config)}
+  for where, (block, model) in blocks.items():
     for key in [key for key, value in (block or {}).items() if value == "auto"]:
       del block[key]  # DeepSpeed drops "auto" keys: the field's default applies
+      default = _field_default(model, key)
+      if model is ZeroConfig and key == "overlap_comm":
+        default = f"{_show(zero['stage'] == 3)} (true for stage 3)"
+      _warn(f'{where}.{key} is "auto": using DeepSpeed\'s default '
+            f"{default if isinstance(default, str) else _show(default)}")
 
 
 def _fill_optimizer(data: dict, auto: dict, missing: list[str]) -> None:
@@ -739,9 +773,11 @@ def _fill_scheduler(data: dict, auto: dict, total_num_steps: int | None,
       "warmup_num_steps": auto.get("warmup_num_steps"),
   }
   how = {
-      "warmup_max_lr": "there is no optimizer block; pass auto_values={'lr': LR}",
-      "total_num_steps": "pass total_num_steps=N to resolve() (CLI: --steps N)",
-      "warmup_num_steps": "pass auto_values={'warmup_num_steps': N} (CLI: --warmup-steps N)",
+      "warmup_max_lr": "there is no optimizer block; pass jzero.initialize(..., "
+                       "auto_values={'lr': LR})",
+      "total_num_steps": "pass jzero.initialize(..., total_num_steps=N) (CLI: --steps N)",
+      "warmup_num_steps": "pass jzero.initialize(..., auto_values={'warmup_num_steps': N}) "
+                          "(CLI: --warmup-steps N)",
   }
   params = data["scheduler"]["params"]
   for key, value in params.items():
@@ -749,6 +785,8 @@ def _fill_scheduler(data: dict, auto: dict, total_num_steps: int | None,
       continue
     if fills.get(key) is not None:
       params[key] = fills[key]
+      if key == "warmup_min_lr":
+        _warn('scheduler.params.warmup_min_lr is "auto": using 0 (what Hugging Face fills)')
     else:
       missing.append(f'scheduler.params.{key}: is "auto"; '
                      + how.get(key, "jzero has no value for it; give a value"))
@@ -773,7 +811,7 @@ def _batch_triple(train: int | None, micro: int | None, gas: int | None, dp: int
   else:
     raise ConfigError(_report(source, "invalid batch size", [
         "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided (or "
-        "pass auto_values={'micro_batch_size': N} to resolve())"]))
+        "pass jzero.initialize(..., auto_values={'micro_batch_size': N}))"]))
   if train == micro * gas * dp:  # train >= 1, so the derived values are > 0 too
     return train, micro, gas
 

@@ -8,6 +8,10 @@ Tokens are bytes (vocabulary 256). The last ``val_fraction`` of the corpus is he
 optimizer step ``s`` is a pure function of ``(seed, s)``: windows at offsets drawn from
 ``numpy.random.default_rng((seed, s))``. So a run resumed at step ``s`` sees exactly the batches
 the uninterrupted run would have seen, and the data position to save is just the step.
+
+:class:`DataLoader` does the same for a user's own indexable dataset: it is what
+``jzero.initialize(..., training_data=dataset)`` puts in ``engine.training_dataloader`` (DeepSpeed's
+``training_data`` argument), yielding global batches already placed on the mesh.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from __future__ import annotations
 import os
 import sysconfig
 from pathlib import Path
+from typing import Any, Iterator
 
+import jax
 import numpy as np
 
 from jzero.errors import DataError
 
-__all__ = ["ByteCorpus", "stdlib_files"]
+__all__ = ["ByteCorpus", "DataLoader", "stdlib_files"]
 
 DEFAULT_MAX_BYTES = 8 << 20
 
@@ -85,3 +91,87 @@ class ByteCorpus:
     starts = rng.integers(lo, hi - self.seq_len - 1, size=batch_size)
     idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
     return {"tokens": self.tokens[idx].astype(np.int32)}
+
+
+class DataLoader:
+  """Global batches of an indexable dataset, placed on the mesh (``engine.training_dataloader``).
+
+  What ``jzero.initialize(..., training_data=dataset)`` builds, as DeepSpeed's ``initialize`` builds
+  a DataLoader from ``training_data``. ``dataset[i]`` is one sample -- a numpy array, or a dict /
+  tuple of them -- and ``len(dataset)`` the number of samples. An epoch is a permutation of the
+  samples drawn from ``numpy.random.default_rng((seed, epoch))`` (in order with ``shuffle=False``),
+  cut into batches of ``batch_size`` samples; the last incomplete batch is dropped, so every step
+  has the shape the step was compiled for.
+
+  Batches are a pure function of the optimizer step: step ``s`` reads batch ``s % len(loader)`` of
+  epoch ``s // len(loader)``. ``for batch in loader`` runs one epoch (the next one each time it is
+  iterated, as a DistributedSampler with ``set_epoch`` does); ``loader.batches(start)`` runs from
+  optimizer step ``start`` on, forever -- resume with ``loader.batches(int(state.step))`` and the
+  run reads exactly the batches the uninterrupted one would have.
+
+  With several processes each process reads only the samples of the rows its devices hold and the
+  global array is assembled with ``jax.make_array_from_process_local_data``.
+  """
+
+  def __init__(self, dataset: Any, batch_size: int, sharding: Any, *, shuffle: bool = True,
+               seed: int = 0):
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+      raise DataError(f"training_data must be an indexable dataset (len(dataset) and "
+                      f"dataset[i]), got {type(dataset).__name__}.")
+    if len(dataset) < batch_size:
+      raise DataError(f"training_data has {len(dataset)} samples, fewer than one global batch of "
+                      f"train_batch_size = {batch_size}. Give more data or a smaller batch.")
+    self.dataset, self.batch_size, self.sharding = dataset, batch_size, sharding
+    self.shuffle, self.seed = shuffle, seed
+    self.epoch = 0
+    self._rows = self._local_rows()
+
+  def __len__(self) -> int:
+    """Batches per epoch."""
+    return len(self.dataset) // self.batch_size
+
+  def _local_rows(self) -> np.ndarray:
+    """Rows of the global batch this process's devices hold, ascending."""
+    index_map = self.sharding.addressable_devices_indices_map((self.batch_size,))
+    rows = set()
+    for index in index_map.values():
+      rows.update(range(self.batch_size)[index[0]] if index else range(self.batch_size))
+    return np.array(sorted(rows))
+
+  def indices(self, step: int) -> np.ndarray:
+    """The dataset indices of the global batch of optimizer step ``step``."""
+    epoch, position = divmod(step, len(self))
+    order = (np.random.default_rng((self.seed, epoch)).permutation(len(self.dataset))
+             if self.shuffle else np.arange(len(self.dataset)))
+    return order[position * self.batch_size:(position + 1) * self.batch_size]
+
+  def host_batch(self, step: int, rows: np.ndarray | None = None) -> Any:
+    """The samples of step ``step`` (only ``rows`` of the global batch, default all) stacked as
+    numpy arrays."""
+    picked = self.indices(step)
+    picked = picked if rows is None else picked[rows]
+    samples = [self.dataset[int(i)] for i in picked]
+    try:
+      return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *samples)
+    except (ValueError, TypeError) as e:
+      raise DataError(f"training_data samples {picked[:4].tolist()}... cannot be stacked into a "
+                      f"batch (every sample needs the same structure and shapes): {e}") from None
+
+  def batch(self, step: int) -> Any:
+    """The global batch of optimizer step ``step``, placed on the mesh."""
+    local = self.host_batch(step, self._rows)
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(
+            self.sharding, x, (self.batch_size,) + x.shape[1:]), local)
+
+  def batches(self, start: int = 0) -> Iterator[Any]:
+    """Placed global batches for optimizer steps ``start``, ``start + 1``, ... (endless)."""
+    step = start
+    while True:
+      yield self.batch(step)
+      step += 1
+
+  def __iter__(self) -> Iterator[Any]:
+    epoch, self.epoch = self.epoch, self.epoch + 1
+    for position in range(len(self)):
+      yield self.batch(epoch * len(self) + position)

@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jzero import collectives
 from jzero.collectives import ZeroShard
 from jzero.config import Config
+from jzero.data import DataLoader
 from jzero.errors import ConfigError, DataError, JZeroError, JZeroWarning
 from jzero.layers import LayerPolicy, engine_context
 from jzero.mesh import MeshSpec, ZeroMesh
@@ -97,6 +98,7 @@ class Engine:
   scaler: LossScaler
   stacked_layers: tuple[str, ...]
   plan: Plan | None = None
+  training_dataloader: DataLoader | None = None
   timings: list[StepTiming] = dataclasses.field(default_factory=list)
   _step_fn: Any = dataclasses.field(default=None, repr=False)
   _split_fns: Any = dataclasses.field(default=None, repr=False)
@@ -150,7 +152,8 @@ class Engine:
 
   def _require_plan(self) -> Plan:
     if self.plan is None:
-      raise RuntimeError("the engine has no plan yet: call engine.init(rng, sample_batch) first.")
+      raise JZeroError("the engine has no plan yet: call engine.init(rng) first (or "
+                       "engine.load_checkpoint(...), which creates it).")
     return self.plan
 
   def state_specs(self) -> TrainState:
@@ -174,7 +177,8 @@ class Engine:
 
     Args:
       rng: a PRNG key; split into the model-init key and the training key (dropout etc.).
-      sample_batch: a batch, needed by Linen models to trace ``module.init``.
+      sample_batch: Linen models: a batch to trace ``module.init`` with, unless ``initialize``
+        got ``sample_batch`` or ``training_data``.
       params: start from these parameters (the model's logical shapes, e.g. imported weights)
         instead of the model's initialisation; optimizer state starts fresh.
     """
@@ -347,7 +351,7 @@ class Engine:
     metrics = {
         "loss": loss,
         "grad_norm": grad_norm,
-        "lr": self.schedule(applied) if self.schedule is not None else jnp.nan,
+        "lr": self._learning_rate(applied, opt_state),
         "loss_scale": scale,
         "overflow": overflow,
         "min_scale_overflow": self.scaler.at_min_scale_overflow(state.loss_scale, overflow),
@@ -358,6 +362,18 @@ class Engine:
         master=master, opt_state=opt_state, loss_scale=self.scaler.update(state.loss_scale, overflow),
         rng=state.rng)
     return new_state, metrics
+
+  def _learning_rate(self, applied: jax.Array, opt_state: PyTree) -> jax.Array:
+    """The lr of this step: the config's schedule, or a client optimizer's ``learning_rate``
+    hyperparameter (``optax.inject_hyperparams``); NaN where it cannot be read."""
+    if self.schedule is not None:
+      return self.schedule(applied)
+    try:
+      lr = optax.tree_utils.tree_get(opt_state, "learning_rate",
+                                     filtering=lambda _, value: isinstance(value, jax.Array))
+    except KeyError:  # several optimizers with a learning rate
+      lr = None
+    return jnp.nan if lr is None else jnp.asarray(lr, jnp.float32)
 
   def _local_step(self, state: TrainState, batch: PyTree):
     return self._local_update(state, *self._local_grads(state, batch))
@@ -459,9 +475,11 @@ class Engine:
     return state, metrics
 
   def _log_step(self, metrics: dict) -> None:
+    lr = float(metrics["lr"])
     line = (f"step {self._host_step}: loss {float(metrics['loss']):.4f} | grad_norm "
-            f"{float(metrics['grad_norm']):.3f} | lr {float(metrics['lr']):.3e} | loss_scale "
-            f"{float(metrics['loss_scale']):g}{' | overflow: step skipped' if bool(metrics['overflow']) else ''}")
+            f"{float(metrics['grad_norm']):.3f}{'' if np.isnan(lr) else f' | lr {lr:.3e}'} | "
+            f"loss_scale {float(metrics['loss_scale']):g}"
+            f"{' | overflow: step skipped' if bool(metrics['overflow']) else ''}")
     if self.config.wall_clock_breakdown and self.timings:
       t = self.timings[-1]
       line += (f" | time (ms) fwd+bwd {t.forward_backward_s * 1e3:.1f} | optimizer "
@@ -590,7 +608,8 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
                mesh: Any = None, *, optimizer: optax.GradientTransformation | None = None,
                stacked_layers: str | Sequence[str] | None = None, hidden_size: int | None = None,
                total_num_steps: int | None = None, auto_values: dict | None = None,
-               init_inputs: Callable[[Any], tuple] | None = None) -> Engine:
+               init_inputs: Callable[[Any], tuple] | None = None, sample_batch: Any = None,
+               training_data: Any = None, shuffle: bool = True, seed: int = 0) -> Engine:
   """Builds a ZeRO engine, DeepSpeed-style: ``engine = jzero.initialize(model=..., ...)``.
 
   Everything about the input is checked here, before any device work: the config is parsed and
@@ -610,18 +629,32 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
     hidden_size: fills hidden-size "auto" values (default: read from the model when it has one).
     total_num_steps: fills ``scheduler.params.total_num_steps: "auto"``.
     auto_values: values for other "auto" keys (``micro_batch_size``, ``lr``, ``warmup_num_steps``...).
-    init_inputs: Linen only: ``batch -> args`` for ``module.init``.
+    init_inputs: Linen only: ``batch -> args`` for ``module.init`` (default: ``(batch,)``).
+    sample_batch: Linen only: a batch to create the parameters' shapes from, here (the model's
+      variables are checked now) instead of at ``engine.init``; default: the first batch of
+      ``training_data``.
+    training_data: an indexable dataset (``dataset[i]`` a numpy array or a dict / tuple of them);
+      ``engine.training_dataloader`` then yields global batches placed on the mesh
+      (:class:`jzero.data.DataLoader`: shuffled with ``seed`` unless ``shuffle=False``, a pure
+      function of the optimizer step, each process reading only its rows).
   """
-  cfg = config if isinstance(config, Config) else Config.load(config)
-  cfg.check_supported()
+  given = config if isinstance(config, Config) else Config.load(config)
+  given.check_supported()
   zmesh = _as_mesh(mesh)
   adapter = as_model(model, init_inputs)
-  cfg = cfg.resolve(dp_world_size=zmesh.dp_size, hidden_size=hidden_size or adapter.hidden_size,
+  cfg = given.resolve(dp_world_size=zmesh.dp_size, hidden_size=hidden_size or adapter.hidden_size,
                     total_num_steps=total_num_steps, auto_values=auto_values)
   if optimizer is None:
     tx, schedule = build_optimizer(_block(cfg.optimizer), _block(cfg.scheduler))
   else:
     tx, schedule = optimizer, None
+    dropped = [key for key in ("optimizer", "scheduler") if getattr(cfg, key) is not None]
+    if dropped:
+      warnings.warn(
+          f"initialize(optimizer=...) replaces the config's {' and '.join(dropped)} block"
+          f"{'s' if len(dropped) > 1 else ''}: {', '.join(dropped)} settings in the config are "
+          f"not used. Put the schedule in the optax optimizer (wrapped in "
+          f"optax.inject_hyperparams, jzero logs its learning rate).", JZeroWarning, stacklevel=2)
   if cfg.precision == "fp16":
     fp16 = cfg.fp16
     scaler = LossScaler.from_config(
@@ -630,25 +663,34 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
         consecutive_hysteresis=fp16.consecutive_hysteresis, min_loss_scale=fp16.min_loss_scale)
   else:
     scaler = LossScaler.disabled()
-  _warn_gpu_only_knobs(cfg, zmesh)
+  _warn_gpu_only_knobs(given.zero_optimization, cfg.zero_optimization, zmesh)
+  loader = None
+  if training_data is not None:
+    loader = DataLoader(training_data, cfg.train_batch_size, zmesh.sharding(zmesh.batch_spec()),
+                        shuffle=shuffle, seed=seed)
+    if sample_batch is None:
+      sample_batch = loader.host_batch(0, rows=np.arange(1))
+  if sample_batch is not None:
+    adapter.set_sample_batch(sample_batch)
   if stacked_layers is None:
     stacked_layers = adapter.stacked_layers
   return Engine(config=cfg, mesh=zmesh, model=adapter, loss_fn=loss_fn, tx=tx, schedule=schedule,
-                scaler=scaler, stacked_layers=_as_prefixes(stacked_layers))
+                scaler=scaler, stacked_layers=_as_prefixes(stacked_layers),
+                training_dataloader=loader)
 
 
-def _warn_gpu_only_knobs(cfg: Config, mesh: ZeroMesh) -> None:
+def _warn_gpu_only_knobs(given: Any, zero: Any, mesh: ZeroMesh) -> None:
   """Bucket sizes and overlap_comm reach XLA as GPU compile options (Plan.xla_options); say so
-  once when they are set to something other than DeepSpeed's defaults on another backend."""
+  once when the user set them to something other than DeepSpeed's defaults on another backend
+  (values jzero derived from "auto" are not the user's, and are not warned about)."""
   platform = mesh.mesh.devices.flat[0].platform
   if platform == "gpu":
     return
-  zero = cfg.zero_optimization
   fields = type(zero).model_fields
   changed = [f"{fields[name].alias or name}={getattr(zero, name)}"
              for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size")
-             if getattr(zero, name) != fields[name].default]
-  if zero.overlap_comm != (zero.stage == 3):
+             if getattr(given, name) != "auto" and getattr(zero, name) != fields[name].default]
+  if given.overlap_comm not in (None, "auto") and zero.overlap_comm != (zero.stage == 3):
     changed.append(f"overlap_comm={zero.overlap_comm}")
   if changed:
     warnings.warn(

@@ -39,6 +39,8 @@ from jzero.errors import MeshError
 __all__ = ["MeshSpec", "ZeroMesh", "simulate_cpu_devices"]
 
 _KNOWN_KEYS = ("axes", "zero_axes", "batch_axes")
+_HOW_MANY = ("simulated CPU devices: `jzero train --devices N`, or jzero.simulate_cpu_devices(N) "
+             "before JAX starts")
 
 
 def simulate_cpu_devices(n: int) -> None:
@@ -141,13 +143,13 @@ class MeshSpec:
     if -1 in sizes:
       if n % known:
         raise MeshError(f"{where}: the fixed axis sizes multiply to {known}, which does not divide the "
-                        f"{n} devices present. Change the sizes or the device count (--devices).")
+                        f"{n} devices present. Change the sizes or the device count ({_HOW_MANY}).")
       sizes = [n // known if s == -1 else s for s in sizes]
     if math.prod(sizes) != n:
       shape = " x ".join(f"{a}={s}" for (a, _), s in zip(self.axes, sizes))
       raise MeshError(f"{where}: axes {shape} need {math.prod(sizes)} devices but {n} are present. "
-                      f"Change the axis sizes (or use -1 for one of them), or run with "
-                      f"--devices {math.prod(sizes)}.")
+                      f"Change the axis sizes (or use -1 for one of them), or run on "
+                      f"{math.prod(sizes)} devices ({_HOW_MANY}).")
     grid = np.array(devices, dtype=object).reshape(sizes)
     names = tuple(a for a, _ in self.axes)
     mesh = Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
@@ -193,6 +195,11 @@ class ZeroMesh:
   @property
   def size(self) -> int:
     return self.mesh.size
+
+  def batch_spec(self) -> P:
+    """The global batch: its leading dimension split over the batch axes."""
+    axes = self.batch_axes
+    return P(axes[0] if len(axes) == 1 else axes)
 
   def sharding(self, spec: P, memory_kind: str | None = None) -> NamedSharding:
     return NamedSharding(self.mesh, spec, memory_kind=memory_kind)

@@ -26,7 +26,7 @@ from flax import nnx
 from flax.errors import ScopeParamShapeError
 
 from jzero.collectives import ZeroShard
-from jzero.errors import NotSupportedError
+from jzero.errors import ConfigError, NotSupportedError
 
 __all__ = ["ModelAdapter", "NnxModel", "LinenModel", "as_model"]
 
@@ -52,6 +52,9 @@ class ModelAdapter(abc.ABC):
   def bind(self, params: PyTree) -> Any:
     """What ``loss_fn`` receives as its model, built from a params dict."""
 
+  def set_sample_batch(self, batch: Any) -> None:
+    """A batch to create the parameters from when ``init`` gets none (Linen needs one)."""
+
 
 def _hidden_size(obj: Any) -> int | None:
   for owner in (obj, getattr(obj, "config", None), getattr(obj, "cfg", None)):
@@ -69,7 +72,8 @@ def _check_only_params(rest: nnx.State, what: str) -> None:
     raise NotSupportedError(
         f"{what} holds non-parameter state (first at {path!r}); jzero trains nnx.Param variables "
         f"only and would leave that state frozen. Keep RNG streams out of the module (take `rng` in "
-        f"loss_fn instead) and use models without batch statistics.")
+        f"loss_fn instead), and normalise without batch statistics: nnx.LayerNorm, nnx.RMSNorm "
+        f"or nnx.GroupNorm instead of nnx.BatchNorm.")
 
 
 class NnxModel(ModelAdapter):
@@ -107,30 +111,65 @@ class NnxModel(ModelAdapter):
 
 
 class LinenModel(ModelAdapter):
-  """Adapter for a Flax Linen module (parameters in the ``params`` collection)."""
+  """Adapter for a Flax Linen module (parameters in the ``params`` collection).
+
+  ``module.init`` needs inputs: a sample batch, given to ``initialize(sample_batch=...)`` (the
+  model's variables are then checked there, before any device work) or to ``engine.init``.
+  """
 
   def __init__(self, module: nn.Module, init_inputs: Callable[[Any], tuple] | None = None):
     self._module = module
+    self._given_inputs = init_inputs is not None
     self._inputs = init_inputs or (lambda batch: (batch,))
+    self._sample_batch = None
     self.hidden_size = _hidden_size(module)
     self.stacked_layers = getattr(module, "stacked_layers", None)
 
-  def _init(self, rng, sample_batch):
-    if sample_batch is None:
-      raise ValueError("a Linen model needs a sample batch to initialise: engine.init(rng, batch).")
-    variables = self._module.init(rng, *self._inputs(sample_batch))
-    extra = sorted(set(variables) - {"params"})
-    if extra:
-      raise NotSupportedError(
-          f"{type(self._module).__name__} has variable collections {extra} besides 'params'; jzero "
-          f"trains parameters only and would leave them frozen.")
-    return variables["params"]
+  def set_sample_batch(self, batch: Any) -> None:
+    """Checks the module's variables with ``batch`` now (abstractly) and keeps it for ``init``."""
+    self.abstract_params(jax.random.key(0), batch)
+    self._sample_batch = batch
+
+  def _batch(self, sample_batch: Any) -> Any:
+    batch = self._sample_batch if sample_batch is None else sample_batch
+    if batch is None:
+      raise ConfigError(
+          f"{type(self._module).__name__} is a Linen module: jzero creates its parameters with "
+          f"module.init, which needs inputs. Pass a sample batch: engine.init(rng, batch), or "
+          f"jzero.initialize(..., sample_batch=batch) (init_inputs=lambda batch: (...) says "
+          f"which arguments module.init gets from it).")
+    return batch
+
+  def _variables(self, rng, batch):
+    return self._module.init(rng, *self._inputs(batch))
 
   def abstract_params(self, rng, sample_batch):
-    return jax.eval_shape(self._init, rng, sample_batch)
+    """Traces ``module.init`` (nothing is computed) and checks the variable collections; errors
+    are raised outside the trace, so they read as jzero's."""
+    name, batch = type(self._module).__name__, self._batch(sample_batch)
+    try:
+      variables = jax.eval_shape(self._variables, rng, batch)
+    except Exception as e:  # pylint: disable=broad-except
+      if self._given_inputs:
+        raise
+      keys = f" with keys {sorted(batch)}" if isinstance(batch, dict) else ""
+      raise ConfigError(
+          f"{name}.init(rng, batch) failed ({type(e).__name__}: {str(e).splitlines()[0]}). "
+          f"Without init_inputs jzero calls module.init with the whole batch (a "
+          f"{type(batch).__name__}{keys}); if the module takes something else, say what: "
+          f"jzero.initialize(..., init_inputs=lambda batch: (batch['x'],)) -- the positional "
+          f"arguments of module.init after the rng.") from e
+    extra = sorted(set(variables) - {"params"})
+    if extra:
+      hint = (" Normalise without batch statistics: nn.LayerNorm, nn.RMSNorm or nn.GroupNorm "
+              "instead of nn.BatchNorm." if "batch_stats" in extra else "")
+      raise NotSupportedError(
+          f"{name} has variable collections {extra} besides 'params'; jzero trains parameters "
+          f"only and would leave them frozen.{hint}")
+    return variables["params"]
 
   def init_params(self, rng, sample_batch):
-    return self._init(rng, sample_batch)
+    return self._variables(rng, self._batch(sample_batch))["params"]
 
   def bind(self, params):
     module = self._module

@@ -238,8 +238,7 @@ class Plan:
         transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
 
   def batch_spec(self) -> P:
-    axes = self.mesh.batch_axes
-    return P(axes[0] if len(axes) == 1 else axes)
+    return self.mesh.batch_spec()
 
   def sharding(self, spec: P) -> NamedSharding:
     return NamedSharding(self.mesh.mesh, spec)

@@ -606,20 +606,49 @@ def test_resolve_fills_every_auto_from_the_arguments():
 
 
 def test_resolve_defaults_without_auto_values():
+  """Every "auto" that falls back to a default says so, one warning each (a user without
+  Hugging Face's Trainer, which fills them, should know)."""
   with pytest.warns(JZeroWarning) as record:
     resolved = Config.load(HF_AUTO).resolve(dp_world_size=1, hidden_size=4, total_num_steps=9,
                                             auto_values={"micro_batch_size": 8,
                                                          "warmup_num_steps": 1})
+  fallback = "and auto_values has no"
   assert [str(w.message) for w in record] == [
-      f"optimizer.params.{key} is \"auto\" and auto_values has no '{key}': using DeepSpeed's "
-      f"FusedAdam default {value}"
-      for key, value in [("lr", "0.001"), ("betas", "[0.9, 0.999]"), ("eps", "1e-08"),
-                         ("weight_decay", "0.0")]]
+      *[f"{p}.enabled is \"auto\" {fallback} '{p}': training without {p} (DeepSpeed's default "
+        f"false); pass jzero.initialize(..., auto_values={{'{p}': True}}) to enable it"
+        for p in ("fp16", "bf16")],
+      f"gradient_clipping is \"auto\" {fallback} 'gradient_clipping': clipping at 1.0 "
+      "(DeepSpeed's default)",
+      'gradient_accumulation_steps is "auto" and neither auto_values nor train_batch_size / '
+      "train_micro_batch_size_per_gpu fix it: using 1 (DeepSpeed's default)",
+      *[f"zero_optimization.{key} is \"auto\": using DeepSpeed's default {value}"
+        for key, value in [("stage3_max_live_parameters", "1000000000"),
+                           ("stage3_gather_16bit_weights_on_model_save", "false"),
+                           ("offload_param.buffer_size", "100000000")]],
+      *[f"optimizer.params.{key} is \"auto\" {fallback} '{key}': using DeepSpeed's FusedAdam "
+        f"default {value}"
+        for key, value in [("lr", "0.001"), ("betas", "[0.9, 0.999]"), ("eps", "1e-08"),
+                           ("weight_decay", "0.0")]],
+      'scheduler.params.warmup_min_lr is "auto": using 0 (what Hugging Face fills)',
+  ]
   assert resolved.optimizer.params == {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
                                        "weight_decay": 0.0}
   assert resolved.scheduler.params["warmup_max_lr"] == 1e-3
   assert (resolved.train_batch_size, resolved.gradient_accumulation_steps) == (8, 1)
   assert resolved.gradient_clipping == 1.0 and resolved.precision == "fp32"
+
+
+def test_auto_micro_batch_is_derived_when_the_others_fix_it():
+  """48 samples, 3 accumulation steps, 8 devices: micro-batch "auto" is 2, with no warning; an
+  "auto" accumulation count is derived the same way."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    resolved = Config.load({"train_batch_size": 48, "train_micro_batch_size_per_gpu": "auto",
+                            "gradient_accumulation_steps": 3}).resolve(dp_world_size=8)
+    assert resolved.train_micro_batch_size_per_gpu == 2
+    resolved = Config.load({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 2,
+                            "gradient_accumulation_steps": "auto"}).resolve(dp_world_size=8)
+    assert resolved.gradient_accumulation_steps == 3
 
 
 def test_resolve_lists_every_missing_value():
@@ -628,16 +657,17 @@ def test_resolve_lists_every_missing_value():
       Config.load(HF_AUTO).resolve(dp_world_size=2)
   assert str(info.value).splitlines() == [
       'cannot resolve "auto":',
-      '  train_micro_batch_size_per_gpu: is "auto"; pass auto_values={\'micro_batch_size\': N} '
-      "(CLI: --micro-batch N)",
-      *[f'  zero_optimization.{key}: is "auto"; pass hidden_size=<the model\'s hidden size> to '
-        "resolve(), jzero derives it from that like Hugging Face"
+      '  train_micro_batch_size_per_gpu: is "auto" and train_batch_size does not fix it; pass '
+      "jzero.initialize(..., auto_values={'micro_batch_size': N}) (CLI: --micro-batch N)",
+      *[f'  zero_optimization.{key}: is "auto"; pass jzero.initialize(..., hidden_size=H) (read '
+        "from the model's hidden_size or d_model when it has one); jzero derives it from that "
+        "like Hugging Face"
         for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size",
                     "stage3_param_persistence_threshold")],
-      "  scheduler.params.warmup_num_steps: is \"auto\"; pass auto_values={'warmup_num_steps': "
-      "N} (CLI: --warmup-steps N)",
-      '  scheduler.params.total_num_steps: is "auto"; pass total_num_steps=N to resolve() '
-      "(CLI: --steps N)",
+      "  scheduler.params.warmup_num_steps: is \"auto\"; pass jzero.initialize(..., "
+      "auto_values={'warmup_num_steps': N}) (CLI: --warmup-steps N)",
+      '  scheduler.params.total_num_steps: is "auto"; pass jzero.initialize(..., '
+      "total_num_steps=N) (CLI: --steps N)",
   ]
 
 
