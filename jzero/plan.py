@@ -250,7 +250,9 @@ class Plan:
 
     XLA's collective combiners merge independent collectives up to a byte threshold -- exactly what
     DeepSpeed's buckets do by hand: ``reduce_bucket_size`` bounds the combined reduce-scatters and
-    all-reduces, the gather bucket the combined all-gathers. ``overlap_comm`` on keeps collectives
+    all-reduces, the gather bucket the combined all-gathers, all in elements of the full
+    (unpartitioned) buffers, as DeepSpeed counts them. XLA's reduce-scatter threshold bounds the
+    scattered result, so it gets the bucket's bytes divided by the ZeRO size. ``overlap_comm`` on keeps collectives
     asynchronous (the latency-hiding scheduler places compute between each start and done) and, in
     stage 3 with a non-zero prefetch bucket, pipelines the layer scan's all-gathers, so the next
     layer's parameters are gathered while this layer computes (DeepSpeed's prefetch). Off makes
@@ -262,7 +264,7 @@ class Plan:
       return {}
     reduce_bytes = self.reduce_bucket_size * jnp.dtype(self.comm_dtype).itemsize
     options: dict[str, Any] = {
-        "xla_gpu_reduce_scatter_combine_threshold_bytes": reduce_bytes,
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": reduce_bytes // self.mesh.zero_size,
         "xla_gpu_all_reduce_combine_threshold_bytes": reduce_bytes,
         "xla_gpu_all_gather_combine_threshold_bytes":
             self.gather_bucket_size * jnp.dtype(self.compute_dtype).itemsize,
