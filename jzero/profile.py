@@ -19,9 +19,11 @@ returns every all-gather, reduce-scatter, all-reduce, all-to-all and collective-
   scheduled module lists each computation's instructions in schedule order, so the compute
   instructions (fusions, custom calls such as cuBLAS gemms, convolutions, dots, and loops, calls
   or conditionals, which hold compute) between a start and its done run while the collective is in
-  flight: the collective is *overlapped* with compute. A start whose done is not in the same
-  computation (a collective pipelined across loop iterations) counts what follows it to the end
-  of the computation.
+  flight: the collective is *overlapped* with compute. Any fusion counts, even a LayerNorm; the
+  matrix multiplications among them (gemm fusions, cuBLAS / cuDNN custom calls, dots,
+  convolutions) are counted apart, since hiding a large transfer takes a matmul. A start whose done
+  is not in the same computation (a collective pipelined across loop iterations) counts what
+  follows it to the end of the computation.
 
 :func:`comm_volume` sums them per step and expresses the total in units of Psi (the parameter
 count times the bytes of one element), the unit of the ZeRO paper's communication analysis:
@@ -56,6 +58,8 @@ _CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_co
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 # Instructions that run kernels (or hold instructions that do) in a scheduled GPU program.
 COMPUTE_OPS = ("fusion", "custom-call", "convolution", "dot", "while", "conditional", "call")
+_MATMUL = re.compile(r"gemm|matmul|dot|conv", re.IGNORECASE)
+_CALLEE = re.compile(r"(?:calls|custom_call_target)=\"?%?([\w.\-$]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +75,7 @@ class Collective:
   buffers: int = 1  # buffers XLA's combiners merged into this one instruction
   is_async: bool = False  # a start/done pair XLA runs asynchronously (not marked is_sync)
   overlapped_ops: int = 0  # compute instructions scheduled between its start and done
+  overlapped_matmuls: int = 0  # of which matrix multiplications (gemms, dots, convolutions)
   computation: str = ""  # the HLO computation it is in (a loop body, or the entry)
 
   @property
@@ -217,26 +222,32 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
       outputs = _outputs(op, type_str)
       out = _type_bytes(outputs)
       full = out * size if kind == "reduce-scatter" else out
-      is_async, overlapped = False, 0
+      is_async, overlapped, matmuls = False, 0, 0
       if op.endswith("-start"):
         is_async = '"is_sync":true' not in rest
-        overlapped = _compute_in_flight(insts, index, name)
+        overlapped, matmuls = _compute_in_flight(insts, index, name)
       found.append(Collective(kind=kind, name=name, full_bytes=full, group_size=size,
                               axes=_axes(groups, mesh_shape) if mesh_shape else (),
                               count=runs[comp], buffers=len(_ARRAY.findall(outputs)),
-                              is_async=is_async, overlapped_ops=overlapped, computation=comp))
+                              is_async=is_async, overlapped_ops=overlapped,
+                              overlapped_matmuls=matmuls, computation=comp))
   return found
 
 
-def _compute_in_flight(insts: list[tuple[str, str, str, str]], start: int, name: str) -> int:
-  """Compute instructions scheduled after ``insts[start]`` and before the done that consumes it
-  (to the end of the computation when the done is elsewhere)."""
-  count = 0
-  for _, _, op, rest in insts[start + 1:]:
+def _compute_in_flight(insts: list[tuple[str, str, str, str]], start: int,
+                       name: str) -> tuple[int, int]:
+  """(compute instructions, of which matmuls) scheduled after ``insts[start]`` and before the done
+  that consumes it (to the end of the computation when the done is elsewhere)."""
+  count = matmuls = 0
+  for inst, _, op, rest in insts[start + 1:]:
     if op.endswith("-done") and rest.split(")")[0].strip().lstrip("%") == name:
       break
-    count += op in COMPUTE_OPS
-  return count
+    if op in COMPUTE_OPS:
+      count += 1
+      callee = _CALLEE.search(rest)
+      matmuls += op in ("dot", "convolution") or bool(
+          op in ("fusion", "custom-call") and _MATMUL.search(inst + (callee[1] if callee else "")))
+  return count, matmuls
 
 
 def zero_theory(stage: int, n: int) -> float:
@@ -275,6 +286,13 @@ class CommVolume:
     """Fraction of the bytes sent per step that overlap compute (nan when nothing is sent)."""
     total = self.total_bytes
     return self.overlapped_bytes / total if total else math.nan
+
+  @property
+  def matmul_overlap_fraction(self) -> float:
+    """Fraction of the bytes sent per step with a matmul in flight (nan when nothing is sent)."""
+    total = self.total_bytes
+    hidden = sum(c.step_bytes for c in self.ops if c.overlapped and c.overlapped_matmuls)
+    return hidden / total if total else math.nan
 
   def by_axes(self) -> dict[tuple[str, ...], float]:
     out: dict[tuple[str, ...], float] = collections.defaultdict(float)

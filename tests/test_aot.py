@@ -84,6 +84,8 @@ def test_overlap_comm_makes_zero3_layer_gathers_async_and_overlapped():
   gathers_on, gathers_off = _layer_gathers(on), _layer_gathers(off)
   assert gathers_on and gathers_off
   assert all(c.is_async and c.overlapped and c.overlapped_ops > 0 for c in gathers_on)
+  assert any(c.overlapped_matmuls > 0 for c in gathers_on)  # prefetch: the next layer's gather
+  assert on.matmul_overlap_fraction > 0.5
   assert not any(c.is_async or c.overlapped for c in gathers_off)
   assert on.overlap_fraction > 0.9 and off.overlap_fraction == 0.0
   # the same bytes move either way: overlap changes when, not what
@@ -178,14 +180,16 @@ ENTRY %main (p0: bf16[4,8], p1: bf16[2,8], x: f32[16,16]) -> f32[16,16] {
   %x = f32[16,16]{1,0} parameter(2)
   %ag = ((bf16[4,8]{1,0}, bf16[2,8]{1,0}), (bf16[32,8]{1,0}, bf16[16,8]{1,0})) all-gather-start(%p0, %p1), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, backend_config={"collective_backend_config":{"is_sync":false}}
   %f = f32[16,16]{1,0} fusion(%x), kind=kLoop, calls=%fused
+  %g = f32[16,16]{1,0} fusion(%f, %x), kind=kCustom, calls=%gemm_fusion_dot.1_computation
   %agd = (bf16[32,8]{1,0}, bf16[16,8]{1,0}) all-gather-done(%ag)
   %rs = (f32[16,16]{1,0}, f32[2,16]{1,0}) reduce-scatter-start(%f), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, backend_config={"collective_backend_config":{"is_sync":true}}
-  ROOT %rsd = f32[2,16]{1,0} reduce-scatter-done(%rs)
+  %rsd = f32[2,16]{1,0} reduce-scatter-done(%rs)
+  ROOT %r = f32[2,16]{1,0} fusion(%rsd), kind=kLoop, calls=%fused.1
 }
 """
   ag, rs = collectives(hlo)
-  assert (ag.kind, ag.buffers, ag.full_bytes, ag.is_async, ag.overlapped_ops) == (
-      "all-gather", 2, (32 + 16) * 8 * 2, True, 1)
+  assert (ag.kind, ag.buffers, ag.full_bytes, ag.is_async) == ("all-gather", 2, 48 * 8 * 2, True)
+  assert (ag.overlapped_ops, ag.overlapped_matmuls) == (2, 1)
   assert ag.overlapped
   assert (rs.kind, rs.buffers, rs.full_bytes, rs.is_async, rs.overlapped) == (
       "reduce-scatter", 1, 2 * 16 * 4 * 8, False, False)
