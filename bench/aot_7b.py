@@ -9,8 +9,9 @@ script writes one table row: the classic ZeRO model-state figure for Psi = 7e9 (
 26.25 / 14 GB at N = 8), the same formula at this model's own Psi, the plan's model states, XLA's
 per-device argument / temp / peak bytes, whether the peak fits the memory JAX preallocates (75% of
 the part's), the share of the bytes sent per step by collectives with compute in flight (and with
-a matmul in flight), and the XLA compile time. ``--knobs`` adds a second table: ZeRO-3 with overlap_comm off, without prefetch,
-and with smaller buckets, to show what each knob does to the scheduled program.
+a matmul in flight), and the XLA compile time. ``--knobs`` adds a second table: ZeRO-3 with
+overlap_comm off, without prefetch, and with other buckets, to show what each knob does to the
+scheduled program.
 
 Writes ``aot_7b.json`` and ``aot_7b.md`` to ``--out`` and prints the markdown.
 """
@@ -104,9 +105,12 @@ def main() -> int:
       print(f"ZeRO-3 knobs: {label}", file=sys.stderr)
       r = aot.compile_for(_config(3, **zero), args.gpu, args.devices, model=args.model)
       reports.append(("knobs", label, r))
-      count = lambda kind: sum(1 for c in r.collectives if c.kind == kind)  # noqa: E731
-      largest = lambda kind: max((c.full_bytes for c in r.collectives if c.kind == kind),  # noqa: E731
-                                 default=0)
+      def count(kind: str, r=r) -> int:
+        return sum(1 for c in r.collectives if c.kind == kind)
+
+      def largest(kind: str, r=r) -> int:
+        return max((c.full_bytes for c in r.collectives if c.kind == kind), default=0)
+
       asynchronous = sum(c.step_bytes for c in r.collectives if c.is_async) / r.sent_bytes
       knob_rows.append([label, str(count("all-gather")), f"{largest('all-gather') / 1e6:.0f}",
                         str(count("reduce-scatter")), f"{largest('reduce-scatter') / 1e6:.0f}",

@@ -328,9 +328,10 @@ def _estimate(engine: Any, state: Any, gpt: Any) -> dict[str, float]:
   itemsize = jnp.dtype(plan.compute_dtype).itemsize
   activations = 0.0
   if gpt is not None:
+    checkpointing = engine.config.activation_checkpointing is not None
     activations = memory.activation_bytes(
         engine.micro_batch_size, gpt.seq_len, gpt.d_model, gpt.n_layers, gpt.n_heads,
-        bytes_per_element=itemsize, checkpointing=engine.config.activation_checkpointing is not None)
+        bytes_per_element=itemsize, checkpointing=checkpointing)
   est = memory.estimate(plan.leaf_list(), plan.stage, engine.mesh.zero_size, param_bytes=itemsize,
                         optimizer_bytes=master_k + opt_k,
                         persistence_threshold=zero.param_persistence_threshold,

@@ -130,7 +130,8 @@ def test_cli_json(tmp_path):
   assert report["checkpoint_activations"] is True and report["precision"] == "bf16"
   assert report["argument"] == pytest.approx(report["persistent_state"], rel=0.02)
   assert report["fits"] is True and report["collectives"]
-  assert {"kind", "buffers", "is_async", "overlapped", "step_bytes"} <= set(report["collectives"][0])
+  fields = {"kind", "buffers", "is_async", "overlapped", "step_bytes"}
+  assert fields <= set(report["collectives"][0])
 
 
 @needs_plugin
@@ -178,11 +179,13 @@ ENTRY %main (p0: bf16[4,8], p1: bf16[2,8], x: f32[16,16]) -> f32[16,16] {
   %p0 = bf16[4,8]{1,0} parameter(0)
   %p1 = bf16[2,8]{1,0} parameter(1)
   %x = f32[16,16]{1,0} parameter(2)
-  %ag = ((bf16[4,8]{1,0}, bf16[2,8]{1,0}), (bf16[32,8]{1,0}, bf16[16,8]{1,0})) all-gather-start(%p0, %p1), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, backend_config={"collective_backend_config":{"is_sync":false}}
+  %ag = ((bf16[4,8], bf16[2,8]), (bf16[32,8], bf16[16,8])) all-gather-start(%p0, %p1), \
+replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, backend_config={"is_sync":false}
   %f = f32[16,16]{1,0} fusion(%x), kind=kLoop, calls=%fused
   %g = f32[16,16]{1,0} fusion(%f, %x), kind=kCustom, calls=%gemm_fusion_dot.1_computation
   %agd = (bf16[32,8]{1,0}, bf16[16,8]{1,0}) all-gather-done(%ag)
-  %rs = (f32[16,16]{1,0}, f32[2,16]{1,0}) reduce-scatter-start(%f), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, backend_config={"collective_backend_config":{"is_sync":true}}
+  %rs = (f32[16,16], f32[2,16]) reduce-scatter-start(%f), \
+replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, backend_config={"is_sync":true}
   %rsd = f32[2,16]{1,0} reduce-scatter-done(%rs)
   ROOT %r = f32[2,16]{1,0} fusion(%rsd), kind=kLoop, calls=%fused.1
 }

@@ -117,7 +117,10 @@ class Block(nnx.Module):
     attn = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
     x = x + self.attn_out(attn.reshape(b, t, d))
     h = self.ln2(x)
-    h = jax.nn.silu(self.mlp_gate(h)) * self.mlp_in(h) if self.gated else jax.nn.gelu(self.mlp_in(h))
+    if self.gated:
+      h = jax.nn.silu(self.mlp_gate(h)) * self.mlp_in(h)
+    else:
+      h = jax.nn.gelu(self.mlp_in(h))
     return x + self.mlp_out(h)
 
 
