@@ -473,12 +473,13 @@ def format_report(r: AotReport) -> str:
             f"{format_bytes(r.device_memory)})", ""]
   rows = []
   for c in r.collectives:
-    rows.append([c.kind, _where(c), str(c.buffers), format_bytes(c.full_bytes),
-                 format_bytes(c.step_bytes), "async" if c.is_async else "sync",
+    rows.append([c.kind, "x".join(c.axes) or "-", _where(c), str(c.buffers),
+                 format_bytes(c.full_bytes), format_bytes(c.step_bytes),
+                 "async" if c.is_async else "sync",
                  f"{c.overlapped_ops} ({c.overlapped_matmuls} matmuls)" if c.overlapped else "no"])
   lines.append("collectives of the scheduled program (bytes: full buffer per run, sent per device "
                "per step; overlapped: compute instructions in flight, of which matmuls)")
-  lines.append(_table(["collective", "runs", "buffers", "bytes/run", "sent/step", "mode",
+  lines.append(_table(["collective", "axes", "runs", "buffers", "bytes/run", "sent/step", "mode",
                        "overlapped"], rows, indent="  ") if rows else "  none")
   pct = lambda x: "-" if math.isnan(x) else f"{x:.1%}"  # noqa: E731
   lines.append(f"overlapped with compute: {pct(r.overlap_fraction)} of "
