@@ -63,39 +63,34 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def reference_run(cfg: GPTConfig, params: dict, data: list[dict], loss_fn=lm_loss,
-                  dtype=np.float32):
+def reference_run(cfg: GPTConfig, params: dict, data: list[dict], loss_fn=lm_loss):
   """The plain single-device optax loop: same model, same data, whole batch on one device.
 
-  Independent of jzero's optimizer code: optax's own clip_by_global_norm and adamw. With
-  ``dtype=np.float64`` the parameters, the optimizer and the model's arithmetic run in float64
-  (the logits are still cast to float32 by the model): an estimate of the exact math, against which
-  float32 runs are compared.
+  Independent of jzero's optimizer code: optax's own clip_by_global_norm and adamw.
   """
   device = jax.devices()[0]
-  with jax.enable_x64(dtype == np.float64):
-    params = jax.device_put(jax.tree.map(lambda x: np.asarray(x, dtype), params), device)
-    model = GPT(cfg, rngs=nnx.Rngs(0))
-    graphdef, template = nnx.split(model, nnx.Param)
-    tx = reference_optimizer()
+  params = jax.device_put(jax.tree.map(np.asarray, params), device)
+  model = GPT(cfg, rngs=nnx.Rngs(0))
+  graphdef, template = nnx.split(model, nnx.Param)
+  tx = reference_optimizer()
 
-    def loss(p, batch):
-      state = jax.tree.map(lambda x: x, template)
-      nnx.replace_by_pure_dict(state, p)
-      return loss_fn(nnx.merge(graphdef, state), batch)
+  def loss(p, batch):
+    state = jax.tree.map(lambda x: x, template)
+    nnx.replace_by_pure_dict(state, p)
+    return loss_fn(nnx.merge(graphdef, state), batch)
 
-    @jax.jit
-    def step(p, opt, batch):
-      value, grads = jax.value_and_grad(loss)(p, batch)
-      updates, opt = tx.update(grads, opt, p)
-      return optax.apply_updates(p, updates), opt, value
+  @jax.jit
+  def step(p, opt, batch):
+    value, grads = jax.value_and_grad(loss)(p, batch)
+    updates, opt = tx.update(grads, opt, p)
+    return optax.apply_updates(p, updates), opt, value
 
-    opt = tx.init(params)
-    losses = []
-    for batch in data:
-      params, opt, value = step(params, opt, jax.device_put(batch, device))
-      losses.append(float(value))
-    return jax.tree.map(np.asarray, params), losses
+  opt = tx.init(params)
+  losses = []
+  for batch in data:
+    params, opt, value = step(params, opt, jax.device_put(batch, device))
+    losses.append(float(value))
+  return params, losses
 
 
 def engine_run(engine, data: list[dict], seed: int = 0):
