@@ -1,0 +1,122 @@
+"""Plain-jnp reference of the block kernels: the definition the Pallas kernels are held to.
+
+Every function here works on *block views* (see :mod:`kernels.layout` for the public layout):
+
+* ``x``: float ``(R, H, W)`` -- R blocks of G = H * W elements, each split into H "planes" of W;
+  H = 2 whenever int4 is involved (the two planes share bytes), else 1.
+* int8 values ``(R, H, W)``; int4 values uint8 ``(R, W)``: plane 0 in the high nibbles, plane 1
+  in the low ones.
+* scales float32 ``(R,)``; stacked inputs of the sums carry a leading ``K`` axis on both.
+
+Every step is written in a form XLA's algebraic simplifier leaves alone (it turns ``a / c`` into
+``a * (1 / c)``, ``1 / (c / m)`` into ``m * (1 / c)`` and a division by a broadcast into a
+multiplication by its reciprocal -- each a different rounding), so the reference, the kernel in
+interpret mode and the kernel on a GPU compute the same float32 operations.
+
+The math per block (DeepSpeed's symmetric quantizer, ``quantization_utils.h``), in float32:
+
+* ``absmax`` = the largest ``|x|`` of the block's finite elements; ``numer`` = 2^(b-1)
+  (``rule="deepspeed"``: +absmax lands on 2^(b-1) and clips to 2^(b-1) - 1) or 2^(b-1) - 1
+  (``rule="no_clip"``: absmax lands exactly on the top level);
+* ``r = numer / absmax`` and stored scale ``absmax * (1 / numer)`` -- or both 1 when
+  ``absmax < numer * 2^-126`` (all-zero blocks, as DeepSpeed, and blocks so small that their
+  stored scale would be subnormal: they quantize to zeros);
+* ``q = clip(round_half_even(x * r), -2^(b-1), 2^(b-1) - 1)``, exactly DeepSpeed's product. The
+  stored scale is exactly ``absmax / 2^(b-1)`` for DeepSpeed's rule, the value its reference
+  describes (DeepSpeed computes it as ``1 / r``, which can differ in the last bit);
+* a block holding an inf or a nan stores q = 0 and scale nan, so it dequantizes to nan everywhere
+  and a loss-scale overflow check still sees it (DeepSpeed's kernel would turn a nan block into
+  finite numbers: its half-precision max drops nans);
+* dequantize ``q * scale`` in float32, cast to the requested dtype; sums add the K dequantized
+  chunks one after another, in float32, chunk 0 first.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["quantize_blocks", "dequantize_sum_blocks", "requantize_sum_blocks", "numerator",
+           "inverse", "tiny_absmax", "F32_MAX"]
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def numerator(bits: int, rule: str) -> float:
+  """What ``absmax`` maps to: 2^(b-1) (DeepSpeed) or 2^(b-1) - 1 (``no_clip``)."""
+  top = float(2 ** (bits - 1))
+  return top if rule == "deepspeed" else top - 1.0
+
+
+def inverse(numer: float) -> float:
+  """``1 / numer`` rounded to float32 (exact for DeepSpeed's power-of-two numerators)."""
+  return float(np.float32(1.0 / numer))
+
+
+def tiny_absmax(numer: float) -> float:
+  """Blocks whose absmax is below this are stored with scale 1 (their scale would be subnormal)."""
+  return float(np.float32(numer) * np.float32(2.0 ** -126))
+
+
+def _unpack_int4(values: jax.Array) -> jax.Array:
+  """uint8 ``(..., W)`` -> int32 ``(..., 2, W)``: high nibbles then low nibbles, sign-extended."""
+  b = values.astype(jnp.int32)
+  planes = jnp.stack([jnp.right_shift(b, 4), jnp.bitwise_and(b, 15)], axis=-2)
+  return jnp.where(planes >= 8, planes - 16, planes)
+
+
+def _pack_int4(q: jax.Array) -> jax.Array:
+  """int32 ``(R, 2, W)`` in [-8, 7] -> uint8 ``(R, W)``."""
+  hi, lo = jnp.bitwise_and(q[:, 0], 15), jnp.bitwise_and(q[:, 1], 15)
+  return (jnp.left_shift(hi, 4) + lo).astype(jnp.uint8)
+
+
+def _quantize_f32(x: jax.Array, bits: int, rule: str) -> tuple[jax.Array, jax.Array]:
+  """float32 ``(R, H, W)`` -> (int32 q in range, float32 scales ``(R,)``)."""
+  numer = numerator(bits, rule)
+  a = jnp.abs(x)
+  finite = a <= F32_MAX
+  bad = jnp.max(jnp.where(finite, 0.0, 1.0), axis=(1, 2)) > 0.0
+  absmax = jnp.max(jnp.where(finite, a, 0.0), axis=(1, 2))
+  tiny = absmax < tiny_absmax(numer)
+  r = numer / jnp.where(tiny, numer, absmax)
+  scales = jnp.where(bad, jnp.nan, jnp.where(tiny, 1.0, absmax * inverse(numer)))
+  y = jnp.where(bad[:, None, None], 0.0, x * r[:, None, None])
+  lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+  q = jnp.clip(jnp.round(y), lo, hi).astype(jnp.int32)
+  return q, scales.astype(jnp.float32)
+
+
+def _store(q: jax.Array, bits: int) -> jax.Array:
+  return q.astype(jnp.int8) if bits == 8 else _pack_int4(q)
+
+
+def _dequantize_sum_f32(values: jax.Array, scales: jax.Array, bits: int) -> jax.Array:
+  """Stacked ``(K, R, ...)`` values and ``(K, R)`` scales -> float32 ``(R, H, W)`` sum."""
+  total = None
+  for j in range(values.shape[0]):
+    q = values[j].astype(jnp.int32) if bits == 8 else _unpack_int4(values[j])
+    chunk = q.astype(jnp.float32) * scales[j][:, None, None]
+    total = chunk if total is None else total + chunk
+  return total
+
+
+def quantize_blocks(x: jax.Array, bits: int, rule: str = "deepspeed"
+                    ) -> tuple[jax.Array, jax.Array]:
+  """Float ``(R, H, W)`` -> (values, float32 scales ``(R,)``); H must be 2 for 4 bits."""
+  q, scales = _quantize_f32(x.astype(jnp.float32), bits, rule)
+  return _store(q, bits), scales
+
+
+def dequantize_sum_blocks(values: jax.Array, scales: jax.Array, bits: int,
+                          dtype: jnp.dtype) -> jax.Array:
+  """Sum over the leading K axis of dequantized blocks, ``(R, H, W)`` in ``dtype``."""
+  return _dequantize_sum_f32(values, scales, bits).astype(dtype)
+
+
+def requantize_sum_blocks(values: jax.Array, scales: jax.Array, bits: int, out_bits: int,
+                          rule: str = "deepspeed") -> tuple[jax.Array, jax.Array]:
+  """The float32 sum of :func:`dequantize_sum_blocks`, quantized again to ``out_bits``."""
+  q, out_scales = _quantize_f32(_dequantize_sum_f32(values, scales, bits), out_bits, rule)
+  return _store(q, out_bits), out_scales
