@@ -77,20 +77,11 @@ def _run(impl: str, name: str, *args, **static) -> Any:
   return lax.platform_dependent(*args, cuda=compiled, default=reference)
 
 
-def _planes(bits: int, *more_bits: int) -> int:
-  """Planes per block view: 2 whenever int4 is read or written (they share bytes), else 1."""
-  return 2 if 4 in (bits, *more_bits) else 1
-
-
-def _values_view(q: Quantized, lead: int, planes: int) -> tuple[jax.Array, jax.Array]:
-  """``q``'s arrays as block views ``(lead, R, ...)``: int8 ``(lead, R, H, W)``, uint8
-  ``(lead, R, W)``; scales ``(lead, R)``."""
+def _values_view(q: Quantized, lead: int) -> tuple[jax.Array, jax.Array]:
+  """``q``'s arrays as stacked block views: values ``(lead, R, G * bits / 8)``, scales
+  ``(lead, R)``."""
   rows = math.prod(q.scales.shape) // lead
-  if q.bits == 8:
-    values = q.values.reshape(lead, rows, planes, q.group_size // planes)
-  else:
-    values = q.values.reshape(lead, rows, q.group_size // 2)
-  return values, q.scales.reshape(lead, rows)
+  return q.values.reshape(lead, rows, q.values.shape[-1]), q.scales.reshape(lead, rows)
 
 
 def _wrap(values: jax.Array, scales: jax.Array, stack: tuple[int, ...], shape: tuple[int, ...],
@@ -101,7 +92,7 @@ def _wrap(values: jax.Array, scales: jax.Array, stack: tuple[int, ...], shape: t
 
 
 def _unblock(out: jax.Array, stack: tuple[int, ...], shape: tuple[int, ...]) -> jax.Array:
-  """``(R, H, W)`` blocks -> ``(*stack, *shape)``, dropping each chunk's padding."""
+  """``(R, G)`` blocks -> ``(*stack, *shape)``, dropping each chunk's padding."""
   n = math.prod(shape)
   out = out.reshape(*stack, -1)
   if out.shape[-1] != n:
@@ -141,8 +132,7 @@ def quantize(x: jax.Array, bits: int = 8, group_size: int = 2048, *, batch_dims:
   flat = x.reshape(math.prod(stack), n)
   if groups * group_size != n:
     flat = jnp.pad(flat, ((0, 0), (0, groups * group_size - n)))
-  planes = _planes(bits)
-  blocks = flat.reshape(math.prod(stack) * groups, planes, group_size // planes)
+  blocks = flat.reshape(math.prod(stack) * groups, group_size)
   values, scales = _run(impl, "quantize_blocks", blocks, bits=bits, rule=rule)
   return _wrap(values, scales, stack, shape, dtype, bits, group_size)
 
@@ -161,7 +151,7 @@ def dequantize(q: Quantized, dtype: Any = None, *, concat_axis: int | None = Non
   _check_quantized(q, "q")
   dtype = check_dtype(q.dtype if dtype is None else dtype, "dtype")
   stack = q.stack_shape
-  values, scales = _values_view(q, 1, _planes(q.bits))
+  values, scales = _values_view(q, 1)
   out = _run(impl, "dequantize_sum_blocks", values, scales, bits=q.bits, dtype=dtype)
   out = _unblock(out, stack, q.shape)
   if concat_axis is None:
@@ -182,7 +172,7 @@ def dequantize_sum(q: Quantized, dtype: Any = jnp.float32, *, impl: str = "auto"
   impl = _check_impl(impl)
   _check_quantized(q, "q", stacked=True)
   dtype = check_dtype(dtype, "dtype")
-  values, scales = _values_view(q, q.stack_shape[0], _planes(q.bits))
+  values, scales = _values_view(q, q.stack_shape[0])
   out = _run(impl, "dequantize_sum_blocks", values, scales, bits=q.bits, dtype=dtype)
   return _unblock(out, q.stack_shape[1:], q.shape)
 
@@ -194,7 +184,7 @@ def requantize_sum(q: Quantized, bits: int | None = None, *, rule: str = "deepsp
   impl, rule = _check_impl(impl), _check_rule(rule)
   _check_quantized(q, "q", stacked=True)
   out_bits = q.bits if bits is None else check_bits(bits)
-  values, scales = _values_view(q, q.stack_shape[0], _planes(q.bits, out_bits))
+  values, scales = _values_view(q, q.stack_shape[0])
   values, scales = _run(impl, "requantize_sum_blocks", values, scales, bits=q.bits,
                         out_bits=out_bits, rule=rule)
   return _wrap(values, scales, q.stack_shape[1:], q.shape, q.dtype, out_bits, q.group_size)

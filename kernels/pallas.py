@@ -13,9 +13,12 @@ what decides it here -- XLA compiles its Triton custom call to PTX at ``compile(
 compile-only H100 topology (no GPU present) proves each kernel compiles all the way (Mosaic GPU
 kernels are compiled only when first run). The Triton lowering's limits shape the code:
 
-* every array a kernel operates on must have a power-of-two size: a block is ``TG`` rows of
-  ``Wp = next_pow2(W)`` columns, loads and stores are masked at the ragged edges (plain ``ref[...]``
-  loads are not bounds-checked on GPU);
+* every array a kernel operates on must have a power-of-two size. A program takes ``tg`` blocks
+  and handles each as its two halves of G/2 elements (the halves int4 packs into one byte), each
+  loaded as a ``(tg, next_pow2(G/2))`` array; loads and stores are masked at ragged edges (plain
+  ``ref[...]`` loads are not bounds-checked on GPU). Keep tiles 2-D: the same kernel written
+  on ``(tg, 1, width)`` tiles took ptxas 35 s for G = 4096 and minutes for 16384, this one a
+  second;
 * there is no ``round``: :func:`round_half_even` builds it from truncation (the magic-number trick
   ``(y + 1.5 * 2^23) - 1.5 * 2^23`` is folded to ``y`` by XLA, so interpret mode would truncate);
 * ``max`` lowers to ``maxnumf``, which drops nans: absmax is taken over finite elements only and
@@ -25,8 +28,6 @@ kernels are compiled only when first run). The Triton lowering's limits shape th
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ from kernels.reference import F32_MAX, inverse, numerator, tiny_absmax
 __all__ = ["quantize_blocks", "dequantize_sum_blocks", "requantize_sum_blocks",
            "round_half_even", "tiling", "BLOCK_ELEMENTS"]
 
-BLOCK_ELEMENTS = 4096  # elements one program handles (rows x planes x padded columns)
+BLOCK_ELEMENTS = 4096  # elements one program handles: blocks x padded block width
 
 
 def round_half_even(y: jax.Array) -> jax.Array:
@@ -58,120 +59,108 @@ def round_half_even(y: jax.Array) -> jax.Array:
   return t + up.astype(jnp.int32) - down.astype(jnp.int32)
 
 
-def tiling(rows: int, planes: int, width: int) -> tuple[int, int, int]:
-  """(rows per program, padded width, num_warps) for blocks of ``planes`` x ``width``."""
-  padded = pl.next_power_of_2(width)
-  per_row = planes * padded
-  tg = max(1, min(BLOCK_ELEMENTS // per_row, pl.next_power_of_2(max(rows, 1))))
-  warps = max(4, min(16, tg * per_row // 1024))
+def tiling(rows: int, group_size: int) -> tuple[int, int, int]:
+  """(blocks per program, padded half-block width, num_warps) for ``rows`` blocks of G."""
+  padded = pl.next_power_of_2(group_size // 2)
+  tg = max(1, min(BLOCK_ELEMENTS // (2 * padded), pl.next_power_of_2(max(rows, 1))))
+  warps = 4 if tg * 2 * padded <= BLOCK_ELEMENTS else 8
   return tg, padded, warps
 
 
 class _Tile:
-  """Static facts of one program's tile and its masks at the ragged edges."""
+  """One program's tile: ``tg`` blocks, each handled as two halves of ``width`` = G/2 elements
+  loaded as ``(tg, padded)`` arrays, with the masks at the ragged edges."""
 
-  def __init__(self, rows: int, planes: int, width: int):
-    self.rows, self.planes, self.width = rows, planes, width
-    self.tg, self.padded, self.warps = tiling(rows, planes, width)
+  def __init__(self, rows: int, group_size: int):
+    self.rows, self.width = rows, group_size // 2
+    self.tg, self.padded, self.warps = tiling(rows, group_size)
     self.ragged_rows = rows % self.tg != 0
-    self.ragged_cols = self.padded != width
+    self.ragged_cols = self.padded != self.width
 
-  def row_mask(self) -> jax.Array | None:
-    if not self.ragged_rows:
-      return None
-    return pl.program_id(0) * self.tg + lax.broadcasted_iota(jnp.int32, (self.tg,), 0) < self.rows
+  def _rows_ok(self, shape: tuple[int, ...]) -> jax.Array:
+    return pl.program_id(0) * self.tg + lax.broadcasted_iota(jnp.int32, shape, 0) < self.rows
 
-  def mask(self, shape: tuple[int, ...]) -> jax.Array | None:
-    """Mask of a ``(tg, [1,] padded)`` tile: rows and columns inside the array, or None."""
-    if not (self.ragged_rows or self.ragged_cols):
-      return None
-    row_dim, col_dim = 0, len(shape) - 1
-    ok = jnp.ones(shape, jnp.bool_)
+  def mask(self) -> jax.Array | None:
+    """``(tg, padded)``: inside the array and inside the half-block, or None if all are."""
+    shape = (self.tg, self.padded)
+    ok = None
     if self.ragged_rows:
-      ok &= (pl.program_id(0) * self.tg + lax.broadcasted_iota(jnp.int32, shape, row_dim)
-             < self.rows)
+      ok = self._rows_ok(shape)
     if self.ragged_cols:
-      ok &= lax.broadcasted_iota(jnp.int32, shape, col_dim) < self.width
+      cols = lax.broadcasted_iota(jnp.int32, shape, 1) < self.width
+      ok = cols if ok is None else ok & cols
     return ok
 
-  def load(self, ref, other) -> jax.Array:
-    mask = self.mask(tuple(ref.shape))
+  def row_mask(self) -> jax.Array | None:
+    return self._rows_ok((self.tg,)) if self.ragged_rows else None
+
+  def half(self, ref, h: int, *lead):
+    """The ``(tg, padded)`` view of half ``h`` of ``(*lead, tg, >= G)`` block refs; a single
+    indexer (the Triton lowering takes no chained ones)."""
+    return ref.at[(*lead, slice(None), pl.ds(h * self.width, self.padded))]
+
+  def load(self, ref, other, mask) -> jax.Array:
     return pltr.load(ref, mask=mask, other=None if mask is None else other)
 
-  def load_rows(self, ref, other) -> jax.Array:
-    mask = self.row_mask()
-    return pltr.load(ref, mask=mask, other=None if mask is None else other)
+  def block_spec(self, columns: int, stacked: int | None = None) -> pl.BlockSpec:
+    """BlockSpec of ``tg`` rows of ``columns``, behind a whole leading axis of ``stacked``."""
+    if stacked is None:
+      return pl.BlockSpec((self.tg, columns), lambda i: (i, 0))
+    return pl.BlockSpec((stacked, self.tg, columns), lambda i: (0, i, 0))
 
-  def store(self, ref, value: jax.Array) -> None:
-    pltr.store(ref, value, mask=self.mask(tuple(ref.shape)))
+  def rows_spec(self, stacked: int | None = None) -> pl.BlockSpec:
+    if stacked is None:
+      return pl.BlockSpec((self.tg,), lambda i: (i,))
+    return pl.BlockSpec((stacked, self.tg), lambda i: (0, i))
 
-  def store_rows(self, ref, value: jax.Array) -> None:
-    pltr.store(ref, value, mask=self.row_mask())
-
-
-def _plane(ref, h: int, *lead):
-  """The ``(tg, 1, padded)`` view of plane ``h`` of a ``(*lead, tg, H, padded)`` block ref; one
-  indexer only (the Triton lowering takes no chained ones)."""
-  return ref.at[(*lead, slice(None), pl.ds(h, 1), slice(None))]
+  def values_spec(self, bits: int, stacked: int | None = None) -> pl.BlockSpec:
+    return self.block_spec(self.width + self.padded if bits == 8 else self.padded, stacked)
 
 
-def _load_float_planes(tile: _Tile, x_ref) -> list[jax.Array]:
-  return [tile.load(_plane(x_ref, h), 0.0).astype(jnp.float32) for h in range(tile.planes)]
-
-
-def _load_q_planes(tile: _Tile, v_ref, bits: int, *lead) -> list[jax.Array]:
-  """int32 planes ``(tg, 1, padded)`` of a values block ref: int8 ``(*lead, tg, H, padded)``,
-  uint8 ``(*lead, tg, padded)``."""
+def _load_q(tile: _Tile, v_ref, bits: int, *lead) -> list[jax.Array]:
+  """int32 halves ``(tg, padded)`` of a values block ref (int8 ``(*lead, tg, G)``, uint8
+  ``(*lead, tg, G/2)``)."""
+  mask = tile.mask()
   if bits == 8:
-    return [tile.load(_plane(v_ref, h, *lead), 0).astype(jnp.int32) for h in range(tile.planes)]
-  b = tile.load(v_ref.at[lead] if lead else v_ref, 0).astype(jnp.int32)[:, None, :]
-  planes = [jnp.right_shift(b, 4), jnp.bitwise_and(b, 15)]
-  return [jnp.where(p >= 8, p - 16, p) for p in planes]
+    return [tile.load(tile.half(v_ref, h, *lead), 0, mask).astype(jnp.int32) for h in (0, 1)]
+  b = tile.load(tile.half(v_ref, 0, *lead), 0, mask).astype(jnp.int32)
+  halves = [jnp.right_shift(b, 4), jnp.bitwise_and(b, 15)]
+  return [jnp.where(q >= 8, q - 16, q) for q in halves]
 
 
-def _store_q_planes(tile: _Tile, v_ref, q: list[jax.Array], bits: int) -> None:
+def _store_q(tile: _Tile, v_ref, q: list[jax.Array], bits: int) -> None:
+  mask = tile.mask()
   if bits == 8:
-    for h, plane in enumerate(q):
-      tile.store(_plane(v_ref, h), plane.astype(jnp.int8))
+    for h in (0, 1):
+      pltr.store(tile.half(v_ref, h), q[h].astype(jnp.int8), mask=mask)
     return
   hi, lo = jnp.bitwise_and(q[0], 15), jnp.bitwise_and(q[1], 15)
-  tile.store(v_ref, (jnp.left_shift(hi, 4) + lo).astype(jnp.uint8)[:, 0, :])
+  pltr.store(tile.half(v_ref, 0), (jnp.left_shift(hi, 4) + lo).astype(jnp.uint8), mask=mask)
 
 
-def _block_max(planes: list[jax.Array]) -> jax.Array:
-  """Per-row max over planes of ``(tg, 1, padded)`` arrays -> ``(tg,)``."""
-  out = None
-  for p in planes:
-    m = jnp.max(p[:, 0, :], axis=1)
-    out = m if out is None else jnp.maximum(out, m)
-  return out
-
-
-def _quantize_planes(x: list[jax.Array], bits: int, rule: str
+def _quantize_halves(x: list[jax.Array], bits: int, rule: str
                      ) -> tuple[list[jax.Array], jax.Array]:
-  """float32 planes -> (int32 planes in range, float32 scales ``(tg,)``), as the reference."""
+  """float32 halves -> (int32 halves in range, float32 scales ``(tg,)``), as the reference."""
   numer = numerator(bits, rule)
-  a = [jnp.abs(p) for p in x]
+  a = [jnp.abs(v) for v in x]
   finite = [v <= F32_MAX for v in a]
-  bad = _block_max([jnp.where(f, 0.0, 1.0) for f in finite]) > 0.0
-  absmax = _block_max([jnp.where(f, v, 0.0) for f, v in zip(finite, a)])
+  bad = jnp.maximum(*[jnp.max(jnp.where(f, 0.0, 1.0), axis=1) for f in finite]) > 0.0
+  absmax = jnp.maximum(*[jnp.max(jnp.where(f, v, 0.0), axis=1) for f, v in zip(finite, a)])
   tiny = absmax < tiny_absmax(numer)
   r = numer / jnp.where(tiny, numer, absmax)
   scales = jnp.where(bad, jnp.nan, jnp.where(tiny, 1.0, absmax * inverse(numer)))
   lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-  q = []
-  for p in x:
-    y = jnp.where(bad[:, None, None], 0.0, p * r[:, None, None])
-    q.append(jnp.clip(round_half_even(y), lo, hi))
+  q = [jnp.clip(round_half_even(jnp.where(bad[:, None], 0.0, v * r[:, None])), lo, hi)
+       for v in x]
   return q, scales
 
 
-def _sum_planes(tile: _Tile, v_ref, s_ref, bits: int, k: int) -> list[jax.Array]:
-  """float32 planes of the sum over the K chunks of stacked block refs, chunk 0 first."""
+def _sum_halves(tile: _Tile, v_ref, s_ref, bits: int, k: int) -> list[jax.Array]:
+  """float32 halves of the sum over the K chunks of stacked block refs, chunk 0 first."""
   def chunk(j):
     j = jnp.int32(j) if isinstance(j, int) else j  # a Python int index breaks interpret mode
-    scale = tile.load_rows(s_ref.at[j], 0.0)[:, None, None]
-    return [q.astype(jnp.float32) * scale for q in _load_q_planes(tile, v_ref, bits, j)]
+    scale = tile.load(s_ref.at[j], 0.0, tile.row_mask())[:, None]
+    return [q.astype(jnp.float32) * scale for q in _load_q(tile, v_ref, bits, j)]
 
   def body(j, acc):
     return [a + c for a, c in zip(acc, chunk(j))]
@@ -179,92 +168,79 @@ def _sum_planes(tile: _Tile, v_ref, s_ref, bits: int, k: int) -> list[jax.Array]
   return lax.fori_loop(1, k, body, chunk(0)) if k > 1 else chunk(0)
 
 
-def _params(tile: _Tile):
-  return pltr.CompilerParams(num_warps=tile.warps, num_stages=1)
+def _call(kernel, tile: _Tile, name: str, in_specs, out_specs, out_shape, interpret: bool):
+  return pl.pallas_call(
+      kernel, grid=(pl.cdiv(tile.rows, tile.tg),), in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, compiler_params=pltr.CompilerParams(num_warps=tile.warps,
+                                                               num_stages=1),
+      interpret=interpret, name=name)
 
 
-def _specs(tile: _Tile, bits: int, stacked: int | None = None):
-  """BlockSpecs of (values, scales) blocks, with a leading unblocked axis of ``stacked``."""
+def _values_shape(rows: int, group_size: int, bits: int) -> jax.ShapeDtypeStruct:
   if bits == 8:
-    v_block, v_index = (tile.tg, tile.planes, tile.padded), (lambda i: (i, 0, 0))
-  else:
-    v_block, v_index = (tile.tg, tile.padded), (lambda i: (i, 0))
-  s_block, s_index = (tile.tg,), (lambda i: (i,))
-  if stacked is not None:
-    v_block, s_block = (stacked, *v_block), (stacked, *s_block)
-    v_index = functools.partial(lambda f, i: (0, *f(i)), v_index)
-    s_index = functools.partial(lambda f, i: (0, *f(i)), s_index)
-  return pl.BlockSpec(v_block, v_index), pl.BlockSpec(s_block, s_index)
-
-
-def _q_shape(rows: int, planes: int, width: int, bits: int) -> jax.ShapeDtypeStruct:
-  if bits == 8:
-    return jax.ShapeDtypeStruct((rows, planes, width), jnp.int8)
-  return jax.ShapeDtypeStruct((rows, width), jnp.uint8)
+    return jax.ShapeDtypeStruct((rows, group_size), jnp.int8)
+  return jax.ShapeDtypeStruct((rows, group_size // 2), jnp.uint8)
 
 
 def quantize_blocks(x: jax.Array, bits: int, rule: str = "deepspeed", *, interpret: bool = False
                     ) -> tuple[jax.Array, jax.Array]:
-  """Pallas :func:`kernels.reference.quantize_blocks`: float ``(R, H, W)`` -> values, scales."""
-  rows, planes, width = x.shape
-  tile = _Tile(rows, planes, width)
+  """Pallas :func:`kernels.reference.quantize_blocks`: float ``(R, G)`` -> values, scales."""
+  rows, group_size = x.shape
+  tile = _Tile(rows, group_size)
 
   def kernel(x_ref, v_ref, s_ref):
-    q, scales = _quantize_planes(_load_float_planes(tile, x_ref), bits, rule)
-    _store_q_planes(tile, v_ref, q, bits)
-    tile.store_rows(s_ref, scales)
+    mask = tile.mask()
+    halves = [tile.load(tile.half(x_ref, h), 0.0, mask).astype(jnp.float32) for h in (0, 1)]
+    q, scales = _quantize_halves(halves, bits, rule)
+    _store_q(tile, v_ref, q, bits)
+    pltr.store(s_ref, scales, mask=tile.row_mask())
 
-  v_spec, s_spec = _specs(tile, bits)
-  return pl.pallas_call(
-      kernel, grid=(pl.cdiv(rows, tile.tg),),
-      in_specs=[pl.BlockSpec((tile.tg, planes, tile.padded), lambda i: (i, 0, 0))],
-      out_specs=[v_spec, s_spec],
-      out_shape=[_q_shape(rows, planes, width, bits), jax.ShapeDtypeStruct((rows,), jnp.float32)],
-      compiler_params=_params(tile), interpret=interpret, name=f"jzero_quantize_int{bits}",
-  )(x)
+  call = _call(kernel, tile, f"jzero_quantize_int{bits}",
+               [tile.block_spec(tile.width + tile.padded)],
+               [tile.values_spec(bits), tile.rows_spec()],
+               [_values_shape(rows, group_size, bits),
+                jax.ShapeDtypeStruct((rows,), jnp.float32)], interpret)
+  return tuple(call(x))
+
+
+def _stacked_shape(values: jax.Array, bits: int) -> tuple[int, int, int]:
+  k, rows, width = values.shape
+  return k, rows, width if bits == 8 else 2 * width
 
 
 def dequantize_sum_blocks(values: jax.Array, scales: jax.Array, bits: int, dtype: jnp.dtype, *,
                           interpret: bool = False) -> jax.Array:
-  """Pallas :func:`kernels.reference.dequantize_sum_blocks`: ``(K, R, ...)`` -> ``(R, H, W)``."""
-  k, rows = scales.shape
-  planes, width = (values.shape[2], values.shape[3]) if bits == 8 else (2, values.shape[2])
-  tile = _Tile(rows, planes, width)
+  """Pallas :func:`kernels.reference.dequantize_sum_blocks`: ``(K, R, ...)`` -> ``(R, G)``."""
+  k, rows, group_size = _stacked_shape(values, bits)
+  tile = _Tile(rows, group_size)
 
   def kernel(v_ref, s_ref, o_ref):
-    total = _sum_planes(tile, v_ref, s_ref, bits, k)
-    for h, plane in enumerate(total):
-      tile.store(_plane(o_ref, h), plane.astype(dtype))
+    total = _sum_halves(tile, v_ref, s_ref, bits, k)
+    for h in (0, 1):
+      pltr.store(tile.half(o_ref, h), total[h].astype(dtype), mask=tile.mask())
 
-  v_spec, s_spec = _specs(tile, bits, stacked=k)
-  return pl.pallas_call(
-      kernel, grid=(pl.cdiv(rows, tile.tg),), in_specs=[v_spec, s_spec],
-      out_specs=pl.BlockSpec((tile.tg, planes, tile.padded), lambda i: (i, 0, 0)),
-      out_shape=jax.ShapeDtypeStruct((rows, planes, width), dtype),
-      compiler_params=_params(tile), interpret=interpret,
-      name=f"jzero_dequantize_sum_int{bits}",
-  )(values, scales)
+  call = _call(kernel, tile, f"jzero_dequantize_sum_int{bits}",
+               [tile.values_spec(bits, k), tile.rows_spec(k)],
+               tile.block_spec(tile.width + tile.padded),
+               jax.ShapeDtypeStruct((rows, group_size), dtype), interpret)
+  return call(values, scales)
 
 
 def requantize_sum_blocks(values: jax.Array, scales: jax.Array, bits: int, out_bits: int,
                           rule: str = "deepspeed", *, interpret: bool = False
                           ) -> tuple[jax.Array, jax.Array]:
   """Pallas :func:`kernels.reference.requantize_sum_blocks`: the sum, quantized again."""
-  k, rows = scales.shape
-  planes, width = (values.shape[2], values.shape[3]) if bits == 8 else (2, values.shape[2])
-  tile = _Tile(rows, planes, width)
+  k, rows, group_size = _stacked_shape(values, bits)
+  tile = _Tile(rows, group_size)
 
   def kernel(v_ref, s_ref, ov_ref, os_ref):
-    q, out_scales = _quantize_planes(_sum_planes(tile, v_ref, s_ref, bits, k), out_bits, rule)
-    _store_q_planes(tile, ov_ref, q, out_bits)
-    tile.store_rows(os_ref, out_scales)
+    q, out_scales = _quantize_halves(_sum_halves(tile, v_ref, s_ref, bits, k), out_bits, rule)
+    _store_q(tile, ov_ref, q, out_bits)
+    pltr.store(os_ref, out_scales, mask=tile.row_mask())
 
-  in_v, in_s = _specs(tile, bits, stacked=k)
-  out_v, out_s = _specs(tile, out_bits)
-  return pl.pallas_call(
-      kernel, grid=(pl.cdiv(rows, tile.tg),), in_specs=[in_v, in_s], out_specs=[out_v, out_s],
-      out_shape=[_q_shape(rows, planes, width, out_bits),
-                 jax.ShapeDtypeStruct((rows,), jnp.float32)],
-      compiler_params=_params(tile), interpret=interpret,
-      name=f"jzero_requantize_sum_int{bits}_int{out_bits}",
-  )(values, scales)
+  call = _call(kernel, tile, f"jzero_requantize_sum_int{bits}_int{out_bits}",
+               [tile.values_spec(bits, k), tile.rows_spec(k)],
+               [tile.values_spec(out_bits), tile.rows_spec()],
+               [_values_shape(rows, group_size, out_bits),
+                jax.ShapeDtypeStruct((rows,), jnp.float32)], interpret)
+  return tuple(call(values, scales))

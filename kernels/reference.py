@@ -1,12 +1,10 @@
 """Plain-jnp reference of the block kernels: the definition the Pallas kernels are held to.
 
 Every function here works on *block views* (see :mod:`kernels.layout` for the public layout):
-
-* ``x``: float ``(R, H, W)`` -- R blocks of G = H * W elements, each split into H "planes" of W;
-  H = 2 whenever int4 is involved (the two planes share bytes), else 1.
-* int8 values ``(R, H, W)``; int4 values uint8 ``(R, W)``: plane 0 in the high nibbles, plane 1
-  in the low ones.
-* scales float32 ``(R,)``; stacked inputs of the sums carry a leading ``K`` axis on both.
+float ``x`` is ``(R, G)``, R blocks of G elements; int8 values are ``(R, G)``; int4 values are
+uint8 ``(R, G/2)``, byte j holding element j in its high nibble and element j + G/2 in its low
+one; scales are float32 ``(R,)``; the stacked inputs of the sums carry a leading ``K`` axis on
+values and scales.
 
 Every step is written in a form XLA's algebraic simplifier leaves alone (it turns ``a / c`` into
 ``a * (1 / c)``, ``1 / (c / m)`` into ``m * (1 / c)`` and a division by a broadcast into a
@@ -60,29 +58,30 @@ def tiny_absmax(numer: float) -> float:
 
 
 def _unpack_int4(values: jax.Array) -> jax.Array:
-  """uint8 ``(..., W)`` -> int32 ``(..., 2, W)``: high nibbles then low nibbles, sign-extended."""
+  """uint8 ``(..., G/2)`` -> int32 ``(..., G)``: the high nibbles, then the low ones, signed."""
   b = values.astype(jnp.int32)
-  planes = jnp.stack([jnp.right_shift(b, 4), jnp.bitwise_and(b, 15)], axis=-2)
-  return jnp.where(planes >= 8, planes - 16, planes)
+  q = jnp.concatenate([jnp.right_shift(b, 4), jnp.bitwise_and(b, 15)], axis=-1)
+  return jnp.where(q >= 8, q - 16, q)
 
 
 def _pack_int4(q: jax.Array) -> jax.Array:
-  """int32 ``(R, 2, W)`` in [-8, 7] -> uint8 ``(R, W)``."""
-  hi, lo = jnp.bitwise_and(q[:, 0], 15), jnp.bitwise_and(q[:, 1], 15)
+  """int32 ``(R, G)`` in [-8, 7] -> uint8 ``(R, G/2)``."""
+  half = q.shape[-1] // 2
+  hi, lo = jnp.bitwise_and(q[:, :half], 15), jnp.bitwise_and(q[:, half:], 15)
   return (jnp.left_shift(hi, 4) + lo).astype(jnp.uint8)
 
 
 def _quantize_f32(x: jax.Array, bits: int, rule: str) -> tuple[jax.Array, jax.Array]:
-  """float32 ``(R, H, W)`` -> (int32 q in range, float32 scales ``(R,)``)."""
+  """float32 ``(R, G)`` -> (int32 q in range, float32 scales ``(R,)``)."""
   numer = numerator(bits, rule)
   a = jnp.abs(x)
   finite = a <= F32_MAX
-  bad = jnp.max(jnp.where(finite, 0.0, 1.0), axis=(1, 2)) > 0.0
-  absmax = jnp.max(jnp.where(finite, a, 0.0), axis=(1, 2))
+  bad = jnp.max(jnp.where(finite, 0.0, 1.0), axis=1) > 0.0
+  absmax = jnp.max(jnp.where(finite, a, 0.0), axis=1)
   tiny = absmax < tiny_absmax(numer)
   r = numer / jnp.where(tiny, numer, absmax)
   scales = jnp.where(bad, jnp.nan, jnp.where(tiny, 1.0, absmax * inverse(numer)))
-  y = jnp.where(bad[:, None, None], 0.0, x * r[:, None, None])
+  y = jnp.where(bad[:, None], 0.0, x * r[:, None])
   lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
   q = jnp.clip(jnp.round(y), lo, hi).astype(jnp.int32)
   return q, scales.astype(jnp.float32)
@@ -93,25 +92,25 @@ def _store(q: jax.Array, bits: int) -> jax.Array:
 
 
 def _dequantize_sum_f32(values: jax.Array, scales: jax.Array, bits: int) -> jax.Array:
-  """Stacked ``(K, R, ...)`` values and ``(K, R)`` scales -> float32 ``(R, H, W)`` sum."""
+  """Stacked ``(K, R, ...)`` values and ``(K, R)`` scales -> float32 ``(R, G)`` sum."""
   total = None
   for j in range(values.shape[0]):
     q = values[j].astype(jnp.int32) if bits == 8 else _unpack_int4(values[j])
-    chunk = q.astype(jnp.float32) * scales[j][:, None, None]
+    chunk = q.astype(jnp.float32) * scales[j][:, None]
     total = chunk if total is None else total + chunk
   return total
 
 
 def quantize_blocks(x: jax.Array, bits: int, rule: str = "deepspeed"
                     ) -> tuple[jax.Array, jax.Array]:
-  """Float ``(R, H, W)`` -> (values, float32 scales ``(R,)``); H must be 2 for 4 bits."""
+  """Float ``(R, G)`` -> (values, float32 scales ``(R,)``)."""
   q, scales = _quantize_f32(x.astype(jnp.float32), bits, rule)
   return _store(q, bits), scales
 
 
 def dequantize_sum_blocks(values: jax.Array, scales: jax.Array, bits: int,
                           dtype: jnp.dtype) -> jax.Array:
-  """Sum over the leading K axis of dequantized blocks, ``(R, H, W)`` in ``dtype``."""
+  """Sum over the leading K axis of dequantized blocks, ``(R, G)`` in ``dtype``."""
   return _dequantize_sum_f32(values, scales, bits).astype(dtype)
 
 
