@@ -38,7 +38,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels import pallas as _pallas
 from kernels import reference as _reference
 from kernels.layout import (Quantized, _fail, check_bits, check_dtype, check_group_size,
                             num_groups)
@@ -67,11 +66,12 @@ def _check_rule(rule: Any) -> str:
 def _run(impl: str, name: str, *args, **static) -> Any:
   """Runs block kernel ``name`` from the implementation ``impl`` picks (see the module doc)."""
   reference = functools.partial(getattr(_reference, name), **static)
+  if impl == "jnp" or any(a.size == 0 for a in args):
+    return reference(*args)
+  from kernels import pallas as _pallas  # noqa: PLC0415  (Triton bindings only when asked for)
   kernel = getattr(_pallas, name)
   compiled = functools.partial(kernel, **static, interpret=False)
   interpreted = functools.partial(kernel, **static, interpret=True)
-  if impl == "jnp" or any(a.size == 0 for a in args):
-    return reference(*args)
   if impl == "pallas":
     return lax.platform_dependent(*args, cuda=compiled, default=interpreted)
   return lax.platform_dependent(*args, cuda=compiled, default=reference)

@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from kernels.reference import F32_MAX, inverse, numerator, tiny_absmax
+from kernels.reference import F32_MAX, inverse, numerator, scaled, split_scale, tiny_absmax
 
 __all__ = ["quantize_blocks", "dequantize_sum_blocks", "requantize_sum_blocks",
            "round_half_even", "tiling", "BLOCK_ELEMENTS"]
@@ -44,18 +44,19 @@ BLOCK_ELEMENTS = 4096  # elements one program handles: blocks x padded block wid
 
 
 def round_half_even(y: jax.Array) -> jax.Array:
-  """int32 round-half-to-even of float32 ``y`` (``|y| < 2^31``), from truncation.
+  """int32 round-half-to-even of float32 ``y`` (``|y| < 2^22``), from truncation.
 
-  ``t = trunc(y)`` (float-to-int conversion), ``f = y - t`` is exact (Sterbenz), and ``t`` moves
-  one step away from zero when ``|f| > 1/2``, or ``|f| = 1/2`` and ``t`` is odd. Unlike the
-  ``(y + 1.5 * 2^23) - 1.5 * 2^23`` trick, no compiler may simplify it away: XLA folds that one to
-  ``y``, which breaks interpret mode.
+  ``t = trunc(y)`` (float-to-int conversion); ``t`` moves one step away from zero when ``y`` lies
+  beyond ``t +- 1/2``, or on it with ``t`` odd (``t +- 1/2`` is exact). ``y`` is only converted
+  and compared, never added to, so no compiler can fuse the product that made it into an FMA;
+  and unlike the ``(y + 1.5 * 2^23) - 1.5 * 2^23`` trick nothing here simplifies away (XLA folds
+  that one to ``y``, which would make interpret mode truncate).
   """
   t = y.astype(jnp.int32)
-  f = y - t.astype(jnp.float32)
+  tf = t.astype(jnp.float32)
   odd = jnp.bitwise_and(t, 1) == 1
-  up = (f > 0.5) | ((f == 0.5) & odd)
-  down = (f < -0.5) | ((f == -0.5) & odd)
+  up = (y > tf + 0.5) | ((y == tf + 0.5) & odd)
+  down = (y < tf - 0.5) | ((y == tf - 0.5) & odd)
   return t + up.astype(jnp.int32) - down.astype(jnp.int32)
 
 
@@ -117,10 +118,9 @@ class _Tile:
     return self.block_spec(self.width + self.padded if bits == 8 else self.padded, stacked)
 
 
-def _load_q(tile: _Tile, v_ref, bits: int, *lead) -> list[jax.Array]:
+def _load_q(tile: _Tile, v_ref, bits: int, mask: jax.Array | None, *lead) -> list[jax.Array]:
   """int32 halves ``(tg, padded)`` of a values block ref (int8 ``(*lead, tg, G)``, uint8
   ``(*lead, tg, G/2)``)."""
-  mask = tile.mask()
   if bits == 8:
     return [tile.load(tile.half(v_ref, h, *lead), 0, mask).astype(jnp.int32) for h in (0, 1)]
   b = tile.load(tile.half(v_ref, 0, *lead), 0, mask).astype(jnp.int32)
@@ -157,10 +157,13 @@ def _quantize_halves(x: list[jax.Array], bits: int, rule: str
 
 def _sum_halves(tile: _Tile, v_ref, s_ref, bits: int, k: int) -> list[jax.Array]:
   """float32 halves of the sum over the K chunks of stacked block refs, chunk 0 first."""
+  # Masks are built here, not in the loop: interpret mode has no program_id inside a loop body.
+  mask, row_mask = tile.mask(), tile.row_mask()
+
   def chunk(j):
     j = jnp.int32(j) if isinstance(j, int) else j  # a Python int index breaks interpret mode
-    scale = tile.load(s_ref.at[j], 0.0, tile.row_mask())[:, None]
-    return [q.astype(jnp.float32) * scale for q in _load_q(tile, v_ref, bits, j)]
+    hi, lo = split_scale(tile.load(s_ref.at[j], 0.0, row_mask)[:, None])
+    return [scaled(q.astype(jnp.float32), hi, lo) for q in _load_q(tile, v_ref, bits, mask, j)]
 
   def body(j, acc):
     return [a + c for a, c in zip(acc, chunk(j))]
@@ -234,7 +237,8 @@ def requantize_sum_blocks(values: jax.Array, scales: jax.Array, bits: int, out_b
   tile = _Tile(rows, group_size)
 
   def kernel(v_ref, s_ref, ov_ref, os_ref):
-    q, out_scales = _quantize_halves(_sum_halves(tile, v_ref, s_ref, bits, k), out_bits, rule)
+    total = _sum_halves(tile, v_ref, s_ref, bits, k)
+    q, out_scales = _quantize_halves(total, out_bits, rule)
     _store_q(tile, ov_ref, q, out_bits)
     pltr.store(os_ref, out_scales, mask=tile.row_mask())
 

@@ -17,16 +17,18 @@ The math per block (DeepSpeed's symmetric quantizer, ``quantization_utils.h``), 
   (``rule="deepspeed"``: +absmax lands on 2^(b-1) and clips to 2^(b-1) - 1) or 2^(b-1) - 1
   (``rule="no_clip"``: absmax lands exactly on the top level);
 * ``r = numer / absmax`` and stored scale ``absmax * (1 / numer)`` -- or both 1 when
-  ``absmax < numer * 2^-126`` (all-zero blocks, as DeepSpeed, and blocks so small that their
-  stored scale would be subnormal: they quantize to zeros);
+  ``absmax < numer * 2^-100`` (all-zero blocks, as DeepSpeed, and blocks so small, below about
+  1e-28, that their scale would be near the subnormal range, which GPUs may flush to zero: they
+  quantize to zeros);
 * ``q = clip(round_half_even(x * r), -2^(b-1), 2^(b-1) - 1)``, exactly DeepSpeed's product. The
   stored scale is exactly ``absmax / 2^(b-1)`` for DeepSpeed's rule, the value its reference
   describes (DeepSpeed computes it as ``1 / r``, which can differ in the last bit);
 * a block holding an inf or a nan stores q = 0 and scale nan, so it dequantizes to nan everywhere
   and a loss-scale overflow check still sees it (DeepSpeed's kernel would turn a nan block into
   finite numbers: its half-precision max drops nans);
-* dequantize ``q * scale`` in float32, cast to the requested dtype; sums add the K dequantized
-  chunks one after another, in float32, chunk 0 first.
+* dequantize ``q * scale`` in float32 (correctly rounded, see :func:`scaled`), cast to the
+  requested dtype; sums add the K dequantized chunks one after another, in float32, chunk 0
+  first.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["quantize_blocks", "dequantize_sum_blocks", "requantize_sum_blocks", "numerator",
-           "inverse", "tiny_absmax", "F32_MAX"]
+           "inverse", "tiny_absmax", "split_scale", "scaled", "F32_MAX", "TINY_SCALE"]
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -52,9 +54,30 @@ def inverse(numer: float) -> float:
   return float(np.float32(1.0 / numer))
 
 
+TINY_SCALE = 2.0 ** -100  # smallest stored scale; both of its parts (split_scale) stay normal
+
+
 def tiny_absmax(numer: float) -> float:
-  """Blocks whose absmax is below this are stored with scale 1 (their scale would be subnormal)."""
-  return float(np.float32(numer) * np.float32(2.0 ** -126))
+  """Blocks whose absmax is below this are stored with scale 1 and quantize to zeros."""
+  return float(np.float32(numer) * np.float32(TINY_SCALE))
+
+
+def split_scale(scales: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``scales`` as ``hi + lo``: ``hi`` its top 16 significant bits, ``lo`` the other 8, exactly."""
+  bits = jax.lax.bitcast_convert_type(scales, jnp.int32)
+  hi = jax.lax.bitcast_convert_type(jnp.bitwise_and(bits, -256), jnp.float32)
+  return hi, scales - hi
+
+
+def scaled(q: jax.Array, hi: jax.Array, lo: jax.Array) -> jax.Array:
+  """float32 ``q * scale``, correctly rounded, for integer-valued float32 ``|q| <= 128``.
+
+  Both partial products are exact (7 + 16 and 7 + 8 significant bits), so their sum is rounded
+  once whether or not a compiler contracts a multiply and an add into an FMA -- XLA:CPU does so
+  in some fusions and not in others, which would otherwise change the last bit of a sum of
+  dequantized chunks between the reference, interpret mode and the GPU kernel.
+  """
+  return q * hi + q * lo
 
 
 def _unpack_int4(values: jax.Array) -> jax.Array:
@@ -96,7 +119,8 @@ def _dequantize_sum_f32(values: jax.Array, scales: jax.Array, bits: int) -> jax.
   total = None
   for j in range(values.shape[0]):
     q = values[j].astype(jnp.int32) if bits == 8 else _unpack_int4(values[j])
-    chunk = q.astype(jnp.float32) * scales[j][:, None]
+    hi, lo = split_scale(scales[j][:, None])
+    chunk = scaled(q.astype(jnp.float32), hi, lo)
     total = chunk if total is None else total + chunk
   return total
 
