@@ -44,10 +44,16 @@ def _per_block(x: np.ndarray, group_size: int) -> np.ndarray:
 
 
 def _same(a, b) -> bool:
+  """Same dtype, shape and bits -- except that any nan equals any nan (payloads may differ)."""
   a, b = np.asarray(a), np.asarray(b)
-  return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
-      a.view(np.uint8) if a.dtype.itemsize == 1 else a, b.view(np.uint8)
-      if b.dtype.itemsize == 1 else b, equal_nan=a.dtype.kind == "f")
+  if a.dtype != b.dtype or a.shape != b.shape:
+    return False
+  bits = np.dtype(f"uint{8 * a.dtype.itemsize}")
+  if not jnp.issubdtype(a.dtype, jnp.floating):
+    return bool(np.array_equal(a.view(bits), b.view(bits)))
+  nan = np.isnan(a.astype(np.float32))
+  return bool(np.array_equal(nan, np.isnan(b.astype(np.float32)))
+              and np.array_equal(a.view(bits)[~nan], b.view(bits)[~nan]))
 
 
 def _same_q(a: kernels.Quantized, b: kernels.Quantized) -> bool:
@@ -76,36 +82,38 @@ def test_round_half_even_matches_jnp_round():
                       rng.uniform(-200, 200, 20000).astype(np.float32),
                       rng.uniform(-1, 1, 2000).astype(np.float32), [0.0, -0.0, 0.5, -0.5]])
   y = jnp.asarray(y, jnp.float32)
-  want = jnp.round(y).astype(jnp.int32)
+  want = np.round(np.asarray(y)).astype(np.int32)  # numpy rounds half to even too
   assert _same(jax.jit(kpallas.round_half_even)(y), want)
-  assert _same(kpallas.round_half_even(y), want)
   # ties go to the even neighbour, not away from zero
-  assert np.asarray(kpallas.round_half_even(jnp.asarray([0.5, 1.5, 2.5, -2.5, -3.5]))).tolist() == [
-      0, 2, 2, -2, -4]
+  assert np.asarray(jax.jit(kpallas.round_half_even)(
+      jnp.asarray([0.5, 1.5, 2.5, -2.5, -3.5]))).tolist() == [0, 2, 2, -2, -4]
 
 
 # ------------------------------------------------------------------------------------------------
 # Error bounds.
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _roundtrip(x, bits, group_size, rule):
-  q = kernels.quantize(x, bits, group_size, rule=rule, impl="jnp")
-  return q, kernels.dequantize(q, jnp.float32, impl="jnp")
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _roundtrip(x, bits, group_size):
+  """(Quantized, float32 dequantized) for rule "deepspeed", then for rule "no_clip"."""
+  out = []
+  for rule in kernels.RULES:
+    q = kernels.quantize(x, bits, group_size, rule=rule, impl="jnp")
+    out += [q, kernels.dequantize(q, jnp.float32, impl="jnp")]
+  return out
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_roundtrip_error_bound(bits, dtype):
   top = 2.0 ** (bits - 1)
-  for shape, group_size in [((8192,), 2048), ((3, 5, 7), 16), ((129, 33), 256), ((1000,), 98),
-                            ((64, 64), 512)]:
+  for shape, group_size in [((8192,), 2048), ((3, 5, 7), 16), ((1000,), 98)]:
     x = _blocky(len(shape) + group_size, shape, group_size, dtype)
     blocks = _per_block(x, group_size)
     absmax = np.abs(blocks).max(axis=1, keepdims=True)
     slack = 1e-5 * absmax / top  # float32 rounding of x * r and of q * scale
 
-    q, out = _roundtrip(x, bits, group_size, "deepspeed")
+    q, out, q_no_clip, out_no_clip = _roundtrip(x, bits, group_size)
     assert q.dtype == jnp.dtype(dtype) and q.shape == shape == out.shape
     err = np.abs(_per_block(out, group_size) - blocks)
     # DeepSpeed's rule: half a step (absmax / 2^b) everywhere but at the top, where +absmax lands
@@ -116,8 +124,7 @@ def test_roundtrip_error_bound(bits, dtype):
     assert np.all(err <= absmax / top + slack)
     assert np.any(err[clipped] > half_step[clipped])  # the top really clips
 
-    q, out = _roundtrip(x, bits, group_size, "no_clip")
-    out = _per_block(out, group_size)
+    q, out = q_no_clip, _per_block(out_no_clip, group_size)
     # issue 10's bound, every element: absmax / (2^(b-1) - 1) / 2
     assert np.all(np.abs(out - blocks) <= absmax / (top - 1) / 2 + slack)
 
@@ -150,11 +157,19 @@ def test_tiny_blocks_quantize_to_zero_with_scale_one():
 # inf / nan: a block holding one dequantizes to nan everywhere, so an overflow check sees it.
 
 
-@pytest.mark.parametrize("impl", ["jnp", "pallas"])
-def test_inf_nan_poison_their_block(impl):
-  x = np.array(_blocky(1, (6, 64), 64))
-  x[1, 17], x[2, 0], x[4, 63] = np.inf, -np.inf, np.nan
-  x[5] = 3e38  # finite, but two of them overflow float32 when summed
+def _poisoned(x: jax.Array, group_size: int) -> np.ndarray:
+  """``x`` with an inf in block 1, a -inf in block 2, a nan in block 4 and block 5 all 3e38
+  (finite, but two of them overflow float32 when summed)."""
+  flat = np.array(x, np.float32).reshape(-1)
+  flat[group_size + 17], flat[2 * group_size], flat[5 * group_size - 1] = np.inf, -np.inf, np.nan
+  flat[5 * group_size: 6 * group_size] = 3e38
+  return flat.reshape(x.shape)
+
+
+def test_inf_nan_poison_their_block():
+  """The Pallas kernels do the same: their bit-for-bit tests below run on these inputs too."""
+  impl = "jnp"
+  x = _poisoned(_blocky(1, (6, 64), 64), 64)
   poisoned = np.array([False, True, True, False, True, False])
   q = _quantize(jnp.asarray(x, jnp.bfloat16), bits=8, group_size=64, impl=impl)
   scales = np.asarray(q.scales)
@@ -201,19 +216,23 @@ def test_int4_packing_roundtrip(impl):
 @pytest.mark.parametrize("shape, group_size, dtype, rule, bits, out_dtype", [
     ((37, 100), 64, jnp.float32, "deepspeed", 8, jnp.float16),  # ragged rows: 58 blocks, 32/program
     ((3, 1000), 100, jnp.bfloat16, "deepspeed", 4, jnp.bfloat16),  # ragged halves: 50 -> 64 lanes
-    ((2, 5000), 4096, jnp.float16, "no_clip", 8, jnp.float32),  # a block per program, padding
+    ((2, 5000), 1024, jnp.float16, "no_clip", 8, jnp.float32),  # 2 blocks per program, padding
     ((9,), 2, jnp.float32, "deepspeed", 4, jnp.float32),  # the smallest block
 ])
 def test_pallas_equals_reference(shape, group_size, dtype, rule, bits, out_dtype):
-  x = _blocky(7, shape, group_size, dtype)
+  x = _blocky(7, shape, group_size)
+  if x.size >= 6 * group_size:
+    x = _poisoned(x, group_size)
+  x = jnp.asarray(x).astype(dtype)  # in XLA: 3e38 becomes inf in float16 without a warning
   q = _quantize(x, bits=bits, group_size=group_size, rule=rule, impl="jnp")
   assert _same_q(q, _quantize(x, bits=bits, group_size=group_size, rule=rule, impl="pallas"))
   assert _same(_dequantize(q, out_dtype, impl="jnp"), _dequantize(q, out_dtype, impl="pallas"))
 
 
-@pytest.mark.parametrize("bits, out_bits, k", [(8, 8, 3), (4, 4, 4), (8, 4, 2)])
+@pytest.mark.parametrize("bits, out_bits, k", [(8, 4, 3), (4, 4, 2)])
 def test_sums_pallas_equal_reference(bits, out_bits, k):
-  x = jnp.stack([_blocky(j, (2, 150), 96) for j in range(k)])
+  # 7 blocks a chunk (ragged rows), with inf, -inf, nan and float32 overflow in the sum
+  x = jnp.stack([_poisoned(_blocky(j, (4, 150), 96), 96) for j in range(k)])
   q = _quantize(x, bits=bits, group_size=96, batch_dims=1, impl="jnp")
   assert _same(_dequantize_sum(q, impl="jnp"), _dequantize_sum(q, impl="pallas"))
   assert _same_q(_requantize_sum(q, out_bits, impl="jnp"),
@@ -257,8 +276,7 @@ def _stack_map(fn, q: kernels.Quantized) -> kernels.Quantized:
   return jax.tree.map(fn, q)
 
 
-@pytest.mark.parametrize("impl", ["auto", "pallas"])
-def test_quantized_all_gather(impl):
+def test_quantized_all_gather(impl="auto"):
   """qwZ: each device quantizes its partition (columns 8d..8d+8 of a 24 x 64 weight), the int8
   blocks are all-gathered, and dequantizing with concat_axis rebuilds the full weight."""
   mesh = _mesh((8,), ("data",))
@@ -367,7 +385,8 @@ def test_qwz_group_size(numel, group_size):
 
 def test_errors():
   x = jnp.ones((4, 64))
-  q = kernels.quantize(x, 8, 64, impl="jnp")
+  q = _quantize(x, bits=8, group_size=64)
+  stacked = _quantize(x, bits=8, group_size=64, batch_dims=1)
   cases = [
       (lambda: kernels.quantize(x, bits=3), "bits=3"),
       (lambda: kernels.quantize(x, bits=True), "bits=True"),
@@ -382,7 +401,7 @@ def test_errors():
       (lambda: kernels.dequantize(q, concat_axis=0), "concat_axis=0"),
       (lambda: kernels.dequantize_sum(q), "no stack axis"),
       (lambda: kernels.dequantize(x), "must be a kernels.Quantized"),
-      (lambda: kernels.requantize_sum(kernels.quantize(x, 8, 64, batch_dims=1), bits=2), "bits=2"),
+      (lambda: kernels.requantize_sum(stacked, bits=2), "bits=2"),
       (lambda: kernels.qwz_group_size(0), "numel=0"),
   ]
   for call, text in cases:
