@@ -13,6 +13,7 @@ all-gather, destinations before an all-to-all -- so block boundaries never cross
           uint8 (*stack, groups, G // 2)  bits=4: byte j of a block holds element j in its high
                                           nibble and element j + G/2 in its low nibble
   scales  fp32  (*stack, groups)          DeepSpeed's stored value absmax / 2^(b-1)
+                                          (absmax / (2^(b-1) - 1) with rule="no_clip")
 
 DeepSpeed packs int4 as adjacent pairs; jzero pairs the two halves of a block instead, so the
 kernels pack and unpack with two contiguous slices (the wire size is the same). Both arrays have
@@ -27,7 +28,7 @@ the stack axes in front, so ``lax.all_gather(..., tiled=False)`` and ``lax.all_t
 **Group size.** :func:`qwz_group_size` is DeepSpeed's adaptive rule for the quantized weight
 gather (``partition_parameters.CUDAQuantizer``); where DeepSpeed asserts (a size that is not a
 multiple of 8 times the group count, DeepSpeed issue #4386, or a group of 16k or more) or picks a
-group so small that scales would cost more than 1.6% of the bytes, jzero pads the last block
+group so small that scales would cost more than 1.5% of the int8 bytes, jzero pads the last block
 instead of failing.
 """
 
@@ -49,7 +50,7 @@ BITS = (4, 8)
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_GROUP_SIZE = 8192  # DeepSpeed's qwZ rule never exceeds 8000
 QWZ_TARGET_GROUP = 8000  # DeepSpeed: "the optimal size is 4k, so we set the target to be below 8k"
-MIN_QWZ_GROUP = 256  # below this, fp32 scales cost more than 1.6% of the int8 bytes: jzero pads
+MIN_QWZ_GROUP = 256  # below this, fp32 scales cost more than 1.5% of the int8 bytes: jzero pads
 
 
 def _fail(message: str) -> NoReturn:

@@ -18,14 +18,17 @@ partition's blocks) and :func:`all_to_all` (qgZ: chunk ``j`` of the leading stac
 device ``j``, the received chunks are then summed by :func:`dequantize_sum`). Never reduce int8
 itself: XLA's reduce-scatter adds in the integer type and wraps.
 
-qgZ's two hops over a ``node x local`` mesh, for shape (wiring it into the step is the
-integrator's job; ``g`` is a device's full gradient, ``L``/``N`` the axis sizes)::
+qgZ's two hops over a ``node x local`` mesh (``N`` x ``L`` devices), for shape -- wiring it into
+the step is the integrator's job. ``g`` is a device's full local gradient of ``N * L * m``
+elements; device ``(n, l)`` ends with partition ``n * L + l`` of the sum, as
+``lax.psum_scatter(g, ("node", "local"), tiled=True)`` would give::
 
-  q = quantize(g.reshape(L, N, m), bits=4, batch_dims=2)      # per local peer, per node
-  q = all_to_all(q, "local")                                  # stack (L sources, N)
-  q = requantize_sum(q)                                       # sum over local sources, int4
-  q = all_to_all(q, "node")                                   # stack (N sources,)
-  mine = dequantize_sum(q)                                    # float32 (m,)
+  x = g.reshape(N, L, m).swapaxes(0, 1)        # [l, n]: partition n * L + l
+  q = quantize(x, bits=4, batch_dims=2)        # stack (L destinations, N)
+  q = all_to_all(q, "local")                   # stack (L sources, N)
+  q = requantize_sum(q)                        # stack (N,): this node's partial sums, int4
+  q = all_to_all(q, "node")                    # stack (N sources,)
+  mine = dequantize_sum(q)                     # float32 (m,), unscaled (divide for a mean)
 """
 
 from __future__ import annotations

@@ -307,6 +307,13 @@ def test_quantized_all_gather(impl="auto"):
   assert any("s8[8,3,64]" in line for line in gathers), gathers
   assert any("f32[8,3]" in line for line in gathers), gathers
   assert kernels.wire_bytes(24 * 8, 8, 64) == 3 * 64 + 3 * 4
+  # on a GPU the same step runs the Pallas kernels inside shard_map
+  if importlib.util.find_spec("jax.experimental.pallas.triton") is not None:
+    exported = jax.export.export(
+        fn, platforms=("cuda",),
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(
+            jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=jax.NamedSharding(mesh, P(None, "data"))))
+    assert exported.mlir_module().count(TRITON_CALL) == 3 and exported.nr_devices == 8
 
 
 def test_qgz_two_hops():
