@@ -86,7 +86,8 @@ def check_dtype(dtype: Any, argument: str) -> jnp.dtype:
   except TypeError:
     dt = None
   if dt not in FLOAT_DTYPES:
-    _fail(f"{argument}={dt.name if dt is not None else repr(dtype)}: the quantization kernels read and write float32, bfloat16 or "
+    name = dt.name if dt is not None else repr(dtype)
+    _fail(f"{argument}={name}: the quantization kernels read and write float32, bfloat16 or "
           f"float16 arrays; cast it first (x.astype(jnp.float32)) or pass one of those.")
   return dt
 

@@ -12,13 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import kernels
 from jzero.errors import ConfigError
 from kernels import pallas as kpallas
-from kernels import reference as kref
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -303,16 +301,18 @@ def test_quantized_all_gather(impl="auto"):
   assert np.all(err <= np.abs(blocks).max(axis=2, keepdims=True) / 128 * (1 + 1e-5))
   # what crosses the wire is int8 + fp32 scales: 8 x (192 + 4 * 3) bytes
   hlo = fn.lower(w).compile().as_text()
-  gathers = [line for line in hlo.splitlines() if "all-gather(" in line or "all-gather-start(" in line]
+  gathers = [line for line in hlo.splitlines()
+             if "all-gather(" in line or "all-gather-start(" in line]
   assert any("s8[8,3,64]" in line for line in gathers), gathers
   assert any("f32[8,3]" in line for line in gathers), gathers
   assert kernels.wire_bytes(24 * 8, 8, 64) == 3 * 64 + 3 * 4
   # on a GPU the same step runs the Pallas kernels inside shard_map
   if importlib.util.find_spec("jax.experimental.pallas.triton") is not None:
+    spec = jax.ShapeDtypeStruct(w.shape, w.dtype,
+                                sharding=jax.NamedSharding(mesh, P(None, "data")))
     exported = jax.export.export(
         fn, platforms=("cuda",),
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(
-            jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=jax.NamedSharding(mesh, P(None, "data"))))
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(spec)
     assert exported.mlir_module().count(TRITON_CALL) == 3 and exported.nr_devices == 8
 
 
