@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +111,7 @@ def quantize(x: jax.Array, bits: int = 8, group_size: int = 2048, *, batch_dims:
     x: the array; its first ``batch_dims`` axes index independent chunks (each chunk is
       flattened and cut into its own blocks), the rest is the chunk shape.
     bits: 8 (int8) or 4 (int4, two per byte).
-    group_size: G, elements per block (even, 2..16384; see :func:`kernels.qwz_group_size`).
+    group_size: G, elements per block (even, 2..8192; see :func:`kernels.qwz_group_size`).
     batch_dims: how many leading axes of ``x`` are stack axes.
     rule: ``"deepspeed"`` (scale 2^(b-1)/absmax; +absmax clips to 2^(b-1)-1) or ``"no_clip"``
       (scale (2^(b-1)-1)/absmax; error at most absmax/(2^(b-1)-1)/2 for every element).
@@ -159,7 +159,8 @@ def dequantize(q: Quantized, dtype: Any = None, *, concat_axis: int | None = Non
   out = _unblock(out, stack, q.shape)
   if concat_axis is None:
     return out
-  if len(stack) != 1 or not -len(q.shape) <= concat_axis < len(q.shape):
+  if (len(stack) != 1 or isinstance(concat_axis, bool) or not isinstance(concat_axis, int)
+      or not -len(q.shape) <= concat_axis < len(q.shape)):
     _fail(f"concat_axis={concat_axis!r} needs a Quantized with one stack axis (it has "
           f"{len(stack)}) and an axis of its chunk shape {q.shape}.")
   axis = concat_axis % len(q.shape)
@@ -203,16 +204,12 @@ def _check_quantized(q: Any, argument: str, stacked: bool = False) -> None:
           f"/ all-to-all it first (kernels.all_gather, kernels.all_to_all).")
 
 
-def _tree_map(fn: Callable[[jax.Array], jax.Array], q: Quantized) -> Quantized:
-  return jax.tree.map(fn, q)
-
-
 def all_gather(q: Quantized, axis_name: Any) -> Quantized:
   """Inside ``shard_map``: every device's ``q`` stacked along a new leading axis (device order
   of ``axis_name``, a mesh axis or a tuple of them). Dequantize with ``concat_axis`` to get the
   full array."""
   _check_quantized(q, "q")
-  return _tree_map(lambda a: lax.all_gather(a, axis_name, axis=0, tiled=False), q)
+  return jax.tree.map(lambda a: lax.all_gather(a, axis_name, axis=0, tiled=False), q)
 
 
 def all_to_all(q: Quantized, axis_name: Any) -> Quantized:
@@ -224,4 +221,4 @@ def all_to_all(q: Quantized, axis_name: Any) -> Quantized:
   if q.stack_shape[0] != size:
     _fail(f"all_to_all over {axis_name!r} ({size} devices) needs a Quantized whose first stack "
           f"axis has {size} chunks, one per destination; it has {q.stack_shape[0]}.")
-  return _tree_map(lambda a: lax.all_to_all(a, axis_name, 0, 0, tiled=True), q)
+  return jax.tree.map(lambda a: lax.all_to_all(a, axis_name, 0, 0, tiled=True), q)
