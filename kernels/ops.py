@@ -71,7 +71,13 @@ def _run(impl: str, name: str, *args, **static) -> Any:
   reference = functools.partial(getattr(_reference, name), **static)
   if impl == "jnp" or any(a.size == 0 for a in args):
     return reference(*args)
-  from kernels import pallas as _pallas  # noqa: PLC0415  (Triton bindings only when asked for)
+  try:
+    from kernels import pallas as _pallas  # noqa: PLC0415  (Triton bindings only when needed)
+  except ImportError as e:  # a jaxlib built without Pallas' Triton backend
+    if impl == "auto":
+      return reference(*args)
+    _fail(f"impl='pallas' needs Pallas' Triton backend, which this jaxlib lacks ({e}); install a "
+          f"Linux jaxlib or pass impl='jnp'.")
   kernel = getattr(_pallas, name)
   compiled = functools.partial(kernel, **static, interpret=False)
   interpreted = functools.partial(kernel, **static, interpret=True)
