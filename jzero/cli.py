@@ -6,6 +6,8 @@ loss every ``steps_per_print`` steps, and a summary at the end.
 
 ``--checkpoint-dir DIR`` saves sharded checkpoints there and resumes from the latest one.
 ``jzero estimate --params 7e9 --devices 8`` prints ZeRO's per-device memory table.
+``jzero aot --config ... --gpu h100 --devices 8`` compiles the step for a GPU topology that is not
+present (:mod:`jzero.aot`).
 ``jzero convert CKPT --safetensors model.safetensors`` consolidates a sharded training checkpoint
 into plain weights (DeepSpeed's ``zero_to_fp32``); ``jzero inspect CKPT`` describes one.
 
@@ -239,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
   from jzero import memory
   memory.add_estimate_arguments(e)
   e.set_defaults(func=memory.run_estimate)
+
+  a = sub.add_parser("aot", help="compile the train step for a GPU topology without a GPU: "
+                     "memory, fit and collective overlap from XLA's GPU compiler (gpu-aot extra)")
+  from jzero import aot
+  aot.add_aot_arguments(a)
+  a.set_defaults(func=aot.run_aot)
 
   c = sub.add_parser("convert", help="consolidate a training checkpoint into plain weights "
                      "(DeepSpeed's zero_to_fp32)")

@@ -283,9 +283,17 @@ class Plan:
     """XLA compile options that carry DeepSpeed's bucket and overlap knobs.
 
     XLA's collective combiners merge independent collectives up to a byte threshold -- exactly what
-    DeepSpeed's buckets do by hand -- and its latency-hiding scheduler overlaps them with compute.
-    These passes exist in the GPU compiler; the CPU backend has neither (it runs collectives one by
-    one, in order), so the options are only passed when compiling for GPU.
+    DeepSpeed's buckets do by hand: ``reduce_bucket_size`` bounds the combined reduce-scatters and
+    all-reduces, the gather bucket the combined all-gathers, all in elements of the full
+    (unpartitioned) buffers, as DeepSpeed counts them. XLA's reduce-scatter threshold bounds the
+    scattered result, so it gets the bucket's bytes divided by the ZeRO size. ``overlap_comm`` on
+    keeps collectives
+    asynchronous (the latency-hiding scheduler places compute between each start and done) and, in
+    stage 3 with a non-zero prefetch bucket, pipelines the layer scan's all-gathers, so the next
+    layer's parameters are gathered while this layer computes (DeepSpeed's prefetch). Off makes
+    every collective synchronous. These passes exist in the GPU compiler; the CPU backend has none
+    of them (it runs collectives one by one, in order), so the options are only passed when
+    compiling for GPU. ``jzero aot`` shows their effect on the scheduled program.
 
     On CPU the step gets the options that make XLA keep ZeRO's memory promise (see
     :data:`CPU_OPTIONS`), where this jaxlib knows them.
@@ -296,13 +304,19 @@ class Plan:
     if platform != "gpu":
       return {}
     reduce_bytes = self.reduce_bucket_size * jnp.dtype(self.comm_dtype).itemsize
-    return {
-        "xla_gpu_reduce_scatter_combine_threshold_bytes": reduce_bytes,
+    options: dict[str, Any] = {
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": reduce_bytes // self.mesh.zero_size,
         "xla_gpu_all_reduce_combine_threshold_bytes": reduce_bytes,
         "xla_gpu_all_gather_combine_threshold_bytes":
             self.gather_bucket_size * jnp.dtype(self.compute_dtype).itemsize,
-        "xla_gpu_enable_latency_hiding_scheduler": self.overlap_comm,
     }
+    if not self.overlap_comm:
+      options["xla_gpu_disable_async_collectives"] = "ALLCOLLECTIVES"
+      return options
+    options["xla_gpu_enable_latency_hiding_scheduler"] = True
+    if self.stage == 3 and self.gather_bucket_size > 0:
+      options["xla_gpu_enable_pipelined_all_gather"] = True
+    return options
 
   # -- per-device accounting ------------------------------------------------------------------------
   def gather_units(self) -> dict[str, int]:

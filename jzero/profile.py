@@ -11,7 +11,19 @@ returns every all-gather, reduce-scatter, all-reduce, all-to-all and collective-
   from traffic across nodes on a ``node x local`` mesh,
 * the bytes one device sends per run under the ring algorithm: all-gather and reduce-scatter
   ``(n-1)/n * full``, all-reduce ``2 (n-1)/n * full``, all-to-all ``(n-1)/n * full``,
-  collective-permute the whole buffer.
+  collective-permute the whole buffer,
+* how many buffers XLA's combiners merged into it (DeepSpeed's buckets),
+* and, in a scheduled GPU program, whether it runs asynchronously and what is scheduled while it
+  is in flight. The GPU compiler turns every collective into a ``-start`` / ``-done`` pair and
+  marks the ones it runs synchronously (``"is_sync":true`` in the backend config); the text of a
+  scheduled module lists each computation's instructions in schedule order, so the compute
+  instructions (fusions, custom calls such as cuBLAS gemms, convolutions, dots, and loops, calls
+  or conditionals, which hold compute) between a start and its done run while the collective is in
+  flight: the collective is *overlapped* with compute. Any fusion counts, even a LayerNorm; the
+  matrix multiplications among them (gemm fusions, cuBLAS / cuDNN custom calls, dots,
+  convolutions) are counted apart, since hiding a large transfer takes a matmul. A start whose done
+  is not in the same computation (a collective pipelined across loop iterations) counts what
+  follows it to the end of the computation.
 
 :func:`comm_volume` sums them per step and expresses the total in units of Psi (the parameter
 count times the bytes of one element), the unit of the ZeRO paper's communication analysis:
@@ -31,7 +43,8 @@ import numpy as np
 
 from jzero.mesh import ZeroMesh
 
-__all__ = ["Collective", "CommVolume", "StepTiming", "collectives", "comm_volume", "zero_theory"]
+__all__ = ["Collective", "CommVolume", "StepTiming", "collectives", "comm_volume", "zero_theory",
+           "COMPUTE_OPS"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
@@ -43,6 +56,10 @@ _ARRAY = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)="
                     r"%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+# Instructions that run kernels (or hold instructions that do) in a scheduled GPU program.
+COMPUTE_OPS = ("fusion", "custom-call", "convolution", "dot", "while", "conditional", "call")
+_MATMUL = re.compile(r"gemm|matmul|dot|conv", re.IGNORECASE)
+_CALLEE = re.compile(r"(?:calls|custom_call_target)=\"?%?([\w.\-$]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +72,16 @@ class Collective:
   group_size: int
   axes: tuple[str, ...]  # mesh axes the replica groups span
   count: int  # runs per step
+  buffers: int = 1  # buffers XLA's combiners merged into this one instruction
+  is_async: bool = False  # a start/done pair XLA runs asynchronously (not marked is_sync)
+  overlapped_ops: int = 0  # compute instructions scheduled between its start and done
+  overlapped_matmuls: int = 0  # of which matrix multiplications (gemms, dots, convolutions)
+  computation: str = ""  # the HLO computation it is in (a loop body, or the entry)
+
+  @property
+  def overlapped(self) -> bool:
+    """Runs asynchronously with compute scheduled while it is in flight."""
+    return self.is_async and self.overlapped_ops > 0
 
   @property
   def sent_bytes(self) -> float:
@@ -76,6 +103,34 @@ class Collective:
 def _type_bytes(type_str: str) -> int:
   return sum(_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
              for dt, dims in _ARRAY.findall(type_str))
+
+
+def _tuple_elements(type_str: str) -> list[str]:
+  """Top-level elements of a tuple type '(a, (b, c), d)'; [type_str] when it is no tuple."""
+  text = re.sub(r"/\*.*?\*/", "", type_str).strip()
+  if not text.startswith("("):
+    return [text]
+  parts, depth, start = [], 0, 1
+  for i, ch in enumerate(text):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+      parts.append(text[start:i].strip())
+      start = i + 1
+  return [p for p in parts if p]
+
+
+def _outputs(op: str, type_str: str) -> str:
+  """The result buffers of a collective. Async all-gather / reduce-scatter / all-to-all /
+  collective-permute starts return (operands, results[, contexts]); all-reduce-start returns its
+  results; a synchronous collective returns its results."""
+  if op.endswith("-start") and op != "all-reduce-start":
+    parts = _tuple_elements(type_str)
+    if len(parts) >= 2:
+      return parts[1]
+  return type_str
 
 
 def _groups(attrs: str, n_devices: int) -> list[list[int]]:
@@ -158,22 +213,41 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
   for comp, insts in comps.items():
     if not runs.get(comp):
       continue
-    for name, type_str, op, rest in insts:
+    for index, (name, type_str, op, rest) in enumerate(insts):
       kind = op.removesuffix("-start")
       if kind not in KINDS or op.endswith("-done"):
         continue
       groups = _groups(rest, n_devices)
       size = len(groups[0]) if kind != "collective-permute" else n_devices
-      if op == "all-gather-start":  # async form: an (operand, output) tuple; count the output
-        dt, dims = _ARRAY.findall(type_str)[-1]
-        out = _type_bytes(f"{dt}[{dims}]")
-      else:
-        out = _type_bytes(type_str)
+      outputs = _outputs(op, type_str)
+      out = _type_bytes(outputs)
       full = out * size if kind == "reduce-scatter" else out
+      is_async, overlapped, matmuls = False, 0, 0
+      if op.endswith("-start"):
+        is_async = '"is_sync":true' not in rest
+        overlapped, matmuls = _compute_in_flight(insts, index, name)
       found.append(Collective(kind=kind, name=name, full_bytes=full, group_size=size,
                               axes=_axes(groups, mesh_shape) if mesh_shape else (),
-                              count=runs[comp]))
+                              count=runs[comp], buffers=len(_ARRAY.findall(outputs)),
+                              is_async=is_async, overlapped_ops=overlapped,
+                              overlapped_matmuls=matmuls, computation=comp))
   return found
+
+
+def _compute_in_flight(insts: list[tuple[str, str, str, str]], start: int,
+                       name: str) -> tuple[int, int]:
+  """(compute instructions, of which matmuls) scheduled after ``insts[start]`` and before the done
+  that consumes it (to the end of the computation when the done is elsewhere)."""
+  count = matmuls = 0
+  for inst, _, op, rest in insts[start + 1:]:
+    if op.endswith("-done") and rest.split(")")[0].strip().lstrip("%") == name:
+      break
+    if op in COMPUTE_OPS:
+      count += 1
+      callee = _CALLEE.search(rest)
+      matmuls += op in ("dot", "convolution") or bool(
+          op in ("fusion", "custom-call") and _MATMUL.search(inst + (callee[1] if callee else "")))
+  return count, matmuls
 
 
 def zero_theory(stage: int, n: int) -> float:
@@ -201,6 +275,24 @@ class CommVolume:
     for c in self.ops:
       out[c.kind] += c.step_bytes
     return dict(out)
+
+  @property
+  def overlapped_bytes(self) -> float:
+    """Bytes sent per step by collectives that run asynchronously with compute in flight."""
+    return sum(c.step_bytes for c in self.ops if c.overlapped)
+
+  @property
+  def overlap_fraction(self) -> float:
+    """Fraction of the bytes sent per step that overlap compute (nan when nothing is sent)."""
+    total = self.total_bytes
+    return self.overlapped_bytes / total if total else math.nan
+
+  @property
+  def matmul_overlap_fraction(self) -> float:
+    """Fraction of the bytes sent per step with a matmul in flight (nan when nothing is sent)."""
+    total = self.total_bytes
+    hidden = sum(c.step_bytes for c in self.ops if c.overlapped and c.overlapped_matmuls)
+    return hidden / total if total else math.nan
 
   def by_axes(self) -> dict[tuple[str, ...], float]:
     out: dict[tuple[str, ...], float] = collections.defaultdict(float)

@@ -455,7 +455,11 @@ def test_corrupt_metadata_and_missing_steps(small_checkpoint, tmp_path):
   with pytest.raises(CheckpointError, match=r"no 'latest' file \(finalized checkpoints present: \['7'\]"):
     checkpoint.load_checkpoint(engine, directory)
   (directory / "7" / "meta" / checkpoint.META_FILE).write_text("{not json")
-  with pytest.raises(CheckpointError, match="jzero.json is not valid JSON"):
+  with pytest.raises(CheckpointError, match="file meta/jzero.json has 9 bytes but"):
+    checkpoint.load_checkpoint(engine, directory, 7)
+  (directory / "7" / checkpoint.FILES_FILE).unlink()  # unverifiable: the JSON itself is refused
+  with pytest.warns(JZeroWarning, match="cannot be checked"), \
+      pytest.raises(CheckpointError, match="jzero.json is not valid JSON"):
     checkpoint.load_checkpoint(engine, directory, 7)
 
 

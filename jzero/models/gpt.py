@@ -6,6 +6,12 @@ positions, output head tied to the token embedding. The ``n_layers`` blocks are 
 them, so under ZeRO-3 one layer's parameters are gathered at a time. ``stacked_layers`` tells the
 engine which subtree is stacked.
 
+The same code takes the classic shapes, to check real sizes (``jzero aot``): an MLP width other than
+``mlp_ratio * d_model`` (``mlp_dim``), a gated SiLU MLP (``gated_mlp``: gate, up and down
+projections, as Llama's), an untied output head (``tie_embeddings=False``) and any vocabulary.
+:data:`PRESETS` names the default model, GPT-3 XL ("1.3b") and a Llama-like 7B ("7b"). The
+defaults build exactly the parameters they always did (same paths, shapes and initial values).
+
 Batches are ``{"tokens": int32[B, seq_len + 1]}``; :func:`lm_loss` is the mean next-byte
 cross-entropy in nats.
 """
@@ -21,12 +27,24 @@ from flax import nnx
 
 from jzero.layers import scan_layers
 
-__all__ = ["GPTConfig", "GPT", "lm_loss"]
+__all__ = ["GPTConfig", "GPT", "lm_loss", "PRESETS", "preset"]
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-  """Shape of the model. The default has 6.4M parameters."""
+  """Shape of the model. The default has 6.4M parameters.
+
+  Attributes:
+    vocab_size: tokens (256: bytes).
+    seq_len: positions (learned position embeddings of this length).
+    d_model: hidden size.
+    n_layers: transformer blocks.
+    n_heads: attention heads (``d_model`` must be a multiple).
+    mlp_ratio: MLP width as a multiple of ``d_model`` when ``mlp_dim`` is None.
+    mlp_dim: MLP width (default ``mlp_ratio * d_model``).
+    gated_mlp: a gated SiLU MLP (``down(silu(gate(x)) * up(x))``, Llama's) instead of GELU.
+    tie_embeddings: the output head is the token embedding (else a separate ``head`` matrix).
+  """
 
   vocab_size: int = 256
   seq_len: int = 64
@@ -34,10 +52,45 @@ class GPTConfig:
   n_layers: int = 8
   n_heads: int = 4
   mlp_ratio: int = 4
+  mlp_dim: int | None = None
+  gated_mlp: bool = False
+  tie_embeddings: bool = True
 
   @property
   def hidden_size(self) -> int:
     return self.d_model
+
+  @property
+  def mlp_width(self) -> int:
+    return self.mlp_ratio * self.d_model if self.mlp_dim is None else self.mlp_dim
+
+  def num_params(self) -> int:
+    """Parameter count, from the shapes (no model is built)."""
+    d, f = self.d_model, self.mlp_width
+    block = (3 * d * d + d * d + d + 4 * d  # qkv, attention out (+ bias), two LayerNorms
+             + (3 if self.gated_mlp else 2) * d * f + (2 if self.gated_mlp else 1) * f + d)
+    head = 0 if self.tie_embeddings else d * self.vocab_size
+    return self.vocab_size * d + self.seq_len * d + self.n_layers * block + 2 * d + head
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "default": GPTConfig(),
+    # GPT-3 XL (Brown et al. 2020, Table 2.1): GPT-2's 50257-token vocabulary, tied head.
+    "1.3b": GPTConfig(vocab_size=50257, seq_len=2048, d_model=2048, n_layers=24, n_heads=16),
+    # Llama-like 7B (Touvron et al. 2023): gated MLP 11008 wide, untied head, learned positions
+    # instead of rotary ones (8.4M parameters more; the same shapes otherwise).
+    "7b": GPTConfig(vocab_size=32000, seq_len=2048, d_model=4096, n_layers=32, n_heads=32,
+                    mlp_dim=11008, gated_mlp=True, tie_embeddings=False),
+}
+
+
+def preset(name: str) -> GPTConfig:
+  """A :data:`PRESETS` shape by name ("default", "1.3b", "7b")."""
+  from jzero.errors import ConfigError  # noqa: PLC0415 (models import nothing else of jzero)
+
+  if name not in PRESETS:
+    raise ConfigError(f"unknown model preset {name!r}; the presets are {sorted(PRESETS)}.")
+  return PRESETS[name]
 
 
 class Block(nnx.Module):
@@ -51,8 +104,11 @@ class Block(nnx.Module):
     self.qkv = nnx.Linear(d, 3 * d, use_bias=False, kernel_init=init, rngs=rngs)
     self.attn_out = nnx.Linear(d, d, kernel_init=out_init, rngs=rngs)
     self.ln2 = nnx.LayerNorm(d, rngs=rngs)
-    self.mlp_in = nnx.Linear(d, cfg.mlp_ratio * d, kernel_init=init, rngs=rngs)
-    self.mlp_out = nnx.Linear(cfg.mlp_ratio * d, d, kernel_init=out_init, rngs=rngs)
+    self.mlp_in = nnx.Linear(d, cfg.mlp_width, kernel_init=init, rngs=rngs)
+    if cfg.gated_mlp:
+      self.mlp_gate = nnx.Linear(d, cfg.mlp_width, kernel_init=init, rngs=rngs)
+    self.mlp_out = nnx.Linear(cfg.mlp_width, d, kernel_init=out_init, rngs=rngs)
+    self.gated = cfg.gated_mlp
 
   def __call__(self, x: jax.Array) -> jax.Array:
     b, t, d = x.shape
@@ -60,7 +116,12 @@ class Block(nnx.Module):
     heads = lambda y: y.reshape(b, t, self.n_heads, d // self.n_heads)
     attn = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
     x = x + self.attn_out(attn.reshape(b, t, d))
-    return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.ln2(x))))
+    h = self.ln2(x)
+    if self.gated:
+      h = jax.nn.silu(self.mlp_gate(h)) * self.mlp_in(h)
+    else:
+      h = jax.nn.gelu(self.mlp_in(h))
+    return x + self.mlp_out(h)
 
 
 class GPT(nnx.Module):
@@ -81,13 +142,18 @@ class GPT(nnx.Module):
 
     self.blocks = make_blocks(rngs)
     self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
+                             kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """Logits (float32) [B, T, vocab] for int tokens [B, T]."""
     x = self.embed(tokens) + self.pos[: tokens.shape[1]].astype(self.embed.embedding.dtype)
     graphdef, stacked = nnx.split(self.blocks)
     x = scan_layers(lambda h, params: nnx.merge(graphdef, params)(h), x, stacked)
-    return self.embed.attend(self.ln_f(x)).astype(jnp.float32)
+    x = self.ln_f(x)
+    logits = self.embed.attend(x) if self.config.tie_embeddings else self.head(x)
+    return logits.astype(jnp.float32)
 
 
 def lm_loss(model: GPT, batch: dict) -> jax.Array:
