@@ -323,10 +323,12 @@ class Engine:
     return p
 
   def _compute_param(self, leaf: LeafPlan, m: jax.Array) -> jax.Array:
-    """Updated master partition -> compute param in the param layout."""
+    """Updated master partition -> compute param in the param layout (stage 1/2: cast, then
+    all-gathered in the compute dtype, as DeepSpeed gathers its 16-bit partitions)."""
+    m = m.astype(self.plan.compute_dtype)
     if leaf.state_partitioned and not leaf.param_partitioned:
       m = collectives.all_gather(m, leaf.shard_dim, leaf.shape[leaf.shard_dim], self.mesh.zero_axes)
-    return m.astype(self.plan.compute_dtype)
+    return m
 
   def _local_grads(self, state: TrainState, batch: PyTree):
     """Forward + backward over the micro-batches and the gradient reduction.

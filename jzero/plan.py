@@ -319,17 +319,28 @@ class Plan:
     return options
 
   # -- per-device accounting ------------------------------------------------------------------------
-  def gather_units(self) -> dict[str, int]:
-    """Stage 3: unit path -> elements its module calls gather (stacked leaves: one layer)."""
-    sizes: dict[str, int] = {}
+  def gathered_working_set(self) -> tuple[int, int]:
+    """Stage 3: (elements of the largest group gathered at once -- one layer of all stacked leaves,
+    which the layer scan gathers together, or the largest unit --, elements gathered at the start
+    of the forward pass and kept until backward). (0, 0) in other stages."""
+    largest = stacked = upfront = 0
+    units: dict[str, int] = {}
     for leaf in self.leaf_list():
-      if leaf.param_partitioned and leaf.unit is not None:
-        sizes[leaf.unit] = sizes.get(leaf.unit, 0) + leaf.layer_numel
-    return sizes
+      if not leaf.param_partitioned:
+        continue
+      if leaf.stacked:
+        stacked += leaf.layer_numel
+      elif leaf.unit is None:
+        upfront += leaf.numel
+      else:
+        units[leaf.unit] = units.get(leaf.unit, 0) + leaf.numel
+    largest = max([stacked, *units.values()])
+    return largest, upfront
 
-  def gathered_upfront(self) -> list[LeafPlan]:
-    """Stage-3 partitioned leaves no unit gathers: gathered at the start, kept until backward."""
-    return [l for l in self.leaf_list() if l.param_partitioned and l.unit is None and not l.stacked]
+  @property
+  def prefetches(self) -> bool:
+    """XLA gathers the next layer while this one computes (GPU, see :meth:`xla_options`)."""
+    return bool(self.xla_options().get("xla_gpu_enable_pipelined_all_gather"))
 
   def local_numel(self, leaf: LeafPlan, partitioned: bool) -> int:
     """Elements one device holds of a leaf laid out partitioned or replicated."""
