@@ -343,7 +343,9 @@ class Engine:
     loss_mult = state.loss_scale.scale / (gas * mean_over)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     key = jax.random.fold_in(key, lax.axis_index(axes.batch_axes))
-    policy = LayerPolicy(checkpoint_activations=self.config.activation_checkpointing is not None)
+    zero = self.config.zero_optimization
+    policy = LayerPolicy(checkpoint_activations=self.config.activation_checkpointing is not None,
+                         prefetch=zero.stage == 3 and zero.prefetch_bucket_size > 0)
     pass_rng = "rng" in inspect.signature(self.loss_fn).parameters
 
     def scaled_loss(targets, mb, rng):

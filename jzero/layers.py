@@ -53,7 +53,7 @@ from jax import lax
 from jzero.collectives import ZeroParam
 
 __all__ = ["gather", "remat", "scan_layers", "linen_scan_layers", "engine_context", "LayerPolicy",
-           "current_policy"]
+           "current_layer_policy", "current_policy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +63,12 @@ class LayerPolicy:
   Attributes:
     checkpoint_activations: keep only the layer inputs (DeepSpeed activation checkpointing);
       otherwise keep the outputs of the layer's matmuls with its weights and nothing else.
+    prefetch: a gather unit may gather while the unit before it computes
+      (``stage3_prefetch_bucket_size`` > 0; see :mod:`jzero.units`).
   """
 
   checkpoint_activations: bool = False
+  prefetch: bool = False
 
   def jax_policy(self) -> Callable[..., bool]:
     if self.checkpoint_activations:
@@ -96,9 +99,14 @@ def gather(tree: Any) -> Any:
                       is_leaf=lambda x: isinstance(x, ZeroParam))
 
 
+def current_layer_policy() -> LayerPolicy:
+  """The layer policy of the engine tracing now (the default one outside an engine)."""
+  return _POLICY.get() or LayerPolicy()
+
+
 def current_policy() -> Callable[..., bool]:
   """The remat policy of the engine tracing now (the default one outside an engine)."""
-  return (_POLICY.get() or LayerPolicy()).jax_policy()
+  return current_layer_policy().jax_policy()
 
 
 def remat(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -147,19 +147,14 @@ class LeafPlan:
     return lax.slice_in_dim(x, 0, self.shape[self.shard_dim], axis=self.shard_dim % x.ndim)
 
 
-# The CPU compiler's defaults undo what ZeRO-3 asks of XLA. Its concurrency-optimised scheduler
-# issues every collective whose operands are ready as early as it can -- for parameter gathers that
-# is the start of the step, so every unit's full parameters are alive at once -- and it expands
-# optimization barriers before common-subexpression elimination, which then merges each backward
-# re-gather (rematerialised behind JAX's barrier) with the forward gather it repeats, keeping the
-# gathered parameters alive until backward. Measured on 8 simulated devices, a loop of L MLP blocks
-# (2 x 4 MiB weights each) under stage 3: temp memory 32.6 -> 64.7 MiB for L = 4 -> 8 with the
-# defaults, 8.0 -> 12.1 MiB with these. The GPU compiler's scheduler is memory-aware and keeps the
-# barriers until after CSE, so it needs neither.
-CPU_OPTIONS = {
-    "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
-    "xla_disable_hlo_passes": "cse_barrier_expander",
-}
+# The CPU compiler expands optimization barriers before common-subexpression elimination, which
+# then merges each backward re-gather (rematerialised behind JAX's barrier) with the forward gather
+# it repeats: the gathered parameters stay alive until backward. Keeping the barriers keeps the
+# re-gathers. (Its memory-optimised scheduler, `xla_cpu_scheduler_type`, would order the gathers
+# too, but with it this jaxlib's CPU runtime was seen to run different collectives on different
+# devices at once and deadlock; jzero.units orders them with data dependencies instead.) The GPU
+# compiler keeps the re-gathers and needs neither.
+CPU_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
 @functools.lru_cache(maxsize=None)

@@ -49,12 +49,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
+from jax import lax
+from jax.extend.core import get_opaque_trace_state
 from flax import linen as nn
 from flax import nnx
 
 from jzero.collectives import ZeroParam
 from jzero.errors import JZeroWarning
-from jzero.layers import current_policy, gather
+from jzero.layers import current_layer_policy, current_policy, gather
 
 __all__ = ["ModuleInfo", "UnitRules", "choose_units", "check_units", "nnx_units", "linen_units",
            "inside_unit", "holds_partitions"]
@@ -218,18 +220,42 @@ def _split_args(args: tuple, kwargs: dict) -> tuple[list, Callable[[list], tuple
   return arrays, rebuild
 
 
+_PREVIOUS: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar(
+    "jzero_previous_unit", default=None)
+
+
+def _gather_after(arrays: list) -> Any:
+  """What a unit's gather waits for: its own inputs, or -- with prefetch -- the inputs of the unit
+  run before it at the same trace level, so it can proceed while that unit computes."""
+  here = get_opaque_trace_state(convention="nnx")
+  previous = _PREVIOUS.get()
+  _PREVIOUS.set((here, arrays))
+  if current_layer_policy().prefetch and previous is not None and previous[0] == here:
+    return previous[1]
+  return arrays
+
+
 def run_unit(body: Callable[[Any, tuple, dict], Any], params: Any, args: tuple,
              kwargs: dict) -> Any:
   """``body(full_params, *args, **kwargs)`` in a rematerialised region whose inputs are the
-  unit's partitions, gathered inside (so never saved for backward)."""
-  arrays, rebuild = _split_args(args, kwargs)
+  unit's partitions, gathered inside (so never saved for backward).
 
-  def region(params, arrays):
+  The partitions pass through an optimization barrier with what the gather waits for
+  (:func:`_gather_after`), so the all-gather is issued when the unit's inputs exist (or, with
+  prefetch, the previous unit's): a scheduler that issues collectives as early as it can -- XLA's
+  CPU backend does -- still holds one unit's full parameters at a time (two with prefetch). In
+  backward JAX's own barrier ties the re-gather to the incoming gradient.
+  """
+  arrays, rebuild = _split_args(args, kwargs)
+  after = _gather_after(arrays)
+
+  def region(params, arrays, after):
+    params, _ = lax.optimization_barrier((params, after))
     a, kw = rebuild(arrays)
     with inside_unit():
       return body(gather(params), a, kw)
 
-  return jax.checkpoint(region, policy=current_policy(), prevent_cse=True)(params, arrays)
+  return jax.checkpoint(region, policy=current_policy(), prevent_cse=True)(params, arrays, after)
 
 
 # --- NNX -----------------------------------------------------------------------------------------
