@@ -8,12 +8,18 @@ Every function here runs on one device's local arrays inside ``jax.shard_map`` o
   **reduce-scatter** (``psum_scatter``) of the full gradient back into the partition: this is how
   stage 3 gets partitioned gradients out of the backward pass without ever all-reducing a full
   gradient (on the CPU backend GSPMD would all-reduce and slice: 2x the bytes; see DESIGN.md).
+* :func:`attach` -- the identity on a replicated parameter whose backward reduce-scatters its
+  gradient into a partition-shaped "gradient slot": stage 2 (and stage 3's persistent leaves) get
+  each gradient partitioned the moment backward has produced it, so the full gradient never
+  exists at once (DeepSpeed's bucketed reduce-scatter during backward).
 * :func:`all_gather` -- rebuild a full array from partitions (stage 1/2 after the update).
 * :func:`reduce_scatter` -- sum full local gradients over devices, keep the own partition.
 * :func:`local_slice` -- this device's partition of a replicated array (no communication).
 
-:class:`ZeroShard` wraps a stage-3 partition that is handed to the model *ungathered* (a layer stack
-under ``scan``); :func:`jzero.layers.gather` turns it into the full parameter inside the scan body.
+:class:`ZeroParam` is a parameter as the plan hands it to the model: ``gather()`` gives the full
+parameter (through :func:`gather` or :func:`attach`) and the gradient comes back partitioned. It is a
+pytree whose children have the leaf's shape, so ``scan`` over a stack of them slices every layer;
+:mod:`jzero.layers` decides *where* ``gather()`` runs (one layer of a scan, one module call).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["ZeroShard", "gather", "all_gather", "reduce_scatter", "local_slice", "pad_to"]
+__all__ = ["ZeroParam", "gather", "attach", "all_gather", "reduce_scatter", "local_slice",
+           "pad_to"]
 
 Axes = tuple[str, ...]
 
@@ -41,9 +48,19 @@ def pad_to(x: jax.Array, dim: int, padded: int) -> jax.Array:
 
 
 def all_gather(shard: jax.Array, dim: int, size: int, axes: Axes) -> jax.Array:
-  """Full array (``size`` along ``dim``) from the partitions of all devices on ``axes``."""
-  full = lax.all_gather(shard, axes, axis=dim % shard.ndim, tiled=True)
-  return lax.slice_in_dim(full, 0, size, axis=dim % shard.ndim)
+  """Full array (``size`` along ``dim``) from the partitions of all devices on ``axes``.
+
+  16-bit floats travel as their bits (uint16): a gather only moves data, and XLA's CPU backend
+  would otherwise carry bf16 / fp16 collectives out in fp32 -- twice the bytes of every gathered
+  parameter alive in the step. The same bytes on GPU, where they are native.
+  """
+  d = dim % shard.ndim
+  if jnp.issubdtype(shard.dtype, jnp.floating) and jnp.dtype(shard.dtype).itemsize == 2:
+    bits = lax.all_gather(lax.bitcast_convert_type(shard, jnp.uint16), axes, axis=d, tiled=True)
+    full = lax.bitcast_convert_type(bits, shard.dtype)
+  else:
+    full = lax.all_gather(shard, axes, axis=d, tiled=True)
+  return lax.slice_in_dim(full, 0, size, axis=d)
 
 
 def reduce_scatter(full: jax.Array, dim: int, padded: int, axes: Axes) -> jax.Array:
@@ -91,36 +108,107 @@ def gather(shard: jax.Array, dim: int, size: int, axes: Axes, comm_dtype: Any = 
   return _gather(shard, dim, size, axes, comm_dtype)
 
 
-@jax.tree_util.register_pytree_node_class
-class ZeroShard:
-  """One device's partition of a stage-3 parameter, with the static facts needed to gather it.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _attach(full, slot, dim, padded, axes, scatter, slot_dtype):
+  return full
 
-  It is a pytree node whose only child is the partition, so ``lax.scan`` over a stack of them
-  slices every layer's partition while the gather facts (a negative ``dim``, the logical ``size``,
-  the ``axes``) stay valid for the sliced layer.
+
+def _attach_fwd(full, slot, dim, padded, axes, scatter, slot_dtype):
+  return full, None
+
+
+def _attach_bwd(dim, padded, axes, scatter, slot_dtype, _, ct):
+  ct = ct.astype(slot_dtype)
+  if scatter:
+    part = reduce_scatter(ct, dim, padded, axes)
+  else:  # reduce_scatter: false -- all-reduce, keep the own slice
+    part = local_slice(lax.psum(ct, axes), dim, padded, axes)
+  return None, part
+
+
+_attach.defvjp(_attach_fwd, _attach_bwd)
+
+
+def attach(full: jax.Array, slot: jax.Array, dim: int, axes: Axes, *,
+           scatter: bool = True) -> jax.Array:
+  """``full``, unchanged; the gradient of the result, summed over the devices on ``axes``, comes
+  back as the gradient of ``slot``: this device's partition (split along ``dim``, padded to
+  ``slot``'s size times the axes' size), in ``slot``'s dtype (the communication dtype).
+
+  ``scatter=False`` all-reduces and keeps the own slice (DeepSpeed's ``reduce_scatter: false``).
+  """
+  padded = slot.shape[dim] * lax.axis_size(axes)
+  return _attach(full, slot, dim, padded, axes, scatter, jnp.dtype(slot.dtype))
+
+
+@jax.tree_util.register_pytree_node_class
+class ZeroParam:
+  """One parameter as the ZeRO plan hands it to the model.
+
+  ``gather()`` gives the full parameter for compute; its gradient flows back partitioned over the
+  ZeRO axes. Two kinds:
+
+  * partitioned (stage 3): holds this device's ``partition``; ``gather()`` all-gathers it and the
+    backward reduce-scatters the gradient into it (:func:`gather`).
+  * replicated with a partitioned gradient (stage 2, stage-3 persistent leaves): holds the
+    ``full`` parameter and a zero ``partition``-shaped gradient slot; ``gather()`` returns the
+    parameter and the backward reduce-scatters its gradient into the slot (:func:`attach`).
+
+  It is a pytree node whose children are the arrays, so ``lax.scan`` over a stack of them slices
+  every layer while the static facts (a negative ``dim``, the logical ``size``, the ``axes``) stay
+  valid for the sliced layer. It reads like the array it stands for: ``shape``, ``dtype``,
+  ``x[...]`` and ``jnp.asarray(x)`` (both gather).
   """
 
-  __slots__ = ("shard", "dim", "size", "axes", "comm_dtype")
+  __slots__ = ("partition", "full", "dim", "size", "axes", "comm_dtype", "scatter")
 
-  def __init__(self, shard: jax.Array, dim: int, size: int, axes: Axes, comm_dtype: Any = None):
-    self.shard, self.dim, self.size, self.axes, self.comm_dtype = shard, dim, size, axes, comm_dtype
+  def __init__(self, partition: jax.Array, dim: int, size: int, axes: Axes, comm_dtype: Any = None,
+               *, full: jax.Array | None = None, scatter: bool = True):
+    self.partition, self.full, self.dim, self.size = partition, full, dim, size
+    self.axes, self.comm_dtype, self.scatter = axes, comm_dtype, scatter
 
   def tree_flatten(self):
-    return (self.shard,), (self.dim, self.size, self.axes, self.comm_dtype)
+    return (self.partition, self.full), (self.dim, self.size, self.axes, self.comm_dtype,
+                                         self.scatter)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    return cls(children[0], *aux)
+    dim, size, axes, comm_dtype, scatter = aux
+    return cls(children[0], dim, size, axes, comm_dtype, full=children[1], scatter=scatter)
+
+  @property
+  def partitioned(self) -> bool:
+    """True for a stage-3 partition, False for a replicated parameter with a gradient slot."""
+    return self.full is None
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    if self.full is not None:
+      return tuple(self.full.shape)
+    shape = list(self.partition.shape)
+    shape[self.dim] = self.size
+    return tuple(shape)
+
+  @property
+  def dtype(self):
+    return (self.partition if self.full is None else self.full).dtype
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
 
   def gather(self) -> jax.Array:
-    return gather(self.shard, self.dim, self.size, self.axes, self.comm_dtype)
+    """The full parameter (see the class docstring for what its backward does)."""
+    if self.full is None:
+      return gather(self.partition, self.dim, self.size, self.axes, self.comm_dtype)
+    return attach(self.full, self.partition, self.dim, self.axes, scatter=self.scatter)
+
+  def __getitem__(self, key):
+    return self.gather()[key]
 
   def __jax_array__(self):
-    raise TypeError(
-        "a ZeRO-3 parameter partition reached the model ungathered. Layers listed in "
-        "`stacked_layers` must be run with jzero.scan_layers (Linen: built with "
-        "jzero.linen_scan_layers), or call jzero.gather on each layer's parameters inside the scan "
-        "body; otherwise leave them out of `stacked_layers`.")
+    return self.gather()
 
   def __repr__(self):
-    return f"ZeroShard(shape={getattr(self.shard, 'shape', None)}, dim={self.dim}, size={self.size})"
+    kind = "partition" if self.full is None else "full + gradient slot"
+    return f"ZeroParam({kind}, shape={self.shape}, dim={self.dim})"

@@ -174,7 +174,7 @@ class OffloadOptimizerConfig(_Block):
 
 
 class LeafModuleConfig(_Block):
-  """``zero_optimization.leaf_module``: PyTorch modules ZeRO-3 treats as one unit."""
+  """``zero_optimization.leaf_module``: modules ZeRO-3 gathers as one unit (see jzero.units)."""
 
   classes: list[str] = Field(default_factory=lambda: [
       "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
@@ -844,7 +844,8 @@ _OFFLOAD = "ZeRO-Offload / ZeRO-Infinity is not implemented yet"
 _ZEROPP = "ZeRO++ is not implemented yet"
 _MICS = "MiCS is not implemented"
 _HOOKS = "a PyTorch module-hook option; jzero installs no hooks"
-_LIVE = "the layer scan bounds live gathered parameters; backward always re-gathers"
+_REUSE = ("jzero keeps no gathered parameters for reuse: every unit and layer is gathered again "
+          "in backward, so at most one (two with prefetch) is alive at a time")
 _ACTIVATIONS = "no model parallelism; XLA owns activation memory"
 _OPTIMIZERS = ("adam", "adamw", "lion", "sgd")
 _SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest")
@@ -896,12 +897,9 @@ SUPPORT_TABLE: tuple[_Rule, ...] = (
           "jzero checkpoints are always reshardable"),
     _Rule("zero_optimization.sub_group_size", NO_EFFECT,
           "XLA fuses the optimizer update per leaf; there are no staging buffers"),
-    _Rule("zero_optimization.max_live_parameters", NO_EFFECT, _LIVE),
-    _Rule("zero_optimization.max_reuse_distance", NO_EFFECT, _LIVE),
-    _Rule("zero_optimization.module_granularity_threshold", NO_EFFECT,
-          "jzero gathers per layer of the scan, not per module"),
+    _Rule("zero_optimization.max_reuse_distance", NO_EFFECT, _REUSE),
     _Rule("zero_optimization.use_all_reduce_for_fetch_params", NO_EFFECT,
-          "jzero fetches parameters with one all-gather per layer"),
+          "jzero fetches parameters with one all-gather per unit or layer"),
     _Rule("zero_optimization.allgather_sequential", NO_EFFECT, "XLA schedules the all-gathers"),
     _Rule("zero_optimization.ignore_unused_parameters", NO_EFFECT,
           "JAX gives unused parameters zero gradients"),
@@ -909,7 +907,6 @@ SUPPORT_TABLE: tuple[_Rule, ...] = (
           "it orders DeepSpeed's CPU-offload gradient copies"),
     _Rule("zero_optimization.memory_efficient_linear", NO_EFFECT, _HOOKS),
     _Rule("zero_optimization.override_module_apply", NO_EFFECT, _HOOKS),
-    _Rule("zero_optimization.leaf_module", NO_EFFECT, _HOOKS),
     _Rule("zero_optimization.log_trace_cache_warnings", NO_EFFECT,
           "there is no trace cache; XLA compiles the step once"),
     _Rule("zero_optimization.enable_sanity_checks", NO_EFFECT, "DeepSpeed-internal debug checks"),

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import math
 import time
 import warnings
 from pathlib import Path
@@ -42,7 +43,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jzero import collectives
-from jzero.collectives import ZeroShard
+from jzero.collectives import ZeroParam
 from jzero.config import Config
 from jzero.data import DataLoader
 from jzero.errors import ConfigError, DataError, JZeroError, JZeroWarning
@@ -52,6 +53,7 @@ from jzero.model import ModelAdapter, as_model
 from jzero.optim import build_optimizer
 from jzero.plan import LeafPlan, Plan, flatten_paths, make_plan
 from jzero.precision import DTYPES, LossScaler, LossScaleState, has_overflow
+from jzero.units import UnitRules, check_units, choose_units
 from jzero.profile import StepTiming
 
 __all__ = ["TrainState", "Engine", "initialize"]
@@ -139,8 +141,17 @@ class Engine:
     zero = self.config.zero_optimization
     accum = self.config.data_types.grad_accum_dtype
     comm = self.config.communication_data_type
-    return make_plan(
-        self.model.abstract_params(rng, sample_batch), stage=zero.stage, mesh=self.mesh,
+    abstract = self.model.abstract_params(rng, sample_batch)
+    units = None
+    if zero.stage == 3:
+      rules = UnitRules(classes=tuple(zero.leaf_module.classes),
+                        names=tuple(zero.leaf_module.names),
+                        name_suffixes=tuple(zero.leaf_module.name_suffixes),
+                        granularity_threshold=zero.module_granularity_threshold)
+      sizes = {path: math.prod(np.shape(x)) for path, x in flatten_paths(abstract).items()}
+      units = choose_units(self.model.modules(rng, sample_batch), sizes, rules)
+    plan = make_plan(
+        abstract, stage=zero.stage, mesh=self.mesh,
         compute_dtype=self.compute_dtype,
         grad_accum_dtype=DTYPES[accum] if accum else jnp.float32,
         comm_dtype=DTYPES[comm] if comm else None, stacked=self._is_stacked,
@@ -148,7 +159,9 @@ class Engine:
         model_persistence_threshold=zero.model_persistence_threshold,
         reduce_scatter=zero.reduce_scatter, reduce_bucket_size=zero.reduce_bucket_size,
         gather_bucket_size=zero.prefetch_bucket_size if zero.stage == 3 else zero.allgather_bucket_size,
-        overlap_comm=bool(zero.overlap_comm))
+        overlap_comm=bool(zero.overlap_comm), units=units)
+    check_units(plan, zero.max_live_parameters)
+    return plan
 
   def _require_plan(self) -> Plan:
     if self.plan is None:
@@ -224,16 +237,21 @@ class Engine:
       raise ConfigError(f"parameters do not match the model's shapes: {'; '.join(bad[:5])}.")
 
   # -- the step -------------------------------------------------------------------------------------
-  def _reduce_micro(self, leaf: LeafPlan, g: jax.Array) -> jax.Array:
-    """A micro-batch's gradient -> what the accumulator holds (partitioned from stage 2 on)."""
+  def _reduce_micro(self, leaf: LeafPlan, g: jax.Array, accumulate: bool) -> jax.Array:
+    """A micro-batch's gradient -> what the accumulator holds.
+
+    Partitioned gradients (stage 2 and 3) arrive reduce-scattered over the ZeRO axes by the
+    backward of the parameter's gather / attach (:mod:`jzero.collectives`); they are summed over
+    the replica axes here. A full local gradient (stage 0/1) is upcast to the accumulation dtype
+    only when there is something to accumulate: with one micro-batch it is reduced in the
+    communication dtype and only its reduced partition is upcast (:meth:`_reduce_final`).
+    """
     plan, axes = self.plan, self.mesh
-    if leaf.param_partitioned:  # reduce-scattered over the ZeRO axes by gather's backward
-      g = lax.psum(g.astype(plan.comm_dtype), axes.replica_axes) if axes.replica_axes else g
-    elif leaf.grad_partitioned:
-      g = collectives.reduce_scatter(g.astype(plan.comm_dtype), leaf.shard_dim, leaf.padded,
-                                     axes.zero_axes)
+    if leaf.grad_partitioned:
+      g = g.astype(plan.comm_dtype)
       g = lax.psum(g, axes.replica_axes) if axes.replica_axes else g
-    return g.astype(plan.grad_accum_dtype)
+      return g.astype(plan.grad_accum_dtype)
+    return g.astype(plan.grad_accum_dtype) if accumulate else g
 
   def _reduce_final(self, leaf: LeafPlan, g: jax.Array) -> jax.Array:
     """Accumulated gradient -> fp32 gradient in the state layout, summed over devices."""
@@ -251,17 +269,52 @@ class Engine:
                                   axes.zero_axes)
     return g.astype(jnp.float32)
 
-  def _model_params(self, params: PyTree) -> PyTree:
-    """Stored params -> what the model sees: stage-3 partitions gathered, stacked ones wrapped."""
-    plan, axes = self.plan, self.mesh.zero_axes
+  def _grad_targets(self, params: PyTree) -> PyTree:
+    """What the step differentiates, per leaf: a stage-3 partition itself; a zero gradient slot of
+    the partition's shape (communication dtype) for a replicated parameter whose gradient is
+    partitioned (stage 2, stage-3 persistent); the parameter itself otherwise (stage 0/1)."""
+    plan, n = self.plan, self.mesh.zero_size
 
-    def leaf_param(leaf: LeafPlan, p):
-      if not leaf.param_partitioned:
-        return p
-      shard = ZeroShard(p, leaf.shard_dim, leaf.shape[leaf.shard_dim], axes, plan.comm_dtype)
-      return shard if leaf.stacked else shard.gather()
+    def target(leaf: LeafPlan, p: jax.Array) -> jax.Array:
+      if leaf.grad_partitioned and not leaf.param_partitioned:
+        shape = list(leaf.padded_shape)
+        shape[leaf.shard_dim] //= n
+        return jnp.zeros(shape, plan.comm_dtype)
+      return p
 
-    return plan.map(leaf_param, params)
+    return plan.map(target, params)
+
+  def _model_params(self, targets: PyTree, params: PyTree) -> PyTree:
+    """What the model sees, per leaf (see :mod:`jzero.units` and :mod:`jzero.layers`).
+
+    Stage-3 partitions go to the model as :class:`ZeroParam` partitions: gathered by their unit's
+    calls, or one layer at a time by the layer scan; a partition no unit gathers is gathered here.
+    A replicated parameter with a partitioned gradient is attached to its gradient slot here
+    (stacked: inside the layer scan, one layer at a time), so its gradient is reduce-scattered the
+    moment backward has produced it.
+    """
+    plan, axes = self.plan, self.mesh
+
+    def leaf_param(leaf: LeafPlan, target: jax.Array, p: jax.Array):
+      if not leaf.grad_partitioned:
+        return target
+      size = leaf.shape[leaf.shard_dim]
+      if leaf.param_partitioned:
+        zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, plan.comm_dtype)
+        keep = leaf.stacked or leaf.unit is not None
+      else:
+        zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, full=p,
+                       scatter=plan.reduce_scatter)
+        keep = leaf.stacked
+      return zp if keep else zp.gather()
+
+    return plan.map(leaf_param, targets, params)
+
+  def _bind(self, targets: PyTree, params: PyTree) -> Any:
+    """The user's model over :meth:`_model_params`, its gather units installed."""
+    units = frozenset(l.unit for l in self.plan.leaf_list()
+                      if l.param_partitioned and l.unit is not None)
+    return self.model.bind(self._model_params(targets, params), units)
 
   def _local_master(self, leaf: LeafPlan, p: jax.Array) -> jax.Array:
     """fp32 training: this device's partition of a param, as the optimizer's master."""
@@ -270,10 +323,12 @@ class Engine:
     return p
 
   def _compute_param(self, leaf: LeafPlan, m: jax.Array) -> jax.Array:
-    """Updated master partition -> compute param in the param layout."""
+    """Updated master partition -> compute param in the param layout (stage 1/2: cast, then
+    all-gathered in the compute dtype, as DeepSpeed gathers its 16-bit partitions)."""
+    m = m.astype(self.plan.compute_dtype)
     if leaf.state_partitioned and not leaf.param_partitioned:
       m = collectives.all_gather(m, leaf.shard_dim, leaf.shape[leaf.shard_dim], self.mesh.zero_axes)
-    return m.astype(self.plan.compute_dtype)
+    return m
 
   def _local_grads(self, state: TrainState, batch: PyTree):
     """Forward + backward over the micro-batches and the gradient reduction.
@@ -288,12 +343,14 @@ class Engine:
     loss_mult = state.loss_scale.scale / (gas * mean_over)
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     key = jax.random.fold_in(key, lax.axis_index(axes.batch_axes))
-    policy = LayerPolicy(checkpoint_activations=self.config.activation_checkpointing is not None)
+    zero = self.config.zero_optimization
+    policy = LayerPolicy(checkpoint_activations=self.config.activation_checkpointing is not None,
+                         prefetch=zero.stage == 3 and zero.prefetch_bucket_size > 0)
     pass_rng = "rng" in inspect.signature(self.loss_fn).parameters
 
-    def scaled_loss(params, mb, rng):
+    def scaled_loss(targets, mb, rng):
       with engine_context(policy):
-        model = self.model.bind(self._model_params(params))
+        model = self._bind(targets, state.params)
         out = self.loss_fn(model, mb, rng=rng) if pass_rng else self.loss_fn(model, mb)
       loss, aux = out if isinstance(out, tuple) else (out, {})
       loss = loss.astype(jnp.float32)
@@ -301,8 +358,9 @@ class Engine:
 
     def micro_grads(mb, i):
       grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
-      (_, (loss, aux)), g = grad_fn(state.params, mb, jax.random.fold_in(key, i))
-      return loss, aux, plan.map(self._reduce_micro, g)
+      (_, (loss, aux)), g = grad_fn(self._grad_targets(state.params), mb,
+                                    jax.random.fold_in(key, i))
+      return loss, aux, plan.map(lambda l, x: self._reduce_micro(l, x, gas > 1), g)
 
     if gas == 1:
       loss, aux, grads = micro_grads(jax.tree.map(lambda x: x[0], micro_batches), 0)
@@ -517,7 +575,7 @@ class Engine:
     if self._eval_fn is None:
       def local_loss(params, mb):
         with engine_context(LayerPolicy()):
-          out = self.loss_fn(self.model.bind(self._model_params(params)), mb)
+          out = self.loss_fn(self._bind(self._grad_targets(params), params), mb)
         loss = out[0] if isinstance(out, tuple) else out
         return lax.pmean(loss.astype(jnp.float32), self.mesh.batch_axes)
 

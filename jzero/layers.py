@@ -8,9 +8,14 @@ A model whose layers are stacked over a leading axis runs them with :func:`scan_
       return nnx.merge(graphdef, params)(x)
     return jzero.scan_layers(layer, x, stacked)
 
-Outside a jzero engine this is a plain ``lax.scan``. Inside a stage-3 engine the stacked leaves
-arrive as :class:`~jzero.collectives.ZeroShard` partitions; ``scan_layers`` gathers each layer's
-parameters at the top of the scan body, so only one layer is ever full on a device.
+Outside a jzero engine this is a plain ``lax.scan``. Inside an engine the stacked leaves arrive as
+:class:`~jzero.collectives.ZeroParam` objects (stage-3 partitions, or stage-2 parameters whose
+gradient is reduce-scattered); ``scan_layers`` gathers each layer's parameters at the top of the
+scan body, so only one layer is ever full on a device, and each layer's gradient is
+reduce-scattered inside the backward scan, so only partitions of it accumulate.
+
+Models that run their layers in a Python loop need nothing of this: :mod:`jzero.units` gathers
+each module's parameters when it is called.
 
 Inside an engine (every stage, so stages differ only in placement) the body is rematerialised
 under a policy that saves only the outputs of the layer's matmuls with its weights
@@ -45,9 +50,10 @@ import jax
 from flax import linen as nn
 from jax import lax
 
-from jzero.collectives import ZeroShard
+from jzero.collectives import ZeroParam
 
-__all__ = ["gather", "remat", "scan_layers", "linen_scan_layers", "engine_context", "LayerPolicy"]
+__all__ = ["gather", "remat", "scan_layers", "linen_scan_layers", "engine_context", "LayerPolicy",
+           "current_layer_policy", "current_policy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +63,12 @@ class LayerPolicy:
   Attributes:
     checkpoint_activations: keep only the layer inputs (DeepSpeed activation checkpointing);
       otherwise keep the outputs of the layer's matmuls with its weights and nothing else.
+    prefetch: a gather unit may gather while the unit before it computes
+      (``stage3_prefetch_bucket_size`` > 0; see :mod:`jzero.units`).
   """
 
   checkpoint_activations: bool = False
+  prefetch: bool = False
 
   def jax_policy(self) -> Callable[..., bool]:
     if self.checkpoint_activations:
@@ -84,9 +93,20 @@ def engine_context(policy: LayerPolicy) -> Iterator[None]:
 
 
 def gather(tree: Any) -> Any:
-  """Replaces every ZeRO-3 partition in ``tree`` by the full parameter (identity on arrays)."""
-  return jax.tree.map(lambda x: x.gather() if isinstance(x, ZeroShard) else x, tree,
-                      is_leaf=lambda x: isinstance(x, ZeroShard))
+  """Replaces every :class:`~jzero.collectives.ZeroParam` in ``tree`` by the full parameter
+  (identity on arrays)."""
+  return jax.tree.map(lambda x: x.gather() if isinstance(x, ZeroParam) else x, tree,
+                      is_leaf=lambda x: isinstance(x, ZeroParam))
+
+
+def current_layer_policy() -> LayerPolicy:
+  """The layer policy of the engine tracing now (the default one outside an engine)."""
+  return _POLICY.get() or LayerPolicy()
+
+
+def current_policy() -> Callable[..., bool]:
+  """The remat policy of the engine tracing now (the default one outside an engine)."""
+  return current_layer_policy().jax_policy()
 
 
 def remat(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -104,7 +124,7 @@ def scan_layers(layer: Callable[[Any, Any], Any], carry: Any, stacked_params: An
   Args:
     layer: (carry, one layer's parameters) -> new carry.
     carry: the input of the first layer (activations).
-    stacked_params: pytree whose leaves have a leading layer axis (ZeroShards under ZeRO-3).
+    stacked_params: pytree whose leaves have a leading layer axis (ZeroParams in an engine).
     unroll: passed to ``lax.scan``.
 
   Returns:

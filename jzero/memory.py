@@ -30,10 +30,13 @@ Offload moves a category off the device, per process (one process per device):
 * ``offload_param`` (stage 3 only; ZeRO-Infinity): the partitioned compute params,
   p(Ψ - Ψr)/N, go to ``"cpu"`` or ``"nvme"``; persistent params stay on the device.
 
-Counted are the model states that live across steps, nothing else: not the stage-3 working set
-(one gathered layer and its full gradient before the reduce-scatter), not communication buckets,
-not allocator slack. Those are temporaries of the compiled step; :func:`memory_report` shows them
-in XLA's ``memory_analysis()``. Activations are added when given (:func:`activation_bytes`).
+Counted are the model states that live across steps. Two temporaries of the step are added when
+given: activations (:func:`activation_bytes`) and stage 3's *gathered working set* -- the full
+parameters alive at once: the largest gather unit or one layer of the layer scan (twice when the
+next one is prefetched) plus the parameters gathered at the start of the forward pass
+(:meth:`jzero.plan.Plan.gathered_working_set`, :mod:`jzero.units`). Not counted: communication
+buckets, allocator slack; :func:`memory_report` shows the compiled step's ``memory_analysis()``
+beside the prediction.
 
 How this relates to DeepSpeed's estimators (``estimate_zero2_model_states_mem_needs`` and
 ``estimate_zero3_model_states_mem_needs``), which assume fp16 and Adam:
@@ -164,6 +167,10 @@ class Estimate:
     param_bytes: bytes per compute param (p).
     bytes: tier ("device", "host", "nvme") -> category ("params", "grads", "optimizer") -> bytes.
     activations: activation bytes per device (0: not estimated).
+    gathered: stage 3's gathered working set: the full parameters alive at once on the device
+      (the largest unit or layer, twice when the next one is prefetched, plus the parameters
+      gathered at the start; DeepSpeed's estimator counts the largest layer the same way). 0:
+      not estimated.
   """
 
   stage: int
@@ -176,6 +183,7 @@ class Estimate:
   param_bytes: int
   bytes: dict[str, dict[str, float]]
   activations: float = 0.0
+  gathered: float = 0.0
 
   @property
   def name(self) -> str:
@@ -196,8 +204,8 @@ class Estimate:
 
   @property
   def device_total(self) -> float:
-    """Bytes on the device: model states + activations."""
-    return self.model_states + self.activations
+    """Bytes on the device: model states + the gathered working set + activations."""
+    return self.model_states + self.gathered + self.activations
 
   @property
   def host_per_node(self) -> float:
@@ -225,7 +233,8 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
              param_bytes: int = 2, grad_bytes: int | None = None, optimizer_bytes: float = 12,
              offload_optimizer: str | None = None, offload_param: str | None = None,
              persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
-             model_persistence_threshold: int | None = None, activations: float = 0.0) -> Estimate:
+             model_persistence_threshold: int | None = None, activations: float = 0.0,
+             gathered: tuple[int, int] = (0, 0), prefetch: bool = False) -> Estimate:
   """Per-device bytes of one ZeRO configuration (formulas and offload rules: module docstring).
 
   Args:
@@ -243,6 +252,9 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
       replicated.
     model_persistence_threshold: with shapes: cap on the persistent elements (None: no cap).
     activations: activation bytes per device to add to the device total.
+    gathered: stage 3: (elements of the largest unit or layer gathered at once, elements gathered
+      at the start of the forward pass), as :meth:`jzero.plan.Plan.gathered_working_set` gives.
+    prefetch: the next unit or layer is gathered while one computes (two alive).
 
   Raises:
     ConfigError: an offload setting the stage does not have.
@@ -274,7 +286,9 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
   return Estimate(stage=stage, offload_optimizer=offload_optimizer, offload_param=offload_param,
                   num_params=psi, persistent_params=persistent, devices=n,
                   devices_per_node=devices, param_bytes=param_bytes, bytes=tiers,
-                  activations=activations)
+                  activations=activations,
+                  gathered=(param_bytes * (gathered[0] * (1 + prefetch) + gathered[1])
+                            if stage == 3 else 0.0))
 
 
 def activation_bytes(micro_batch: int, seq_len: int, hidden: int, layers: int, heads: int, *,
@@ -405,13 +419,14 @@ def _table(header: list[str], rows: list[list[str]], indent: str = "") -> str:
 def format_estimates(estimates: Sequence[Estimate]) -> str:
   """A table of estimates: device bytes by category and in total, offloaded bytes per process."""
   acts = any(e.activations for e in estimates)
+  gathered = any(e.gathered for e in estimates)
   per_node = any(e.devices_per_node > 1 and e.tier_total("host") for e in estimates)
-  header = (["configuration", *CATEGORIES] + ["activations"] * acts
+  header = (["configuration", *CATEGORIES] + ["gathered"] * gathered + ["activations"] * acts
             + ["device total", "host/process"] + ["host/node"] * per_node + ["nvme/process"])
   rows = []
   for e in estimates:
     rows.append([e.name, *(_cell(e.bytes["device"][c]) for c in CATEGORIES)]
-                + [_cell(e.activations)] * acts
+                + [_cell(e.gathered)] * gathered + [_cell(e.activations)] * acts
                 + [format_bytes(e.device_total), _cell(e.tier_total("host"))]
                 + [_cell(e.host_per_node)] * per_node + [_cell(e.tier_total("nvme"))])
   return _table(header, rows)
@@ -494,6 +509,7 @@ class MemoryReport:
     estimate: the estimator's answer for this model (Ψ, Ψr, N, stage).
     optimizer_bytes: K, optimizer-state bytes per param read from the live state (master included).
     compiled: the compiled step's memory analysis, when a batch was given.
+    prefetch: the plan gathers the next unit while one computes.
   """
 
   device: str
@@ -503,6 +519,7 @@ class MemoryReport:
   estimate: Estimate
   optimizer_bytes: float
   compiled: CompiledMemory | None = None
+  prefetch: bool = False
 
   def measured_bytes(self, category: str | None = None) -> int:
     """Measured bytes of one category, over all memory kinds (None: all categories)."""
@@ -552,7 +569,8 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
                  param_bytes=jnp.dtype(plan.compute_dtype).itemsize,
                  optimizer_bytes=master_k + opt_k,
                  persistence_threshold=zero.param_persistence_threshold,
-                 model_persistence_threshold=zero.model_persistence_threshold)
+                 model_persistence_threshold=zero.model_persistence_threshold,
+                 gathered=plan.gathered_working_set(), prefetch=plan.prefetches)
   device = est.bytes["device"]
   per_k = device["optimizer"] / (master_k + opt_k) if master_k + opt_k else 0.0
   predicted = {"params": device["params"], "grads": device["grads"], "master": per_k * master_k,
@@ -561,7 +579,7 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
   return MemoryReport(device=str(engine.mesh.mesh.devices.flat[0]),
                       precision=engine.config.precision, measured=state_report(engine, state),
                       predicted=predicted, estimate=est, optimizer_bytes=master_k + opt_k,
-                      compiled=compiled)
+                      compiled=compiled, prefetch=plan.prefetches)
 
 
 def format_memory_report(report: MemoryReport) -> str:
@@ -584,6 +602,10 @@ def format_memory_report(report: MemoryReport) -> str:
                 + [_cell(report.measured_bytes(name)), _cell(report.predicted_bytes(name)),
                    "-" if math.isnan(ratio) else f"{ratio:.4f}"])
   lines.append(_table(header, rows, indent="  "))
+  if est.gathered:
+    lines.append(f"  ZeRO-3 gathered working set (plan): {format_bytes(est.gathered)} -- the largest "
+                 f"unit or layer{' twice (prefetch)' if report.prefetch else ''} plus the "
+                 f"parameters gathered at the start; a temporary of the compiled step")
   c = report.compiled
   if c is not None:
     lines.append(f"compiled step (XLA memory_analysis): argument {format_bytes(c.argument)}, "

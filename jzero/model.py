@@ -11,6 +11,9 @@ something the user's ``loss_fn(model, batch)`` can call.
   ``init_inputs(batch) -> args`` says what to call ``module.init`` with (default: ``(batch,)``).
   Stacked layers built with :func:`jzero.linen_scan_layers` are gathered one layer at a time.
 
+Each adapter also lists the model's modules (:meth:`ModelAdapter.modules`), from which
+:mod:`jzero.units` chooses the gather units, and ``bind`` makes those modules gather as units.
+
 jzero trains parameters only: a model with other mutable state (batch statistics, RNG counters held
 in the module) is refused, since the engine would silently freeze that state.
 """
@@ -25,7 +28,7 @@ from flax import linen as nn
 from flax import nnx
 from flax.errors import ScopeParamShapeError
 
-from jzero.collectives import ZeroShard
+from jzero import units as units_lib
 from jzero.errors import ConfigError, NotSupportedError
 
 __all__ = ["ModelAdapter", "NnxModel", "LinenModel", "as_model"]
@@ -49,8 +52,13 @@ class ModelAdapter(abc.ABC):
     """The params dict, traceable under jit."""
 
   @abc.abstractmethod
-  def bind(self, params: PyTree) -> Any:
-    """What ``loss_fn`` receives as its model, built from a params dict."""
+  def bind(self, params: PyTree, units: frozenset[str] = frozenset()) -> Any:
+    """What ``loss_fn`` receives as its model, built from a params dict whose leaves may be
+    :class:`~jzero.collectives.ZeroParam`; the modules at the ``units`` paths gather as units."""
+
+  @abc.abstractmethod
+  def modules(self, rng: jax.Array, sample_batch: Any) -> list[units_lib.ModuleInfo]:
+    """Every module of the model (path and class), for choosing the gather units."""
 
   def set_sample_batch(self, batch: Any) -> None:
     """A batch to create the parameters from when ``init`` gets none (Linen needs one)."""
@@ -95,6 +103,7 @@ class NnxModel(ModelAdapter):
     self._template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     self.hidden_size = _hidden_size(abstract_module)
     self.stacked_layers = getattr(abstract_module, "stacked_layers", None)
+    self._abstract = abstract_module
 
   def abstract_params(self, rng, sample_batch):
     return nnx.to_pure_dict(self._template)
@@ -104,10 +113,15 @@ class NnxModel(ModelAdapter):
       return self.initial_params
     return nnx.to_pure_dict(nnx.split(self._factory(nnx.Rngs(rng)), nnx.Param, ...)[1])
 
-  def bind(self, params):
+  def modules(self, rng, sample_batch):
+    return units_lib.nnx_modules(self._abstract)
+
+  def bind(self, params, units=frozenset()):
     state = jax.tree.map(lambda x: x, self._template)  # fresh Variables, template untouched
     nnx.replace_by_pure_dict(state, params)
-    return nnx.merge(self._graphdef, state)
+    model = nnx.merge(self._graphdef, state)
+    units_lib.nnx_units(model, units)
+    return model
 
 
 class LinenModel(ModelAdapter):
@@ -171,21 +185,25 @@ class LinenModel(ModelAdapter):
   def init_params(self, rng, sample_batch):
     return self._variables(rng, self._batch(sample_batch))["params"]
 
-  def bind(self, params):
+  def modules(self, rng, sample_batch):
+    return units_lib.linen_modules(self._module, rng, *self._inputs(self._batch(sample_batch)))
+
+  def bind(self, params, units=frozenset()):
     module = self._module
+    interceptor = units_lib.linen_units(set(units))
 
     def apply(*args, **kwargs):
       try:
-        return module.apply({"params": params}, *args, **kwargs)
+        with nn.intercept_methods(interceptor):
+          return module.apply({"params": params}, *args, **kwargs)
       except ScopeParamShapeError as e:
-        if not any(isinstance(x, ZeroShard) for x in jax.tree.leaves(
-            params, is_leaf=lambda x: isinstance(x, ZeroShard))):
+        if not units_lib.holds_partitions(params):
           raise
         raise NotSupportedError(
-            f"{type(module).__name__}: a layer received its ZeRO-3 partition instead of the full "
-            f"parameter ({e}). Build the layers listed in `stacked_layers` with "
-            f"jzero.linen_scan_layers (it gathers each layer's parameters), or leave them out of "
-            f"`stacked_layers`.") from None
+            f"{type(module).__name__}: a layer read its ZeRO-3 partition where it needs the full "
+            f"parameter ({e}). Layers stacked under a scan must be listed in `stacked_layers` "
+            f"(jzero then never splits the layer axis) and built with jzero.linen_scan_layers, "
+            f"or run as modules jzero gathers when they are called.") from None
 
     return apply
 

@@ -33,6 +33,11 @@ all-reduce then keep the own slice when ``reduce_scatter`` is false). Stage 2 re
 every micro-batch into a partitioned accumulator. Stage 3 partitioned params are gathered by a
 collective whose backward is the reduce-scatter, so their gradients arrive partitioned.
 
+**Gather units.** Stage-3 leaves are gathered where they are used: a stacked leaf one layer at a
+time inside the layer scan, any other leaf by its *unit* -- the module whose calls gather it
+(:mod:`jzero.units` chooses them from the module tree; ``LeafPlan.unit``). A partitioned leaf in no
+unit is gathered when the forward pass starts and kept until backward.
+
 **Persistence.** In stage 3, leaves smaller than ``stage3_param_persistence_threshold`` elements
 (per layer, for stacked leaves) keep a replicated compute param, as DeepSpeed's persistent params do;
 their gradients, master and optimizer state are still partitioned (stage-2 treatment). Up to
@@ -46,6 +51,7 @@ training keeps an fp32 master in the master layout and casts it to the compute d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -94,6 +100,8 @@ class LeafPlan:
     param_partitioned: the compute param is partitioned (stage 3, not persistent).
     state_partitioned: master and optimizer state are partitioned (stage >= 1).
     grad_partitioned: the gradient accumulator is partitioned (stage >= 2).
+    unit: path of the module whose calls gather this leaf under stage 3 ('' for the model
+      itself; see :mod:`jzero.units`), or None when no module call gathers it alone.
   """
 
   path: str
@@ -104,6 +112,7 @@ class LeafPlan:
   param_partitioned: bool
   state_partitioned: bool
   grad_partitioned: bool
+  unit: str | None = None
 
   @property
   def numel(self) -> int:
@@ -136,6 +145,27 @@ class LeafPlan:
     if self.shard_dim is None or x.shape[self.shard_dim] == self.shape[self.shard_dim]:
       return x
     return lax.slice_in_dim(x, 0, self.shape[self.shard_dim], axis=self.shard_dim % x.ndim)
+
+
+# The CPU compiler expands optimization barriers before common-subexpression elimination, which
+# then merges each backward re-gather (rematerialised behind JAX's barrier) with the forward gather
+# it repeats: the gathered parameters stay alive until backward. Keeping the barriers keeps the
+# re-gathers. (Its memory-optimised scheduler, `xla_cpu_scheduler_type`, would order the gathers
+# too, but with it this jaxlib's CPU runtime was seen to run different collectives on different
+# devices at once and deadlock; jzero.units orders them with data dependencies instead.) The GPU
+# compiler keeps the re-gathers and needs neither.
+CPU_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_options() -> dict[str, Any]:
+  """:data:`CPU_OPTIONS`, or {} where this jaxlib's CPU compiler does not know them."""
+  try:
+    probe = jax.device_put(jnp.zeros(()), jax.devices("cpu")[0])
+    jax.jit(lambda x: x + 1).lower(probe).compile(compiler_options=CPU_OPTIONS)
+  except Exception:  # pylint: disable=broad-except  (unknown option names or values)
+    return {}
+  return dict(CPU_OPTIONS)
 
 
 def _choose_shard_dim(shape: tuple[int, ...], stacked: bool, n: int) -> tuple[int | None, int]:
@@ -251,15 +281,22 @@ class Plan:
     DeepSpeed's buckets do by hand: ``reduce_bucket_size`` bounds the combined reduce-scatters and
     all-reduces, the gather bucket the combined all-gathers, all in elements of the full
     (unpartitioned) buffers, as DeepSpeed counts them. XLA's reduce-scatter threshold bounds the
-    scattered result, so it gets the bucket's bytes divided by the ZeRO size. ``overlap_comm`` on keeps collectives
+    scattered result, so it gets the bucket's bytes divided by the ZeRO size. ``overlap_comm`` on
+    keeps collectives
     asynchronous (the latency-hiding scheduler places compute between each start and done) and, in
     stage 3 with a non-zero prefetch bucket, pipelines the layer scan's all-gathers, so the next
     layer's parameters are gathered while this layer computes (DeepSpeed's prefetch). Off makes
     every collective synchronous. These passes exist in the GPU compiler; the CPU backend has none
     of them (it runs collectives one by one, in order), so the options are only passed when
     compiling for GPU. ``jzero aot`` shows their effect on the scheduled program.
+
+    On CPU the step gets the options that make XLA keep ZeRO's memory promise (see
+    :data:`CPU_OPTIONS`), where this jaxlib knows them.
     """
-    if self.mesh.mesh.devices.flat[0].platform != "gpu":
+    platform = self.mesh.mesh.devices.flat[0].platform
+    if platform == "cpu":
+      return cpu_options()
+    if platform != "gpu":
       return {}
     reduce_bytes = self.reduce_bucket_size * jnp.dtype(self.comm_dtype).itemsize
     options: dict[str, Any] = {
@@ -277,6 +314,29 @@ class Plan:
     return options
 
   # -- per-device accounting ------------------------------------------------------------------------
+  def gathered_working_set(self) -> tuple[int, int]:
+    """Stage 3: (elements of the largest group gathered at once -- one layer of all stacked leaves,
+    which the layer scan gathers together, or the largest unit --, elements gathered at the start
+    of the forward pass and kept until backward). (0, 0) in other stages."""
+    largest = stacked = upfront = 0
+    units: dict[str, int] = {}
+    for leaf in self.leaf_list():
+      if not leaf.param_partitioned:
+        continue
+      if leaf.stacked:
+        stacked += leaf.layer_numel
+      elif leaf.unit is None:
+        upfront += leaf.numel
+      else:
+        units[leaf.unit] = units.get(leaf.unit, 0) + leaf.numel
+    largest = max([stacked, *units.values()])
+    return largest, upfront
+
+  @property
+  def prefetches(self) -> bool:
+    """XLA gathers the next layer while this one computes (GPU, see :meth:`xla_options`)."""
+    return bool(self.xla_options().get("xla_gpu_enable_pipelined_all_gather"))
+
   def local_numel(self, leaf: LeafPlan, partitioned: bool) -> int:
     """Elements one device holds of a leaf laid out partitioned or replicated."""
     if partitioned:
@@ -289,7 +349,8 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
               stacked: Callable[[str], bool] = lambda path: False,
               persistence_threshold: int = 100_000, model_persistence_threshold: int | None = None,
               reduce_scatter: bool = True, reduce_bucket_size: int = 500_000_000,
-              gather_bucket_size: int = 500_000_000, overlap_comm: bool = False) -> Plan:
+              gather_bucket_size: int = 500_000_000, overlap_comm: bool = False,
+              units: dict[str, str] | None = None) -> Plan:
   """Builds the plan for a params pytree.
 
   Args:
@@ -304,6 +365,7 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
     model_persistence_threshold: cap on the total elements of persistent params (None: no cap).
     reduce_scatter: stage 1/2 reduce with reduce-scatter (False: all-reduce, keep own slice).
     reduce_bucket_size, gather_bucket_size, overlap_comm: see :meth:`Plan.xla_options`.
+    units: leaf path -> path of the module that gathers it (:func:`jzero.units.choose_units`).
   """
   if stage not in (0, 1, 2, 3):
     raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
@@ -340,7 +402,8 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
         padded=padded if splittable else 0,
         param_partitioned=splittable and stage == 3 and p not in persistent,
         state_partitioned=splittable,
-        grad_partitioned=splittable and stage >= 2))
+        grad_partitioned=splittable and stage >= 2,
+        unit=(units or {}).get(p)))
   return Plan(stage=stage, mesh=mesh, leaves=jax.tree_util.tree_unflatten(treedef, leaves),
               compute_dtype=jnp.dtype(compute_dtype), grad_accum_dtype=jnp.dtype(grad_accum_dtype),
               comm_dtype=jnp.dtype(comm_dtype or compute_dtype), reduce_scatter=reduce_scatter,

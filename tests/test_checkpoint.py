@@ -297,9 +297,9 @@ def test_consolidation_streams_leaf_by_leaf(wide_checkpoint, tmp_path):
   out = tmp_path / "model.safetensors"
   report = json.loads(_subprocess("convert", str(directory), str(out)).strip().splitlines()[-1])
   largest, total = report["largest_leaf"], report["total"]
-  rss = report["rss_peak"] - report["rss_before"]
+  rss = report["anon_peak"] - report["anon_before"]
   print(f"consolidation of {total / 2**20:.1f} MiB, largest leaf {largest / 2**20:.1f} MiB: "
-        f"resident set grew by {rss / 2**20:.1f} MiB at its peak; tracemalloc peak "
+        f"anonymous memory grew by {rss / 2**20:.1f} MiB at its peak; tracemalloc peak "
         f"{report['tracemalloc_peak'] / 2**20:.2f} MiB")
   assert report["tracemalloc_peak"] < 3 * largest
   assert rss < 3 * largest + (48 << 20) < total

@@ -767,7 +767,7 @@ def test_supported_optimizers_are_case_insensitive():
 def test_no_effect_settings_warn_and_pass():
   config = Config.load({
       "zero_optimization": {"stage": 3, "contiguous_gradients": False, "sub_group_size": 1e12,
-                            "stage3_max_live_parameters": 1e6, "allgather_partitions": False},
+                            "stage3_max_reuse_distance": 1e6, "allgather_partitions": False},
       "prescale_gradients": True,
       "aio": {"queue_depth": 32},
       "optimizer": {"type": "AdamW", "params": {"torch_adam": True}},
@@ -778,7 +778,7 @@ def test_no_effect_settings_warn_and_pass():
       "zero_optimization.contiguous_gradients=false",
       "zero_optimization.allgather_partitions=false",
       "zero_optimization.sub_group_size=1000000000000",
-      "zero_optimization.stage3_max_live_parameters=1000000",
+      "zero_optimization.stage3_max_reuse_distance=1000000",
       "prescale_gradients=true",
       "optimizer.params.torch_adam=true",
       'aio={"queue_depth": 32}',
@@ -795,7 +795,9 @@ def test_default_and_honoured_settings_are_silent():
                             "stage3_param_persistence_threshold": 0, "overlap_comm": False,
                             "offload_optimizer": {"device": "none"},
                             "zero_quantized_weights": False, "zero_hpz_partition_size": 1,
-                            "sub_group_size": "auto"},
+                            "sub_group_size": "auto", "stage3_max_live_parameters": 1e6,
+                            "stage3_module_granularity_threshold": 1000,
+                            "leaf_module": {"classes": ["Block"]}},
       "data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp16",
       "checkpoint": {"use_node_local_storage": True},
   })

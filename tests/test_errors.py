@@ -107,36 +107,6 @@ def test_wrong_batch_shape_is_a_data_error():
     engine.shard_batch({"tokens": __import__("numpy").zeros((7, 33), "int32")})
 
 
-def test_linen_stacked_layers_under_a_plain_scan_are_refused():
-  """Declared stacked but run by a plain nn.scan: the layer would see its partition."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from flax import linen as nn
-
-  class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x, _):
-      return x + nn.Dense(32)(x), None
-
-  class Net(nn.Module):
-    stacked_layers = ("blocks",)
-
-    @nn.compact
-    def __call__(self, x):
-      scan = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
-      return scan(name="blocks")(x, None)[0]
-
-  engine = jzero.initialize(Net(), lambda apply, b: jnp.mean(apply(b["x"]) ** 2),
-                            ds_config(3, stage3_param_persistence_threshold=0),
-                            init_inputs=lambda b: (b["x"],))
-  batch = {"x": np.zeros((8, 32), np.float32)}
-  state = engine.init(jax.random.key(0), batch)
-  with pytest.raises(jzero.NotSupportedError, match="jzero.linen_scan_layers") as e:
-    engine.train_step(state, engine.shard_batch(batch))
-  _one_paragraph(str(e.value))
-
-
 def _cli(*args, cwd=None):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", "jzero.cli", *args], capture_output=True, text=True,

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jzero.mesh import MeshSpec
-from jzero.plan import make_plan
+from jzero.plan import CPU_OPTIONS, make_plan
 
 
 def _abstract(**shapes):
@@ -80,4 +80,5 @@ def test_multi_axis_zero_spec():
   plan = make_plan(_abstract(w=(16, 3)), stage=3, mesh=mesh, compute_dtype=jnp.float32,
                    persistence_threshold=0)
   assert plan.param_spec(plan.leaf_list()[0]) == P(("node", "local"), None)
-  assert plan.xla_options() == {}  # CPU: no collective combiner to configure
+  # CPU: no collective combiner to configure; the memory-keeping options (plan.CPU_OPTIONS)
+  assert plan.xla_options() == CPU_OPTIONS
