@@ -180,14 +180,21 @@ class AotReport:
   xla_options: dict[str, Any]
 
   @property
+  def kinds(self) -> tuple[str, ...]:
+    """:data:`STATE_KINDS`, plus "secondary" with ZeRO++ hpZ."""
+    return STATE_KINDS + (("secondary",) if "secondary" in self.state else ())
+
+  @property
   def persistent_state(self) -> int:
-    """Bytes of the state that lives across steps: params, fp32 master, optimizer state."""
-    return self.state["params"] + self.state["master"] + self.state["optimizer"]
+    """Bytes of the state that lives across steps: params, fp32 master, optimizer state (and
+    hpZ's secondary copy)."""
+    return (self.state["params"] + self.state["master"] + self.state["optimizer"]
+            + self.state.get("secondary", 0))
 
   @property
   def model_states(self) -> int:
-    """ZeRO's model states: params, grads, master and optimizer state."""
-    return sum(self.state[k] for k in STATE_KINDS)
+    """ZeRO's model states: params, grads, master and optimizer state (and hpZ's secondary)."""
+    return sum(self.state[k] for k in self.kinds)
 
   @property
   def peak(self) -> int:
@@ -303,10 +310,13 @@ def _state_bytes(engine: Any, state: Any) -> dict[str, int]:
     return int(sum(jax.tree.leaves(per_leaf)))
 
   grads = sum(plan.local_numel(l, l.grad_partitioned) for l in plan.leaf_list())
-  return {"params": kind_bytes(shardings.params, state.params),
-          "grads": grads * jnp.dtype(plan.compute_dtype).itemsize,
-          "master": kind_bytes(shardings.master, state.master),
-          "optimizer": kind_bytes(shardings.opt_state, state.opt_state)}
+  out = {"params": kind_bytes(shardings.params, state.params),
+         "grads": grads * jnp.dtype(plan.compute_dtype).itemsize,
+         "master": kind_bytes(shardings.master, state.master),
+         "optimizer": kind_bytes(shardings.opt_state, state.opt_state)}
+  if state.secondary is not None:
+    out["secondary"] = kind_bytes(shardings.secondary, state.secondary)
+  return out
 
 
 def _estimate(engine: Any, state: Any, gpt: Any) -> dict[str, float]:
@@ -335,11 +345,14 @@ def _estimate(engine: Any, state: Any, gpt: Any) -> dict[str, float]:
   est = memory.estimate(plan.leaf_list(), plan.stage, engine.mesh.zero_size, param_bytes=itemsize,
                         optimizer_bytes=master_k + opt_k,
                         persistence_threshold=zero.param_persistence_threshold,
-                        model_persistence_threshold=zero.model_persistence_threshold)
+                        model_persistence_threshold=zero.model_persistence_threshold,
+                        hpz_partition_size=plan.zeropp.hpz)
   device = est.bytes["device"]
   per_k = device["optimizer"] / (master_k + opt_k) if master_k + opt_k else 0.0
   out = {"params": device["params"], "grads": device["grads"], "master": per_k * master_k,
          "optimizer": per_k * opt_k}
+  if est.hpz > 1:
+    out["secondary"] = device["secondary"]
   if activations:
     out["activations"] = activations
   return out
@@ -358,7 +371,8 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
     config: a DeepSpeed config (path, dict or :class:`jzero.Config`).
     gpu: a :data:`GPU_SPECS` name ("h100", "a100", ...) or the path of an XLA GPU target config.
     devices: GPUs in all; nodes: over how many nodes (the topology is nodes x 1 x devices/nodes).
-    mesh: a mesh file (default: all devices on one data axis).
+    mesh: a mesh file (default: all devices on one data axis; node x local over ``nodes`` when
+      the config asks for ZeRO++'s hpZ or qgZ).
     model: a :data:`jzero.models.gpt.PRESETS` name, a ``GPTConfig``, or any model
       :func:`jzero.initialize` takes (then give ``loss_fn`` and ``batch``).
     loss_fn: the loss (default: :func:`jzero.models.lm_loss` for the GPT shapes).
@@ -394,6 +408,12 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
     raise ConfigError("compile_for with a model of your own needs its loss_fn and an abstract "
                       "batch (a pytree of jax.ShapeDtypeStruct, or train_batch_size -> pytree).")
   mesh_spec = MeshSpec.load(mesh) if mesh is not None else MeshSpec.default()
+  zero = data.get("zero_optimization") or {}
+  if mesh is None and nodes > 1 and (zero.get("zero_hpz_partition_size", 1) not in (1, "auto")
+                                     or zero.get("zero_quantized_gradients") is True):
+    # ZeRO++'s hpZ / qgZ need the node x local split: the topology's own
+    mesh_spec = MeshSpec(axes=(("node", nodes), ("local", devices // nodes)),
+                         zero_axes=("node", "local"), batch_axes=("node", "local"))
   gpus = gpu_devices(spec, devices, nodes)
   zmesh = mesh_spec.build(gpus)
   say(f"{devices} x {spec.description} ({nodes} node{'s' * (nodes > 1)}), compile-only; mesh "
@@ -457,9 +477,9 @@ def format_report(r: AotReport) -> str:
            f"  compile: trace {r.trace_s:.1f} s, lower {r.lower_s:.1f} s, XLA GPU compile "
            f"{r.compile_s:.1f} s", "", "model state per device (grads: in the compute dtype, "
            "inside the step)"]
-  rows = [[k, format_bytes(r.state[k]), format_bytes(r.estimate[k])] for k in STATE_KINDS]
+  rows = [[k, format_bytes(r.state[k]), format_bytes(r.estimate[k])] for k in r.kinds]
   rows.append(["total", format_bytes(r.model_states),
-               format_bytes(sum(r.estimate[k] for k in STATE_KINDS))])
+               format_bytes(sum(r.estimate[k] for k in r.kinds))])
   if "activations" in r.estimate:
     rows.append(["activations", "-", format_bytes(r.estimate["activations"])])
   lines.append(_table(["kind", "plan", "estimator"], rows, indent="  "))

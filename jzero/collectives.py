@@ -154,27 +154,35 @@ class ZeroParam:
     ``full`` parameter and a zero ``partition``-shaped gradient slot; ``gather()`` returns the
     parameter and the backward reduce-scatters its gradient into the slot (:func:`attach`).
 
+  With ZeRO++ (:mod:`jzero.zeropp`) it also carries the leaf's static ``comm`` (how its gather
+  and reduction move bytes) and, with hpZ, its ``secondary`` partition, which ``gather()`` reads
+  instead of the partition.
+
   It is a pytree node whose children are the arrays, so ``lax.scan`` over a stack of them slices
   every layer while the static facts (a negative ``dim``, the logical ``size``, the ``axes``) stay
   valid for the sliced layer. It reads like the array it stands for: ``shape``, ``dtype``,
   ``x[...]`` and ``jnp.asarray(x)`` (both gather).
   """
 
-  __slots__ = ("partition", "full", "dim", "size", "axes", "comm_dtype", "scatter")
+  __slots__ = ("partition", "full", "dim", "size", "axes", "comm_dtype", "scatter", "secondary",
+               "comm")
 
   def __init__(self, partition: jax.Array, dim: int, size: int, axes: Axes, comm_dtype: Any = None,
-               *, full: jax.Array | None = None, scatter: bool = True):
+               *, full: jax.Array | None = None, scatter: bool = True,
+               secondary: jax.Array | None = None, comm: Any = None):
     self.partition, self.full, self.dim, self.size = partition, full, dim, size
     self.axes, self.comm_dtype, self.scatter = axes, comm_dtype, scatter
+    self.secondary, self.comm = secondary, comm
 
   def tree_flatten(self):
-    return (self.partition, self.full), (self.dim, self.size, self.axes, self.comm_dtype,
-                                         self.scatter)
+    return (self.partition, self.full, self.secondary), (
+        self.dim, self.size, self.axes, self.comm_dtype, self.scatter, self.comm)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    dim, size, axes, comm_dtype, scatter = aux
-    return cls(children[0], dim, size, axes, comm_dtype, full=children[1], scatter=scatter)
+    dim, size, axes, comm_dtype, scatter, comm = aux
+    return cls(children[0], dim, size, axes, comm_dtype, full=children[1], scatter=scatter,
+               secondary=children[2], comm=comm)
 
   @property
   def partitioned(self) -> bool:
@@ -199,6 +207,12 @@ class ZeroParam:
 
   def gather(self) -> jax.Array:
     """The full parameter (see the class docstring for what its backward does)."""
+    if self.comm is not None:  # ZeRO++: quantized / hierarchical collectives
+      from jzero import zeropp  # noqa: PLC0415  (zeropp imports this module)
+      if self.full is None:
+        return zeropp.gather(self.partition, self.secondary, self.dim, self.size, self.comm,
+                             self.comm_dtype)
+      return zeropp.attach(self.full, self.partition, self.dim, self.comm)
     if self.full is None:
       return gather(self.partition, self.dim, self.size, self.axes, self.comm_dtype)
     return attach(self.full, self.partition, self.dim, self.axes, scatter=self.scatter)

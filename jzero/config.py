@@ -841,7 +841,6 @@ class _Rule(NamedTuple):
 
 
 _OFFLOAD = "ZeRO-Offload / ZeRO-Infinity is not implemented yet"
-_ZEROPP = "ZeRO++ is not implemented yet"
 _MICS = "MiCS is not implemented"
 _HOOKS = "a PyTorch module-hook option; jzero installs no hooks"
 _REUSE = ("jzero keeps no gathered parameters for reuse: every unit and layer is gathered again "
@@ -856,11 +855,13 @@ _SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest")
 SUPPORT_TABLE: tuple[_Rule, ...] = (
     _Rule("zero_optimization.offload_optimizer.device", REFUSED, _OFFLOAD),
     _Rule("zero_optimization.offload_param.device", REFUSED, _OFFLOAD),
-    _Rule("zero_optimization.zero_quantized_weights", REFUSED, _ZEROPP),
-    _Rule("zero_optimization.zero_quantized_nontrainable_weights", REFUSED, _ZEROPP),
-    _Rule("zero_optimization.zero_quantized_gradients", REFUSED, _ZEROPP),
-    _Rule("zero_optimization.zero_hpz_partition_size", REFUSED, _ZEROPP, lambda size: size > 1),
-    _Rule("zero_optimization.zeropp_loco_param", REFUSED, _ZEROPP),
+    _Rule("zero_optimization.zero_quantized_nontrainable_weights", REFUSED,
+          "keeping frozen weights' partitions as int8 is not implemented yet; ZeRO++'s qwZ, hpZ "
+          "and qgZ are (zero_quantized_weights, zero_hpz_partition_size, "
+          "zero_quantized_gradients)"),
+    _Rule("zero_optimization.zeropp_loco_param", REFUSED,
+          "LoCo-ZeRO++'s error feedback for qgZ is not implemented yet; zero_quantized_gradients "
+          "without it is"),
     _Rule("zero_optimization.mics_shard_size", REFUSED, _MICS),
     _Rule("zero_optimization.mics_hierarchical_params_gather", REFUSED, _MICS),
     _Rule("zero_optimization.zenflow", REFUSED, "ZenFlow is not implemented"),

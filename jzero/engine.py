@@ -17,7 +17,8 @@ ZeRO says it should:
    ``g *= min(1, clip / (norm + 1e-6))``.
 4. The optax update runs on each device's partition of the fp32 master (or, in fp32, of the params
    themselves); stage 1/2 all-gather the updated partitions into new replicated compute params,
-   stage 3 just casts its partition.
+   stage 3 just casts its partition (with ZeRO++'s hpZ, then refreshes each device's secondary
+   partition from its node's primary partitions, :mod:`jzero.zeropp`).
 
 The loss of a micro-batch is each device's mean over its slice, divided by the data-parallel size
 and by ``gradient_accumulation_steps`` before the backward pass, so the summed gradient is the
@@ -54,6 +55,7 @@ from jzero.optim import build_optimizer
 from jzero.plan import LeafPlan, Plan, flatten_paths, make_plan
 from jzero.precision import DTYPES, LossScaler, LossScaleState, has_overflow
 from jzero.units import UnitRules, check_units, choose_units
+from jzero import zeropp as zpp
 from jzero.profile import StepTiming
 
 __all__ = ["TrainState", "Engine", "initialize"]
@@ -73,6 +75,9 @@ class TrainState(NamedTuple):
     opt_state: the optax state, param-like leaves in the state layout.
     loss_scale: the loss scaler's state.
     rng: raw key data of the training PRNG key (``jax.random.key_data``).
+    secondary: ZeRO++ hpZ: each device's secondary partition of the stage-3 params (compute
+      dtype, split over the node's local axes; see :mod:`jzero.zeropp`); None without hpZ. A
+      function of ``params``: recomputed at init and restore, never saved.
   """
 
   step: jax.Array
@@ -82,6 +87,7 @@ class TrainState(NamedTuple):
   opt_state: PyTree
   loss_scale: LossScaleState
   rng: jax.Array
+  secondary: PyTree | None = None
 
 
 @dataclasses.dataclass
@@ -100,6 +106,7 @@ class Engine:
   scaler: LossScaler
   stacked_layers: tuple[str, ...]
   plan: Plan | None = None
+  zeropp: zpp.ZeroPP = dataclasses.field(default_factory=zpp.ZeroPP)
   training_dataloader: DataLoader | None = None
   timings: list[StepTiming] = dataclasses.field(default_factory=list)
   _step_fn: Any = dataclasses.field(default=None, repr=False)
@@ -107,6 +114,7 @@ class Engine:
   _eval_fn: Any = dataclasses.field(default=None, repr=False)
   _host_step: int | None = dataclasses.field(default=None, repr=False)
   _batch_structure: Any = dataclasses.field(default=None, repr=False)
+  _refresh_fn: Any = dataclasses.field(default=None, repr=False)
 
   # -- configuration read by the step ---------------------------------------------------------------
   @property
@@ -159,7 +167,7 @@ class Engine:
         model_persistence_threshold=zero.model_persistence_threshold,
         reduce_scatter=zero.reduce_scatter, reduce_bucket_size=zero.reduce_bucket_size,
         gather_bucket_size=zero.prefetch_bucket_size if zero.stage == 3 else zero.allgather_bucket_size,
-        overlap_comm=bool(zero.overlap_comm), units=units)
+        overlap_comm=bool(zero.overlap_comm), units=units, zeropp=self.zeropp)
     check_units(plan, zero.max_live_parameters)
     return plan
 
@@ -174,7 +182,8 @@ class Engine:
     plan = self._require_plan()
     return TrainState(step=P(), skipped=P(), params=plan.param_specs(),
                       master=plan.state_specs() if plan.has_master else None,
-                      opt_state=plan.opt_specs(self.tx), loss_scale=P(), rng=P())
+                      opt_state=plan.opt_specs(self.tx), loss_scale=P(), rng=P(),
+                      secondary=plan.secondary_specs())
 
   def state_shardings(self) -> TrainState:
     """NamedShardings of every TrainState leaf (prefix tree)."""
@@ -218,10 +227,37 @@ class Engine:
     shardings = self.state_shardings()
     if params is None:
       params = self.model.initial_params
+    shardings = shardings._replace(secondary=None)
     if params is not None:
       self._check_params(params)
-      return jax.jit(make_state, out_shardings=shardings)(rng, params)
-    return jax.jit(lambda r: make_state(r, None), out_shardings=shardings)(rng)
+      state = jax.jit(make_state, out_shardings=shardings)(rng, params)
+    else:
+      state = jax.jit(lambda r: make_state(r, None), out_shardings=shardings)(rng)
+    return self.with_secondary(state)
+
+  def with_secondary(self, state: TrainState) -> TrainState:
+    """``state`` with its hpZ secondary partitions computed from its params -- by the code the
+    step refreshes them with, so init, restore and a running step agree bit for bit. ``state``
+    unchanged without hpZ."""
+    plan = self._require_plan()
+    if plan.zeropp.hpz <= 1:
+      return state
+    if self._refresh_fn is None:  # no compile options: also traced inside eval_shape(init)
+      specs, out = plan.param_specs(), plan.secondary_specs()
+      body = jax.shard_map(lambda p: plan.map(self._secondary, p), mesh=self.mesh.mesh,
+                           in_specs=(specs,), out_specs=out, check_vma=False)
+      to_sharding = lambda tree: jax.tree.map(plan.sharding, tree,
+                                              is_leaf=lambda x: isinstance(x, P))
+      self._refresh_fn = jax.jit(body, in_shardings=(to_sharding(specs),),
+                                 out_shardings=to_sharding(out))
+    return state._replace(secondary=self._refresh_fn(state.params))
+
+  def _secondary(self, leaf: LeafPlan, p: jax.Array) -> jax.Array | None:
+    """hpZ: a device's secondary partition of one leaf from its primary partition (in
+    ``shard_map``)."""
+    if not leaf.secondary:
+      return None
+    return zpp.refresh_secondary(p, leaf.shard_dim, self.plan.comm(leaf), int(leaf.stacked))
 
   def _check_params(self, params: PyTree) -> None:
     """Given parameters must have the model's tree structure and logical shapes."""
@@ -284,37 +320,42 @@ class Engine:
 
     return plan.map(target, params)
 
-  def _model_params(self, targets: PyTree, params: PyTree) -> PyTree:
+  def _model_params(self, targets: PyTree, params: PyTree, secondary: PyTree = None) -> PyTree:
     """What the model sees, per leaf (see :mod:`jzero.units` and :mod:`jzero.layers`).
 
     Stage-3 partitions go to the model as :class:`ZeroParam` partitions: gathered by their unit's
     calls, or one layer at a time by the layer scan; a partition no unit gathers is gathered here.
     A replicated parameter with a partitioned gradient is attached to its gradient slot here
     (stacked: inside the layer scan, one layer at a time), so its gradient is reduce-scattered the
-    moment backward has produced it.
+    moment backward has produced it. With ZeRO++ each carries the plan's ``comm`` for the leaf
+    (and with hpZ its secondary partition, which the gathers read).
     """
     plan, axes = self.plan, self.mesh
+    if secondary is None:
+      secondary = plan.map(lambda _: None)
 
-    def leaf_param(leaf: LeafPlan, target: jax.Array, p: jax.Array):
+    def leaf_param(leaf: LeafPlan, target: jax.Array, p: jax.Array, sec: jax.Array | None):
       if not leaf.grad_partitioned:
         return target
       size = leaf.shape[leaf.shard_dim]
+      comm = plan.comm(leaf)
       if leaf.param_partitioned:
-        zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, plan.comm_dtype)
+        zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, plan.comm_dtype,
+                       secondary=sec, comm=comm)
         keep = leaf.stacked or leaf.unit is not None
       else:
         zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, full=p,
-                       scatter=plan.reduce_scatter)
+                       scatter=plan.reduce_scatter, comm=comm)
         keep = leaf.stacked
       return zp if keep else zp.gather()
 
-    return plan.map(leaf_param, targets, params)
+    return plan.map(leaf_param, targets, params, secondary)
 
-  def _bind(self, targets: PyTree, params: PyTree) -> Any:
+  def _bind(self, targets: PyTree, params: PyTree, secondary: PyTree = None) -> Any:
     """The user's model over :meth:`_model_params`, its gather units installed."""
     units = frozenset(l.unit for l in self.plan.leaf_list()
                       if l.param_partitioned and l.unit is not None)
-    return self.model.bind(self._model_params(targets, params), units)
+    return self.model.bind(self._model_params(targets, params, secondary), units)
 
   def _local_master(self, leaf: LeafPlan, p: jax.Array) -> jax.Array:
     """fp32 training: this device's partition of a param, as the optimizer's master."""
@@ -350,7 +391,7 @@ class Engine:
 
     def scaled_loss(targets, mb, rng):
       with engine_context(policy):
-        model = self._bind(targets, state.params)
+        model = self._bind(targets, state.params, state.secondary)
         out = self.loss_fn(model, mb, rng=rng) if pass_rng else self.loss_fn(model, mb)
       loss, aux = out if isinstance(out, tuple) else (out, {})
       loss = loss.astype(jnp.float32)
@@ -395,15 +436,17 @@ class Engine:
       master = state.master if plan.has_master else plan.map(self._local_master, state.params)
       updates, opt_state = self.tx.update(grads, state.opt_state, master)
       master = optax.apply_updates(master, updates)
-      return plan.map(self._compute_param, master), (master if plan.has_master else None), opt_state
+      params = plan.map(self._compute_param, master)
+      secondary = plan.map(self._secondary, params) if plan.zeropp.hpz > 1 else None
+      return params, (master if plan.has_master else None), opt_state, secondary
 
     def skip(_):
-      return state.params, state.master, state.opt_state
+      return state.params, state.master, state.opt_state, state.secondary
 
     if self._checks_overflow():
-      params, master, opt_state = lax.cond(overflow, skip, apply_update, None)
+      params, master, opt_state, secondary = lax.cond(overflow, skip, apply_update, None)
     else:
-      params, master, opt_state = apply_update(None)
+      params, master, opt_state, secondary = apply_update(None)
 
     applied = state.step - state.skipped
     metrics = {
@@ -418,7 +461,7 @@ class Engine:
     new_state = TrainState(
         step=state.step + 1, skipped=state.skipped + overflow.astype(jnp.int32), params=params,
         master=master, opt_state=opt_state, loss_scale=self.scaler.update(state.loss_scale, overflow),
-        rng=state.rng)
+        rng=state.rng, secondary=secondary)
     return new_state, metrics
 
   def _learning_rate(self, applied: jax.Array, opt_state: PyTree) -> jax.Array:
@@ -573,17 +616,18 @@ class Engine:
                         f"{tuple(np.shape(x))}; its leading dimension must be a multiple of the "
                         f"data-parallel size {self.mesh.dp_size}.")
     if self._eval_fn is None:
-      def local_loss(params, mb):
+      def local_loss(params, secondary, mb):
         with engine_context(LayerPolicy()):
-          out = self.loss_fn(self._bind(self._grad_targets(params), params), mb)
+          out = self.loss_fn(self._bind(self._grad_targets(params), params, secondary), mb)
         loss = out[0] if isinstance(out, tuple) else out
         return lax.pmean(loss.astype(jnp.float32), self.mesh.batch_axes)
 
-      specs = plan.param_specs()
-      body = jax.shard_map(local_loss, mesh=self.mesh.mesh, in_specs=(specs, plan.batch_spec()),
-                           out_specs=P(), check_vma=False)
+      specs = (plan.param_specs(), plan.secondary_specs(), plan.batch_spec())
+      body = jax.shard_map(local_loss, mesh=self.mesh.mesh, in_specs=specs, out_specs=P(),
+                           check_vma=False)
       self._eval_fn = jax.jit(body)
-    return float(self._eval_fn(state.params, jax.device_put(batch, self.batch_sharding())))
+    return float(self._eval_fn(state.params, state.secondary,
+                               jax.device_put(batch, self.batch_sharding())))
 
   # -- reading the state back -----------------------------------------------------------------------
   def logical_params(self, state: TrainState, dtype: Any = jnp.float32) -> PyTree:
@@ -702,6 +746,7 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
   adapter = as_model(model, init_inputs)
   cfg = given.resolve(dp_world_size=zmesh.dp_size, hidden_size=hidden_size or adapter.hidden_size,
                     total_num_steps=total_num_steps, auto_values=auto_values)
+  zmesh, zeropp = zpp.resolve(cfg.zero_optimization, zmesh, default_mesh=mesh is None)
   if optimizer is None:
     tx, schedule = build_optimizer(_block(cfg.optimizer), _block(cfg.scheduler))
   else:
@@ -734,7 +779,7 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
     stacked_layers = adapter.stacked_layers
   return Engine(config=cfg, mesh=zmesh, model=adapter, loss_fn=loss_fn, tx=tx, schedule=schedule,
                 scaler=scaler, stacked_layers=_as_prefixes(stacked_layers),
-                training_dataloader=loader)
+                training_dataloader=loader, zeropp=zeropp)
 
 
 def _warn_gpu_only_knobs(given: Any, zero: Any, mesh: ZeroMesh) -> None:

@@ -15,6 +15,11 @@ stage      params                grads      optimizer  total (p = g = 2)
 3          p(Ψ - Ψr)/N + pΨr     gΨ/N       KΨ/N       (4 + K)Ψ/N + 2Ψr(1 - 1/N)
 =========  ====================  =========  =========  =========================
 
+ZeRO++'s hpZ (``zero_hpz_partition_size`` = s) adds a *secondary* copy of the stage-3
+partitioned params, split over the s devices of a node only: p(Ψ - Ψr)/s more on every device
+(its own column, "hpZ secondary"). DeepSpeed's hpZ costs the same (``ds_secondary_tensor``,
+≈ M/s per GPU). qwZ and qgZ change what moves, not what is held.
+
 Ψr is the stage-3 *persistent* parameters (see :mod:`jzero.plan`): leaves with fewer than
 ``persistence_threshold`` elements (per layer for leaves stacked over a layer axis) keep a
 replicated compute param; their gradients and optimizer state stay partitioned. Ψr needs the
@@ -171,6 +176,7 @@ class Estimate:
       (the largest unit or layer, twice when the next one is prefetched, plus the parameters
       gathered at the start; DeepSpeed's estimator counts the largest layer the same way). 0:
       not estimated.
+    hpz: ZeRO++ hpZ's secondary group size (1: off); its copy is ``bytes["device"]["secondary"]``.
   """
 
   stage: int
@@ -184,11 +190,19 @@ class Estimate:
   bytes: dict[str, dict[str, float]]
   activations: float = 0.0
   gathered: float = 0.0
+  hpz: int = 1
+
+  @property
+  def secondary(self) -> float:
+    """hpZ's secondary copy on the device (0 without hpZ)."""
+    return self.bytes["device"].get("secondary", 0.0)
 
   @property
   def name(self) -> str:
     """'DDP (stage 0)', 'ZeRO-2', 'ZeRO-3 + optimizer->cpu, params->nvme', ..."""
     name = "DDP (stage 0)" if self.stage == 0 else f"ZeRO-{self.stage}"
+    if self.hpz > 1:
+      name += f" + hpZ({self.hpz})"
     moved = [f"{what}->{where}" for what, where in
              (("optimizer", self.offload_optimizer), ("params", self.offload_param)) if where]
     return f"{name} + {', '.join(moved)}" if moved else name
@@ -234,7 +248,8 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
              offload_optimizer: str | None = None, offload_param: str | None = None,
              persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
              model_persistence_threshold: int | None = None, activations: float = 0.0,
-             gathered: tuple[int, int] = (0, 0), prefetch: bool = False) -> Estimate:
+             gathered: tuple[int, int] = (0, 0), prefetch: bool = False,
+             hpz_partition_size: int = 1) -> Estimate:
   """Per-device bytes of one ZeRO configuration (formulas and offload rules: module docstring).
 
   Args:
@@ -255,15 +270,20 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
     gathered: stage 3: (elements of the largest unit or layer gathered at once, elements gathered
       at the start of the forward pass), as :meth:`jzero.plan.Plan.gathered_working_set` gives.
     prefetch: the next unit or layer is gathered while one computes (two alive).
+    hpz_partition_size: ZeRO++ hpZ's group size s (stage 3): a secondary copy of the
+      partitioned params, p(Ψ - Ψr)/s per device.
 
   Raises:
-    ConfigError: an offload setting the stage does not have.
+    ConfigError: an offload setting the stage does not have, or hpZ outside stage 3.
   """
   if stage not in (0, 1, 2, 3):
     raise ConfigError(f"ZeRO stage must be 0..3, got {stage}.")
   problem = _offload_problem(stage, offload_optimizer, offload_param)
   if problem:
     raise ConfigError(problem)
+  hpz = int(hpz_partition_size)
+  if hpz > 1 and stage != 3:
+    raise ConfigError(f"hpz_partition_size={hpz} needs ZeRO stage 3 (ZeRO++), got stage {stage}.")
   n, g, k = devices * nodes, param_bytes if grad_bytes is None else grad_bytes, optimizer_bytes
   if isinstance(params, (int, float)):
     psi, persistent = int(params), 0
@@ -283,10 +303,12 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
   if offload_param:
     tiers[_OFFLOAD_TIER[offload_param]]["params"] = param_bytes * (psi - persistent) / n
     device["params"] = float(param_bytes * persistent)
+  if hpz > 1:
+    device["secondary"] = param_bytes * (psi - persistent) / hpz
   return Estimate(stage=stage, offload_optimizer=offload_optimizer, offload_param=offload_param,
                   num_params=psi, persistent_params=persistent, devices=n,
                   devices_per_node=devices, param_bytes=param_bytes, bytes=tiers,
-                  activations=activations,
+                  activations=activations, hpz=hpz,
                   gathered=(param_bytes * (gathered[0] * (1 + prefetch) + gathered[1])
                             if stage == 3 else 0.0))
 
@@ -420,12 +442,15 @@ def format_estimates(estimates: Sequence[Estimate]) -> str:
   """A table of estimates: device bytes by category and in total, offloaded bytes per process."""
   acts = any(e.activations for e in estimates)
   gathered = any(e.gathered for e in estimates)
+  secondary = any(e.secondary for e in estimates)
   per_node = any(e.devices_per_node > 1 and e.tier_total("host") for e in estimates)
-  header = (["configuration", *CATEGORIES] + ["gathered"] * gathered + ["activations"] * acts
+  header = (["configuration", *CATEGORIES] + ["hpZ secondary"] * secondary
+            + ["gathered"] * gathered + ["activations"] * acts
             + ["device total", "host/process"] + ["host/node"] * per_node + ["nvme/process"])
   rows = []
   for e in estimates:
     rows.append([e.name, *(_cell(e.bytes["device"][c]) for c in CATEGORIES)]
+                + [_cell(e.secondary)] * secondary
                 + [_cell(e.gathered)] * gathered + [_cell(e.activations)] * acts
                 + [format_bytes(e.device_total), _cell(e.tier_total("host"))]
                 + [_cell(e.host_per_node)] * per_node + [_cell(e.tier_total("nvme"))])
@@ -458,19 +483,23 @@ def live_bytes(tree: Any, device: jax.Device | None = None) -> dict[str, int]:
 def state_report(engine: Any, state: Any) -> dict[str, dict[str, int]]:
   """Bytes the first device of ``engine``'s mesh holds: category -> memory kind -> bytes.
 
-  Categories are :data:`REPORT_CATEGORIES`; params, master and optimizer are measured from the
-  live arrays, grads counted from the plan (``{}`` where a category has no arrays).
+  Categories are :data:`REPORT_CATEGORIES`, plus "secondary" (ZeRO++ hpZ's copy) when the state
+  has one; params, master, optimizer and secondary are measured from the live arrays, grads
+  counted from the plan (``{}`` where a category has no arrays).
   """
   plan = engine.plan
   device = engine.mesh.mesh.devices.flat[0]
   itemsize = jnp.dtype(plan.compute_dtype).itemsize
   grads = sum(plan.local_numel(l, l.grad_partitioned) for l in plan.leaf_list()) * itemsize
-  return {
+  report = {
       "params": live_bytes(state.params, device),
       "grads": {"device": grads},
       "master": live_bytes(state.master, device),
       "optimizer": live_bytes(state.opt_state, device),
   }
+  if getattr(state, "secondary", None) is not None:
+    report["secondary"] = live_bytes(state.secondary, device)
+  return report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -521,14 +550,19 @@ class MemoryReport:
   compiled: CompiledMemory | None = None
   prefetch: bool = False
 
+  @property
+  def categories(self) -> tuple[str, ...]:
+    """:data:`REPORT_CATEGORIES`, plus "secondary" with ZeRO++ hpZ."""
+    return REPORT_CATEGORIES + (("secondary",) if "secondary" in self.measured else ())
+
   def measured_bytes(self, category: str | None = None) -> int:
     """Measured bytes of one category, over all memory kinds (None: all categories)."""
-    names = REPORT_CATEGORIES if category is None else (category,)
+    names = self.categories if category is None else (category,)
     return sum(sum(self.measured[c].values()) for c in names)
 
   def predicted_bytes(self, category: str | None = None) -> float:
     """Predicted bytes of one category (None: all categories)."""
-    names = REPORT_CATEGORIES if category is None else (category,)
+    names = self.categories if category is None else (category,)
     return sum(self.predicted[c] for c in names)
 
   def ratio(self, category: str | None = None) -> float:
@@ -570,11 +604,14 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
                  optimizer_bytes=master_k + opt_k,
                  persistence_threshold=zero.param_persistence_threshold,
                  model_persistence_threshold=zero.model_persistence_threshold,
-                 gathered=plan.gathered_working_set(), prefetch=plan.prefetches)
+                 gathered=plan.gathered_working_set(), prefetch=plan.prefetches,
+                 hpz_partition_size=plan.zeropp.hpz)
   device = est.bytes["device"]
   per_k = device["optimizer"] / (master_k + opt_k) if master_k + opt_k else 0.0
   predicted = {"params": device["params"], "grads": device["grads"], "master": per_k * master_k,
                "optimizer": per_k * opt_k}
+  if est.hpz > 1:
+    predicted["secondary"] = device["secondary"]
   compiled = CompiledMemory.of(engine.compile_step(state, batch)) if batch is not None else None
   return MemoryReport(device=str(engine.mesh.mesh.devices.flat[0]),
                       precision=engine.config.precision, measured=state_report(engine, state),
@@ -594,10 +631,11 @@ def format_memory_report(report: MemoryReport) -> str:
            f"{report.optimizer_bytes:g} B/param"]
   header = ["model states", *kinds, "measured", "predicted", "measured/predicted"]
   rows = []
-  for name in (*REPORT_CATEGORIES, None):
+  for name in (*report.categories, None):
     ratio = report.ratio(name)
     label = name or "total"
-    rows.append([f"{label} (plan)" if name == "grads" else label]
+    label = {"grads": "grads (plan)", "secondary": "hpZ secondary"}.get(label, label)
+    rows.append([label]
                 + [_cell(report.measured[name].get(k, 0)) if name else "" for k in kinds]
                 + [_cell(report.measured_bytes(name)), _cell(report.predicted_bytes(name)),
                    "-" if math.isnan(ratio) else f"{ratio:.4f}"])
@@ -659,6 +697,9 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
                       help="also show the stages with the optimizer state offloaded")
   parser.add_argument("--offload-param", choices=("cpu", "nvme"), default=None,
                       help="also show ZeRO-3 with the params offloaded")
+  parser.add_argument("--hpz", type=int, default=1, metavar="S",
+                      help="ZeRO++ zero_hpz_partition_size: the ZeRO-3 rows add hpZ's secondary "
+                           "copy of the params over S devices (default 1: off)")
   parser.add_argument("--persistence-threshold", type=_parse_count,
                       default=DEFAULT_PERSISTENCE_THRESHOLD,
                       help="stage3_param_persistence_threshold, with --model (default 100000)")
@@ -735,8 +776,12 @@ def run_estimate(args: argparse.Namespace) -> int:
                             checkpointing=args.checkpoint_activations)
   common = dict(param_bytes=p, optimizer_bytes=k, persistence_threshold=args.persistence_threshold,
                 activations=acts)
+  if args.hpz < 1 or (args.devices * args.nodes) % args.hpz:
+    raise ConfigError(f"--hpz {args.hpz}: the hpZ group must divide the {args.devices * args.nodes} "
+                      f"devices (usually --hpz {args.devices}, the devices per node).")
   rows = [estimate(params, s, args.devices, args.nodes, offload_optimizer=o, offload_param=q,
-                   **common) for s, o, q in _estimate_rows(args)]
+                   hpz_partition_size=args.hpz if s == 3 else 1, **common)
+          for s, o, q in _estimate_rows(args)]
   first = rows[0]
   print(f"jzero estimate: {first.num_params:,} params ({what}); N = {first.devices} devices "
         f"({args.nodes} x {args.devices} per node); {args.precision} params and grads ({p} B "

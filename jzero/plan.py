@@ -43,6 +43,14 @@ unit is gathered when the forward pass starts and kept until backward.
 their gradients, master and optimizer state are still partitioned (stage-2 treatment). Up to
 ``stage3_model_persistence_threshold`` elements in all are kept, smallest leaves first.
 
+**ZeRO++** (:mod:`jzero.zeropp`). The plan records, per stage-3 leaf, how its collectives move
+bytes: ``gather`` ("plain" or "int8": qwZ), ``secondary`` (hpZ: a secondary partition split over
+the node's local axes only, which the forward and backward gathers read; refreshed across nodes
+after every update) and ``reduce`` ("plain" or "int4": qgZ's two all-to-all hops), with their
+block sizes; :attr:`Plan.zeropp` holds the node / local split of the ZeRO axes. The step
+(``ZeroParam.comm``), the secondary's placement (:meth:`Plan.secondary_spec`), the memory
+estimator and report read them from here. The primary layout is the same as without ZeRO++.
+
 **Precision.** fp32 training keeps no separate master: the optimizer updates the fp32 params (for a
 replicated param in stage 1/2 each device updates its own slice, then all-gathers). bf16 / fp16
 training keeps an fp32 master in the master layout and casts it to the compute dtype.
@@ -61,8 +69,10 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import kernels
 from jzero.collectives import pad_to
 from jzero.mesh import ZeroMesh
+from jzero.zeropp import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL, Comm, ZeroPP
 
 __all__ = ["LeafPlan", "Plan", "make_plan", "path_str", "flatten_paths"]
 
@@ -102,6 +112,12 @@ class LeafPlan:
     grad_partitioned: the gradient accumulator is partitioned (stage >= 2).
     unit: path of the module whose calls gather this leaf under stage 3 ('' for the model
       itself; see :mod:`jzero.units`), or None when no module call gathers it alone.
+    gather: how the partitioned param is gathered: "plain", or "int8" blocks (qwZ).
+    secondary: hpZ: the leaf keeps a secondary partition over the local axes, which its
+      forward and backward gathers read.
+    reduce: how the partitioned gradient is reduced: "plain" reduce-scatter, or "int4" two-hop
+      all-to-all (qgZ).
+    gather_group, reduce_group: block sizes (elements) of the int8 gather and int4 reduction.
   """
 
   path: str
@@ -113,6 +129,11 @@ class LeafPlan:
   state_partitioned: bool
   grad_partitioned: bool
   unit: str | None = None
+  gather: str = "plain"
+  secondary: bool = False
+  reduce: str = "plain"
+  gather_group: int = 0
+  reduce_group: int = 0
 
   @property
   def numel(self) -> int:
@@ -199,6 +220,7 @@ class Plan:
     gather_bucket_size: elements per parameter all-gather bucket (allgather_bucket_size in stage
       1/2, stage3_prefetch_bucket_size in stage 3).
     overlap_comm: overlap collectives with compute.
+    zeropp: ZeRO++ settings and the node / local split of the ZeRO axes.
   """
 
   stage: int
@@ -211,6 +233,7 @@ class Plan:
   reduce_bucket_size: int = 500_000_000
   gather_bucket_size: int = 500_000_000
   overlap_comm: bool = False
+  zeropp: ZeroPP = ZeroPP()
 
   # -- what exists ----------------------------------------------------------------------------------
   @property
@@ -240,6 +263,34 @@ class Plan:
 
   def grad_spec(self, leaf: LeafPlan) -> P:
     return self._split_spec(leaf) if leaf.grad_partitioned else P()
+
+  def secondary_spec(self, leaf: LeafPlan) -> P | None:
+    """hpZ: the secondary partition's spec -- the padded leaf split along its shard dim over the
+    local axes only (replicated across nodes); its global view is the padded parameter with its
+    chunks in [local][node] order (:mod:`jzero.zeropp`). None for a leaf without one."""
+    if not leaf.secondary:
+      return None
+    spec: list[Any] = [None] * len(leaf.shape)
+    axes = self.zeropp.hierarchy.local_axes
+    spec[leaf.shard_dim] = axes[0] if len(axes) == 1 else axes
+    return P(*spec)
+
+  def secondary_specs(self) -> PyTree | None:
+    """Specs of the train state's secondary partitions (None where a leaf has none), or None
+    without hpZ."""
+    if self.zeropp.hpz <= 1:
+      return None
+    return self.map(self.secondary_spec)
+
+  def comm(self, leaf: LeafPlan) -> Comm | None:
+    """The static ZeRO++ description of a leaf's collectives (None when they are all plain)."""
+    if leaf.gather == "plain" and not leaf.secondary and leaf.reduce == "plain":
+      return None
+    h = self.zeropp.hierarchy
+    return Comm(gather=leaf.gather, secondary=leaf.secondary, reduce=leaf.reduce,
+                gather_group=leaf.gather_group, reduce_group=leaf.reduce_group,
+                zero_axes=self.mesh.zero_axes, node_axes=h.node_axes if h else (),
+                local_axes=h.local_axes if h else ())
 
   def param_shape(self, leaf: LeafPlan) -> tuple[int, ...]:
     """Global shape of the stored compute param."""
@@ -343,6 +394,10 @@ class Plan:
       return math.prod(leaf.padded_shape) // self.mesh.zero_size
     return leaf.numel
 
+  def secondary_numel(self, leaf: LeafPlan) -> int:
+    """Elements one device holds of a leaf's hpZ secondary partition (0 without one)."""
+    return math.prod(leaf.padded_shape) // self.zeropp.hpz if leaf.secondary else 0
+
 
 def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dtype: Any,
               grad_accum_dtype: Any = jnp.float32, comm_dtype: Any | None = None,
@@ -350,7 +405,7 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
               persistence_threshold: int = 100_000, model_persistence_threshold: int | None = None,
               reduce_scatter: bool = True, reduce_bucket_size: int = 500_000_000,
               gather_bucket_size: int = 500_000_000, overlap_comm: bool = False,
-              units: dict[str, str] | None = None) -> Plan:
+              units: dict[str, str] | None = None, zeropp: ZeroPP = ZeroPP()) -> Plan:
   """Builds the plan for a params pytree.
 
   Args:
@@ -366,6 +421,7 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
     reduce_scatter: stage 1/2 reduce with reduce-scatter (False: all-reduce, keep own slice).
     reduce_bucket_size, gather_bucket_size, overlap_comm: see :meth:`Plan.xla_options`.
     units: leaf path -> path of the module that gathers it (:func:`jzero.units.choose_units`).
+    zeropp: ZeRO++ settings resolved against the mesh (:func:`jzero.zeropp.resolve`); stage 3.
   """
   if stage not in (0, 1, 2, 3):
     raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
@@ -394,18 +450,39 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
       persistent.add(p)
       budget -= numel
 
+  if zeropp.enabled and stage != 3:
+    raise ValueError(f"ZeRO++ needs ZeRO stage 3, got stage {stage}")
   leaves = []
   for p, shape, is_stacked, dim, padded in drafts:
     splittable = dim is not None and stage >= 1
-    leaves.append(LeafPlan(
+    leaf = LeafPlan(
         path=p, shape=shape, stacked=is_stacked, shard_dim=dim if splittable else None,
         padded=padded if splittable else 0,
         param_partitioned=splittable and stage == 3 and p not in persistent,
         state_partitioned=splittable,
         grad_partitioned=splittable and stage >= 2,
-        unit=(units or {}).get(p)))
+        unit=(units or {}).get(p))
+    leaves.append(_zeropp_leaf(leaf, zeropp, n) if zeropp.enabled else leaf)
   return Plan(stage=stage, mesh=mesh, leaves=jax.tree_util.tree_unflatten(treedef, leaves),
               compute_dtype=jnp.dtype(compute_dtype), grad_accum_dtype=jnp.dtype(grad_accum_dtype),
               comm_dtype=jnp.dtype(comm_dtype or compute_dtype), reduce_scatter=reduce_scatter,
               reduce_bucket_size=reduce_bucket_size, gather_bucket_size=gather_bucket_size,
-              overlap_comm=overlap_comm)
+              overlap_comm=overlap_comm, zeropp=zeropp)
+
+
+def _zeropp_leaf(leaf: LeafPlan, zeropp: ZeroPP, n: int) -> LeafPlan:
+  """A stage-3 leaf with its ZeRO++ collectives chosen (see :mod:`jzero.zeropp`, "What stays
+  plain"): block sizes come from the per-layer partition, the unit a scan or a gather unit
+  moves."""
+  if not leaf.grad_partitioned:
+    return leaf
+  layer_shape = leaf.padded_shape[1:] if leaf.stacked else leaf.padded_shape
+  part = math.prod(layer_shape) // n  # elements per device per layer
+  changes: dict[str, Any] = {}
+  if leaf.param_partitioned:
+    changes["secondary"] = zeropp.hpz > 1
+    if zeropp.quantized_weights and part >= QWZ_MIN_NUMEL:  # blocks of one layer's partition
+      changes["gather"], changes["gather_group"] = "int8", kernels.qwz_group_size(part)
+  if zeropp.quantized_gradients and len(layer_shape) >= 2 and part >= QGZ_MIN_NUMEL:
+    changes["reduce"], changes["reduce_group"] = "int4", QGZ_GROUP
+  return dataclasses.replace(leaf, **changes)

@@ -13,6 +13,10 @@ returns every all-gather, reduce-scatter, all-reduce, all-to-all and collective-
   ``(n-1)/n * full``, all-reduce ``2 (n-1)/n * full``, all-to-all ``(n-1)/n * full``,
   collective-permute the whole buffer,
 * how many buffers XLA's combiners merged into it (DeepSpeed's buckets),
+* its payload: the element types it moves (``u16`` for 16-bit parameters, which jzero gathers as
+  their bits; ``s8`` + ``f32`` for ZeRO++'s int8 blocks and scales; ``u8`` for int4 blocks, two
+  per byte -- every type is counted at its own width, so quantized collectives show their real
+  bytes),
 * and, in a scheduled GPU program, whether it runs asynchronously and what is scheduled while it
   is in flight. The GPU compiler turns every collective into a ``-start`` / ``-done`` pair and
   marks the ones it runs synchronously (``"is_sync":true`` in the backend config); the text of a
@@ -28,7 +32,11 @@ returns every all-gather, reduce-scatter, all-reduce, all-to-all and collective-
 :func:`comm_volume` sums them per step and expresses the total in units of Psi (the parameter
 count times the bytes of one element), the unit of the ZeRO paper's communication analysis:
 DDP, ZeRO-1 and ZeRO-2 move ``2 Psi`` per device per step, ZeRO-3 ``3 Psi`` (times ``(n-1)/n`` for
-a ring of ``n`` devices, which the paper rounds to 1).
+a ring of ``n`` devices, which the paper rounds to 1). :meth:`CommVolume.crossing` is what
+crosses a mesh axis -- on a ``node x local`` mesh, the bytes over the slow links: every collective
+whose replica groups span that axis, counted whole (a collective over all devices is counted as
+crossing nodes, as the ZeRO++ paper counts ZeRO-3's 3Ψ). An all-to-all over a tuple of buffers
+(XLA's CPU form: one buffer per destination) counts them all.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
           "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
           "c128": 16}
+_BITS = {"s4": 4, "u4": 4, "s2": 2, "u2": 2, "s1": 1, "u1": 1}  # sub-byte types, packed
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 _ARRAY = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
@@ -77,6 +86,7 @@ class Collective:
   overlapped_ops: int = 0  # compute instructions scheduled between its start and done
   overlapped_matmuls: int = 0  # of which matrix multiplications (gemms, dots, convolutions)
   computation: str = ""  # the HLO computation it is in (a loop body, or the entry)
+  payload: tuple[str, ...] = ()  # element types moved, e.g. ("s8", "f32") for int8 blocks
 
   @property
   def overlapped(self) -> bool:
@@ -101,8 +111,16 @@ class Collective:
 
 
 def _type_bytes(type_str: str) -> int:
-  return sum(_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d)
-             for dt, dims in _ARRAY.findall(type_str))
+  total = 0
+  for dt, dims in _ARRAY.findall(type_str):
+    numel = math.prod(int(d) for d in dims.split(",") if d)
+    total += -(-numel * _BITS[dt] // 8) if dt in _BITS else _BYTES.get(dt, 4) * numel
+  return total
+
+
+def _payload(type_str: str) -> tuple[str, ...]:
+  """The distinct element types of a collective's result buffers, in order of appearance."""
+  return tuple(dict.fromkeys(dt for dt, _ in _ARRAY.findall(type_str)))
 
 
 def _tuple_elements(type_str: str) -> list[str]:
@@ -230,7 +248,8 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
                               axes=_axes(groups, mesh_shape) if mesh_shape else (),
                               count=runs[comp], buffers=len(_ARRAY.findall(outputs)),
                               is_async=is_async, overlapped_ops=overlapped,
-                              overlapped_matmuls=matmuls, computation=comp))
+                              overlapped_matmuls=matmuls, computation=comp,
+                              payload=_payload(outputs)))
   return found
 
 
@@ -300,18 +319,24 @@ class CommVolume:
       out[c.axes] += c.step_bytes
     return dict(out)
 
+  def crossing(self, axis: str) -> float:
+    """Bytes sent per device per step by the collectives whose groups span mesh axis ``axis``
+    (``"node"``: what crosses nodes)."""
+    return sum(c.step_bytes for c in self.ops if axis in c.axes)
+
   def table(self) -> str:
-    """A per-kind / per-axes table of bytes sent per device per step."""
+    """A per-kind / per-axes / per-payload table of bytes sent per device per step."""
     rows = collections.defaultdict(lambda: [0, 0.0])
     for c in self.ops:
-      key = (c.kind, "x".join(c.axes) or "-")
+      key = (c.kind, "x".join(c.axes) or "-", "+".join(c.payload) or "-")
       rows[key][0] += c.count
       rows[key][1] += c.step_bytes
-    lines = [f"{'collective':<20}{'axes':<14}{'runs/step':>10}{'MiB sent/device':>17}{'Psi':>8}"]
-    for (kind, axes), (count, sent) in sorted(rows.items()):
-      lines.append(f"{kind:<20}{axes:<14}{count:>10}{sent / 2**20:>17.3f}"
+    lines = [f"{'collective':<20}{'axes':<14}{'payload':<10}{'runs/step':>10}"
+             f"{'MiB sent/device':>17}{'Psi':>8}"]
+    for (kind, axes, payload), (count, sent) in sorted(rows.items()):
+      lines.append(f"{kind:<20}{axes:<14}{payload:<10}{count:>10}{sent / 2**20:>17.3f}"
                    f"{sent / self.psi_bytes:>8.3f}")
-    lines.append(f"{'total':<44}{self.total_bytes / 2**20:>17.3f}{self.total_psi:>8.3f}")
+    lines.append(f"{'total':<54}{self.total_bytes / 2**20:>17.3f}{self.total_psi:>8.3f}")
     return "\n".join(lines)
 
 

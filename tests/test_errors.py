@@ -78,7 +78,6 @@ def test_mesh_file_errors(tmp_path):
 @pytest.mark.parametrize("name, key", [
     ("huggingface_transformers__tests_deepspeed_ds_config_zero3.json",
      "zero_optimization.offload_optimizer.device=cpu"),
-    ("deepspeedai_DeepSpeed__docs__tutorials_zeropp.md.json", "zero_quantized_weights"),
 ])
 def test_later_features_are_refused_at_initialize(name, key):
   with pytest.raises(jzero.NotSupportedError) as e:

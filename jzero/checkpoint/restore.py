@@ -11,6 +11,9 @@ mixed precision, the fp32 params in fp32 training -- becomes the new truth; in m
 compute params are cast from it as the train step would. Every file is checked against its recorded
 size and checksum, and shapes, leaf paths and the optimizer-state structure against the engine,
 before any device work. ``params_only=True`` restores weights alone, with a fresh optimizer state.
+ZeRO++ hpZ's secondary partitions are not in a checkpoint: they are a function of the compute
+params, recomputed after the restore by the code the step refreshes them with, so a resumed run
+is bit-exact.
 """
 
 from __future__ import annotations
@@ -227,4 +230,5 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
     state = type(abstract)(step=restored["step"], skipped=restored["skipped"], params=params,
                            master=master, opt_state=group("opt_state", abstract.opt_state),
                            loss_scale=loss_scale, rng=restored["rng"])
+  state = engine.with_secondary(state)  # hpZ: from the restored params, as the step makes it
   return (state, meta["client_state"]) if with_client_state else state

@@ -186,7 +186,7 @@ class Checkpointer:
     except (TypeError, ValueError) as e:
       raise CheckpointError(f"client_state must be JSON-serialisable (it is stored in "
                             f"{META_FILE}): {e}.") from None
-    arrays = flatten_paths(state)
+    arrays = flatten_paths(state._replace(secondary=None))  # hpZ's copy: recomputed on restore
     dtype16 = _weights16_dtype(engine)
     items = {"state": ocp.args.PyTreeSave(layout.nest(arrays)),
              "meta": ocp.args.JsonSave(_metadata(engine, state, tag, arrays, dtype16,
