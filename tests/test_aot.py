@@ -96,17 +96,23 @@ def test_overlap_comm_makes_zero3_layer_gathers_async_and_overlapped():
 @needs_plugin
 def test_smaller_buckets_give_more_smaller_combined_collectives():
   default = _compile("stage2", stage=2)
+  # Stage 2 gathers the stacked layers' updated partitions one layer at a time inside a loop, so
+  # the all-gathers XLA combines are the top level's few small leaves (160 KiB in all): the
+  # all-gather bucket must be below that to cut them
   small = _compile("stage2-small-buckets", stage=2, reduce_bucket_size=100_000,
-                   allgather_bucket_size=100_000)
-  bucket = 100_000 * 2  # elements x bf16, of the full buffers (DeepSpeed's unit)
+                   allgather_bucket_size=25_000)
+  buckets = {"reduce-scatter": 100_000 * 2, "all-gather": 25_000 * 2}  # elements x bf16
   # XLA bounds a combined reduce-scatter's scattered result: the bucket over the ZeRO size
-  assert small.xla_options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == bucket // 8
-  assert small.xla_options["xla_gpu_all_gather_combine_threshold_bytes"] == bucket
-  for kind in ("reduce-scatter", "all-gather"):
+  assert small.xla_options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 200_000 // 8
+  assert small.xla_options["xla_gpu_all_gather_combine_threshold_bytes"] == 50_000
+  for kind, bucket in buckets.items():
+    combined_default = [c for c in default.collectives if c.kind == kind and c.buffers > 1]
+    assert max(c.full_bytes for c in combined_default) > bucket, kind  # the bucket has work
     ops_default = [c for c in default.collectives if c.kind == kind]
     ops_small = [c for c in small.collectives if c.kind == kind]
     assert len(ops_small) > len(ops_default), kind
-    assert max(c.full_bytes for c in ops_small) < max(c.full_bytes for c in ops_default), kind
+    assert max(c.full_bytes for c in ops_small if c.buffers > 1) < max(
+        c.full_bytes for c in combined_default), kind
     # a combined collective stays within the bucket; a single buffer larger than it goes alone
     assert all(c.full_bytes <= bucket for c in ops_small if c.buffers > 1), kind
     assert sum(c.buffers for c in ops_small) >= sum(c.buffers for c in ops_default)
