@@ -1,13 +1,14 @@
 """One process of the multi-process tests (tests/test_multiprocess.py); not a test module itself.
 
-Usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS OUT_DIR
+Usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS OUT_DIR [zeropp]
 
 Joins a ``jax.distributed`` job over gloo on 127.0.0.1 with DEVICES_PER_PROCESS CPU devices, then,
 with ZeRO stage 3 on one data axis over every device of every process:
 trains 2 steps, saves a checkpoint (each process writes its own shards), restores it into a fresh
 state, trains 2 more steps and saves again. Process 0 writes the losses and the final logical
 params to OUT_DIR/result.npz; every process writes the shapes of the shards it held to
-OUT_DIR/shards_<id>.json.
+OUT_DIR/shards_<id>.json. With ``zeropp`` the job runs ZeRO++ with qwZ, hpZ (one group per
+process: the default mesh laid out as node = process x local) and qgZ (tests/test_zeropp.py).
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ import jax  # noqa: E402
 STEPS = 4
 BATCH = 8
 STAGE3 = {"stage3_param_persistence_threshold": 0}  # partition every parameter, small ones too
+ZEROPP = {**STAGE3, "zero_quantized_weights": True, "zero_hpz_partition_size": 4,
+          "zero_quantized_gradients": True}
 
 
-def main(process_id: int, num_processes: int, port: int, devices: int, out: str) -> None:
+def main(process_id: int, num_processes: int, port: int, devices: int, out: str,
+         zero: dict = STAGE3) -> None:
   jax.config.update("jax_num_cpu_devices", devices)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
@@ -37,7 +41,7 @@ def main(process_id: int, num_processes: int, port: int, devices: int, out: str)
   from zero_testing import SMALL, batches, ds_config, gpt_factory
 
   data = batches(SMALL.seq_len, BATCH, STEPS)
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **STAGE3))
+  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **zero))
   state = engine.init(jax.random.key(0))
   ckpt = os.path.join(out, "ckpt")
   losses = []
@@ -65,4 +69,5 @@ def main(process_id: int, num_processes: int, port: int, devices: int, out: str)
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   pid, nproc, port, ndev = map(int, sys.argv[1:5])
-  main(pid, nproc, port, ndev, sys.argv[5])
+  main(pid, nproc, port, ndev, sys.argv[5],
+       ZEROPP if sys.argv[6:7] == ["zeropp"] else STAGE3)
