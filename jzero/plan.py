@@ -290,7 +290,8 @@ class Plan:
     return Comm(gather=leaf.gather, secondary=leaf.secondary, reduce=leaf.reduce,
                 gather_group=leaf.gather_group, reduce_group=leaf.reduce_group,
                 zero_axes=self.mesh.zero_axes, node_axes=h.node_axes if h else (),
-                local_axes=h.local_axes if h else ())
+                local_axes=h.local_axes if h else (),
+                impl="jnp" if self.mesh.mesh.devices.flat[0].platform == "cpu" else "auto")
 
   def param_shape(self, leaf: LeafPlan) -> tuple[int, ...]:
     """Global shape of the stored compute param."""

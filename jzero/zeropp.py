@@ -281,6 +281,9 @@ class Comm:
     gather_group: int8 block size (elements) of the qwZ gather.
     reduce_group: int4 block size of the qgZ hops.
     zero_axes, node_axes, local_axes: the mesh axes.
+    impl: the kernels' implementation (:mod:`kernels.ops`): "jnp" on a CPU mesh (the Pallas
+      kernels would only be traced to be dropped: seconds of tracing per step compile), "auto"
+      elsewhere (Pallas where the step is lowered for CUDA, also ahead of time).
   """
 
   gather: str
@@ -291,6 +294,7 @@ class Comm:
   zero_axes: Axes
   node_axes: Axes
   local_axes: Axes
+  impl: str = "auto"
 
 
 # --- the collectives (inside shard_map) -----------------------------------------------------------
@@ -314,21 +318,22 @@ def _concat_chunks(y: jax.Array, d: int) -> jax.Array:
 
 
 def quantized_gather(shard: jax.Array, dim: int, axes: Axes, group: int,
-                     batch_dims: int = 0) -> jax.Array:
+                     batch_dims: int = 0, impl: str = "auto") -> jax.Array:
   """qwZ: all partitions on ``axes`` gathered as int8 blocks, dequantized to ``shard``'s dtype and
   concatenated along ``dim``; the first ``batch_dims`` axes are quantized as separate chunks (the
   layers of a stacked leaf)."""
   d = dim % shard.ndim
-  q = kernels.quantize(shard, QWZ_BITS, group, batch_dims=batch_dims, rule=RULE)
+  q = kernels.quantize(shard, QWZ_BITS, group, batch_dims=batch_dims, rule=RULE, impl=impl)
   g = kernels.all_gather(q, axes)
-  return _concat_chunks(kernels.dequantize(g, shard.dtype), d)
+  return _concat_chunks(kernels.dequantize(g, shard.dtype, impl=impl), d)
 
 
 def refresh_secondary(primary: jax.Array, dim: int, comm: Comm, batch_dims: int = 0) -> jax.Array:
   """hpZ: this device's secondary partition from the primary partitions of its node axes (int8
   blocks with qwZ). ``primary`` may be a stacked leaf (``batch_dims=1``: one chunk per layer)."""
   if comm.gather == "int8":
-    return quantized_gather(primary, dim, comm.node_axes, comm.gather_group, batch_dims)
+    return quantized_gather(primary, dim, comm.node_axes, comm.gather_group, batch_dims,
+                            comm.impl)
   d = dim % primary.ndim
   full = lax.all_gather(_as_bits(primary), comm.node_axes, axis=d, tiled=True)
   return _from_bits(full, primary.dtype)
@@ -359,11 +364,11 @@ def quantized_reduce_scatter(full: jax.Array, dim: int, padded: int, comm: Comm)
   rest = x.shape[1:]
   part = padded // (nodes * local)
   x = x.reshape(nodes, local, part * math.prod(rest)).swapaxes(0, 1)  # [l, n]: partition n*L+l
-  q = kernels.quantize(x, QGZ_BITS, comm.reduce_group, batch_dims=2, rule=RULE)
+  q = kernels.quantize(x, QGZ_BITS, comm.reduce_group, batch_dims=2, rule=RULE, impl=comm.impl)
   q = kernels.all_to_all(q, comm.local_axes)  # [source l', n]: partitions n*L+l of the node
-  q = kernels.requantize_sum(q, rule=RULE)  # [n]: this node's partial sums
+  q = kernels.requantize_sum(q, rule=RULE, impl=comm.impl)  # [n]: this node's partial sums
   q = kernels.all_to_all(q, comm.node_axes)  # [source n']: partition n*L+l of every node
-  mine = kernels.dequantize_sum(q)
+  mine = kernels.dequantize_sum(q, impl=comm.impl)
   return jnp.moveaxis(mine.reshape(part, *rest), 0, d)
 
 
@@ -382,7 +387,7 @@ def _forward(partition: jax.Array, secondary: jax.Array | None, dim: int, size: 
   if comm.secondary:
     return gather_secondary(secondary, dim, size, comm)
   if comm.gather == "int8":
-    full = quantized_gather(partition, dim, comm.zero_axes, comm.gather_group)
+    full = quantized_gather(partition, dim, comm.zero_axes, comm.gather_group, impl=comm.impl)
     return lax.slice_in_dim(full, 0, size, axis=dim % full.ndim)
   from jzero.collectives import all_gather  # noqa: PLC0415
 
