@@ -227,7 +227,7 @@ def test_three_nodes_of_two():
   """A node count that is not a power of two (DeepSpeed #5054): 3 x 2 on six devices."""
   mesh = jzero.MeshSpec.from_dict({"axes": {"node": 3, "local": 2}, "zero_axes": ["node", "local"],
                                    "batch_axes": ["node", "local"]})
-  zero = dict(ALL_LEAVES, **MODES["all"], zero_hpz_partition_size=2)
+  zero = {**ALL_LEAVES, **MODES["all"], "zero_hpz_partition_size": 2}
   devices = jax.devices()[:6]
   engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **zero),
                             mesh=mesh.build(devices))
