@@ -102,6 +102,8 @@ class LeafPlan:
     grad_partitioned: the gradient accumulator is partitioned (stage >= 2).
     unit: path of the module whose calls gather this leaf under stage 3 ('' for the model
       itself; see :mod:`jzero.units`), or None when no module call gathers it alone.
+    state_tier: where the fp32 master and optimizer state live: "device" or "host"
+      (ZeRO-Offload, :mod:`jzero.offload`).
   """
 
   path: str
@@ -113,6 +115,7 @@ class LeafPlan:
   state_partitioned: bool
   grad_partitioned: bool
   unit: str | None = None
+  state_tier: str = "device"
 
   @property
   def numel(self) -> int:
@@ -199,6 +202,8 @@ class Plan:
     gather_bucket_size: elements per parameter all-gather bucket (allgather_bucket_size in stage
       1/2, stage3_prefetch_bucket_size in stage 3).
     overlap_comm: overlap collectives with compute.
+    host_memory_kind: the memory kind of host-tier leaves ("pinned_host" or "unpinned_host").
+    offload_update: how host-tier state is updated, "stream" or "host" (:mod:`jzero.offload`).
   """
 
   stage: int
@@ -211,6 +216,8 @@ class Plan:
   reduce_bucket_size: int = 500_000_000
   gather_bucket_size: int = 500_000_000
   overlap_comm: bool = False
+  host_memory_kind: str = "pinned_host"
+  offload_update: str = "stream"
 
   # -- what exists ----------------------------------------------------------------------------------
   @property
@@ -224,6 +231,33 @@ class Plan:
   def map(self, fn: Callable[..., Any], *trees: PyTree) -> PyTree:
     """tree.map over (LeafPlan, *matching leaves of trees)."""
     return jax.tree.map(fn, self.leaves, *trees, is_leaf=lambda x: isinstance(x, LeafPlan))
+
+  # -- memory tiers (ZeRO-Offload, jzero.offload) ---------------------------------------------------
+  @property
+  def offloads(self) -> bool:
+    """Some leaf's master / optimizer state lives on the host."""
+    return any(l.state_tier == "host" for l in self.leaf_list())
+
+  def memory_kind(self, tier: str = "device") -> str | None:
+    """The memory kind of a tier; None (JAX's default) for the device when nothing is offloaded,
+    so plans without offload compile exactly as before. With offload every array gets an
+    explicit kind (see :mod:`jzero.offload`, donation)."""
+    if tier == "host":
+      return self.host_memory_kind
+    return "device" if self.offloads else None
+
+  def state_memory_kind(self, leaf: LeafPlan) -> str | None:
+    return self.memory_kind(leaf.state_tier)
+
+  def opt_memory_kinds(self, tx: optax.GradientTransformation) -> PyTree:
+    """Memory kind of every leaf of ``tx``'s state: param-like leaves follow their leaf's state
+    tier (0-d leaves stay on the device); the rest (step counts) stay on the device."""
+    abstract_state = jax.eval_shape(tx.init, self.abstract_master())
+    kinds = self.map(self.state_memory_kind)
+    return optax.tree_utils.tree_map_params(
+        tx, lambda _, kind: kind, abstract_state, kinds,
+        transform_non_params=lambda _: self.memory_kind(), is_leaf=lambda x: x is None or
+        isinstance(x, str))
 
   # -- partition specs ------------------------------------------------------------------------------
   def _split_spec(self, leaf: LeafPlan) -> P:
@@ -270,8 +304,8 @@ class Plan:
   def batch_spec(self) -> P:
     return self.mesh.batch_spec()
 
-  def sharding(self, spec: P) -> NamedSharding:
-    return NamedSharding(self.mesh.mesh, spec)
+  def sharding(self, spec: P, memory_kind: str | None = None) -> NamedSharding:
+    return NamedSharding(self.mesh.mesh, spec, memory_kind=memory_kind or self.memory_kind())
 
   # -- how collectives are scheduled ----------------------------------------------------------------
   def xla_options(self) -> dict[str, Any]:
@@ -350,7 +384,7 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
               persistence_threshold: int = 100_000, model_persistence_threshold: int | None = None,
               reduce_scatter: bool = True, reduce_bucket_size: int = 500_000_000,
               gather_bucket_size: int = 500_000_000, overlap_comm: bool = False,
-              units: dict[str, str] | None = None) -> Plan:
+              units: dict[str, str] | None = None, offload: Any = None) -> Plan:
   """Builds the plan for a params pytree.
 
   Args:
@@ -366,6 +400,7 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
     reduce_scatter: stage 1/2 reduce with reduce-scatter (False: all-reduce, keep own slice).
     reduce_bucket_size, gather_bucket_size, overlap_comm: see :meth:`Plan.xla_options`.
     units: leaf path -> path of the module that gathers it (:func:`jzero.units.choose_units`).
+    offload: :class:`jzero.offload.OffloadSettings` (None: everything on the device).
   """
   if stage not in (0, 1, 2, 3):
     raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
@@ -394,6 +429,12 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
       persistent.add(p)
       budget -= numel
 
+  host: set[str] = set()
+  if offload is not None and offload.ratio > 0 and stage >= 1:
+    from jzero.offload import choose_offloaded  # pylint: disable=import-outside-toplevel
+    host = choose_offloaded({p: math.prod(shape) for p, shape, _, dim, _ in drafts
+                             if dim is not None}, offload.ratio)
+
   leaves = []
   for p, shape, is_stacked, dim, padded in drafts:
     splittable = dim is not None and stage >= 1
@@ -403,9 +444,11 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
         param_partitioned=splittable and stage == 3 and p not in persistent,
         state_partitioned=splittable,
         grad_partitioned=splittable and stage >= 2,
-        unit=(units or {}).get(p)))
+        unit=(units or {}).get(p), state_tier="host" if p in host else "device"))
   return Plan(stage=stage, mesh=mesh, leaves=jax.tree_util.tree_unflatten(treedef, leaves),
               compute_dtype=jnp.dtype(compute_dtype), grad_accum_dtype=jnp.dtype(grad_accum_dtype),
               comm_dtype=jnp.dtype(comm_dtype or compute_dtype), reduce_scatter=reduce_scatter,
               reduce_bucket_size=reduce_bucket_size, gather_bucket_size=gather_bucket_size,
-              overlap_comm=overlap_comm)
+              overlap_comm=overlap_comm,
+              host_memory_kind=offload.memory_kind if offload is not None else "pinned_host",
+              offload_update=offload.update if offload is not None else "stream")
