@@ -172,7 +172,7 @@ class OffloadOptimizerConfig(_Block):
   super_offload: AutoFlag = False
   cpuadam_cores_perc: AutoFraction = 0.8
   # jzero's own key (not DeepSpeed's): how the host-resident state is updated (jzero.offload).
-  update: Literal["stream", "host", "auto"] = "auto"
+  update: Literal["stream", "host"] | None = None  # None: jzero.offload.DEFAULT_UPDATE
 
 
 class LeafModuleConfig(_Block):

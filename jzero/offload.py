@@ -14,7 +14,7 @@ would overshoot is skipped and smaller ones are tried), so ``ratio: 1`` moves ev
 largest matrices move first.
 
 **The update** (:func:`apply_update`), inside the train step's ``shard_map``, in one of two modes
-(``offload_optimizer.update``, a jzero key; "auto" is :data:`DEFAULT_UPDATE`, picked from
+(``offload_optimizer.update``, a jzero key; unset is :data:`DEFAULT_UPDATE`, picked from
 ``bench/offload.py``'s numbers):
 
 * ``"stream"``: one *group* at a time (one parameter leaf per group), the group's host state is
@@ -97,7 +97,7 @@ def settings_from_config(zero: Any) -> OffloadSettings:
     raise ConfigError(f"zero_optimization.offload_optimizer.ratio={ratio}: give a fraction in "
                       f"(0, 1] of the parameters whose optimizer state goes to the host.")
   pinned = block.pin_memory in (True, "auto")
-  update = DEFAULT_UPDATE if block.update == "auto" else block.update
+  update = block.update or DEFAULT_UPDATE
   return OffloadSettings(ratio=ratio, memory_kind="pinned_host" if pinned else "unpinned_host",
                          update=update)
 
