@@ -436,6 +436,11 @@ class Engine:
       return params, (master if plan.has_master else None), opt_state
 
     def skip(_):
+      if plan.offloads:  # typed like apply_update's results (jzero.offload)
+        master, opt_state = offload.keep_tiers(
+            state.opt_state, state.master, plan.map(lambda l: l.state_tier == "host"),
+            master_on_host=plan.has_master)
+        return state.params, master, opt_state
       return state.params, state.master, state.opt_state
 
     if self._checks_overflow():

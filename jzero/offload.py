@@ -233,3 +233,18 @@ def _host_update(tx, g, s, m, flags, moved, node_def, master_on_host):
            for node, f in zip(s_out, flags)]
   m_out = [x if hm else _to_device(x) for x, hm in zip(m_out, host_m)]
   return m_out, s_out
+
+
+def keep_tiers(opt_state: PyTree, master: PyTree, on_host: PyTree, *,
+               master_on_host: bool) -> tuple[PyTree, PyTree]:
+  """The unchanged state of a skipped (fp16 overflow) step, typed as :func:`apply_update`'s
+  results are: host leaves placed in host memory (both branches of the step's ``lax.cond`` must
+  agree on memory spaces)."""
+  host = jax.tree.leaves(on_host)
+  node_def, nodes, flags = _split_state(opt_state, jax.tree.structure(on_host))
+  nodes = [jax.tree.unflatten(jax.tree.structure(on_host),
+                              [_to_host(x) if h else x for x, h in zip(node, host)])
+           if f else node for node, f in zip(nodes, flags)]
+  if master_on_host:
+    master = jax.tree.map(lambda x, h: _to_host(x) if h else x, master, on_host)
+  return master, jax.tree.unflatten(node_def, nodes)
