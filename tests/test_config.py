@@ -23,8 +23,8 @@ SWIFT = "modelscope_ms-swift__swift_llm_ds_config_zero3.json"
 HF_ZERO2 = "huggingface_transformers__tests_deepspeed_ds_config_zero2.json"
 HF_ZERO3 = "huggingface_transformers__tests_deepspeed_ds_config_zero3.json"
 HF_ZERO3_BF16 = "huggingface_transformers__tests_deepspeed_ds_config_zero3_bf16.json"
-OFFLOAD_OPT = "not yet supported: zero_optimization.offload_optimizer.device=cpu"
-OFFLOAD_PARAM = "not yet supported: zero_optimization.offload_param.device=cpu"
+OFFLOAD_PARAM = ("not yet supported: zero_optimization.offload_param.device=cpu (parameter "
+                 "offload")  # optimizer offload to the cpu is honoured (jzero.offload)
 
 # Each real config: "ok", or the lines NotSupportedError must hold, or the ConfigError text that
 # resolve(**RESOLVE) raises (DeepSpeed itself rejects those batch sizes on 8 data-parallel ranks).
@@ -36,13 +36,13 @@ REAL_CONFIGS = {
         "zero_optimization.zero_quantized_weights=true",
         "zero_optimization.zero_quantized_gradients=true",
         "zero_optimization.zero_hpz_partition_size=16 (ZeRO++ is not implemented yet)"],
-    MEGATRON: [OFFLOAD_OPT],
-    "huggingface_accelerate__examples_deepspeed_config_templates_zero_stage2_offload_config.json": [
-        OFFLOAD_OPT],
-    "huggingface_accelerate__tests_deepspeed_ds_config_zero3.json": [OFFLOAD_OPT, OFFLOAD_PARAM],
-    HF_ZERO2: [OFFLOAD_OPT],
-    HF_ZERO3: [OFFLOAD_OPT, OFFLOAD_PARAM],
-    HF_ZERO3_BF16: [OFFLOAD_OPT, OFFLOAD_PARAM],
+    MEGATRON: "ok",
+    "huggingface_accelerate__examples_deepspeed_config_templates_zero_stage2_offload_config.json":
+        "ok",
+    "huggingface_accelerate__tests_deepspeed_ds_config_zero3.json": [OFFLOAD_PARAM],
+    HF_ZERO2: "ok",
+    HF_ZERO3: [OFFLOAD_PARAM],
+    HF_ZERO3_BF16: [OFFLOAD_PARAM],
     NVME: "train_batch_size (1) != train_micro_batch_size_per_gpu (0, derived)",
     BATCH: "train_batch_size (2) != train_micro_batch_size_per_gpu (0, derived)",
 }
@@ -117,7 +117,7 @@ def test_nvme_config_is_refused_naming_the_nvme_offload():
   assert config.aio.intra_op_parallelism == 8
   with pytest.warns(JZeroWarning, match=r'aio=\{"block_size": 8388608, "queue_depth": 32, '
                     r'"intra_op_parallelism": 8\} has no effect under XLA'):
-    with pytest.raises(NotSupportedError, match=r"offload_param\.device=nvme \(ZeRO-Offload"):
+    with pytest.raises(NotSupportedError, match=r"offload_param\.device=nvme \(parameter offload"):
       config.check_supported()
 
 
@@ -162,9 +162,8 @@ def test_megatron_config_warns_about_activation_partitioning():
       DATA / MEGATRON)
   assert config.zero_optimization.offload_optimizer.device == "cpu"
   assert config.activation_checkpointing.partition_activations is True
-  with pytest.warns(JZeroWarning) as record:
-    with pytest.raises(NotSupportedError):
-      config.check_supported()
+  with pytest.warns(JZeroWarning) as record:  # optimizer offload to the cpu is honoured
+    config.check_supported()
   assert [str(w.message) for w in record] == [
       f"activation_checkpointing.{key}=true has no effect under XLA: no model parallelism; XLA "
       "owns activation memory"

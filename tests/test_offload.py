@@ -118,7 +118,9 @@ def test_step_exported_for_cuda_keeps_the_state_on_the_host():
   results = main.split("->", 1)[1]
   assert main.split("->", 1)[0].count('mhlo.memory_kind = "pinned_host"') == moments
   assert results.count('mhlo.memory_kind = "pinned_host"') == moments
-  assert "annotate_device_placement" in text and '_xla_buffer_placement = "pinned_host"' in text
+  placements = text.count('_xla_buffer_placement = \\"pinned_host\\"') + text.count(
+      '_xla_buffer_placement = "pinned_host"')
+  assert placements >= moments, placements
 
 
 def test_offloaded_state_checkpoints_restore_across_tiers(tmp_path):
@@ -130,7 +132,7 @@ def test_offloaded_state_checkpoints_restore_across_tiers(tmp_path):
   plain = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(2, precision="bf16"))
   restored = plain.load_checkpoint(tmp_path)
   assert max_relative_diff(jax.tree.map(np.asarray, plain.logical_params(restored)), params) == 0
-  assert {x.sharding.memory_kind for x in jax.tree.leaves(restored.opt_state)} == {None}
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(restored.opt_state)} <= {None, "device"}
   plain.save_checkpoint(restored, tmp_path / "plain")
   plain.wait_for_checkpoints()
   back = _engine(2, "bf16")
@@ -148,8 +150,9 @@ def test_choose_offloaded_takes_the_largest_leaves_within_the_ratio():
   sizes = {"a": 100, "b": 60, "c": 30, "d": 10}
   assert offload.choose_offloaded(sizes, 1.0) == {"a", "b", "c", "d"}
   assert offload.choose_offloaded(sizes, 0.5) == {"a"}
-  assert offload.choose_offloaded(sizes, 0.7) == {"a", "b"}  # 160 of 200
-  assert offload.choose_offloaded(sizes, 0.6) == {"a", "c"}  # b would overshoot 120
+  assert offload.choose_offloaded(sizes, 0.8) == {"a", "b"}  # 160 of 200
+  assert offload.choose_offloaded(sizes, 0.7) == {"a", "c", "d"}  # b would overshoot 140
+  assert offload.choose_offloaded(sizes, 0.6) == {"a", "d"}  # so would b, then c: 120
   assert offload.choose_offloaded(sizes, 0.0) == set()
 
 
