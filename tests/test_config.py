@@ -738,8 +738,8 @@ def test_check_supported_refuses_every_listed_setting_at_once():
   with pytest.raises(NotSupportedError) as info:
     config.check_supported()
   assert str(info.value).splitlines()[1:] == [
-      "  not yet supported: zero_optimization.offload_param.device=nvme (ZeRO-Offload / "
-      "ZeRO-Infinity is not implemented yet)",
+      "  not yet supported: zero_optimization.offload_param.device=nvme (parameter offload "
+      "(ZeRO-Infinity offload_param) is not implemented yet)",
       "  not yet supported: zero_optimization.zero_hpz_partition_size=8 (ZeRO++ is not "
       "implemented yet)",
       "  not yet supported: zero_optimization.mics_shard_size=8 (MiCS is not implemented)",
