@@ -43,6 +43,11 @@ unit is gathered when the forward pass starts and kept until backward.
 their gradients, master and optimizer state are still partitioned (stage-2 treatment). Up to
 ``stage3_model_persistence_threshold`` elements in all are kept, smallest leaves first.
 
+**Tiers.** Each leaf's master and optimizer state has a tier, ``state_tier``: "device", or
+"host" under ZeRO-Offload (``offload_optimizer``; which leaves: :func:`jzero.offload.choose_offloaded`).
+A host leaf keeps its partitioning; its shardings carry ``host_memory_kind``
+(:meth:`Plan.memory_kind`), and with any host leaf every other array gets an explicit "device".
+
 **Precision.** fp32 training keeps no separate master: the optimizer updates the fp32 params (for a
 replicated param in stage 1/2 each device updates its own slice, then all-gathers). bf16 / fp16
 training keeps an fp32 master in the master layout and casts it to the compute dtype.
