@@ -171,6 +171,8 @@ class OffloadOptimizerConfig(_Block):
   ratio: AutoFraction = 1.0
   super_offload: AutoFlag = False
   cpuadam_cores_perc: AutoFraction = 0.8
+  # jzero's own key (not DeepSpeed's): how the host-resident state is updated (jzero.offload).
+  update: Literal["stream", "host"] | None = None  # None: jzero.offload.DEFAULT_UPDATE
 
 
 class LeafModuleConfig(_Block):
@@ -840,7 +842,8 @@ class _Rule(NamedTuple):
   applies: Callable[[Any], bool] | None = None  # default: the value differs from DeepSpeed's
 
 
-_OFFLOAD = "ZeRO-Offload / ZeRO-Infinity is not implemented yet"
+_NVME = "the NVMe tier (ZeRO-Infinity) is not implemented yet; use device: cpu"
+_NVME_ONLY = "an NVMe-swapping setting; the host tier has no swap buffers"
 _MICS = "MiCS is not implemented"
 _HOOKS = "a PyTorch module-hook option; jzero installs no hooks"
 _REUSE = ("jzero keeps no gathered parameters for reuse: every unit and layer is gathered again "
@@ -853,8 +856,23 @@ _SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest")
 # differs from DeepSpeed's default (or when ``applies(value)`` says so); settings absent from
 # the table are honoured.
 SUPPORT_TABLE: tuple[_Rule, ...] = (
-    _Rule("zero_optimization.offload_optimizer.device", REFUSED, _OFFLOAD),
-    _Rule("zero_optimization.offload_param.device", REFUSED, _OFFLOAD),
+    # --- offload (jzero.offload): device "cpu" for the optimizer is honoured -------------------
+    _Rule("zero_optimization.offload_optimizer.device", REFUSED, _NVME, lambda d: d == "nvme"),
+    _Rule("zero_optimization.offload_optimizer.super_offload", REFUSED,
+          "SuperOffload (GH200 superchip offload) is not implemented"),
+    _Rule("zero_optimization.offload_optimizer.buffer_count", NO_EFFECT, _NVME_ONLY),
+    _Rule("zero_optimization.offload_optimizer.pipeline_read", NO_EFFECT, _NVME_ONLY),
+    _Rule("zero_optimization.offload_optimizer.pipeline_write", NO_EFFECT, _NVME_ONLY),
+    _Rule("zero_optimization.offload_optimizer.fast_init", NO_EFFECT,
+          "jzero creates the optimizer state directly in its tier; there is no slow init"),
+    _Rule("zero_optimization.offload_optimizer.cpuadam_cores_perc", NO_EFFECT,
+          "the host update is XLA's host computation (or runs on the device); it has no "
+          "DeepSpeedCPUAdam thread pool to size"),
+    _Rule("zero_optimization.offload_optimizer.nvme_path", NO_EFFECT,
+          "nvme_path is only read with device: nvme", bool),
+    _Rule("zero_optimization.offload_param.device", REFUSED,
+          "parameter offload (ZeRO-Infinity offload_param) is not implemented yet",
+          lambda d: d not in ("none",)),
     _Rule("zero_optimization.zero_quantized_nontrainable_weights", REFUSED,
           "keeping frozen weights' partitions as int8 is not implemented yet; ZeRO++'s qwZ, hpZ "
           "and qgZ are (zero_quantized_weights, zero_hpz_partition_size, "

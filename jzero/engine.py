@@ -44,7 +44,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jzero import collectives
+from jzero import collectives, offload
 from jzero.collectives import ZeroParam
 from jzero.config import Config
 from jzero.data import DataLoader
@@ -168,7 +168,8 @@ class Engine:
         model_persistence_threshold=zero.model_persistence_threshold,
         reduce_scatter=zero.reduce_scatter, reduce_bucket_size=zero.reduce_bucket_size,
         gather_bucket_size=zero.prefetch_bucket_size if zero.stage == 3 else zero.allgather_bucket_size,
-        overlap_comm=bool(zero.overlap_comm), units=units, zeropp=self.zeropp)
+        overlap_comm=bool(zero.overlap_comm), units=units, zeropp=self.zeropp,
+        offload=offload.settings_from_config(zero))
     check_units(plan, zero.max_live_parameters)
     return plan
 
@@ -186,10 +187,32 @@ class Engine:
                       opt_state=plan.opt_specs(self.tx), loss_scale=P(), rng=P(),
                       secondary=plan.secondary_specs())
 
+  def state_memory_kinds(self) -> TrainState:
+    """Memory kind of every TrainState leaf (prefix tree; None: JAX's default, the device). The
+    master and optimizer state of host-tier leaves are on the host (:mod:`jzero.offload`)."""
+    plan = self._require_plan()
+    device = plan.memory_kind()
+    if not plan.offloads:
+      return jax.tree.map(lambda _: device, self.state_specs(), is_leaf=lambda x: isinstance(x, P))
+    return TrainState(step=device, skipped=device, params=plan.map(lambda _: device),
+                      master=plan.map(plan.state_memory_kind) if plan.has_master else None,
+                      opt_state=plan.opt_memory_kinds(self.tx), loss_scale=device, rng=device,
+                      secondary=jax.tree.map(lambda _: device, plan.secondary_specs(),
+                                             is_leaf=lambda x: isinstance(x, P)))
+
   def state_shardings(self) -> TrainState:
-    """NamedShardings of every TrainState leaf (prefix tree)."""
-    return jax.tree.map(self._require_plan().sharding, self.state_specs(),
-                        is_leaf=lambda x: isinstance(x, P))
+    """NamedShardings of every TrainState leaf (prefix tree), with their memory kinds."""
+    return self._shardings(self.state_specs(), self.state_memory_kinds())
+
+  def _shardings(self, specs: PyTree, kinds: PyTree = None) -> PyTree:
+    """NamedShardings of a spec tree; ``kinds``: a prefix tree of memory kinds (None: device)."""
+    plan = self._require_plan()
+    if kinds is None:
+      return jax.tree.map(plan.sharding, specs, is_leaf=lambda x: isinstance(x, P))
+    def expand(kind, sub):
+      return jax.tree.map(lambda spec: plan.sharding(spec, kind), sub,
+                          is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(expand, kinds, specs, is_leaf=lambda x: x is None or isinstance(x, str))
 
   def batch_sharding(self) -> NamedSharding:
     return self._require_plan().sharding(self._require_plan().batch_spec())
@@ -444,13 +467,24 @@ class Engine:
 
     def apply_update(_):
       master = state.master if plan.has_master else plan.map(self._local_master, state.params)
-      updates, opt_state = self.tx.update(grads, state.opt_state, master)
-      master = optax.apply_updates(master, updates)
-      params = plan.map(self._compute_param, master)
+      if plan.offloads:  # ZeRO-Offload: host-tier state updated group by group (jzero.offload)
+        master, compute_from, opt_state = offload.apply_update(
+            self.tx, grads, state.opt_state, master,
+            plan.map(lambda l: l.state_tier == "host"), mode=plan.offload_update,
+            grouped=self.schedule is not None, master_on_host=plan.has_master)
+      else:
+        updates, opt_state = self.tx.update(grads, state.opt_state, master)
+        master = compute_from = optax.apply_updates(master, updates)
+      params = plan.map(self._compute_param, compute_from)
       secondary = plan.map(self._secondary, params) if plan.zeropp.hpz > 1 else None
       return params, (master if plan.has_master else None), opt_state, secondary
 
     def skip(_):
+      if plan.offloads:  # typed like apply_update's results (jzero.offload)
+        master, opt_state = offload.keep_tiers(
+            state.opt_state, state.master, plan.map(lambda l: l.state_tier == "host"),
+            master_on_host=plan.has_master)
+        return state.params, master, opt_state, state.secondary
       return state.params, state.master, state.opt_state, state.secondary
 
     if self._checks_overflow():
@@ -499,12 +533,17 @@ class Engine:
     return jnp.sqrt(lax.psum(partitioned, self.mesh.zero_axes) + replicated)
 
   def _jit(self, fn, in_specs: tuple, out_specs: Any, donate: tuple[int, ...]):
-    """jit(shard_map(fn)) with the plan's shardings as the jit's in/out shardings."""
+    """jit(shard_map(fn)) with the plan's shardings as the jit's in/out shardings (TrainState
+    arguments and results with their memory kinds)."""
     plan = self._require_plan()
-    to_sharding = lambda tree: jax.tree.map(plan.sharding, tree, is_leaf=lambda x: isinstance(x, P))
+    state_kinds = self.state_memory_kinds()
+    kinds = lambda specs: tuple(state_kinds if isinstance(s, TrainState) else None for s in specs)
+    out = out_specs if isinstance(out_specs, tuple) else (out_specs,)
+    out_shardings = self._shardings(out, kinds(out))
     body = jax.shard_map(fn, mesh=self.mesh.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
-    return jax.jit(body, in_shardings=to_sharding(in_specs), out_shardings=to_sharding(out_specs),
+    return jax.jit(body, in_shardings=self._shardings(in_specs, kinds(in_specs)),
+                   out_shardings=out_shardings if isinstance(out_specs, tuple) else out_shardings[0],
                    donate_argnums=donate, compiler_options=plan.xla_options() or None)
 
   def _build_step(self, batch: PyTree):
@@ -752,6 +791,7 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
   """
   given = config if isinstance(config, Config) else Config.load(config)
   given.check_supported()
+  offload.settings_from_config(given.zero_optimization)  # offload the stage cannot have: refused
   zmesh = _as_mesh(mesh)
   adapter = as_model(model, init_inputs)
   cfg = given.resolve(dp_world_size=zmesh.dp_size, hidden_size=hidden_size or adapter.hidden_size,

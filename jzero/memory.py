@@ -246,7 +246,7 @@ def _offload_problem(stage: int, offload_optimizer: str | None,
 def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1, nodes: int = 1, *,
              param_bytes: int = 2, grad_bytes: int | None = None, optimizer_bytes: float = 12,
              offload_optimizer: str | None = None, offload_param: str | None = None,
-             persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+             offload_ratio: float = 1.0, persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
              model_persistence_threshold: int | None = None, activations: float = 0.0,
              gathered: tuple[int, int] = (0, 0), prefetch: bool = False,
              hpz_partition_size: int = 1) -> Estimate:
@@ -263,6 +263,8 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
     optimizer_bytes: optimizer-state bytes per param, fp32 master included (K).
     offload_optimizer: None, "cpu" or "nvme".
     offload_param: None, "cpu" or "nvme" (stage 3).
+    offload_ratio: the fraction of the optimizer state (and its gradient partition) that
+      ``offload_optimizer`` moves (DeepSpeed's partial offload, ``offload_optimizer.ratio``).
     persistence_threshold: with shapes: stage-3 leaves with fewer elements per layer stay
       replicated.
     model_persistence_threshold: with shapes: cap on the persistent elements (None: no cap).
@@ -298,8 +300,11 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
   device["grads"] = g * psi / n if stage >= 2 else g * psi
   device["optimizer"] = k * psi / n if stage >= 1 else k * psi
   if offload_optimizer:
-    tiers[_OFFLOAD_TIER[offload_optimizer]]["optimizer"], device["optimizer"] = k * psi / n, 0.0
-    tiers["host"]["grads"], device["grads"] = g * psi / n, (g * psi if stage == 1 else 0.0)
+    r = offload_ratio
+    tiers[_OFFLOAD_TIER[offload_optimizer]]["optimizer"] = r * k * psi / n
+    device["optimizer"] = (1 - r) * k * psi / n
+    tiers["host"]["grads"] = r * g * psi / n
+    device["grads"] = g * psi if stage == 1 else (1 - r) * g * psi / n
   if offload_param:
     tiers[_OFFLOAD_TIER[offload_param]]["params"] = param_bytes * (psi - persistent) / n
     device["params"] = float(param_bytes * persistent)
@@ -599,19 +604,26 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
   """
   plan, zero = engine.plan, engine.config.zero_optimization
   master_k, opt_k = _state_bytes_per_param(engine, state)
-  est = estimate(plan.leaf_list(), plan.stage, engine.mesh.zero_size,
+  leaves = plan.leaf_list()
+  host = sum(l.numel for l in leaves if l.state_tier == "host")
+  est = estimate(leaves, plan.stage, engine.mesh.zero_size,
+                 offload_optimizer="cpu" if host else None,
+                 offload_ratio=host / sum(l.numel for l in leaves),
                  param_bytes=jnp.dtype(plan.compute_dtype).itemsize,
                  optimizer_bytes=master_k + opt_k,
                  persistence_threshold=zero.param_persistence_threshold,
                  model_persistence_threshold=zero.model_persistence_threshold,
                  gathered=plan.gathered_working_set(), prefetch=plan.prefetches,
                  hpz_partition_size=plan.zeropp.hpz)
-  device = est.bytes["device"]
-  per_k = device["optimizer"] / (master_k + opt_k) if master_k + opt_k else 0.0
-  predicted = {"params": device["params"], "grads": device["grads"], "master": per_k * master_k,
+  # Offload: master + optimizer state are predicted over the tiers they live on. jzero's gradient
+  # buffer is a temporary of the step on the device; the estimator's host share of it (DeepSpeed
+  # copies the gradient partition to the host) is counted as the device's here.
+  total = {c: sum(est.bytes[t][c] for t in est.bytes) for c in CATEGORIES}
+  per_k = total["optimizer"] / (master_k + opt_k) if master_k + opt_k else 0.0
+  predicted = {"params": total["params"], "grads": total["grads"], "master": per_k * master_k,
                "optimizer": per_k * opt_k}
   if est.hpz > 1:
-    predicted["secondary"] = device["secondary"]
+    predicted["secondary"] = est.bytes["device"]["secondary"]
   compiled = CompiledMemory.of(engine.compile_step(state, batch)) if batch is not None else None
   return MemoryReport(device=str(engine.mesh.mesh.devices.flat[0]),
                       precision=engine.config.precision, measured=state_report(engine, state),
@@ -640,6 +652,11 @@ def format_memory_report(report: MemoryReport) -> str:
                 + [_cell(report.measured_bytes(name)), _cell(report.predicted_bytes(name)),
                    "-" if math.isnan(ratio) else f"{ratio:.4f}"])
   lines.append(_table(header, rows, indent="  "))
+  if est.offload_optimizer or est.offload_param:
+    lines.append("  predicted per tier (estimator): " + ", ".join(
+        f"{tier} {format_bytes(est.tier_total(tier))}" for tier in TIERS
+        if est.tier_total(tier)) + " (host: per process; its gradient share is the estimator's "
+        "DeepSpeed-style copy, a temporary in jzero)")
   if est.gathered:
     lines.append(f"  ZeRO-3 gathered working set (plan): {format_bytes(est.gathered)} -- the largest "
                  f"unit or layer{' twice (prefetch)' if report.prefetch else ''} plus the "

@@ -51,6 +51,11 @@ block sizes; :attr:`Plan.zeropp` holds the node / local split of the ZeRO axes. 
 (``ZeroParam.comm``), the secondary's placement (:meth:`Plan.secondary_spec`), the memory
 estimator and report read them from here. The primary layout is the same as without ZeRO++.
 
+**Tiers.** Each leaf's master and optimizer state has a tier, ``state_tier``: "device", or
+"host" under ZeRO-Offload (``offload_optimizer``; which leaves: :func:`jzero.offload.choose_offloaded`).
+A host leaf keeps its partitioning; its shardings carry ``host_memory_kind``
+(:meth:`Plan.memory_kind`), and with any host leaf every other array gets an explicit "device".
+
 **Precision.** fp32 training keeps no separate master: the optimizer updates the fp32 params (for a
 replicated param in stage 1/2 each device updates its own slice, then all-gathers). bf16 / fp16
 training keeps an fp32 master in the master layout and casts it to the compute dtype.
@@ -118,6 +123,8 @@ class LeafPlan:
     reduce: how the partitioned gradient is reduced: "plain" reduce-scatter, or "int4" two-hop
       all-to-all (qgZ).
     gather_group, reduce_group: block sizes (elements) of the int8 gather and int4 reduction.
+    state_tier: where the fp32 master and optimizer state live: "device" or "host"
+      (ZeRO-Offload, :mod:`jzero.offload`).
   """
 
   path: str
@@ -134,6 +141,7 @@ class LeafPlan:
   reduce: str = "plain"
   gather_group: int = 0
   reduce_group: int = 0
+  state_tier: str = "device"
 
   @property
   def numel(self) -> int:
@@ -221,6 +229,8 @@ class Plan:
       1/2, stage3_prefetch_bucket_size in stage 3).
     overlap_comm: overlap collectives with compute.
     zeropp: ZeRO++ settings and the node / local split of the ZeRO axes.
+    host_memory_kind: the memory kind of host-tier leaves ("pinned_host" or "unpinned_host").
+    offload_update: how host-tier state is updated, "stream" or "host" (:mod:`jzero.offload`).
   """
 
   stage: int
@@ -234,6 +244,8 @@ class Plan:
   gather_bucket_size: int = 500_000_000
   overlap_comm: bool = False
   zeropp: ZeroPP = ZeroPP()
+  host_memory_kind: str = "pinned_host"
+  offload_update: str = "stream"
 
   # -- what exists ----------------------------------------------------------------------------------
   @property
@@ -247,6 +259,33 @@ class Plan:
   def map(self, fn: Callable[..., Any], *trees: PyTree) -> PyTree:
     """tree.map over (LeafPlan, *matching leaves of trees)."""
     return jax.tree.map(fn, self.leaves, *trees, is_leaf=lambda x: isinstance(x, LeafPlan))
+
+  # -- memory tiers (ZeRO-Offload, jzero.offload) ---------------------------------------------------
+  @property
+  def offloads(self) -> bool:
+    """Some leaf's master / optimizer state lives on the host."""
+    return any(l.state_tier == "host" for l in self.leaf_list())
+
+  def memory_kind(self, tier: str = "device") -> str | None:
+    """The memory kind of a tier; None (JAX's default) for the device when nothing is offloaded,
+    so plans without offload compile exactly as before. With offload every array gets an
+    explicit kind (see :mod:`jzero.offload`, donation)."""
+    if tier == "host":
+      return self.host_memory_kind
+    return "device" if self.offloads else None
+
+  def state_memory_kind(self, leaf: LeafPlan) -> str | None:
+    return self.memory_kind(leaf.state_tier)
+
+  def opt_memory_kinds(self, tx: optax.GradientTransformation) -> PyTree:
+    """Memory kind of every leaf of ``tx``'s state: param-like leaves follow their leaf's state
+    tier (0-d leaves stay on the device); the rest (step counts) stay on the device."""
+    abstract_state = jax.eval_shape(tx.init, self.abstract_master())
+    kinds = self.map(self.state_memory_kind)
+    return optax.tree_utils.tree_map_params(
+        tx, lambda _, kind: kind, abstract_state, kinds,
+        transform_non_params=lambda _: self.memory_kind(), is_leaf=lambda x: x is None or
+        isinstance(x, str))
 
   # -- partition specs ------------------------------------------------------------------------------
   def _split_spec(self, leaf: LeafPlan) -> P:
@@ -322,8 +361,8 @@ class Plan:
   def batch_spec(self) -> P:
     return self.mesh.batch_spec()
 
-  def sharding(self, spec: P) -> NamedSharding:
-    return NamedSharding(self.mesh.mesh, spec)
+  def sharding(self, spec: P, memory_kind: str | None = None) -> NamedSharding:
+    return NamedSharding(self.mesh.mesh, spec, memory_kind=memory_kind or self.memory_kind())
 
   # -- how collectives are scheduled ----------------------------------------------------------------
   def xla_options(self) -> dict[str, Any]:
@@ -406,7 +445,8 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
               persistence_threshold: int = 100_000, model_persistence_threshold: int | None = None,
               reduce_scatter: bool = True, reduce_bucket_size: int = 500_000_000,
               gather_bucket_size: int = 500_000_000, overlap_comm: bool = False,
-              units: dict[str, str] | None = None, zeropp: ZeroPP = ZeroPP()) -> Plan:
+              units: dict[str, str] | None = None, zeropp: ZeroPP = ZeroPP(),
+              offload: Any = None) -> Plan:
   """Builds the plan for a params pytree.
 
   Args:
@@ -423,6 +463,7 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
     reduce_bucket_size, gather_bucket_size, overlap_comm: see :meth:`Plan.xla_options`.
     units: leaf path -> path of the module that gathers it (:func:`jzero.units.choose_units`).
     zeropp: ZeRO++ settings resolved against the mesh (:func:`jzero.zeropp.resolve`); stage 3.
+    offload: :class:`jzero.offload.OffloadSettings` (None: everything on the device).
   """
   if stage not in (0, 1, 2, 3):
     raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
@@ -453,6 +494,12 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
 
   if zeropp.enabled and stage != 3:
     raise ValueError(f"ZeRO++ needs ZeRO stage 3, got stage {stage}")
+  host: set[str] = set()
+  if offload is not None and offload.ratio > 0 and stage >= 1:
+    from jzero.offload import choose_offloaded  # pylint: disable=import-outside-toplevel
+    host = choose_offloaded({p: math.prod(shape) for p, shape, _, dim, _ in drafts
+                             if dim is not None}, offload.ratio)
+
   leaves = []
   for p, shape, is_stacked, dim, padded in drafts:
     splittable = dim is not None and stage >= 1
@@ -462,13 +509,15 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
         param_partitioned=splittable and stage == 3 and p not in persistent,
         state_partitioned=splittable,
         grad_partitioned=splittable and stage >= 2,
-        unit=(units or {}).get(p))
+        unit=(units or {}).get(p), state_tier="host" if p in host else "device")
     leaves.append(_zeropp_leaf(leaf, zeropp, n) if zeropp.enabled else leaf)
   return Plan(stage=stage, mesh=mesh, leaves=jax.tree_util.tree_unflatten(treedef, leaves),
               compute_dtype=jnp.dtype(compute_dtype), grad_accum_dtype=jnp.dtype(grad_accum_dtype),
               comm_dtype=jnp.dtype(comm_dtype or compute_dtype), reduce_scatter=reduce_scatter,
               reduce_bucket_size=reduce_bucket_size, gather_bucket_size=gather_bucket_size,
-              overlap_comm=overlap_comm, zeropp=zeropp)
+              overlap_comm=overlap_comm, zeropp=zeropp,
+              host_memory_kind=offload.memory_kind if offload is not None else "pinned_host",
+              offload_update=offload.update if offload is not None else "stream")
 
 
 def _zeropp_leaf(leaf: LeafPlan, zeropp: ZeroPP, n: int) -> LeafPlan:

@@ -23,8 +23,8 @@ SWIFT = "modelscope_ms-swift__swift_llm_ds_config_zero3.json"
 HF_ZERO2 = "huggingface_transformers__tests_deepspeed_ds_config_zero2.json"
 HF_ZERO3 = "huggingface_transformers__tests_deepspeed_ds_config_zero3.json"
 HF_ZERO3_BF16 = "huggingface_transformers__tests_deepspeed_ds_config_zero3_bf16.json"
-OFFLOAD_OPT = "not yet supported: zero_optimization.offload_optimizer.device=cpu"
-OFFLOAD_PARAM = "not yet supported: zero_optimization.offload_param.device=cpu"
+OFFLOAD_PARAM = ("not yet supported: zero_optimization.offload_param.device=cpu (parameter "
+                 "offload")  # optimizer offload to the cpu is honoured (jzero.offload)
 
 # Each real config: "ok", or the lines NotSupportedError must hold, or the ConfigError text that
 # resolve(**RESOLVE) raises (DeepSpeed itself rejects those batch sizes on 8 data-parallel ranks).
@@ -34,13 +34,13 @@ REAL_CONFIGS = {
     IMAGENET: ["fp16.auto_cast=true"],
     # honoured since ZeRO++ exists; its hpZ group of 16 needs 16 devices (tests/test_zeropp.py)
     "deepspeedai_DeepSpeed__docs__tutorials_zeropp.md.json": "ok",
-    MEGATRON: [OFFLOAD_OPT],
-    "huggingface_accelerate__examples_deepspeed_config_templates_zero_stage2_offload_config.json": [
-        OFFLOAD_OPT],
-    "huggingface_accelerate__tests_deepspeed_ds_config_zero3.json": [OFFLOAD_OPT, OFFLOAD_PARAM],
-    HF_ZERO2: [OFFLOAD_OPT],
-    HF_ZERO3: [OFFLOAD_OPT, OFFLOAD_PARAM],
-    HF_ZERO3_BF16: [OFFLOAD_OPT, OFFLOAD_PARAM],
+    MEGATRON: "ok",
+    "huggingface_accelerate__examples_deepspeed_config_templates_zero_stage2_offload_config.json":
+        "ok",
+    "huggingface_accelerate__tests_deepspeed_ds_config_zero3.json": [OFFLOAD_PARAM],
+    HF_ZERO2: "ok",
+    HF_ZERO3: [OFFLOAD_PARAM],
+    HF_ZERO3_BF16: [OFFLOAD_PARAM],
     NVME: "train_batch_size (1) != train_micro_batch_size_per_gpu (0, derived)",
     BATCH: "train_batch_size (2) != train_micro_batch_size_per_gpu (0, derived)",
 }
@@ -115,7 +115,7 @@ def test_nvme_config_is_refused_naming_the_nvme_offload():
   assert config.aio.intra_op_parallelism == 8
   with pytest.warns(JZeroWarning, match=r'aio=\{"block_size": 8388608, "queue_depth": 32, '
                     r'"intra_op_parallelism": 8\} has no effect under XLA'):
-    with pytest.raises(NotSupportedError, match=r"offload_param\.device=nvme \(ZeRO-Offload"):
+    with pytest.raises(NotSupportedError, match=r"offload_param\.device=nvme \(parameter offload"):
       config.check_supported()
 
 
@@ -160,9 +160,8 @@ def test_megatron_config_warns_about_activation_partitioning():
       DATA / MEGATRON)
   assert config.zero_optimization.offload_optimizer.device == "cpu"
   assert config.activation_checkpointing.partition_activations is True
-  with pytest.warns(JZeroWarning) as record:
-    with pytest.raises(NotSupportedError):
-      config.check_supported()
+  with pytest.warns(JZeroWarning) as record:  # optimizer offload to the cpu is honoured
+    config.check_supported()
   assert [str(w.message) for w in record] == [
       f"activation_checkpointing.{key}=true has no effect under XLA: no model parallelism; XLA "
       "owns activation memory"
@@ -738,8 +737,8 @@ def test_check_supported_refuses_every_listed_setting_at_once():
   with pytest.raises(NotSupportedError) as info:
     config.check_supported()
   assert str(info.value).splitlines()[1:] == [
-      "  not yet supported: zero_optimization.offload_param.device=nvme (ZeRO-Offload / "
-      "ZeRO-Infinity is not implemented yet)",
+      "  not yet supported: zero_optimization.offload_param.device=nvme (parameter offload "
+      "(ZeRO-Infinity offload_param) is not implemented yet)",
       "  not yet supported: zero_optimization.zeropp_loco_param={\"err_beta\": 0.8, "
       "\"reset_T\": 1024} (LoCo-ZeRO++'s error feedback for qgZ is not implemented yet; "
       "zero_quantized_gradients without it is)",

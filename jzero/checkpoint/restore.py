@@ -128,7 +128,12 @@ def _restore_arrays(step_dir: Path, requests: dict[str, tuple[str, jax.ShapeDtyp
   except Exception as e:
     raise CheckpointError(f"checkpoint {step_dir}: its arrays cannot be read: "
                           f"{_root_cause(e)}") from e
-  return {target: restored[src] for target, (src, _) in requests.items()}
+  # Orbax may hand back device arrays for a host-memory target (marin#8441): move those leaf by
+  # leaf into the target's memory kind (ZeRO-Offload's host tier, jzero.offload).
+  def placed(x: jax.Array, want: jax.sharding.Sharding) -> jax.Array:
+    same = getattr(x.sharding, "memory_kind", None) == getattr(want, "memory_kind", None)
+    return x if same or want.memory_kind is None else jax.device_put(x, want)
+  return {target: placed(restored[src], t.sharding) for target, (src, t) in requests.items()}
 
 
 def _compute_params(engine: Any, master: PyTree, shardings: PyTree) -> PyTree:
