@@ -145,6 +145,9 @@ def _train(args: argparse.Namespace) -> int:
         raise JZeroError(f"step {step + 1}: {MIN_SCALE_ERROR} (fp16 overflow with the loss scale "
                          f"at min_loss_scale; DeepSpeed stops here too)")
       losses.append(loss)
+      if args.losses_file and primary:
+        with open(args.losses_file, "a") as f:
+          f.write(f"{step + 1} {loss!r}\n")
       bar.set_postfix(loss=f"{loss:.3f}", lr=f"{float(metrics['lr']):.2e}")
       saved = args.checkpoint_dir and (step + 1 == args.steps or (
           args.save_every and (step + 1) % args.save_every == 0))
@@ -254,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="save here (at the end and every --save-every steps) and resume from its "
                       "latest checkpoint if there is one")
   t.add_argument("--save-every", type=int, default=0, help="also save every N steps")
+  t.add_argument("--losses-file", default=None,
+                 help="append each step's loss to this file, 'STEP LOSS' lines at full precision "
+                      "(process 0; a resumed run appends its steps)")
   t.add_argument("--resume", action="store_true",
                  help="require a checkpoint in --checkpoint-dir and continue from it (without "
                       "--resume a checkpoint found there is resumed from too)")

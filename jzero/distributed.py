@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
 from typing import Sequence
 
 from jzero.errors import JZeroError
@@ -63,6 +64,7 @@ class ProcessInfo:
 
 
 _joined: ProcessInfo | None = None
+_heartbeat_s = DEFAULT_HEARTBEAT_TIMEOUT_S
 _sigterm = {"seen": False, "installed": False}
 
 
@@ -158,14 +160,36 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
         f"JAX computation, e.g. right after the imports.")
   if num_cpu_devices or jax.config.jax_platforms == "cpu":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  global _heartbeat_s
   heartbeat = heartbeat_timeout or _int_env(ENV_HEARTBEAT_TIMEOUT) or DEFAULT_HEARTBEAT_TIMEOUT_S
+  _heartbeat_s = heartbeat
   jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
                              local_device_ids=local_device_ids,
                              initialization_timeout=INIT_TIMEOUT_S,
                              heartbeat_timeout_seconds=heartbeat,
                              shutdown_timeout_seconds=max(heartbeat, 30))
   _joined = ProcessInfo(jax.process_index(), jax.process_count(), source)
+  _explain_lost_peers()
   return _joined
+
+
+def _explain_lost_peers() -> None:
+  """A collective that fails because another process is gone surfaces as a bare transport error
+  ("Gloo AllGather failed ... Connection closed by peer"); say what it means and where the name
+  of the lost process will appear."""
+  previous = sys.excepthook
+
+  def hook(kind, value, tb):
+    previous(kind, value, tb)
+    text = str(value)
+    if any(s in text for s in ("Gloo", "Connection closed", "UNAVAILABLE", "heartbeat")):
+      print(f"jzero: process {jax.process_index()}: a collective failed, most likely because "
+            f"another process of the job is gone (killed, crashed, or its machine lost). JAX's "
+            f"coordination service names it ('Task N heartbeat timeout') within "
+            f"{_heartbeat_s} s, then ends this process.", file=sys.stderr, flush=True)
+
+  import jax
+  sys.excepthook = hook
 
 
 def _on_sigterm(signum, frame) -> None:

@@ -371,6 +371,9 @@ def run_launch(args: argparse.Namespace) -> int:
         f"({', '.join(f'{h}: slots {s}' for h, s in slots.items())}); coordinator "
         f"{master}:{args.master_port}", file=sys.stderr, flush=True)
   job = _Job(procs, argvs, envs)
+  print("jzero launch: " + ", ".join(f"process {p.process_id} pid {c.pid}"
+                                     for p, c in zip(procs, job.children)), file=sys.stderr,
+        flush=True)
   previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
   try:
     return job.wait()
