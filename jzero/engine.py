@@ -572,7 +572,7 @@ class Engine:
     """The rows of the global batch this process's devices hold, ascending (all of them in a
     single process): what a process loads when it reads only its part of the batch."""
     from jzero.data import local_rows
-    return local_rows(self.batch_sharding(), self.global_batch_size)
+    return local_rows(self.mesh.sharding(self.mesh.batch_spec()), self.global_batch_size)
 
   def shard_batch(self, batch: PyTree, *, process_local: bool | None = None) -> PyTree:
     """Places a host batch (numpy) on the mesh, split over the batch axes.
