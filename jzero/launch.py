@@ -241,6 +241,15 @@ def _pump(stream, prefix: str, out) -> None:
   stream.close()
 
 
+def _die_with_parent() -> None:
+  """In the child, before exec (Linux): SIGKILL it when the launcher dies, even by SIGKILL, so no
+  process of the job outlives its launcher."""
+  if sys.platform.startswith("linux"):
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class _Job:
   """The running processes; stops them all when one fails."""
 
@@ -251,7 +260,7 @@ class _Job:
       full_env = {**os.environ, **env}
       child = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, errors="replace",
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=_die_with_parent)
       pump = threading.Thread(target=_pump, args=(child.stdout, f"[{proc.process_id}] ", sys.stdout),
                               daemon=True)
       pump.start()
