@@ -592,10 +592,11 @@ class Engine:
     n_local = len(self.local_rows())
     if lead != {n_local}:
       raise DataError(
-          f"this process's part of the batch must have {n_local} rows (engine.local_rows(): its "
-          f"devices' share of train_batch_size = {self.global_batch_size}); its leaves have "
-          f"leading dimensions {sorted(lead, key=str)}. Pass the global batch, or "
-          f"`batch[engine.local_rows()]`.")
+          f"batch leaves have leading dimensions {sorted(lead, key=str)}; give either the global "
+          f"batch (train_batch_size = {self.global_batch_size} rows: micro "
+          f"{self.micro_batch_size} x gas {self.gas} x data-parallel size {self.mesh.dp_size}) "
+          f"or this process's part of it, which must have {n_local} rows (the rows "
+          f"engine.local_rows() names: `batch[engine.local_rows()]`).")
     self._check_batch(jax.tree.map(lambda x: np.broadcast_to(
         np.zeros((), np.asarray(x).dtype), (self.global_batch_size,) + np.shape(x)[1:]), batch))
     sharding = self.batch_sharding()
