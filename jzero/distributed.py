@@ -203,7 +203,10 @@ def install_sigterm_handler() -> None:
 
   if _sigterm["installed"] or jax.process_count() > 1:
     return
-  signal.signal(signal.SIGTERM, _on_sigterm)
+  try:
+    signal.signal(signal.SIGTERM, _on_sigterm)
+  except ValueError:  # not the main thread: SIGTERM keeps its default action
+    pass
   _sigterm["installed"] = True
 
 
