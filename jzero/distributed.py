@@ -186,7 +186,9 @@ def _explain_lost_peers() -> None:
       print(f"jzero: process {jax.process_index()}: a collective failed, most likely because "
             f"another process of the job is gone (killed, crashed, or its machine lost). JAX's "
             f"coordination service names it ('Task N heartbeat timeout') within "
-            f"{_heartbeat_s} s, then ends this process.", file=sys.stderr, flush=True)
+            f"{_heartbeat_s} s, then ends this process; if process 0 (the coordinator) is the "
+            f"lost one, it reports the coordination service unreachable ('Socket closed') "
+            f"instead.", file=sys.stderr, flush=True)
 
   import jax
   sys.excepthook = hook
