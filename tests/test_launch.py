@@ -4,8 +4,8 @@ elastic resume. Several processes on 127.0.0.1 over gloo.
 The training tests share one story (module fixtures): the default job (``jzero train`` with
 configs/zero3.json, a tiny GPT) runs uninterrupted in this process on 8 devices; the same job
 launched as 2 processes x 4 devices is preempted (SIGTERM to process 1) and checkpoints; that
-checkpoint resumes as 4 processes x 2 devices and in one process on 4 devices. Every loss must
-equal the uninterrupted run's.
+checkpoint resumes as 4 processes x 2 devices, and in one process on 8 and on 4 devices. Every
+loss must equal the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -241,6 +241,21 @@ def test_preempted_job_resumes_on_4_processes_x_2_devices(uninterrupted, preempt
                     str(losses)])
   assert p.wait(timeout=400) == 0, out.text[-3000:]
   assert f"resumed from {tmp_path / 'ckpt'} at step {step}" in out.text
+  resumed = _losses(losses)
+  assert sorted(resumed) == list(range(step + 1, STEPS + 1))
+  np.testing.assert_allclose([resumed[s] for s in resumed], [uninterrupted[s] for s in resumed],
+                             rtol=1e-6)
+
+
+def test_preempted_job_resumes_in_one_process_on_8_devices(uninterrupted, preempted, tmp_path):
+  """`jzero train --resume` of the 2 x 4 checkpoint in this process (1 x 8): the same global batch,
+  the uninterrupted run's losses."""
+  ckpt, _, _ = preempted
+  step = jzero.checkpoint.latest_step(ckpt)
+  shutil.copytree(ckpt, tmp_path / "ckpt")
+  losses = tmp_path / "losses"
+  assert cli.main(["train", *TRAIN, "--steps", str(STEPS), "--checkpoint-dir",
+                   str(tmp_path / "ckpt"), "--resume", "--losses-file", str(losses)]) == 0
   resumed = _losses(losses)
   assert sorted(resumed) == list(range(step + 1, STEPS + 1))
   np.testing.assert_allclose([resumed[s] for s in resumed], [uninterrupted[s] for s in resumed],
