@@ -6,12 +6,16 @@
   engine = jzero.initialize(model=..., loss_fn=..., config="configs/zero3.json")
   state = engine.init(jax.random.key(0))
   state, metrics = engine.train_step(state, engine.shard_batch(batch))
+
+Several processes: start the script with ``jzero launch`` (or srun / mpirun); ``jzero.initialize``
+joins them (:func:`jzero.init_distributed`).
 """
 
 import logging as _logging
 import sys as _sys
 
 from jzero.config import Config
+from jzero.distributed import init_distributed
 from jzero.engine import Engine, TrainState, initialize
 from jzero.errors import (CheckpointError, ConfigError, DataError, JZeroError, JZeroWarning,
                           MeshError, NotSupportedError)
@@ -32,7 +36,7 @@ if not _logger.handlers:
   _logger.propagate = False
 
 __all__ = [
-    "Config", "Engine", "TrainState", "initialize", "gather", "remat", "scan_layers",
+    "Config", "Engine", "TrainState", "initialize", "init_distributed", "gather", "remat", "scan_layers",
     "linen_scan_layers", "MeshSpec", "ZeroMesh", "simulate_cpu_devices", "Plan", "make_plan",
     "JZeroError", "ConfigError", "NotSupportedError", "MeshError", "DataError", "CheckpointError",
     "JZeroWarning",

@@ -5,6 +5,11 @@ Python standard library's source, as bytes) on 8 simulated CPU devices, with a p
 loss every ``steps_per_print`` steps, and a summary at the end.
 
 ``--checkpoint-dir DIR`` saves sharded checkpoints there and resumes from the latest one.
+``jzero launch --num_processes 2 --num_cpu_devices 4 --module jzero train ...`` runs a script (or
+``jzero train``) as several processes, here or over ssh on a hostfile's hosts (:mod:`jzero.launch`);
+``jzero train`` joins them, or a SLURM / Open MPI / Kubernetes job, by itself
+(:mod:`jzero.distributed`), and stops at a step all processes agree on when one gets SIGTERM,
+saving a checkpoint.
 ``jzero estimate --params 7e9 --devices 8`` prints ZeRO's per-device memory table.
 ``jzero aot --config ... --gpu h100 --devices 8`` compiles the step for a GPU topology that is not
 present (:mod:`jzero.aot`).
@@ -30,10 +35,11 @@ DEFAULT_DEVICES = 8
 
 
 def _add_device_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--devices", type=int, default=DEFAULT_DEVICES,
+  p.add_argument("--devices", type=int, default=None,
                  help="number of SIMULATED CPU devices (default 8, for trying jzero on a "
-                      "laptop); on GPUs or TPUs pass --devices 0 to use the accelerators JAX "
-                      "finds")
+                      "laptop; started by `jzero launch` or a cluster: the launcher's "
+                      "--num_cpu_devices, else the accelerators); on GPUs or TPUs pass --devices "
+                      "0 to use the accelerators JAX finds")
   p.add_argument("--mesh", default=None,
                  help="mesh file (configs/mesh/*.yaml); default: all devices on one data axis")
 
@@ -61,26 +67,27 @@ def _check_process_args(args: argparse.Namespace) -> None:
       raise JZeroError(f"--coordinator {args.coordinator!r} must be HOST:PORT, e.g. 127.0.0.1:7777.")
 
 
-def _setup_devices(n: int) -> None:
-  if n:
-    from jzero.mesh import simulate_cpu_devices
-    simulate_cpu_devices(n)
+def _join(args: argparse.Namespace) -> None:
+  """Simulated devices, then the process job (jzero.distributed.init_distributed): from the flags,
+  from `jzero launch`'s environment, or from a cluster's (SLURM, Open MPI, Kubernetes)."""
+  import os
+  from jzero import distributed
 
-
-def _join_processes(args: argparse.Namespace) -> None:
-  """Joins the jax.distributed job the process flags describe (after _setup_devices)."""
-  import jax
-  if args.devices:  # simulated CPU devices talk to the other processes over gloo
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(args.coordinator, num_processes=args.num_processes,
-                             process_id=args.process_id)
+  devices = args.devices
+  if devices is None:  # launched: the launcher's --num_cpu_devices, or the real accelerators
+    launched = (args.coordinator is not None or distributed.ENV_COORDINATOR in os.environ
+                or distributed.cluster_environment() is not None)
+    devices = 0 if launched else DEFAULT_DEVICES
+  if args.coordinator is not None:
+    distributed.init_distributed(args.coordinator, args.num_processes, args.process_id,
+                                 num_cpu_devices=devices or None)
+  else:
+    distributed.init_distributed(num_cpu_devices=devices or None)
 
 
 def _train(args: argparse.Namespace) -> int:
   _check_process_args(args)
-  _setup_devices(args.devices)
-  if args.coordinator is not None:
-    _join_processes(args)
+  _join(args)
   import jax
   import numpy as np
   from tqdm import tqdm
@@ -89,7 +96,7 @@ def _train(args: argparse.Namespace) -> int:
   import jzero
   from jzero.data import ByteCorpus
   from jzero.models import GPT, lm_loss
-  from jzero import checkpoint, memory
+  from jzero import checkpoint, distributed, memory
   from jzero.precision import MIN_SCALE_ERROR
 
   primary = jax.process_index() == 0
@@ -114,6 +121,10 @@ def _train(args: argparse.Namespace) -> int:
       f"x gas {cfg.gradient_accumulation_steps} x dp {engine.mesh.dp_size}")
   state = engine.init(jax.random.key(args.seed))
   start = 0
+  if args.resume and (not args.checkpoint_dir
+                      or checkpoint.latest_step(args.checkpoint_dir) is None):
+    raise JZeroError(f"--resume: no checkpoint in --checkpoint-dir {args.checkpoint_dir!r} to "
+                     f"resume from.")
   if args.checkpoint_dir and checkpoint.latest_step(args.checkpoint_dir) is not None:
     state = engine.load_checkpoint(args.checkpoint_dir)
     start = int(state.step)
@@ -127,8 +138,10 @@ def _train(args: argparse.Namespace) -> int:
   bar = tqdm(range(start, args.steps), desc="train", unit="step", dynamic_ncols=True,
              initial=start, total=args.steps, disable=args.no_progress or not primary)
   with logging_redirect_tqdm(loggers=[logging.getLogger("jzero")]):
+    rows = engine.local_rows()  # each process reads only the rows its devices hold
     for step in bar:
-      batch = engine.shard_batch(corpus.batch(step, cfg.train_batch_size, seed=args.seed))
+      batch = engine.shard_batch(corpus.batch(step, cfg.train_batch_size, seed=args.seed,
+                                              rows=rows))
       t0 = time.perf_counter()
       state, metrics = engine.train_step(state, batch)  # logs every steps_per_print steps
       loss = float(metrics["loss"])  # waits for the step
@@ -137,10 +150,27 @@ def _train(args: argparse.Namespace) -> int:
         raise JZeroError(f"step {step + 1}: {MIN_SCALE_ERROR} (fp16 overflow with the loss scale "
                          f"at min_loss_scale; DeepSpeed stops here too)")
       losses.append(loss)
+      if args.losses_file and primary:
+        with open(args.losses_file, "a") as f:
+          f.write(f"{step + 1} {loss!r}\n")
       bar.set_postfix(loss=f"{loss:.3f}", lr=f"{float(metrics['lr']):.2e}")
-      if args.checkpoint_dir and (step + 1 == args.steps or (
-          args.save_every and (step + 1) % args.save_every == 0)):
+      saved = args.checkpoint_dir and (step + 1 == args.steps or (
+          args.save_every and (step + 1) % args.save_every == 0))
+      if saved:
         engine.save_checkpoint(state, args.checkpoint_dir, keep=args.keep)  # async
+      if step + 1 < args.steps and distributed.should_stop(step + 1):  # SIGTERM: all stop here
+        bar.close()
+        if not args.checkpoint_dir:
+          print(f"jzero: process {jax.process_index()}: stopped by SIGTERM after step {step + 1}; "
+                f"nothing saved (no --checkpoint-dir)", file=sys.stderr)
+          return 143
+        if not saved:
+          engine.save_checkpoint(state, args.checkpoint_dir, keep=args.keep)
+        engine.wait_for_checkpoints()
+        say(f"jzero: preempted (SIGTERM): every process stopped after step {step + 1}; "
+            f"checkpoint at step {checkpoint.latest_step(args.checkpoint_dir)} in "
+            f"{args.checkpoint_dir}; run the same command again to resume")
+        return 0
   bar.close()
   if args.checkpoint_dir:
     engine.wait_for_checkpoints()
@@ -232,9 +262,23 @@ def build_parser() -> argparse.ArgumentParser:
                  help="save here (at the end and every --save-every steps) and resume from its "
                       "latest checkpoint if there is one")
   t.add_argument("--save-every", type=int, default=0, help="also save every N steps")
+  t.add_argument("--losses-file", default=None,
+                 help="append each step's loss to this file, 'STEP LOSS' lines at full precision "
+                      "(process 0; a resumed run appends its steps)")
+  t.add_argument("--resume", action="store_true",
+                 help="require a checkpoint in --checkpoint-dir and continue from it (without "
+                      "--resume a checkpoint found there is resumed from too)")
   t.add_argument("--keep", type=int, default=None, help="keep only the last K checkpoints")
   _add_process_args(t)
   t.set_defaults(func=_train)
+
+  from jzero import launch
+  l = sub.add_parser("launch", help="start a script as several processes, here or on the hosts "
+                     "of a hostfile (DeepSpeed's launcher)",
+                     description=launch.__doc__.split("\n\n")[0] + " See `python -c 'import "
+                     "jzero.launch; help(jzero.launch)'` for the details.")
+  launch.add_launch_arguments(l)
+  l.set_defaults(func=launch.run_launch)
 
   e = sub.add_parser("estimate", help="per-device memory of the ZeRO stages (analytic, no "
                      "device work)")

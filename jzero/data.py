@@ -26,7 +26,7 @@ import numpy as np
 
 from jzero.errors import DataError
 
-__all__ = ["ByteCorpus", "DataLoader", "stdlib_files"]
+__all__ = ["ByteCorpus", "DataLoader", "local_rows", "stdlib_files"]
 
 DEFAULT_MAX_BYTES = 8 << 20
 
@@ -48,6 +48,16 @@ def _read(files: list[Path], max_bytes: int) -> np.ndarray:
     chunks.append(data)
     total += len(data)
   return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+
+
+def local_rows(sharding: Any, batch_size: int) -> np.ndarray:
+  """Rows of a global batch of ``batch_size`` that this process's devices hold under
+  ``sharding`` (ascending): every row in a single process."""
+  index_map = sharding.addressable_devices_indices_map((batch_size,))
+  rows = set()
+  for index in index_map.values():
+    rows.update(range(batch_size)[index[0]] if index else range(batch_size))
+  return np.array(sorted(rows))
 
 
 class ByteCorpus:
@@ -84,11 +94,18 @@ class ByteCorpus:
   def __len__(self) -> int:
     return len(self.tokens)
 
-  def batch(self, step: int, batch_size: int, *, seed: int = 0, split: str = "train") -> dict:
-    """``{"tokens": int32[batch_size, seq_len + 1]}`` for optimizer step ``step``."""
+  def batch(self, step: int, batch_size: int, *, seed: int = 0, split: str = "train",
+            rows: np.ndarray | None = None) -> dict:
+    """``{"tokens": int32[batch_size, seq_len + 1]}`` for optimizer step ``step``.
+
+    ``rows`` (e.g. ``engine.local_rows()``): only those rows of the global batch, in that order --
+    each process of a multi-process job reads its own part, ``engine.shard_batch`` assembles them.
+    """
     lo, hi = self._splits[split]
     rng = np.random.default_rng((seed, step, 0 if split == "train" else 1))
     starts = rng.integers(lo, hi - self.seq_len - 1, size=batch_size)
+    if rows is not None:
+      starts = starts[np.asarray(rows)]
     idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
     return {"tokens": self.tokens[idx].astype(np.int32)}
 
@@ -131,12 +148,7 @@ class DataLoader:
     return len(self.dataset) // self.batch_size
 
   def _local_rows(self) -> np.ndarray:
-    """Rows of the global batch this process's devices hold, ascending."""
-    index_map = self.sharding.addressable_devices_indices_map((self.batch_size,))
-    rows = set()
-    for index in index_map.values():
-      rows.update(range(self.batch_size)[index[0]] if index else range(self.batch_size))
-    return np.array(sorted(rows))
+    return local_rows(self.sharding, self.batch_size)
 
   def indices(self, step: int) -> np.ndarray:
     """The dataset indices of the global batch of optimizer step ``step``."""

@@ -650,10 +650,40 @@ class Engine:
     """The compiled step (for ``memory_analysis()`` and the HLO) without running it."""
     return self.jitted_step(batch).lower(state, batch).compile()
 
-  def shard_batch(self, batch: PyTree) -> PyTree:
-    """Places a host batch (numpy) on the mesh, split over the batch axes."""
-    self._check_batch(batch)
-    return jax.device_put(batch, self.batch_sharding())
+  def local_rows(self) -> np.ndarray:
+    """The rows of the global batch this process's devices hold, ascending (all of them in a
+    single process): what a process loads when it reads only its part of the batch."""
+    from jzero.data import local_rows
+    return local_rows(self.mesh.sharding(self.mesh.batch_spec()), self.global_batch_size)
+
+  def shard_batch(self, batch: PyTree, *, process_local: bool | None = None) -> PyTree:
+    """Places a host batch (numpy) on the mesh, split over the batch axes.
+
+    ``batch`` is either the global batch (leading dim ``train_batch_size``, the same in every
+    process) or this process's part of it: the rows :meth:`local_rows` names, in that order,
+    assembled across processes with ``jax.make_array_from_process_local_data`` (DeepSpeed's way:
+    each rank loads only its samples). ``process_local=None`` tells them apart by the leading
+    dimension.
+    """
+    lead = {np.shape(x)[0] if np.shape(x) else None for x in jax.tree.leaves(batch)}
+    if process_local is None:
+      process_local = jax.process_count() > 1 and lead != {self.global_batch_size}
+    if not process_local:
+      self._check_batch(batch)
+      return jax.device_put(batch, self.batch_sharding())
+    n_local = len(self.local_rows())
+    if lead != {n_local}:
+      raise DataError(
+          f"batch leaves have leading dimensions {sorted(lead, key=str)}; give either the global "
+          f"batch (train_batch_size = {self.global_batch_size} rows: micro "
+          f"{self.micro_batch_size} x gas {self.gas} x data-parallel size {self.mesh.dp_size}) "
+          f"or this process's part of it, which must have {n_local} rows (the rows "
+          f"engine.local_rows() names: `batch[engine.local_rows()]`).")
+    self._check_batch(jax.tree.map(lambda x: np.broadcast_to(
+        np.zeros((), np.asarray(x).dtype), (self.global_batch_size,) + np.shape(x)[1:]), batch))
+    sharding = self.batch_sharding()
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+        sharding, np.asarray(x), (self.global_batch_size,) + np.shape(x)[1:]), batch)
 
   def eval_loss(self, state: TrainState, batch: PyTree) -> float:
     """Mean loss of ``batch`` (leading dim a multiple of the data-parallel size), no update."""
@@ -789,6 +819,8 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
       (:class:`jzero.data.DataLoader`: shuffled with ``seed`` unless ``shuffle=False``, a pure
       function of the optimizer step, each process reading only its rows).
   """
+  from jzero.distributed import init_distributed
+  init_distributed()  # joins the other processes when launched as one of several (jzero launch, SLURM...)
   given = config if isinstance(config, Config) else Config.load(config)
   given.check_supported()
   offload.settings_from_config(given.zero_optimization)  # offload the stage cannot have: refused

@@ -41,7 +41,8 @@ def main(process_id: int, num_processes: int, port: int, devices: int, out: str,
   from zero_testing import SMALL, batches, ds_config, gpt_factory
 
   data = batches(SMALL.seq_len, BATCH, STEPS)
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **zero))
+  engine = jzero.initialize(gpt_factory(SMALL), lm_loss,
+                            ds_config(3, micro=BATCH // jax.device_count(), **zero))
   state = engine.init(jax.random.key(0))
   ckpt = os.path.join(out, "ckpt")
   losses = []
