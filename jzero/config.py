@@ -897,8 +897,6 @@ SUPPORT_TABLE: tuple[_Rule, ...] = (
           "fp16 master weights are not implemented; jzero keeps fp32 master weights"),
     _Rule("fp16.auto_cast", REFUSED,
           "automatic input casting is not implemented; the model's dtype policy casts"),
-    _Rule("activation_checkpointing.cpu_checkpointing", REFUSED,
-          "offloading checkpointed activations to the host is not implemented yet"),
     _Rule("optimizer.type", REFUSED, "jzero supports the optimizers Adam, AdamW, Lion and SGD",
           lambda name: name.lower() not in _OPTIMIZERS),
     _Rule("scheduler.type", REFUSED, f"jzero supports the schedulers {', '.join(_SCHEDULERS)}",

@@ -418,8 +418,11 @@ class Engine:
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
     key = jax.random.fold_in(key, lax.axis_index(axes.batch_axes))
     zero = self.config.zero_optimization
-    policy = LayerPolicy(checkpoint_activations=self.config.activation_checkpointing is not None,
-                         prefetch=zero.stage == 3 and zero.prefetch_bucket_size > 0)
+    checkpointing = self.config.activation_checkpointing
+    policy = LayerPolicy(checkpoint_activations=checkpointing is not None,
+                         prefetch=zero.stage == 3 and zero.prefetch_bucket_size > 0,
+                         offload_inputs=checkpointing is not None
+                         and bool(checkpointing.cpu_checkpointing))
     pass_rng = "rng" in inspect.signature(self.loss_fn).parameters
 
     def scaled_loss(targets, mb, rng):

@@ -26,6 +26,19 @@ cost more memory traffic than the recompute). When the config has an ``activatio
 block the body is rematerialised whole (only the layer inputs are kept), which is what
 DeepSpeed's per-layer activation checkpointing does.
 
+With ``activation_checkpointing.cpu_checkpointing: true`` (DeepSpeed's activation offload) those
+kept layer inputs live in host memory (``pinned_host``) between forward and backward: the body
+tags every array of its input with ``checkpoint_name(x, LAYER_INPUT)`` (:func:`name_layer_inputs`)
+and the policy is ``save_and_offload_only_these_names`` with that name offloadable from
+``device`` to ``pinned_host`` and nothing saveable. JAX's remat then copies each layer's input to
+the host in forward (the scan stacks those copies into one host buffer of L inputs) and back to
+the device right before that layer's recompute in backward. :mod:`jzero.units` tags its regions'
+inputs the same way, so loop models offload every unit's input. The values and so the losses and
+gradients are unchanged (the copies are exact); only where the residuals live changes. The CPU
+backend runs the copies but has no separate host memory: ``memory_analysis()`` there reports the
+same temp bytes with and without offload (README, "Activation offload"); the CUDA lowering
+carries the placement annotations.
+
 The engine sets the policy with :func:`engine_context` while it traces the loss; models never do.
 
 A Flax Linen model builds its stacked layers with :func:`linen_scan_layers` instead, inside its
@@ -49,11 +62,17 @@ from typing import Any, Callable, Iterator
 import jax
 from flax import linen as nn
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jzero.collectives import ZeroParam
 
 __all__ = ["gather", "remat", "scan_layers", "linen_scan_layers", "engine_context", "LayerPolicy",
-           "current_layer_policy", "current_policy"]
+           "current_layer_policy", "current_policy", "name_layer_inputs", "LAYER_INPUT"]
+
+#: The ``checkpoint_name`` of the layer inputs that ``cpu_checkpointing`` moves to the host.
+LAYER_INPUT = "jzero_layer_input"
+#: Where ``cpu_checkpointing`` keeps them (DeepSpeed copies checkpoints to pinned CPU memory).
+ACTIVATION_MEMORY_KIND = "pinned_host"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +84,23 @@ class LayerPolicy:
       otherwise keep the outputs of the layer's matmuls with its weights and nothing else.
     prefetch: a gather unit may gather while the unit before it computes
       (``stage3_prefetch_bucket_size`` > 0; see :mod:`jzero.units`).
+    offload_inputs: with ``checkpoint_activations``, keep the layer inputs in ``pinned_host``
+      memory between forward and backward (``cpu_checkpointing``).
   """
 
   checkpoint_activations: bool = False
   prefetch: bool = False
+  offload_inputs: bool = False
+
+  def __post_init__(self):
+    if self.offload_inputs and not self.checkpoint_activations:
+      raise ValueError("offload_inputs (cpu_checkpointing) needs checkpoint_activations")
 
   def jax_policy(self) -> Callable[..., bool]:
+    if self.offload_inputs:
+      return jax.checkpoint_policies.save_and_offload_only_these_names(
+          names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,),
+          offload_src="device", offload_dst=ACTIVATION_MEMORY_KIND)
     if self.checkpoint_activations:
       return jax.checkpoint_policies.nothing_saveable
     # Never a gathered weight: "save anything except the gathered name" does not work, because the
@@ -109,6 +139,15 @@ def current_policy() -> Callable[..., bool]:
   return current_layer_policy().jax_policy()
 
 
+def name_layer_inputs(tree: Any) -> Any:
+  """Tags every array of ``tree`` (a layer's input, inside its remat region) as
+  :data:`LAYER_INPUT` when the current engine offloads layer inputs; identity otherwise."""
+  if not current_layer_policy().offload_inputs:
+    return tree
+  return jax.tree.map(lambda x: checkpoint_name(x, LAYER_INPUT) if isinstance(x, jax.Array) else x,
+                      tree)
+
+
 def remat(fn: Callable[..., Any]) -> Callable[..., Any]:
   """``fn`` rematerialised as the current engine asks (unchanged outside an engine)."""
   policy = _POLICY.get()
@@ -131,7 +170,7 @@ def scan_layers(layer: Callable[[Any, Any], Any], carry: Any, stacked_params: An
     The output of the last layer.
   """
   def body(c, params):
-    return layer(c, gather(params)), None
+    return layer(name_layer_inputs(c), gather(params)), None
 
   out, _ = lax.scan(remat(body), carry, stacked_params, unroll=unroll)
   return out
@@ -154,9 +193,24 @@ def linen_scan_layers(block: type[nn.Module], length: int, *, variable_axes: dic
   Returns:
     A module class; list its instance's name in ``stacked_layers``.
   """
-  layer = nn.map_variables(block, "params", trans_in_fn=gather, init=True)
   policy = _POLICY.get()
+  if policy is not None and policy.offload_inputs:
+    block = _naming_carry(block)
+  layer = nn.map_variables(block, "params", trans_in_fn=gather, init=True)
   if policy is not None:
     layer = nn.remat(layer, policy=policy.jax_policy(), prevent_cse=False)
   return nn.scan(layer, variable_axes={"params": 0, **(variable_axes or {})},
                  split_rngs={"params": True, **(split_rngs or {})}, length=length, **scan_kwargs)
+
+
+def _naming_carry(block: type[nn.Module]) -> type[nn.Module]:
+  """A subclass of the Linen ``block`` that tags its carry with :func:`name_layer_inputs`."""
+
+  class Named(block):  # type: ignore[valid-type, misc]
+
+    def __call__(self, carry, *args, **kwargs):
+      return super().__call__(name_layer_inputs(carry), *args, **kwargs)
+
+  Named.__name__, Named.__qualname__ = block.__name__, block.__qualname__
+  Named.__module__ = block.__module__
+  return Named

@@ -27,7 +27,8 @@ own class defines, such as ``Embed.attend`` for tied embeddings -- runs inside `
 with the engine's layer policy, and the unit's partitions are gathered at the top of that region.
 So the gathered parameters are never saved for backward: backward gathers the unit again just
 before its own backward, and its gradient is reduce-scattered right after (the gather's
-backward), one unit's full parameters and gradients alive at a time. A unit inside another unit,
+backward), one unit's full parameters and gradients alive at a time. With ``cpu_checkpointing``
+the region's activation inputs are what moves to ``pinned_host`` (see :mod:`jzero.layers`). A unit inside another unit,
 or inside a layer scan that already gathered its layer, finds nothing left to gather and runs
 as is. NNX: the bound model's unit modules get a subclass whose methods do this. Linen: flax's
 ``nn.intercept_methods``.
@@ -56,7 +57,7 @@ from flax import nnx
 
 from jzero.collectives import ZeroParam
 from jzero.errors import JZeroWarning
-from jzero.layers import current_layer_policy, current_policy, gather
+from jzero.layers import current_layer_policy, current_policy, gather, name_layer_inputs
 
 __all__ = ["ModuleInfo", "UnitRules", "choose_units", "check_units", "nnx_units", "linen_units",
            "inside_unit", "holds_partitions"]
@@ -250,8 +251,8 @@ def run_unit(body: Callable[[Any, tuple, dict], Any], params: Any, args: tuple,
   after = _gather_after(arrays)
 
   def region(params, arrays, after):
-    params, _ = lax.optimization_barrier((params, after))
-    a, kw = rebuild(arrays)
+    params, _ = lax.optimization_barrier((params, name_layer_inputs(after)))
+    a, kw = rebuild(name_layer_inputs(arrays))
     with inside_unit():
       return body(gather(params), a, kw)
 

@@ -732,7 +732,6 @@ def test_check_supported_refuses_every_listed_setting_at_once():
       "scheduler": {"type": "OneCycle", "params": {}},
       "checkpoint": {"load_universal": True},
       "data_types": {"param_dtype": "bf16"},
-      "activation_checkpointing": {"cpu_checkpointing": True},
   })
   with pytest.raises(NotSupportedError) as info:
     config.check_supported()
@@ -745,8 +744,6 @@ def test_check_supported_refuses_every_listed_setting_at_once():
       "  not yet supported: zero_optimization.mics_shard_size=8 (MiCS is not implemented)",
       "  not yet supported: zero_optimization.load_from_fp32_weights=false (jzero always "
       "restores the fp32 master weights from the checkpoint)",
-      "  not yet supported: activation_checkpointing.cpu_checkpointing=true (offloading "
-      "checkpointed activations to the host is not implemented yet)",
       "  not yet supported: optimizer.type=Lamb (jzero supports the optimizers Adam, AdamW, Lion "
       "and SGD)",
       "  not yet supported: scheduler.type=OneCycle (jzero supports the schedulers WarmupLR, "
