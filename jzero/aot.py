@@ -337,11 +337,12 @@ def _estimate(engine: Any, state: Any, gpt: Any) -> dict[str, float]:
   opt_k = sum(jax.tree.leaves(param_like)) / numel
   itemsize = jnp.dtype(plan.compute_dtype).itemsize
   activations = 0.0
-  if gpt is not None:
-    checkpointing = engine.config.activation_checkpointing is not None
+  checkpointing = engine.config.activation_checkpointing
+  if gpt is not None and not (checkpointing is not None and checkpointing.cpu_checkpointing):
+    # (cpu_checkpointing keeps the checkpointed layer inputs on the host, none on the device)
     activations = memory.activation_bytes(
         engine.micro_batch_size, gpt.seq_len, gpt.d_model, gpt.n_layers, gpt.n_heads,
-        bytes_per_element=itemsize, checkpointing=checkpointing)
+        bytes_per_element=itemsize, checkpointing=checkpointing is not None)
   est = memory.estimate(plan.leaf_list(), plan.stage, engine.mesh.zero_size, param_bytes=itemsize,
                         optimizer_bytes=master_k + opt_k,
                         persistence_threshold=zero.param_persistence_threshold,
