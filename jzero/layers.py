@@ -141,19 +141,36 @@ def current_policy() -> Callable[..., bool]:
 
 def name_layer_inputs(tree: Any) -> Any:
   """Tags every array of ``tree`` (a layer's input, inside its remat region) as
-  :data:`LAYER_INPUT` when the current engine offloads layer inputs; identity otherwise."""
+  :data:`LAYER_INPUT` when the current engine offloads layer inputs; identity otherwise.
+  ZeroParams (parameter partitions) are left as they are."""
   if not current_layer_policy().offload_inputs:
     return tree
   return jax.tree.map(lambda x: checkpoint_name(x, LAYER_INPUT) if isinstance(x, jax.Array) else x,
-                      tree)
+                      tree, is_leaf=lambda x: isinstance(x, ZeroParam))
 
 
-def remat(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """``fn`` rematerialised as the current engine asks (unchanged outside an engine)."""
+def _checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
   policy = _POLICY.get()
   if policy is None:
     return fn
   return jax.checkpoint(fn, policy=policy.jax_policy(), prevent_cse=False)
+
+
+def remat(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` rematerialised as the current engine asks (unchanged outside an engine).
+
+  With ``cpu_checkpointing`` every array argument of ``fn`` is a layer input kept in
+  ``pinned_host`` until backward (as DeepSpeed's ``checkpoint(fn, *args)`` offloads its tensor
+  arguments); pass weights that the engine already holds as ZeroParams, not as gathered arrays.
+  """
+  if _POLICY.get() is None:
+    return fn
+
+  def named(*args, **kwargs):
+    args, kwargs = name_layer_inputs((args, kwargs))
+    return fn(*args, **kwargs)
+
+  return _checkpointed(named)
 
 
 def scan_layers(layer: Callable[[Any, Any], Any], carry: Any, stacked_params: Any, *,
@@ -172,7 +189,7 @@ def scan_layers(layer: Callable[[Any, Any], Any], carry: Any, stacked_params: An
   def body(c, params):
     return layer(name_layer_inputs(c), gather(params)), None
 
-  out, _ = lax.scan(remat(body), carry, stacked_params, unroll=unroll)
+  out, _ = lax.scan(_checkpointed(body), carry, stacked_params, unroll=unroll)
   return out
 
 

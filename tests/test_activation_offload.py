@@ -19,6 +19,7 @@ import pytest
 import jzero
 from jzero.layers import LAYER_INPUT, LayerPolicy
 from jzero.models import lm_loss
+from test_engine import _LinenScanned, _linen_engine
 from test_units import LoopNet, _regression_batch, mse
 from zero_testing import SMALL, batches, ds_config, gpt_factory, max_relative_diff
 
@@ -84,10 +85,11 @@ def test_loop_model_through_units_with_cpu_checkpointing_equals_plain_checkpoint
                _train(jzero.initialize(factory, mse, cfg(False)), data))
 
 
-def _cuda_text(engine) -> str:
+def _cuda_text(engine, batch=None, init_args=()) -> str:
   from jax import export
-  state = engine.init(jax.random.key(0))
-  batch = engine.shard_batch(_gpt_data()[0])
+  batch = _gpt_data()[0] if batch is None else batch
+  state = engine.init(jax.random.key(0), *init_args)
+  batch = engine.shard_batch(batch)
   return export.export(engine.jitted_step(batch), platforms=("cuda",))(state, batch).mlir_module()
 
 
@@ -103,3 +105,30 @@ def test_cuda_export_offloads_each_saved_layer_input_to_pinned_host():
   assert _placements(text, "pinned_host") == 1, _placements(text, "pinned_host")
   assert _placements(text, "device") >= 1
   assert _placements(_cuda_text(_gpt_engine(3, False)), "pinned_host") == 0
+
+
+def _linen_data():
+  rng = np.random.default_rng(0)
+  return [{"x": rng.normal(size=(N, 16, 12)).astype(np.float32),
+           "y": rng.normal(size=(N, 16, 3)).astype(np.float32)} for _ in range(STEPS)]
+
+
+def test_linen_scan_layers_offload_their_carry_exactly():
+  """jzero.linen_scan_layers tags the carry of its nn.scan too: one pinned_host placement in the
+  CUDA export, and the same losses and parameters as without offload (stage 3, fp32)."""
+  data = _linen_data()
+
+  def run(offload):
+    engine = _linen_engine(_LinenScanned(), _config(3, offload,
+                                                    stage3_param_persistence_threshold=0))
+    state = engine.init(jax.random.key(0), data[0])
+    losses = []
+    for b in data:
+      state, metrics = engine.train_step(state, engine.shard_batch(b))
+      losses.append(float(metrics["loss"]))
+    return jax.tree.map(np.asarray, engine.logical_params(state)), np.array(losses)
+
+  _assert_same(run(True), run(False))
+  engine = _linen_engine(_LinenScanned(), _config(3, True, stage3_param_persistence_threshold=0))
+  text = _cuda_text(engine, data[0], (data[0],))
+  assert _placements(text, "pinned_host") == 1
