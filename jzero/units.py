@@ -28,9 +28,9 @@ with the engine's layer policy, and the unit's partitions are gathered at the to
 So the gathered parameters are never saved for backward: backward gathers the unit again just
 before its own backward, and its gradient is reduce-scattered right after (the gather's
 backward), one unit's full parameters and gradients alive at a time. With ``cpu_checkpointing``
-the region's activation inputs are what moves to ``pinned_host`` (see :mod:`jzero.layers`). A unit inside another unit,
-or inside a layer scan that already gathered its layer, finds nothing left to gather and runs
-as is. NNX: the bound model's unit modules get a subclass whose methods do this. Linen: flax's
+the region's array inputs are what it keeps in ``pinned_host`` (see :mod:`jzero.layers`). A unit
+inside another unit, or inside a layer scan that already gathered its layer, finds nothing left
+to gather and runs as is. NNX: the bound model's unit modules get a subclass whose methods do this. Linen: flax's
 ``nn.intercept_methods``.
 
 The units' gathers read only the parameter partitions, never the previous unit's output, so XLA is
@@ -250,9 +250,12 @@ def run_unit(body: Callable[[Any, tuple, dict], Any], params: Any, args: tuple,
   arrays, rebuild = _split_args(args, kwargs)
   after = _gather_after(arrays)
 
+  same = after is arrays
+
   def region(params, arrays, after):
-    params, _ = lax.optimization_barrier((params, name_layer_inputs(after)))
-    a, kw = rebuild(name_layer_inputs(arrays))
+    arrays = name_layer_inputs(arrays)  # cpu_checkpointing: kept in pinned_host until backward
+    params, _ = lax.optimization_barrier((params, arrays if same else name_layer_inputs(after)))
+    a, kw = rebuild(arrays)
     with inside_unit():
       return body(gather(params), a, kw)
 
