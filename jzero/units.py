@@ -249,7 +249,6 @@ def run_unit(body: Callable[[Any, tuple, dict], Any], params: Any, args: tuple,
   """
   arrays, rebuild = _split_args(args, kwargs)
   after = _gather_after(arrays)
-
   same = after is arrays
 
   def region(params, arrays, after):
