@@ -426,9 +426,14 @@ class Engine:
     pass_rng = "rng" in inspect.signature(self.loss_fn).parameters
 
     def scaled_loss(targets, mb, rng):
-      with engine_context(policy):
+      with engine_context(policy) as tagged:
         model = self._bind(targets, state.params, state.secondary)
         out = self.loss_fn(model, mb, rng=rng) if pass_rng else self.loss_fn(model, mb)
+      if policy.offload_inputs and not sum(tagged):
+        warnings.warn(
+            "activation_checkpointing.cpu_checkpointing: the model ran no jzero remat region "
+            "(jzero.scan_layers, linen_scan_layers, jzero.remat or a ZeRO-3 gather unit), so no "
+            "activation was offloaded to the host", JZeroWarning, stacklevel=2)
       loss, aux = out if isinstance(out, tuple) else (out, {})
       loss = loss.astype(jnp.float32)
       return loss * loss_mult, (loss, aux)

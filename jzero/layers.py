@@ -112,14 +112,24 @@ _POLICY: contextvars.ContextVar[LayerPolicy | None] = contextvars.ContextVar(
     "jzero_layer_policy", default=None)
 
 
+_TAGGED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "jzero_tagged_layer_inputs", default=None)
+
+
 @contextlib.contextmanager
-def engine_context(policy: LayerPolicy) -> Iterator[None]:
-  """Used by the engine while tracing the loss: sets the remat policy of :func:`scan_layers`."""
-  token = _POLICY.set(policy)
+def engine_context(policy: LayerPolicy) -> Iterator[list[int]]:
+  """Used by the engine while tracing the loss: sets the remat policy of :func:`scan_layers`.
+
+  Yields a list that :func:`name_layer_inputs` appends the number of arrays it tagged to, so the
+  engine can tell a ``cpu_checkpointing`` run that offloaded nothing (no remat region ran).
+  """
+  tagged: list[int] = []
+  token, tagged_token = _POLICY.set(policy), _TAGGED.set(tagged)
   try:
-    yield
+    yield tagged
   finally:
     _POLICY.reset(token)
+    _TAGGED.reset(tagged_token)
 
 
 def gather(tree: Any) -> Any:
@@ -145,8 +155,20 @@ def name_layer_inputs(tree: Any) -> Any:
   ZeroParams (parameter partitions) are left as they are."""
   if not current_layer_policy().offload_inputs:
     return tree
-  return jax.tree.map(lambda x: checkpoint_name(x, LAYER_INPUT) if isinstance(x, jax.Array) else x,
-                      tree, is_leaf=lambda x: isinstance(x, ZeroParam))
+  count = 0
+
+  def tag(x):
+    nonlocal count
+    if not isinstance(x, jax.Array):
+      return x
+    count += 1
+    return checkpoint_name(x, LAYER_INPUT)
+
+  tree = jax.tree.map(tag, tree, is_leaf=lambda x: isinstance(x, ZeroParam))
+  tagged = _TAGGED.get()
+  if tagged is not None:
+    tagged.append(count)
+  return tree
 
 
 def _checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -47,6 +47,7 @@ def _gpt_data():
   return tuple(batches(SMALL.seq_len, N, STEPS))
 
 
+@functools.lru_cache(maxsize=None)
 def _gpt_engine(stage: int, offload: bool):
   return jzero.initialize(gpt_factory(SMALL), lm_loss, _config(stage, offload))
 
@@ -126,3 +127,11 @@ def test_linen_scan_layers_and_units_tag_their_inputs():
   text = _cuda_text(engine, batch, (batch,))
   assert _placements(text, "pinned_host") == 4
   assert len(re.findall(r'pinned_host"}} : \(tensor<1x16x32xf32>', text)) == 2  # scan, Dense_1
+
+
+def test_cpu_checkpointing_that_offloads_nothing_warns():
+  """A loop model in stage 1 has no gather units and no scan: nothing to offload, so a warning."""
+  engine = jzero.initialize(lambda rngs: LoopNet(rngs, 2, 64), mse, _config(1, True))
+  state = engine.init(jax.random.key(0))
+  with pytest.warns(jzero.JZeroWarning, match="cpu_checkpointing.*no activation was offloaded"):
+    engine.train_step(state, engine.shard_batch(_regression_batch(N, 64, 0)))
