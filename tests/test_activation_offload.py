@@ -103,14 +103,15 @@ def test_cuda_export_offloads_each_saved_layer_input_to_pinned_host():
   backward body copies it back once; the step's jaxpr holds the L stacked copies as one host
   array [L, micro, seq, d_model] between the forward and the backward scan."""
   engine = _gpt_engine(3, True)
-  text = _cuda_text(engine)
+  state = engine.init(jax.random.key(0))
+  batch = engine.shard_batch(_gpt_data()[0])
+  traced = engine.jitted_step(batch).trace(state, batch)
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
   layer_input = f"tensor<1x{SMALL.seq_len}x{SMALL.d_model}xf32>"
   assert re.findall(r'placement = \\?"(\w+)\\?"}} : \(' + re.escape(layer_input), text) == [
       "pinned_host", "device"]
   assert _placements(text, "pinned_host") == 1
-  state = engine.init(jax.random.key(0))
-  batch = engine.shard_batch(_gpt_data()[0])
-  jaxpr = str(engine.jitted_step(batch).trace(state, batch).jaxpr)
+  jaxpr = str(traced.jaxpr)
   stacked = f"f32<host>[{SMALL.n_layers},1,{SMALL.seq_len},{SMALL.d_model}]"
   one = f"f32<host>[1,{SMALL.seq_len},{SMALL.d_model}]"
   assert set(re.findall(r"\w+<host>\[[\d,]*\]", jaxpr)) == {stacked, one}
