@@ -44,7 +44,8 @@ def main() -> int:
   jax.config.update("jax_num_cpu_devices", args.devices)
   import jzero
   from jzero.data import ByteCorpus
-  from jzero.memory import CompiledMemory, format_bytes, live_bytes
+  from jzero.memory import format_bytes
+  from jzero.memory_report import CompiledMemory, live_bytes
   from jzero.models import GPT, GPTConfig, lm_loss
 
   model = GPTConfig()

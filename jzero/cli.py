@@ -96,7 +96,7 @@ def _train(args: argparse.Namespace) -> int:
   import jzero
   from jzero.data import ByteCorpus
   from jzero.models import GPT, lm_loss
-  from jzero import checkpoint, distributed, memory
+  from jzero import checkpoint, distributed, memory_report
   from jzero.precision import MIN_SCALE_ERROR
 
   primary = jax.process_index() == 0
@@ -189,7 +189,7 @@ def _train(args: argparse.Namespace) -> int:
   say(f"throughput: {tokens_per_step / float(np.median(steady)):,.0f} tokens/s (median step "
       f"{float(np.median(steady)) * 1e3:.0f} ms; first step incl. compile "
       f"{step_times[0]:.1f} s)")
-  say(memory.format_memory_report(engine.memory_report(state)))
+  say(memory_report.format_memory_report(engine.memory_report(state)))
   return 0
 
 

@@ -11,8 +11,10 @@ with the defaults, aliases and deprecations of DeepSpeed 0.19.6. A config goes t
    ``dict.get``) are dropped with a JZeroWarning each.
 2. ``Config.resolve`` replaces Hugging Face's ``"auto"`` values (kept as values until then) with
    numbers taken from the data-parallel size, the model's hidden size and ``auto_values``, and
-   completes the batch-size triple exactly as DeepSpeed does. The result holds no "auto".
+   completes the batch-size triple exactly as DeepSpeed does (:mod:`jzero.autofill`). The
+   result holds no "auto".
 3. ``Config.check_supported`` is the one place that says what jzero honours: ``SUPPORT_TABLE``
+   (:mod:`jzero.support`)
    lists every setting jzero refuses (NotSupportedError) or that has no effect under XLA
    (JZeroWarning). A setting not in the table is honoured by the module that reads it.
 
@@ -30,13 +32,13 @@ import re
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, NamedTuple, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
-from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
+from jzero.errors import ConfigError, JZeroWarning
 
 Auto = Literal["auto"]
 DType = Literal["fp32", "fp16", "bf16"]
@@ -540,36 +542,9 @@ class Config(BaseModel):
     then derived and checked as DeepSpeed's ``_set_batch_related_parameters``, with
     ``dp_world_size`` as the world size. Raises ConfigError listing every value it cannot fill.
     """
-    auto = dict(auto_values or {})
-    if unknown := [key for key in auto if key not in AUTO_VALUE_KEYS]:
-      raise ConfigError(f"auto_values: unknown keys {unknown}; known: {list(AUTO_VALUE_KEYS)}")
-    if isinstance(dp_world_size, bool) or not isinstance(dp_world_size, int) or dp_world_size < 1:
-      raise ConfigError(f"dp_world_size must be a positive integer, got {dp_world_size!r}")
-    data, missing = self.to_dict(), []
-    for name in ("fp16", "bf16"):
-      if data[name]["enabled"] == "auto":
-        data[name]["enabled"] = auto.get(name, False)
-        if name not in auto:
-          _warn(f'{name}.enabled is "auto" and auto_values has no {name!r}: training without '
-                f"{name} (DeepSpeed's default false); pass jzero.initialize(..., "
-                f"auto_values={{{name!r}: True}}) to enable it")
-    if data["gradient_clipping"] == "auto":
-      data["gradient_clipping"] = auto.get("gradient_clipping", 1.0)
-      if "gradient_clipping" not in auto:
-        _warn('gradient_clipping is "auto" and auto_values has no \'gradient_clipping\': '
-              "clipping at 1.0 (DeepSpeed's default)")
-    _fill_batch(data, auto, missing)
-    _fill_zero(data, hidden_size, missing)
-    _fill_optimizer(data, auto, missing)
-    _fill_scheduler(data, auto, total_num_steps, missing)
-    if missing:
-      raise ConfigError(_report(self.source, 'cannot resolve "auto"', missing))
-    config = Config._validate(data, self.source)
-    (config.train_batch_size, config.train_micro_batch_size_per_gpu,
-     config.gradient_accumulation_steps) = _batch_triple(
-         config.train_batch_size, config.train_micro_batch_size_per_gpu,
-         config.gradient_accumulation_steps, dp_world_size, self.source)
-    return config
+    from jzero.autofill import resolve  # pylint: disable=import-outside-toplevel
+    return resolve(self, dp_world_size=dp_world_size, hidden_size=hidden_size,
+                   total_num_steps=total_num_steps, auto_values=auto_values)
 
   def check_supported(self) -> None:
     """Refuses what jzero does not implement and warns about what XLA makes moot.
@@ -578,21 +553,8 @@ class Config(BaseModel):
     each, after one JZeroWarning per setting that has no effect under XLA. "auto" counts as
     DeepSpeed's default.
     """
-    refused = []
-    for rule in SUPPORT_TABLE:
-      found = _lookup(self, rule.key)
-      if found is None:
-        continue
-      name, value, default = found
-      if value == "auto" or not (rule.applies(value) if rule.applies else value != default):
-        continue
-      setting = f"{name}={_show_setting(value)}"
-      if rule.refused:
-        refused.append(f"not yet supported: {setting} ({rule.why})")
-      else:
-        _warn(f"{setting} has no effect under XLA: {rule.why}")
-    if refused:
-      raise NotSupportedError(_report(self.source, "jzero cannot run this config", refused))
+    from jzero.support import check_supported  # pylint: disable=import-outside-toplevel
+    check_supported(self)
 
 
 # --- reading files and reporting errors --------------------------------------------------------
@@ -674,299 +636,3 @@ def _problems(error: ValidationError) -> list[str]:
     key = ".".join(loc)
     lines += [f"{key}: {line}" if key else line for line in message.splitlines()]
   return lines
-
-
-# --- resolve(): filling "auto" ----------------------------------------------------------------
-
-AUTO_VALUE_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "gradient_clipping", "lr",
-                   "betas", "eps", "weight_decay", "warmup_num_steps", "fp16", "bf16")
-# DeepSpeed's FusedAdam defaults: the value of an "auto" optimizer param auto_values lacks.
-_ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
-
-
-def _fill_batch(data: dict, auto: dict, missing: list[str]) -> None:
-  """An "auto" batch key takes ``auto_values``, else is derived from the other two as DeepSpeed
-  derives a missing one; a gradient_accumulation_steps that cannot be derived is 1 (said)."""
-  if data["train_batch_size"] == "auto":
-    data["train_batch_size"] = None  # derived: micro * gas * data-parallel size
-  micro = data["train_micro_batch_size_per_gpu"]
-  if micro == "auto" or (micro is None and data["train_batch_size"] is None):
-    data["train_micro_batch_size_per_gpu"] = auto.get("micro_batch_size")
-    if data["train_micro_batch_size_per_gpu"] is None and data["train_batch_size"] is None:
-      if micro == "auto":
-        missing.append('train_micro_batch_size_per_gpu: is "auto" and train_batch_size does not '
-                       "fix it; pass jzero.initialize(..., auto_values={'micro_batch_size': N}) "
-                       "(CLI: --micro-batch N)")
-  if data["gradient_accumulation_steps"] == "auto":
-    gas = auto.get("gradient_accumulation_steps")
-    derivable = data["train_batch_size"] is not None and isinstance(
-        data["train_micro_batch_size_per_gpu"], int)
-    if gas is None and not derivable:
-      gas = 1
-      _warn('gradient_accumulation_steps is "auto" and neither auto_values nor '
-            "train_batch_size / train_micro_batch_size_per_gpu fix it: using 1 (DeepSpeed's "
-            "default)")
-    data["gradient_accumulation_steps"] = gas
-
-
-def _field_default(block: type[BaseModel], key: str) -> Any:
-  """The default of a block's field given by name or alias."""
-  field = next(f for name, f in block.model_fields.items() if key in (name, f.alias))
-  return field.get_default(call_default_factory=True)
-
-
-def _fill_zero(data: dict, hidden_size: int | None, missing: list[str]) -> None:
-  zero = data["zero_optimization"]
-  rules = {"reduce_bucket_size": lambda h: h * h}
-  if zero["stage"] == 3:
-    rules["stage3_prefetch_bucket_size"] = lambda h: int(0.9 * h * h)
-    rules["stage3_param_persistence_threshold"] = lambda h: 10 * h
-  for key, rule in rules.items():
-    if zero[key] != "auto":
-      continue
-    if hidden_size is None:
-      missing.append(f'zero_optimization.{key}: is "auto"; pass jzero.initialize(..., '
-                     "hidden_size=H) (read from the model's hidden_size or d_model when it has "
-                     "one); jzero derives it from that like Hugging Face")
-    else:
-      zero[key] = rule(hidden_size)
-  blocks = {"zero_optimization": (zero, ZeroConfig),
-            "zero_optimization.offload_param": (zero["offload_param"], OffloadParamConfig),
-            "zero_optimization.offload_optimizer": (zero["offload_optimizer"],
-                                                    OffloadOptimizerConfig),
-            "fp16": (data["fp16"], Fp16Config), "bf16": (data["bf16"], Bf16Config)}
-  for where, (block, model) in blocks.items():
-    for key in [key for key, value in (block or {}).items() if value == "auto"]:
-      del block[key]  # DeepSpeed drops "auto" keys: the field's default applies
-      default = _field_default(model, key)
-      if model is ZeroConfig and key == "overlap_comm":
-        default = f"{_show(zero['stage'] == 3)} (true for stage 3)"
-      _warn(f'{where}.{key} is "auto": using DeepSpeed\'s default '
-            f"{default if isinstance(default, str) else _show(default)}")
-
-
-def _fill_optimizer(data: dict, auto: dict, missing: list[str]) -> None:
-  if data["optimizer"] is None:
-    return
-  params = data["optimizer"]["params"]
-  for key, value in params.items():
-    if value != "auto":
-      continue
-    if key in auto:
-      params[key] = auto[key]
-    elif key in _ADAM_DEFAULTS:
-      params[key] = _ADAM_DEFAULTS[key]
-      _warn(f'optimizer.params.{key} is "auto" and auto_values has no {key!r}: using '
-            f"DeepSpeed's FusedAdam default {_show(params[key])}")
-    else:
-      missing.append(f'optimizer.params.{key}: is "auto" but jzero only fills lr, betas, eps '
-                     "and weight_decay; give a value")
-
-
-def _fill_scheduler(data: dict, auto: dict, total_num_steps: int | None,
-                    missing: list[str]) -> None:
-  if data["scheduler"] is None:
-    return
-  optimizer = data["optimizer"]
-  fills = {
-      "warmup_min_lr": 0,
-      "warmup_max_lr": optimizer["params"].get("lr", 1e-3) if optimizer else auto.get("lr"),
-      "total_num_steps": total_num_steps,
-      "warmup_num_steps": auto.get("warmup_num_steps"),
-  }
-  how = {
-      "warmup_max_lr": "there is no optimizer block; pass jzero.initialize(..., "
-                       "auto_values={'lr': LR})",
-      "total_num_steps": "pass jzero.initialize(..., total_num_steps=N) (CLI: --steps N)",
-      "warmup_num_steps": "pass jzero.initialize(..., auto_values={'warmup_num_steps': N}) "
-                          "(CLI: --warmup-steps N)",
-  }
-  params = data["scheduler"]["params"]
-  for key, value in params.items():
-    if value != "auto":
-      continue
-    if fills.get(key) is not None:
-      params[key] = fills[key]
-      if key == "warmup_min_lr":
-        _warn('scheduler.params.warmup_min_lr is "auto": using 0 (what Hugging Face fills)')
-    else:
-      missing.append(f'scheduler.params.{key}: is "auto"; '
-                     + how.get(key, "jzero has no value for it; give a value"))
-
-
-def _batch_triple(train: int | None, micro: int | None, gas: int | None, dp: int,
-                  source: str | None) -> tuple[int, int, int]:
-  """DeepSpeed's ``_set_batch_related_parameters`` + ``_batch_assertion``, with a clear error."""
-  given = (train, micro, gas)
-  if train is not None and micro is not None and gas is not None:
-    pass
-  elif train is not None and micro is not None:
-    gas = train // micro // dp
-  elif train is not None and gas is not None:
-    micro = train // dp // gas
-  elif micro is not None and gas is not None:
-    train = micro * gas * dp
-  elif train is not None:
-    micro, gas = train // dp, 1
-  elif micro is not None:
-    train, gas = micro * dp, 1
-  else:
-    raise ConfigError(_report(source, "invalid batch size", [
-        "Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided (or "
-        "pass jzero.initialize(..., auto_values={'micro_batch_size': N}))"]))
-  if train == micro * gas * dp:  # train >= 1, so the derived values are > 0 too
-    return train, micro, gas
-
-  def show(name: str, value: int, was: int | None) -> str:
-    return f"{name} ({value}{'' if was is not None else ', derived'})"
-
-  raise ConfigError(_report(source, "invalid batch size", [
-      f"{show('train_batch_size', train, given[0])} != "
-      f"{show('train_micro_batch_size_per_gpu', micro, given[1])} * "
-      f"{show('gradient_accumulation_steps', gas, given[2])} * data-parallel size ({dp}) = "
-      f"{micro * gas * dp}; fix: give values with train_batch_size = "
-      f"train_micro_batch_size_per_gpu * gradient_accumulation_steps * {dp}, or give two of "
-      'them (or "auto") and jzero derives the third'
-  ]))
-
-
-# --- check_supported(): what jzero honours -----------------------------------------------------
-
-REFUSED, NO_EFFECT = True, False
-
-
-class _Rule(NamedTuple):
-  key: str  # dotted path of python attribute names (messages show DeepSpeed's spelling)
-  refused: bool  # REFUSED: NotSupportedError; NO_EFFECT: JZeroWarning
-  why: str
-  applies: Callable[[Any], bool] | None = None  # default: the value differs from DeepSpeed's
-
-
-_NVME = "the NVMe tier (ZeRO-Infinity) is not implemented yet; use device: cpu"
-_NVME_ONLY = "an NVMe-swapping setting; the host tier has no swap buffers"
-_MICS = "MiCS is not implemented"
-_HOOKS = "a PyTorch module-hook option; jzero installs no hooks"
-_REUSE = ("jzero keeps no gathered parameters for reuse: every unit and layer is gathered again "
-          "in backward, so at most one (two with prefetch) is alive at a time")
-_ACTIVATIONS = "no model parallelism; XLA owns activation memory"
-_OPTIMIZERS = ("adam", "adamw", "lion", "sgd")
-_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest")
-
-# Every DeepSpeed setting jzero does not honour as written. A row applies when the setting
-# differs from DeepSpeed's default (or when ``applies(value)`` says so); settings absent from
-# the table are honoured.
-SUPPORT_TABLE: tuple[_Rule, ...] = (
-    # --- offload (jzero.offload): device "cpu" for the optimizer is honoured -------------------
-    _Rule("zero_optimization.offload_optimizer.device", REFUSED, _NVME, lambda d: d == "nvme"),
-    _Rule("zero_optimization.offload_optimizer.super_offload", REFUSED,
-          "SuperOffload (GH200 superchip offload) is not implemented"),
-    _Rule("zero_optimization.offload_optimizer.buffer_count", NO_EFFECT, _NVME_ONLY),
-    _Rule("zero_optimization.offload_optimizer.pipeline_read", NO_EFFECT, _NVME_ONLY),
-    _Rule("zero_optimization.offload_optimizer.pipeline_write", NO_EFFECT, _NVME_ONLY),
-    _Rule("zero_optimization.offload_optimizer.fast_init", NO_EFFECT,
-          "jzero creates the optimizer state directly in its tier; there is no slow init"),
-    _Rule("zero_optimization.offload_optimizer.cpuadam_cores_perc", NO_EFFECT,
-          "the host update is XLA's host computation (or runs on the device); it has no "
-          "DeepSpeedCPUAdam thread pool to size"),
-    _Rule("zero_optimization.offload_optimizer.nvme_path", NO_EFFECT,
-          "nvme_path is only read with device: nvme", bool),
-    _Rule("zero_optimization.offload_param.device", REFUSED,
-          "parameter offload (ZeRO-Infinity offload_param) is not implemented yet",
-          lambda d: d not in ("none",)),
-    _Rule("zero_optimization.zero_quantized_nontrainable_weights", REFUSED,
-          "keeping frozen weights' partitions as int8 is not implemented yet; ZeRO++'s qwZ, hpZ "
-          "and qgZ are (zero_quantized_weights, zero_hpz_partition_size, "
-          "zero_quantized_gradients)"),
-    _Rule("zero_optimization.zeropp_loco_param", REFUSED,
-          "LoCo-ZeRO++'s error feedback for qgZ is not implemented yet; zero_quantized_gradients "
-          "without it is"),
-    _Rule("zero_optimization.mics_shard_size", REFUSED, _MICS),
-    _Rule("zero_optimization.mics_hierarchical_params_gather", REFUSED, _MICS),
-    _Rule("zero_optimization.zenflow", REFUSED, "ZenFlow is not implemented"),
-    _Rule("zero_optimization.legacy_stage1", REFUSED,
-          "DeepSpeed's legacy stage-1 code path; use stage 1"),
-    _Rule("zero_optimization.pipeline_loading_checkpoint", REFUSED,
-          "pipeline-parallel checkpoint loading is not implemented"),
-    _Rule("zero_optimization.load_from_fp32_weights", REFUSED,
-          "jzero always restores the fp32 master weights from the checkpoint"),
-    _Rule("bf16.bf16_master_weights_and_grads", REFUSED,
-          "bf16 master weights are not implemented yet; jzero keeps fp32 master weights"),
-    _Rule("bf16.bf16_optimizer_states", REFUSED,
-          "bf16 optimizer states are not implemented yet; jzero keeps them in fp32"),
-    _Rule("fp16.fp16_master_weights_and_grads", REFUSED,
-          "fp16 master weights are not implemented; jzero keeps fp32 master weights"),
-    _Rule("fp16.auto_cast", REFUSED,
-          "automatic input casting is not implemented; the model's dtype policy casts"),
-    _Rule("optimizer.type", REFUSED, "jzero supports the optimizers Adam, AdamW, Lion and SGD",
-          lambda name: name.lower() not in _OPTIMIZERS),
-    _Rule("scheduler.type", REFUSED, f"jzero supports the schedulers {', '.join(_SCHEDULERS)}",
-          lambda name: name not in _SCHEDULERS),
-    _Rule("checkpoint.load_universal", REFUSED,
-          "DeepSpeed universal checkpoints cannot be read; jzero checkpoints reshard themselves"),
-    _Rule("data_types.param_dtype", REFUSED, "a separate parameter dtype is not implemented yet"),
-    _Rule("data_types.buffer_dtype", REFUSED, "a separate buffer dtype is not implemented yet"),
-    _Rule("zero_optimization.contiguous_gradients", NO_EFFECT,
-          "XLA assigns buffers statically; there is no fragmentation to avoid"),
-    _Rule("zero_optimization.use_multi_rank_bucket_allreduce", NO_EFFECT,
-          "XLA schedules and combines the collectives"),
-    _Rule("zero_optimization.allgather_partitions", NO_EFFECT, "jzero always all-gathers"),
-    _Rule("zero_optimization.elastic_checkpoint", NO_EFFECT,
-          "jzero checkpoints are always reshardable"),
-    _Rule("zero_optimization.sub_group_size", NO_EFFECT,
-          "XLA fuses the optimizer update per leaf; there are no staging buffers"),
-    _Rule("zero_optimization.max_reuse_distance", NO_EFFECT, _REUSE),
-    _Rule("zero_optimization.use_all_reduce_for_fetch_params", NO_EFFECT,
-          "jzero fetches parameters with one all-gather per unit or layer"),
-    _Rule("zero_optimization.allgather_sequential", NO_EFFECT, "XLA schedules the all-gathers"),
-    _Rule("zero_optimization.ignore_unused_parameters", NO_EFFECT,
-          "JAX gives unused parameters zero gradients"),
-    _Rule("zero_optimization.round_robin_gradients", NO_EFFECT,
-          "it orders DeepSpeed's CPU-offload gradient copies"),
-    _Rule("zero_optimization.memory_efficient_linear", NO_EFFECT, _HOOKS),
-    _Rule("zero_optimization.override_module_apply", NO_EFFECT, _HOOKS),
-    _Rule("zero_optimization.log_trace_cache_warnings", NO_EFFECT,
-          "there is no trace cache; XLA compiles the step once"),
-    _Rule("zero_optimization.enable_sanity_checks", NO_EFFECT, "DeepSpeed-internal debug checks"),
-    _Rule("zero_optimization.save_muon_momentum_buffer_in_memory", NO_EFFECT,
-          "it only concerns Muon with NVMe offload"),
-    _Rule("bf16.immediate_grad_update", NO_EFFECT,
-          "XLA fuses the update; there is no delayed gradient copy"),
-    _Rule("prescale_gradients", NO_EFFECT, "the mean is the same; jzero always pre-divides"),
-    _Rule("gradient_predivide_factor", NO_EFFECT,
-          "the mean is the same; jzero always pre-divides"),
-    _Rule("activation_checkpointing.partition_activations", NO_EFFECT, _ACTIVATIONS),
-    _Rule("activation_checkpointing.contiguous_memory_optimization", NO_EFFECT, _ACTIVATIONS),
-    _Rule("activation_checkpointing.number_checkpoints", NO_EFFECT, _ACTIVATIONS),
-    _Rule("activation_checkpointing.synchronize_checkpoint_boundary", NO_EFFECT, _ACTIVATIONS),
-    _Rule("activation_checkpointing.profile", NO_EFFECT, _ACTIVATIONS),
-    _Rule("optimizer.params.torch_adam", NO_EFFECT,
-          "optax has one Adam; there is no torch/fused choice", bool),
-    _Rule("zero_force_ds_cpu_optimizer", NO_EFFECT,
-          "jzero builds the optimizer from the config; there is no client optimizer"),
-    _Rule("memory_breakdown", NO_EFFECT,
-          "jzero reports memory from XLA's own accounting instead"),
-    _Rule("dump_state", NO_EFFECT, "a DeepSpeed debugging printout"),
-    _Rule("aio", NO_EFFECT, "it tunes DeepSpeed's libaio NVMe I/O, which jzero does not use"),
-)
-
-
-def _lookup(config: Config, key: str) -> tuple[str, Any, Any] | None:
-  """(DeepSpeed's name, value, DeepSpeed's default) of a dotted key; None if its block is absent."""
-  node, names, default = config, [], None
-  for part in key.split("."):
-    if isinstance(node, BaseModel):
-      field = type(node).model_fields[part]
-      names.append(field.alias or part)
-      node, default = getattr(node, part), field.get_default(call_default_factory=True)
-    elif isinstance(node, dict) and part in node:
-      names.append(part)
-      node, default = node[part], None
-    else:
-      return None
-  return ".".join(names), node, default
-
-
-def _show_setting(value: Any) -> str:
-  if isinstance(value, BaseModel):
-    return _show(value.model_dump(mode="json", exclude_defaults=True))
-  return value if isinstance(value, str) else _show(value)

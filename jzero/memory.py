@@ -58,40 +58,29 @@ How this relates to DeepSpeed's estimators (``estimate_zero2_model_states_mem_ne
   16Ψ/nodes·1.5 (optimizer) and 18Ψ/nodes·1.5 (params too). jzero creates the state directly in
   its placement, so per node it counts devices_per_node x the per-process bytes:
   (2 + 12)Ψ/nodes and (2 + 2 + 12)Ψ/nodes, with no buffer factor.
-
-**Measured accounting** (:func:`memory_report`) reads, for the first device of a live engine's
-mesh, the bytes of every shard that device holds of the compute params, the fp32 master and the
-optimizer state (``arr.addressable_shards``), by memory kind (``device``, ``pinned_host``,
-``unpinned_host``; a tier outside JAX's memory kinds, such as NVMe, adds its own key). The
-gradient buffer lives only inside the compiled step, so it is counted from the plan (its layout
-times the compute dtype), as ZeRO's accounting does. Given a batch, the report adds the compiled
-step's ``memory_analysis()``, and it sets the estimator's prediction for the same model beside the
-measurement.
+The measured side -- what a live engine holds next to this prediction -- is
+:mod:`jzero.memory_report`.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import math
 import re
 from typing import Any, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
-import optax
 
 from jzero.errors import ConfigError
 from jzero.plan import path_str
 from jzero.precision import DTYPES
 
 __all__ = [
-    "PRECISION_BYTES", "CATEGORIES", "TIERS", "REPORT_CATEGORIES", "DEFAULT_PERSISTENCE_THRESHOLD",
+    "PRECISION_BYTES", "CATEGORIES", "TIERS", "DEFAULT_PERSISTENCE_THRESHOLD",
     "ParamShape", "param_shapes", "persistent_numel", "Estimate", "estimate",
     "activation_bytes", "Recommendation", "recommend", "format_bytes", "format_estimates",
-    "live_bytes", "state_report", "CompiledMemory", "MemoryReport", "memory_report",
-    "format_memory_report", "add_estimate_arguments", "run_estimate",
+    "add_estimate_arguments", "run_estimate",
 ]
 
 PRECISION_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
@@ -460,214 +449,6 @@ def format_estimates(estimates: Sequence[Estimate]) -> str:
                 + [format_bytes(e.device_total), _cell(e.tier_total("host"))]
                 + [_cell(e.host_per_node)] * per_node + [_cell(e.tier_total("nvme"))])
   return _table(header, rows)
-
-
-# -- measured accounting ---------------------------------------------------------------------------
-REPORT_CATEGORIES = ("params", "grads", "master", "optimizer")
-_KIND_ORDER = ("device", "pinned_host", "unpinned_host")
-
-
-def live_bytes(tree: Any, device: jax.Device | None = None) -> dict[str, int]:
-  """Bytes of the shards of ``tree``'s arrays that live on ``device``, by memory kind.
-
-  Args:
-    tree: a pytree of ``jax.Array`` (other leaves are ignored).
-    device: the device to count (default: the first device of the first array).
-  """
-  out: dict[str, int] = collections.defaultdict(int)
-  for x in jax.tree.leaves(tree):
-    if not isinstance(x, jax.Array):
-      continue
-    device = device or x.addressable_shards[0].device
-    for shard in x.addressable_shards:
-      if shard.device == device:
-        out[x.sharding.memory_kind or "device"] += shard.data.nbytes
-  return dict(out)
-
-
-def state_report(engine: Any, state: Any) -> dict[str, dict[str, int]]:
-  """Bytes the first device of ``engine``'s mesh holds: category -> memory kind -> bytes.
-
-  Categories are :data:`REPORT_CATEGORIES`, plus "secondary" (ZeRO++ hpZ's copy) when the state
-  has one; params, master, optimizer and secondary are measured from the live arrays, grads
-  counted from the plan (``{}`` where a category has no arrays).
-  """
-  plan = engine.plan
-  device = engine.mesh.mesh.devices.flat[0]
-  itemsize = jnp.dtype(plan.compute_dtype).itemsize
-  grads = sum(plan.local_numel(l, l.grad_partitioned) for l in plan.leaf_list()) * itemsize
-  report = {
-      "params": live_bytes(state.params, device),
-      "grads": {"device": grads},
-      "master": live_bytes(state.master, device),
-      "optimizer": live_bytes(state.opt_state, device),
-  }
-  if getattr(state, "secondary", None) is not None:
-    report["secondary"] = live_bytes(state.secondary, device)
-  return report
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledMemory:
-  """One device's bytes of a compiled step, from XLA's ``memory_analysis()``."""
-
-  argument: int
-  output: int
-  temp: int
-  alias: int
-  generated_code: int
-
-  @classmethod
-  def of(cls, compiled: Any) -> CompiledMemory:
-    """Reads ``compiled.memory_analysis()`` of a ``jax.stages.Compiled``."""
-    a = compiled.memory_analysis()
-    return cls(argument=a.argument_size_in_bytes, output=a.output_size_in_bytes,
-               temp=a.temp_size_in_bytes, alias=a.alias_size_in_bytes,
-               generated_code=a.generated_code_size_in_bytes)
-
-  @property
-  def peak(self) -> int:
-    """argument + output + temp - alias: donated buffers reused for outputs count once."""
-    return self.argument + self.output + self.temp - self.alias
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryReport:
-  """Measured and predicted model-state bytes of one device of a live engine.
-
-  Attributes:
-    device: the device measured (the first of the mesh).
-    precision: "fp32", "bf16" or "fp16".
-    measured: category (:data:`REPORT_CATEGORIES`) -> memory kind -> bytes.
-    predicted: category -> bytes the estimator puts on the device.
-    estimate: the estimator's answer for this model (Ψ, Ψr, N, stage).
-    optimizer_bytes: K, optimizer-state bytes per param read from the live state (master included).
-    compiled: the compiled step's memory analysis, when a batch was given.
-    prefetch: the plan gathers the next unit while one computes.
-  """
-
-  device: str
-  precision: str
-  measured: dict[str, dict[str, int]]
-  predicted: dict[str, float]
-  estimate: Estimate
-  optimizer_bytes: float
-  compiled: CompiledMemory | None = None
-  prefetch: bool = False
-
-  @property
-  def categories(self) -> tuple[str, ...]:
-    """:data:`REPORT_CATEGORIES`, plus "secondary" with ZeRO++ hpZ."""
-    return REPORT_CATEGORIES + (("secondary",) if "secondary" in self.measured else ())
-
-  def measured_bytes(self, category: str | None = None) -> int:
-    """Measured bytes of one category, over all memory kinds (None: all categories)."""
-    names = self.categories if category is None else (category,)
-    return sum(sum(self.measured[c].values()) for c in names)
-
-  def predicted_bytes(self, category: str | None = None) -> float:
-    """Predicted bytes of one category (None: all categories)."""
-    names = self.categories if category is None else (category,)
-    return sum(self.predicted[c] for c in names)
-
-  def ratio(self, category: str | None = None) -> float:
-    """measured / predicted for one category (None: the total); nan where nothing is predicted."""
-    predicted = self.predicted_bytes(category)
-    return self.measured_bytes(category) / predicted if predicted else math.nan
-
-
-def _state_bytes_per_param(engine: Any, state: Any) -> tuple[float, float]:
-  """(fp32 master, optimizer state) bytes per parameter, from the live state's global arrays.
-
-  Optimizer leaves that optax marks as param-like (Adam's moments, not its step count) count.
-  """
-  plan = engine.plan
-  numel = sum(math.prod(plan.state_shape(l)) for l in plan.leaf_list())
-  param_like = optax.tree_utils.tree_map_params(engine.tx, lambda x: x.nbytes, state.opt_state,
-                                                transform_non_params=lambda _: 0)
-  master = sum(x.nbytes for x in jax.tree.leaves(state.master))
-  return master / numel, sum(jax.tree.leaves(param_like)) / numel
-
-
-def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
-  """Measured bytes of the first device of ``engine``'s mesh beside the estimator's prediction.
-
-  The prediction uses the plan's leaves (Ψ, stacked layers), the mesh's ZeRO size as N, the
-  config's stage and persistence thresholds, the compute dtype's bytes for params and grads, and K
-  read from the live state (fp32 master + param-like optimizer leaves per param: 8 for Adam in
-  fp32, 12 in bf16 / fp16).
-
-  Args:
-    engine: an engine after :meth:`Engine.init`.
-    state: its train state.
-    batch: a global batch placed on the mesh; adds the compiled step's memory analysis.
-  """
-  plan, zero = engine.plan, engine.config.zero_optimization
-  master_k, opt_k = _state_bytes_per_param(engine, state)
-  leaves = plan.leaf_list()
-  host = sum(l.numel for l in leaves if l.state_tier == "host")
-  est = estimate(leaves, plan.stage, engine.mesh.zero_size,
-                 offload_optimizer="cpu" if host else None,
-                 offload_ratio=host / sum(l.numel for l in leaves),
-                 param_bytes=jnp.dtype(plan.compute_dtype).itemsize,
-                 optimizer_bytes=master_k + opt_k,
-                 persistence_threshold=zero.param_persistence_threshold,
-                 model_persistence_threshold=zero.model_persistence_threshold,
-                 gathered=plan.gathered_working_set(), prefetch=plan.prefetches,
-                 hpz_partition_size=plan.zeropp.hpz)
-  # Offload: master + optimizer state are predicted over the tiers they live on. jzero's gradient
-  # buffer is a temporary of the step on the device; the estimator's host share of it (DeepSpeed
-  # copies the gradient partition to the host) is counted as the device's here.
-  total = {c: sum(est.bytes[t][c] for t in est.bytes) for c in CATEGORIES}
-  per_k = total["optimizer"] / (master_k + opt_k) if master_k + opt_k else 0.0
-  predicted = {"params": total["params"], "grads": total["grads"], "master": per_k * master_k,
-               "optimizer": per_k * opt_k}
-  if est.hpz > 1:
-    predicted["secondary"] = est.bytes["device"]["secondary"]
-  compiled = CompiledMemory.of(engine.compile_step(state, batch)) if batch is not None else None
-  return MemoryReport(device=str(engine.mesh.mesh.devices.flat[0]),
-                      precision=engine.config.precision, measured=state_report(engine, state),
-                      predicted=predicted, estimate=est, optimizer_bytes=master_k + opt_k,
-                      compiled=compiled, prefetch=plan.prefetches)
-
-
-def format_memory_report(report: MemoryReport) -> str:
-  """A table of :func:`memory_report`: per category measured bytes by memory kind, measured,
-  predicted and their ratio; then the compiled step's memory analysis."""
-  est = report.estimate
-  present = {k for kinds in report.measured.values() for k in kinds}
-  kinds = [k for k in _KIND_ORDER if k in present] + sorted(present - set(_KIND_ORDER))
-  persistent = f" ({est.persistent_params:,} persistent)" if est.persistent_params else ""
-  lines = [f"memory per device ({report.device}): {est.name}, {report.precision}, N = "
-           f"{est.devices}, {est.num_params:,} params{persistent}, optimizer state K = "
-           f"{report.optimizer_bytes:g} B/param"]
-  header = ["model states", *kinds, "measured", "predicted", "measured/predicted"]
-  rows = []
-  for name in (*report.categories, None):
-    ratio = report.ratio(name)
-    label = name or "total"
-    label = {"grads": "grads (plan)", "secondary": "hpZ secondary"}.get(label, label)
-    rows.append([label]
-                + [_cell(report.measured[name].get(k, 0)) if name else "" for k in kinds]
-                + [_cell(report.measured_bytes(name)), _cell(report.predicted_bytes(name)),
-                   "-" if math.isnan(ratio) else f"{ratio:.4f}"])
-  lines.append(_table(header, rows, indent="  "))
-  if est.offload_optimizer or est.offload_param:
-    lines.append("  predicted per tier (estimator): " + ", ".join(
-        f"{tier} {format_bytes(est.tier_total(tier))}" for tier in TIERS
-        if est.tier_total(tier)) + " (host: per process; its gradient share is the estimator's "
-        "DeepSpeed-style copy, a temporary in jzero)")
-  if est.gathered:
-    lines.append(f"  ZeRO-3 gathered working set (plan): {format_bytes(est.gathered)} -- the largest "
-                 f"unit or layer{' twice (prefetch)' if report.prefetch else ''} plus the "
-                 f"parameters gathered at the start; a temporary of the compiled step")
-  c = report.compiled
-  if c is not None:
-    lines.append(f"compiled step (XLA memory_analysis): argument {format_bytes(c.argument)}, "
-                 f"output {format_bytes(c.output)}, temp {format_bytes(c.temp)}, alias "
-                 f"{format_bytes(c.alias)}, generated code {format_bytes(c.generated_code)}; "
-                 f"peak {format_bytes(c.peak)}")
-  return "\n".join(lines)
 
 
 # -- `jzero estimate` ------------------------------------------------------------------------------

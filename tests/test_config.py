@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from jzero.config import SUPPORT_TABLE, Config
+from jzero.config import Config
+from jzero.support import SUPPORT_TABLE
 from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
 
 DATA = Path(__file__).parent / "data" / "ds_configs"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero import memory
+from jzero import memory, memory_report
 from jzero.errors import ConfigError
 from jzero.memory import ParamShape, estimate
 from jzero.mesh import MeshSpec
@@ -173,18 +173,18 @@ def test_recommend_when_nothing_fits():
 def test_measured_state_bytes_match_the_estimator(stage, bf16):
   engine, state = _engine(GPTConfig(), stage, bf16)
   assert engine.mesh.zero_size == 8
-  report = memory.memory_report(engine, state)
+  report = memory_report.memory_report(engine, state)
   assert report.optimizer_bytes == (12 if bf16 else 8)
   assert report.estimate.num_params == 6_394_368
   if stage == 3:
     persistent = sum(l.numel for l in engine.plan.leaf_list() if not l.param_partitioned)
     assert report.estimate.persistent_params == persistent > 0
   assert report.ratio() == pytest.approx(1, abs=0.02)
-  for name in memory.REPORT_CATEGORIES:
+  for name in memory_report.REPORT_CATEGORIES:
     if report.predicted[name]:
       assert report.ratio(name) == pytest.approx(1, abs=0.02), name
   assert set(report.measured["params"]) == {"device"}
-  text = memory.format_memory_report(report)
+  text = memory_report.format_memory_report(report)
   assert f"ZeRO-{stage}" in text and "measured/predicted" in text
 
 
@@ -192,12 +192,12 @@ def test_compiled_step_memory_analysis():
   engine, state = _engine(TINY, 2)
   batch = engine.shard_batch(
       {"tokens": np.zeros((engine.global_batch_size, TINY.seq_len + 1), np.int32)})
-  report = memory.memory_report(engine, state, batch)
+  report = memory_report.memory_report(engine, state, batch)
   c = report.compiled
   assert min(c.argument, c.output, c.temp, c.alias) > 0 and c.generated_code >= 0
   assert c.peak == c.argument + c.output + c.temp - c.alias > 0
   assert c.argument >= report.measured_bytes() - report.measured_bytes("grads")  # state is an input
-  assert "compiled step (XLA memory_analysis)" in memory.format_memory_report(report)
+  assert "compiled step (XLA memory_analysis)" in memory_report.format_memory_report(report)
 
 
 # -- `jzero estimate` ------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from flax import nnx
 
 import jzero
 from jzero import profile
-from jzero.memory import memory_report
+from jzero.memory_report import memory_report
 from jzero.models import GPTConfig, lm_loss
 from jzero.units import ModuleInfo, UnitRules, choose_units
 from zero_testing import (batches, ds_config, gpt_factory, max_relative_diff,
