@@ -35,7 +35,10 @@ WORKER = Path(__file__).with_name("launch_worker.py")
 FAILURE_BOUND_S = 60
 TRAIN = ["--config", str(ROOT / "configs" / "zero3.json"), "--layers", "1", "--d-model", "32",
          "--heads", "2", "--seq-len", "16", "--no-progress"]
-STEPS = 8
+# Enough steps after the SIGTERM (sent after step 2) for JAX's preemption notice to reach every
+# process through the coordination service: a step of this model takes ~0.1 s, and with 8 steps
+# the job once finished before the agreed stop step came round.
+STEPS = 30
 
 
 def _env(**extra: str) -> dict[str, str]:
