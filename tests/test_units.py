@@ -21,7 +21,7 @@ from jzero import profile
 from jzero.memory_report import memory_report
 from jzero.models import GPTConfig, lm_loss
 from jzero.units import ModuleInfo, UnitRules, choose_units
-from zero_testing import (batches, ds_config, gpt_factory, max_relative_diff,
+from zero_testing import (batches, ds_config, engine_run, gpt_factory, max_relative_diff,
                           reference_optimizer)
 
 N = 8
@@ -272,16 +272,6 @@ def _reference(init_params: dict, loss_of_params, data: list[dict]):
   return params, losses
 
 
-def _train(engine, data):
-  state = engine.init(jax.random.key(0))
-  initial = jax.tree.map(np.asarray, engine.logical_params(state))
-  losses = []
-  for batch in data:
-    state, metrics = engine.train_step(state, engine.shard_batch(batch))
-    losses.append(float(metrics["loss"]))
-  return initial, jax.tree.map(np.asarray, engine.logical_params(state)), losses
-
-
 def _nnx_loss(factory, loss_fn):
   graphdef, template = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param)
 
@@ -316,7 +306,7 @@ def test_loop_models_match_plain_optax_in_every_stage(case):
     kw = ({"init_inputs": lambda b: (b["x"],), "sample_batch": data[0]}
           if case == "linen-loop" else {})
     cfg = ds_config(stage, gas=2, stage3_param_persistence_threshold=0)
-    runs[stage] = _train(jzero.initialize(model(), loss_fn, cfg, **kw), data)
+    runs[stage] = engine_run(jzero.initialize(model(), loss_fn, cfg, **kw), data)
   initial = runs[0][0]
   if case == "linen-loop":
     module = model()
@@ -359,7 +349,7 @@ def test_a_models_own_scan_gathers_its_units_per_layer():
   for stage in (0, 3):
     engine = jzero.initialize(PlainScanNet(), mse, _stage3(stage=stage),
                               init_inputs=lambda b: (b["x"],), sample_batch=data[0])
-    results.append(_train(engine, data))
+    results.append(engine_run(engine, data))
   assert all(l.stacked for l in engine.plan.leaf_list())
   np.testing.assert_allclose(results[1][2], results[0][2], rtol=1e-6)
   assert max_relative_diff(results[1][1], results[0][1]) <= 1e-6
