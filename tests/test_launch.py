@@ -74,6 +74,13 @@ class _Reader:
     self._thread.join(timeout=0.5)
     return "".join(self.lines)
 
+  def failure(self) -> str:
+    """The output's tail, and before it every line of a process the launcher reports lost."""
+    text = self.text
+    lost = re.findall(r"jzero launch: process (\d+) \(", text)
+    own = [line for line in self.lines if lost and line.startswith(f"[{lost[0]}]")]
+    return "".join(own[-60:]) + "\n...\n" + text[-3000:]
+
 
 def _launch(args: list[str], **env: str) -> tuple[subprocess.Popen, _Reader]:
   p = subprocess.Popen([sys.executable, "-m", "jzero.launch", *args], stdout=subprocess.PIPE,
@@ -212,13 +219,13 @@ def preempted(tmp_path_factory) -> tuple[Path, dict[int, float], str]:
     pid = int(out.wait_for(r"process 1 pid (\d+)")[1])
     deadline = time.monotonic() + 300
     while not (losses.exists() and len(losses.read_text().splitlines()) >= 2):
-      assert p.poll() is None and time.monotonic() < deadline, out.text[-3000:]
+      assert p.poll() is None and time.monotonic() < deadline, out.failure()
       time.sleep(0.05)
     os.kill(pid, signal.SIGTERM)
     code = p.wait(timeout=300)
   finally:
     p.kill()
-  assert code == 0, out.text[-3000:]
+  assert code == 0, out.failure()
   return ckpt, _losses(losses), out.text
 
 
@@ -242,7 +249,7 @@ def test_preempted_job_resumes_on_4_processes_x_2_devices(uninterrupted, preempt
                     str(free_port()), "--module", "jzero", "train", *TRAIN, "--steps", str(STEPS),
                     "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume", "--losses-file",
                     str(losses)])
-  assert p.wait(timeout=400) == 0, out.text[-3000:]
+  assert p.wait(timeout=400) == 0, out.failure()
   assert f"resumed from {tmp_path / 'ckpt'} at step {step}" in out.text
   resumed = _losses(losses)
   assert sorted(resumed) == list(range(step + 1, STEPS + 1))
