@@ -29,7 +29,7 @@ from zero_testing import (SMALL, batches, ds_config, engine_run, free_port, gpt_
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE2X4 = str(ROOT / "configs" / "mesh" / "node2x4.yaml")
-STEPS, BATCH = 40, 8
+STEPS, BATCH = 20, 8
 COMM_MODEL = GPTConfig(d_model=128, n_layers=2, n_heads=4, seq_len=32)
 ALL_LEAVES = {"stage3_param_persistence_threshold": 0}
 MODES = {
