@@ -62,8 +62,6 @@ SUPPORT_TABLE: tuple[_Rule, ...] = (
     _Rule("zero_optimization.offload_param.buffer_count", NO_EFFECT, _NVME_ONLY),
     _Rule("zero_optimization.offload_param.buffer_size", NO_EFFECT, _NVME_ONLY),
     _Rule("zero_optimization.offload_param.max_in_cpu", NO_EFFECT, _NVME_ONLY),
-    _Rule("zero_optimization.offload_param.nvme_path", NO_EFFECT,
-          "nvme_path is only read with device: nvme", bool),
     _Rule("zero_optimization.zero_quantized_nontrainable_weights", REFUSED,
           "keeping frozen weights' partitions as int8 is not implemented yet; ZeRO++'s qwZ, hpZ "
           "and qgZ are (zero_quantized_weights, zero_hpz_partition_size, "
