@@ -289,7 +289,9 @@ class StepBuilder:
         master, opt_state = offload.keep_tiers(
             state.opt_state, state.master, plan.map(lambda l: l.state_tier == "host"),
             master_on_host=plan.has_master)
-        return state.params, master, opt_state, state.secondary
+        params = plan.map(lambda l, p: param_offload.to_host(p) if l.param_tier == "host" else p,
+                          state.params)
+        return params, master, opt_state, state.secondary
       return state.params, state.master, state.opt_state, state.secondary
 
     if self._checks_overflow():
