@@ -118,6 +118,24 @@ def test_step_exported_for_cuda_keeps_params_on_the_host_and_fetches_one_layer_a
     assert len(re.findall(pattern, text)) >= 2, leaf.path  # forward + backward re-fetch
 
 
+def test_linen_scan_layers_fetch_each_layer_from_the_host():
+  """The same per-layer transfer for a Linen model's jzero.linen_scan_layers (export only)."""
+  from jax import export
+  from test_engine import _LinenScanned, _linen_engine
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(N, 16, 12)).astype(np.float32),
+           "y": rng.normal(size=(N, 16, 3)).astype(np.float32)}
+  engine = _linen_engine(_LinenScanned(), ds_config(
+      3, stage3_param_persistence_threshold=0, offload_param={"device": "cpu"}))
+  state = engine.init(jax.random.key(0), batch)
+  kinds = {p: x.sharding.memory_kind for p, x in flatten_paths(state.params).items()}
+  assert kinds["blocks/Dense_0/kernel"] == "pinned_host"  # (3, 32, 128), stacked
+  batch = engine.shard_batch(batch)
+  text = export.export(engine.jitted_step(batch), platforms=("cuda",))(state, batch).mlir_module()
+  # one layer's partition of blocks/Dense_0/kernel: (32, 128) split along its 32 rows
+  assert len(re.findall(r'_xla_buffer_placement = "device"\}\} : \(tensor<4x128xf32>\)', text)) >= 2
+
+
 def test_memory_report_counts_offloaded_params_as_host_bytes():
   """The report measures the partitioned params in unpinned_host and only the persistent ones on
   the device, each equal to the estimator's share (which names params->cpu)."""
