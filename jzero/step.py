@@ -9,7 +9,9 @@ ZeRO says it should:
    on the device's slice of the batch. Stage-3 partitioned params are gathered by a collective
    whose backward reduce-scatters (stacked layers: one layer at a time inside
    :func:`jzero.scan_layers`); stage-2 gradients are reduce-scattered into the partitioned
-   accumulator after every micro-batch; stage 0/1 accumulate the full local gradient.
+   accumulator after every micro-batch; stage 0/1 accumulate the full local gradient. With
+   parameter offload each host-tier partition is moved to the device right before its gather
+   and its gradient lands in a device slot (:mod:`jzero.param_offload`).
 2. Stage 0 all-reduces the accumulated gradient, stage 1 reduce-scatters it.
 3. fp16: any inf/nan anywhere -> skip the step and let the loss scaler back off (DeepSpeed's
    dynamic loss scaling). Gradients are unscaled, the true global norm is computed from the
@@ -18,7 +20,8 @@ ZeRO says it should:
 4. The optax update runs on each device's partition of the fp32 master (or, in fp32, of the params
    themselves); stage 1/2 all-gather the updated partitions into new replicated compute params,
    stage 3 just casts its partition (with ZeRO++'s hpZ, then refreshes each device's secondary
-   partition from its node's primary partitions, :mod:`jzero.zeropp`).
+   partition from its node's primary partitions, :mod:`jzero.zeropp`). Host-tier params are
+   written back to the host.
 
 The loss of a micro-batch is each device's mean over its slice, divided by the data-parallel size
 and by ``gradient_accumulation_steps`` before the backward pass, so the summed gradient is the
