@@ -158,6 +158,10 @@ class ZeroParam:
   and reduction move bytes) and, with hpZ, its ``secondary`` partition, which ``gather()`` reads
   instead of the partition.
 
+  With parameter offload (:mod:`jzero.param_offload`) a partitioned one also carries ``host``, the
+  partition in host memory: ``partition`` is then a zero gradient slot on the device, and
+  ``gather()`` moves ``host`` to the device first (its gradient lands in the slot).
+
   It is a pytree node whose children are the arrays, so ``lax.scan`` over a stack of them slices
   every layer while the static facts (a negative ``dim``, the logical ``size``, the ``axes``) stay
   valid for the sliced layer. It reads like the array it stands for: ``shape``, ``dtype``,
@@ -165,24 +169,25 @@ class ZeroParam:
   """
 
   __slots__ = ("partition", "full", "dim", "size", "axes", "comm_dtype", "scatter", "secondary",
-               "comm")
+               "comm", "host")
 
   def __init__(self, partition: jax.Array, dim: int, size: int, axes: Axes, comm_dtype: Any = None,
                *, full: jax.Array | None = None, scatter: bool = True,
-               secondary: jax.Array | None = None, comm: Any = None):
+               secondary: jax.Array | None = None, comm: Any = None,
+               host: jax.Array | None = None):
     self.partition, self.full, self.dim, self.size = partition, full, dim, size
     self.axes, self.comm_dtype, self.scatter = axes, comm_dtype, scatter
-    self.secondary, self.comm = secondary, comm
+    self.secondary, self.comm, self.host = secondary, comm, host
 
   def tree_flatten(self):
-    return (self.partition, self.full, self.secondary), (
+    return (self.partition, self.full, self.secondary, self.host), (
         self.dim, self.size, self.axes, self.comm_dtype, self.scatter, self.comm)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     dim, size, axes, comm_dtype, scatter, comm = aux
     return cls(children[0], dim, size, axes, comm_dtype, full=children[1], scatter=scatter,
-               secondary=children[2], comm=comm)
+               secondary=children[2], comm=comm, host=children[3])
 
   @property
   def partitioned(self) -> bool:
@@ -207,14 +212,18 @@ class ZeroParam:
 
   def gather(self) -> jax.Array:
     """The full parameter (see the class docstring for what its backward does)."""
+    partition = self.partition
+    if self.host is not None:  # parameter offload: the partition comes from the host first
+      from jzero.param_offload import fetch  # noqa: PLC0415
+      partition = fetch(self.host, self.partition)
     if self.comm is not None:  # ZeRO++: quantized / hierarchical collectives
       from jzero import zeropp  # noqa: PLC0415  (zeropp imports this module)
       if self.full is None:
-        return zeropp.gather(self.partition, self.secondary, self.dim, self.size, self.comm,
+        return zeropp.gather(partition, self.secondary, self.dim, self.size, self.comm,
                              self.comm_dtype)
       return zeropp.attach(self.full, self.partition, self.dim, self.comm)
     if self.full is None:
-      return gather(self.partition, self.dim, self.size, self.axes, self.comm_dtype)
+      return gather(partition, self.dim, self.size, self.axes, self.comm_dtype)
     return attach(self.full, self.partition, self.dim, self.axes, scatter=self.scatter)
 
   def __getitem__(self, key):

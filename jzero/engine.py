@@ -24,7 +24,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jzero import offload
+from jzero import offload, param_offload
 from jzero.config import Config
 from jzero.data import DataLoader
 from jzero.errors import ConfigError, DataError, JZeroError, JZeroWarning
@@ -123,7 +123,8 @@ class Engine(StepBuilder):
         reduce_scatter=zero.reduce_scatter, reduce_bucket_size=zero.reduce_bucket_size,
         gather_bucket_size=zero.prefetch_bucket_size if zero.stage == 3 else zero.allgather_bucket_size,
         overlap_comm=bool(zero.overlap_comm), units=units, zeropp=self.zeropp,
-        offload=offload.settings_from_config(zero))
+        offload=offload.settings_from_config(zero),
+        offload_param=param_offload.settings_from_config(zero))
     check_units(plan, zero.max_live_parameters)
     return plan
 
@@ -143,12 +144,13 @@ class Engine(StepBuilder):
 
   def state_memory_kinds(self) -> TrainState:
     """Memory kind of every TrainState leaf (prefix tree; None: JAX's default, the device). The
-    master and optimizer state of host-tier leaves are on the host (:mod:`jzero.offload`)."""
+    master and optimizer state of host-tier leaves are on the host (:mod:`jzero.offload`), as are
+    host-tier params (:mod:`jzero.param_offload`)."""
     plan = self._require_plan()
     device = plan.memory_kind()
-    if not plan.offloads:
+    if not plan.uses_host:
       return jax.tree.map(lambda _: device, self.state_specs(), is_leaf=lambda x: isinstance(x, P))
-    return TrainState(step=device, skipped=device, params=plan.map(lambda _: device),
+    return TrainState(step=device, skipped=device, params=plan.map(plan.param_memory_kind),
                       master=plan.map(plan.state_memory_kind) if plan.has_master else None,
                       opt_state=plan.opt_memory_kinds(self.tx), loss_scale=device, rng=device,
                       secondary=jax.tree.map(lambda _: device, plan.secondary_specs(),
@@ -408,6 +410,9 @@ class Engine(StepBuilder):
     plan = self._require_plan()
     self.check_live(state, "logical_params")
     source = state.master if plan.has_master else state.params
+    # Host-tier arrays (offload) are read on the device: a copy of the partitions, then gathered.
+    source = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device"))
+                          if x.sharding.memory_kind not in (None, "device") else x, source)
     unpad = lambda leaf, x: leaf.to_logical(x).astype(dtype)
     return jax.jit(lambda s: plan.map(unpad, s), out_shardings=plan.sharding(P()))(source)
 
@@ -515,6 +520,7 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
   given = config if isinstance(config, Config) else Config.load(config)
   given.check_supported()
   offload.settings_from_config(given.zero_optimization)  # offload the stage cannot have: refused
+  param_offload.settings_from_config(given.zero_optimization)
   zmesh = _as_mesh(mesh)
   adapter = as_model(model, init_inputs)
   cfg = given.resolve(dp_world_size=zmesh.dp_size, hidden_size=hidden_size or adapter.hidden_size,

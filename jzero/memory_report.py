@@ -173,6 +173,7 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
   host = sum(l.numel for l in leaves if l.state_tier == "host")
   est = estimate(leaves, plan.stage, engine.mesh.zero_size,
                  offload_optimizer="cpu" if host else None,
+                 offload_param="cpu" if plan.param_offloads else None,
                  offload_ratio=host / sum(l.numel for l in leaves),
                  param_bytes=jnp.dtype(plan.compute_dtype).itemsize,
                  optimizer_bytes=master_k + opt_k,

@@ -145,7 +145,7 @@ def _split_state(opt_state: PyTree, params_def: Any):
 
 def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
                  master: PyTree, on_host: PyTree, *, mode: str, grouped: bool,
-                 master_on_host: bool) -> tuple[PyTree, PyTree, PyTree]:
+                 master_on_host: bool | PyTree) -> tuple[PyTree, PyTree, PyTree]:
   """optax update of ``master`` with ``grads``, state leaves on the host where ``on_host`` says.
 
   Args:
@@ -158,7 +158,9 @@ def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
     mode: "stream" or "host" (module docstring).
     grouped: update one parameter leaf at a time (elementwise optimizers only).
     master_on_host: ``master`` is a separate fp32 master whose host leaves live on the host
-      (mixed precision); False when it is fp32 training's param partitions (on the device).
+      (mixed precision); False when it is fp32 training's param partitions (on the device). Or
+      a bool per parameter leaf: that leaf's master arrives and goes back in host memory,
+      whatever its state's tier (fp32 training with parameter offload, :mod:`jzero.param_offload`).
 
   Returns:
     (new master, the same on the device -- what the compute params are cast from --, new
@@ -167,6 +169,10 @@ def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
   leaves_g, params_def = jax.tree.flatten(grads)
   leaves_m = params_def.flatten_up_to(master)
   host = params_def.flatten_up_to(on_host)
+  if isinstance(master_on_host, bool):
+    master_host = [h and master_on_host for h in host]
+  else:
+    master_host = params_def.flatten_up_to(master_on_host)
   node_def, nodes, flags = _split_state(opt_state, params_def)
   n = len(leaves_g)
   groups: list[list[int]] = [[i] for i in range(n)] if grouped else [list(range(n))]
@@ -179,14 +185,16 @@ def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
     m = [leaves_m[i] for i in group]
     s = [[node[i] for i in group] if f else node for node, f in zip(nodes, flags)]
     moved = [host[i] for i in group]
+    m_host = [master_host[i] for i in group]
     if mode == "host" and any(moved):
-      m_out, s_out = _host_update(tx, g, s, m, flags, moved, node_def, master_on_host)
-      m_dev_out = [_to_device(x) if h and master_on_host else x for x, h in zip(m_out, moved)]
+      m_out, s_out = _host_update(tx, g, s, m, flags, moved, node_def, m_host)
+      m_dev_out = [_to_device(x) if hm else x for x, hm in zip(m_out, m_host)]
     else:
-      if any(moved) and previous != ():
+      streamed = any(moved) or any(m_host)
+      if streamed and previous != ():
         # Bring this group in only after the previous one went back: one group on the device.
         g, m, s, _ = lax.optimization_barrier((g, m, s, previous))
-      m_dev = [_to_device(x) if h else x for x, h in zip(m, moved)]
+      m_dev = [_to_device(x) if h or hm else x for x, h, hm in zip(m, moved, m_host)]
       s_dev = [[_to_device(x) if h else x for x, h in zip(node, moved)] if f else node
                for node, f in zip(s, flags)]
       state = jax.tree.unflatten(node_def, s_dev)
@@ -195,8 +203,8 @@ def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
       s_out = node_def.flatten_up_to(state)
       s_out = [[_to_host(x) if h else x for x, h in zip(node, moved)] if f else node
                for node, f in zip(s_out, flags)]
-      m_out = [_to_host(x) if h and master_on_host else x for x, h in zip(m_out, moved)]
-      if any(moved):
+      m_out = [_to_host(x) if hm else x for x, hm in zip(m_out, m_host)]
+      if streamed:
         previous = (m_out, [node for node, f in zip(s_out, flags) if f])
     for j, i in enumerate(group):
       new_m[i], on_device[i] = m_out[j], m_dev_out[j]
@@ -212,9 +220,9 @@ def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
           jax.tree.unflatten(node_def, out_nodes))
 
 
-def _host_update(tx, g, s, m, flags, moved, node_def, master_on_host):
-  """The "host" mode: gradients to the host, the optax update under compute_on("device_host")."""
-  host_m = [h and master_on_host for h in moved]
+def _host_update(tx, g, s, m, flags, moved, node_def, host_m):
+  """The "host" mode: gradients to the host, the optax update under compute_on("device_host");
+  ``host_m``: per leaf, its master arrives and goes back in host memory."""
   g = [_to_host(x) for x in g]
   m_in = [x if hm else _to_host(x) for x, hm in zip(m, host_m)]
   # Everything the host computation reads is in host memory: device-resident state (the step

@@ -55,6 +55,9 @@ estimator and report read them from here. The primary layout is the same as with
 "host" under ZeRO-Offload (``offload_optimizer``; which leaves: :func:`jzero.offload.choose_offloaded`).
 A host leaf keeps its partitioning; its shardings carry ``host_memory_kind``
 (:meth:`Plan.memory_kind`), and with any host leaf every other array gets an explicit "device".
+Each stage-3 partitioned compute param has a tier too, ``param_tier``: "host" under parameter
+offload (``offload_param``, :mod:`jzero.param_offload`; memory kind ``param_host_memory_kind``),
+else "device"; persistent and 0-d leaves always stay on the device.
 
 **Precision.** fp32 training keeps no separate master: the optimizer updates the fp32 params (for a
 replicated param in stage 1/2 each device updates its own slice, then all-gathers). bf16 / fp16
@@ -125,6 +128,8 @@ class LeafPlan:
     gather_group, reduce_group: block sizes (elements) of the int8 gather and int4 reduction.
     state_tier: where the fp32 master and optimizer state live: "device" or "host"
       (ZeRO-Offload, :mod:`jzero.offload`).
+    param_tier: where the (partitioned) compute param lives between steps: "device" or "host"
+      (parameter offload, :mod:`jzero.param_offload`).
   """
 
   path: str
@@ -142,6 +147,7 @@ class LeafPlan:
   gather_group: int = 0
   reduce_group: int = 0
   state_tier: str = "device"
+  param_tier: str = "device"
 
   @property
   def numel(self) -> int:
@@ -231,6 +237,7 @@ class Plan:
     zeropp: ZeRO++ settings and the node / local split of the ZeRO axes.
     host_memory_kind: the memory kind of host-tier leaves ("pinned_host" or "unpinned_host").
     offload_update: how host-tier state is updated, "stream" or "host" (:mod:`jzero.offload`).
+    param_host_memory_kind: the memory kind of host-tier params (:mod:`jzero.param_offload`).
   """
 
   stage: int
@@ -246,6 +253,7 @@ class Plan:
   zeropp: ZeroPP = ZeroPP()
   host_memory_kind: str = "pinned_host"
   offload_update: str = "stream"
+  param_host_memory_kind: str = "pinned_host"
 
   # -- what exists ----------------------------------------------------------------------------------
   @property
@@ -266,13 +274,27 @@ class Plan:
     """Some leaf's master / optimizer state lives on the host."""
     return any(l.state_tier == "host" for l in self.leaf_list())
 
+  @property
+  def param_offloads(self) -> bool:
+    """Some leaf's compute param lives on the host (:mod:`jzero.param_offload`)."""
+    return any(l.param_tier == "host" for l in self.leaf_list())
+
+  @property
+  def uses_host(self) -> bool:
+    """Some array of the train state lives in host memory."""
+    return self.offloads or self.param_offloads
+
   def memory_kind(self, tier: str = "device") -> str | None:
     """The memory kind of a tier; None (JAX's default) for the device when nothing is offloaded,
     so plans without offload compile exactly as before. With offload every array gets an
     explicit kind (see :mod:`jzero.offload`, donation)."""
     if tier == "host":
       return self.host_memory_kind
-    return "device" if self.offloads else None
+    return "device" if self.uses_host else None
+
+  def param_memory_kind(self, leaf: LeafPlan) -> str | None:
+    """The memory kind of a leaf's stored compute param."""
+    return self.param_host_memory_kind if leaf.param_tier == "host" else self.memory_kind()
 
   def state_memory_kind(self, leaf: LeafPlan) -> str | None:
     return self.memory_kind(leaf.state_tier)
@@ -446,7 +468,7 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
               reduce_scatter: bool = True, reduce_bucket_size: int = 500_000_000,
               gather_bucket_size: int = 500_000_000, overlap_comm: bool = False,
               units: dict[str, str] | None = None, zeropp: ZeroPP = ZeroPP(),
-              offload: Any = None) -> Plan:
+              offload: Any = None, offload_param: Any = None) -> Plan:
   """Builds the plan for a params pytree.
 
   Args:
@@ -464,6 +486,8 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
     units: leaf path -> path of the module that gathers it (:func:`jzero.units.choose_units`).
     zeropp: ZeRO++ settings resolved against the mesh (:func:`jzero.zeropp.resolve`); stage 3.
     offload: :class:`jzero.offload.OffloadSettings` (None: everything on the device).
+    offload_param: :class:`jzero.param_offload.ParamOffloadSettings` (stage 3; None: the
+      params stay on the device).
   """
   if stage not in (0, 1, 2, 3):
     raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
@@ -500,16 +524,20 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
     host = choose_offloaded({p: math.prod(shape) for p, shape, _, dim, _ in drafts
                              if dim is not None}, offload.ratio)
 
+  if offload_param is not None and stage != 3:
+    raise ValueError(f"parameter offload needs ZeRO stage 3, got stage {stage}")
   leaves = []
   for p, shape, is_stacked, dim, padded in drafts:
     splittable = dim is not None and stage >= 1
+    param_partitioned = splittable and stage == 3 and p not in persistent
     leaf = LeafPlan(
         path=p, shape=shape, stacked=is_stacked, shard_dim=dim if splittable else None,
         padded=padded if splittable else 0,
-        param_partitioned=splittable and stage == 3 and p not in persistent,
+        param_partitioned=param_partitioned,
         state_partitioned=splittable,
         grad_partitioned=splittable and stage >= 2,
-        unit=(units or {}).get(p), state_tier="host" if p in host else "device")
+        unit=(units or {}).get(p), state_tier="host" if p in host else "device",
+        param_tier="host" if param_partitioned and offload_param is not None else "device")
     leaves.append(_zeropp_leaf(leaf, zeropp, n) if zeropp.enabled else leaf)
   return Plan(stage=stage, mesh=mesh, leaves=jax.tree_util.tree_unflatten(treedef, leaves),
               compute_dtype=jnp.dtype(compute_dtype), grad_accum_dtype=jnp.dtype(grad_accum_dtype),
@@ -517,7 +545,9 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
               reduce_bucket_size=reduce_bucket_size, gather_bucket_size=gather_bucket_size,
               overlap_comm=overlap_comm, zeropp=zeropp,
               host_memory_kind=offload.memory_kind if offload is not None else "pinned_host",
-              offload_update=offload.update if offload is not None else "stream")
+              offload_update=offload.update if offload is not None else "stream",
+              param_host_memory_kind=(offload_param.memory_kind if offload_param is not None
+                                      else "pinned_host"))
 
 
 def _zeropp_leaf(leaf: LeafPlan, zeropp: ZeroPP, n: int) -> LeafPlan:

@@ -9,7 +9,9 @@ ZeRO says it should:
    on the device's slice of the batch. Stage-3 partitioned params are gathered by a collective
    whose backward reduce-scatters (stacked layers: one layer at a time inside
    :func:`jzero.scan_layers`); stage-2 gradients are reduce-scattered into the partitioned
-   accumulator after every micro-batch; stage 0/1 accumulate the full local gradient.
+   accumulator after every micro-batch; stage 0/1 accumulate the full local gradient. With
+   parameter offload each host-tier partition is moved to the device right before its gather
+   and its gradient lands in a device slot (:mod:`jzero.param_offload`).
 2. Stage 0 all-reduces the accumulated gradient, stage 1 reduce-scatters it.
 3. fp16: any inf/nan anywhere -> skip the step and let the loss scaler back off (DeepSpeed's
    dynamic loss scaling). Gradients are unscaled, the true global norm is computed from the
@@ -18,7 +20,8 @@ ZeRO says it should:
 4. The optax update runs on each device's partition of the fp32 master (or, in fp32, of the params
    themselves); stage 1/2 all-gather the updated partitions into new replicated compute params,
    stage 3 just casts its partition (with ZeRO++'s hpZ, then refreshes each device's secondary
-   partition from its node's primary partitions, :mod:`jzero.zeropp`).
+   partition from its node's primary partitions, :mod:`jzero.zeropp`). Host-tier params are
+   written back to the host.
 
 The loss of a micro-batch is each device's mean over its slice, divided by the data-parallel size
 and by ``gradient_accumulation_steps`` before the backward pass, so the summed gradient is the
@@ -38,7 +41,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jzero import collectives, offload
+from jzero import collectives, offload, param_offload
 from jzero.collectives import ZeroParam
 from jzero.errors import JZeroWarning
 from jzero.layers import LayerPolicy, engine_context
@@ -118,10 +121,14 @@ class StepBuilder:
   def _grad_targets(self, params: PyTree) -> PyTree:
     """What the step differentiates, per leaf: a stage-3 partition itself; a zero gradient slot of
     the partition's shape (communication dtype) for a replicated parameter whose gradient is
-    partitioned (stage 2, stage-3 persistent); the parameter itself otherwise (stage 0/1)."""
+    partitioned (stage 2, stage-3 persistent); a zero slot of the partition's shape and dtype on
+    the device for a host-tier partition (parameter offload, :mod:`jzero.param_offload`); the
+    parameter itself otherwise (stage 0/1)."""
     plan, n = self.plan, self.mesh.zero_size
 
     def target(leaf: LeafPlan, p: jax.Array) -> jax.Array:
+      if leaf.param_tier == "host":
+        return jnp.zeros(p.shape, p.dtype)
       if leaf.grad_partitioned and not leaf.param_partitioned:
         shape = list(leaf.padded_shape)
         shape[leaf.shard_dim] //= n
@@ -151,7 +158,7 @@ class StepBuilder:
       comm = plan.comm(leaf)
       if leaf.param_partitioned:
         zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, plan.comm_dtype,
-                       secondary=sec, comm=comm)
+                       secondary=sec, comm=comm, host=p if leaf.param_tier == "host" else None)
         keep = leaf.stacked or leaf.unit is not None
       else:
         zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, full=p,
@@ -261,24 +268,33 @@ class StepBuilder:
 
     def apply_update(_):
       master = state.master if plan.has_master else plan.map(self._local_master, state.params)
-      if plan.offloads:  # ZeRO-Offload: host-tier state updated group by group (jzero.offload)
+      if plan.uses_host:  # ZeRO-Offload: host-tier state updated group by group (jzero.offload)
+        # Which masters arrive (and go back) in host memory: the separate fp32 master follows the
+        # state's tier; in fp32 training the master is the param partition, in the param's tier.
+        master_on_host = (plan.map(lambda l: l.state_tier == "host") if plan.has_master
+                          else plan.map(lambda l: l.param_tier == "host"))
         master, compute_from, opt_state = offload.apply_update(
             self.tx, grads, state.opt_state, master,
             plan.map(lambda l: l.state_tier == "host"), mode=plan.offload_update,
-            grouped=self.schedule is not None, master_on_host=plan.has_master)
+            grouped=self.schedule is not None, master_on_host=master_on_host)
       else:
         updates, opt_state = self.tx.update(grads, state.opt_state, master)
         master = compute_from = optax.apply_updates(master, updates)
       params = plan.map(self._compute_param, compute_from)
       secondary = plan.map(self._secondary, params) if plan.zeropp.hpz > 1 else None
+      if plan.param_offloads:  # the new partitions go back to the host tier (jzero.param_offload)
+        params = plan.map(lambda l, p, m: p if l.param_tier != "host" else
+                          m if not plan.has_master else param_offload.to_host(p), params, master)
       return params, (master if plan.has_master else None), opt_state, secondary
 
     def skip(_):
-      if plan.offloads:  # typed like apply_update's results (jzero.offload)
+      if plan.uses_host:  # typed like apply_update's results (jzero.offload)
         master, opt_state = offload.keep_tiers(
             state.opt_state, state.master, plan.map(lambda l: l.state_tier == "host"),
             master_on_host=plan.has_master)
-        return state.params, master, opt_state, state.secondary
+        params = plan.map(lambda l, p: param_offload.to_host(p) if l.param_tier == "host" else p,
+                          state.params)
+        return params, master, opt_state, state.secondary
       return state.params, state.master, state.opt_state, state.secondary
 
     if self._checks_overflow():

@@ -57,9 +57,11 @@ SUPPORT_TABLE: tuple[_Rule, ...] = (
           "DeepSpeedCPUAdam thread pool to size"),
     _Rule("zero_optimization.offload_optimizer.nvme_path", NO_EFFECT,
           "nvme_path is only read with device: nvme", bool),
-    _Rule("zero_optimization.offload_param.device", REFUSED,
-          "parameter offload (ZeRO-Infinity offload_param) is not implemented yet",
-          lambda d: d not in ("none",)),
+    # --- parameter offload (jzero.param_offload): device "cpu" at stage 3 is honoured ---------
+    _Rule("zero_optimization.offload_param.device", REFUSED, _NVME, lambda d: d == "nvme"),
+    _Rule("zero_optimization.offload_param.buffer_count", NO_EFFECT, _NVME_ONLY),
+    _Rule("zero_optimization.offload_param.buffer_size", NO_EFFECT, _NVME_ONLY),
+    _Rule("zero_optimization.offload_param.max_in_cpu", NO_EFFECT, _NVME_ONLY),
     _Rule("zero_optimization.zero_quantized_nontrainable_weights", REFUSED,
           "keeping frozen weights' partitions as int8 is not implemented yet; ZeRO++'s qwZ, hpZ "
           "and qgZ are (zero_quantized_weights, zero_hpz_partition_size, "

@@ -161,7 +161,7 @@ def test_choose_offloaded_takes_the_largest_leaves_within_the_ratio():
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, ConfigError, "stage 1, 2 or 3"),
     ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
      NotSupportedError, "NVMe tier"),
-    ({"stage": 3, "offload_param": {"device": "cpu"}}, NotSupportedError, "parameter offload"),
+    ({"stage": 2, "offload_param": {"device": "cpu"}}, ConfigError, "needs ZeRO stage 3"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": True}},
      NotSupportedError, "SuperOffload"),
 ])
