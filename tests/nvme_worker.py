@@ -3,7 +3,7 @@
 ``python tests/nvme_worker.py NVME_PATH OUT.npz``: train 2 steps with the optimizer state on the
 NVMe tier, save what the store has committed (``jzero.nvme.open_committed``) to ``OUT.npz``, print
 the store directory as JSON, then SIGKILL this process from inside the third step's writes (after
-some of them have landed): the store must still hold step 2.
+two of its three groups have landed): the store must still hold step 2.
 """
 
 from __future__ import annotations
@@ -76,14 +76,13 @@ def main(nvme_path: str, out: str) -> None:
                     "groups": len(store.groups)}), flush=True)
   write, calls = store._write, [0]
 
-  def dying_write(slot, stored, x):
-    futures = write(slot, stored, x)
+  def dying_write(slot, group, rows):
+    future = write(slot, group, rows)
     calls[0] += 1
-    if calls[0] == 3:  # some of step 3's partitions are on disk, the manifest still says step 2
-      for f in futures:
-        f.result()
+    if calls[0] == 2:  # two of step 3's groups are on disk, the manifest still says step 2
+      future.result()
       os.kill(os.getpid(), signal.SIGKILL)
-    return futures
+    return future
 
   store._write = dying_write
   engine.train_step(state, engine.shard_batch(batch(2)))
