@@ -8,8 +8,9 @@ its step time next to no offload, measured in one run.
    and with ``offload_optimizer: {device: nvme, pipeline_read, pipeline_write}`` (every leaf's
    optimizer state in the store); two warm-up steps each, then the two engines' steps timed
    round-robin (each until its writes are committed), median and ratio. Loss difference = exactness.
-2. Throughput, on the NVMe engine's own store after training: one slot's arrays written (all
-   writes started, then every commit waited for: what a step does, tensorstore's fsync included)
+2. Throughput, on the NVMe engine's own store after training: one slot's group files (packed
+   once from the committed state) written (all writes started, then every commit waited for: the
+   disk side of a step, tensorstore's fsync included)
    and read back (all reads started, then waited for), ``--repeats`` times, best of each; before
    each read the store's files are dropped from the page cache (``posix_fadvise(DONTNEED)`` after
    an fsync), so the reads come from the disk. Raw: the same number of bytes written to one plain
@@ -131,18 +132,19 @@ def main() -> int:
 
   # -- throughput: the store's own arrays, and raw sequential I/O of the same bytes -------------
   arrays = store.read()  # the committed slot, as the step reads it
+  buffers = [store._pack(g, arrays) for g in range(len(store.groups))]  # each group's file rows
   nbytes = store.bytes_per_slot
   slot = store._other
   results = {"store_write": [], "store_read": [], "raw_write": [], "raw_read": []}
   for _ in range(args.repeats):
     t0 = time.perf_counter()
-    futures = [f for s in store.stored for f in store._write(slot, s, arrays[s.name])]
+    futures = [store._write(slot, g, buf) for g, buf in enumerate(buffers)]
     for f in futures:
       f.result()
     results["store_write"].append(time.perf_counter() - t0)
     _drop_cache(_files(store.directory / f"slot_{slot}"))
     t0 = time.perf_counter()
-    reads = [store._arrays[slot][s.name].read() for s in store.stored]
+    reads = [array.read() for array in store._arrays[slot]]
     for f in reads:
       f.result()
     results["store_read"].append(time.perf_counter() - t0)
@@ -151,7 +153,7 @@ def main() -> int:
     results["raw_read"].append(r)
   mbps = {k: nbytes / min(v) / 1e6 for k, v in results.items()}
 
-  files = len(store.stored) * len(store.devices)
+  files = len(store.groups)
   rows = [
       dict(what="write (fsync)", store_MBps=mbps["store_write"], raw_MBps=mbps["raw_write"],
            ratio=mbps["store_write"] / mbps["raw_write"]),
@@ -160,7 +162,7 @@ def main() -> int:
   ]
   lines = [f"NVMe tier, ZeRO-{args.stage}, fp32, GPT ({model.n_layers} layers, d "
            f"{model.d_model}), {args.devices} simulated devices; store: {format_bytes(nbytes)} per "
-           f"slot in {files} chunk files ({len(store.groups)} group(s)), under {base_dir}", "",
+           f"slot in {files} file(s) (one per sub-group), under {base_dir}", "",
            "| I/O | NVMe tier (MB/s) | raw file (MB/s) | tier / raw |", "|---|---|---|---|"]
   for r in rows:
     lines.append(f"| {r['what']} | {r['store_MBps']:.0f} | {r['raw_MBps']:.0f} | "
