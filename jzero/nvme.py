@@ -1,4 +1,4 @@
-"""ZeRO-Infinity's NVMe tier: the fp32 master and optimizer state of chosen leaves in a tensorstore store.
+"""ZeRO-Infinity's NVMe tier: fp32 master and optimizer state of chosen leaves in a tensorstore store.
 
 ``zero_optimization.offload_optimizer: {"device": "nvme", "nvme_path": DIR}`` (stages 1-3) gives the
 chosen leaves (all of them, or ``ratio`` of the parameters, largest first, as the host tier's

@@ -88,8 +88,8 @@ def settings_from_config(zero: Any) -> OffloadSettings:
     return OffloadSettings()
   if zero.stage == 0:
     raise ConfigError(
-        f"zero_optimization.offload_optimizer.device={block.device} needs ZeRO stage 1, 2 or 3 (stage 0 "
-        "does not partition the optimizer state); set zero_optimization.stage to 1 or more, or "
+        f"zero_optimization.offload_optimizer.device={block.device} needs ZeRO stage 1, 2 or 3 "
+        "(stage 0 does not partition the optimizer state); set zero_optimization.stage to 1 or more, or "
         "remove offload_optimizer.")
   ratio = 1.0 if block.ratio == "auto" else float(block.ratio)
   if not 0.0 < ratio <= 1.0:
