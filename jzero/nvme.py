@@ -11,11 +11,12 @@ tensorstore's ``file`` kvstore needs nothing.
 ``<nvme_path>/zero_stage_<n>/<host>-<pid>-<UTC time>-<uuid>/process_<i>/`` (DeepSpeed's
 ``zero_stage_3/`` layout): the pid and a fresh uuid make the name unique between two engines of one
 process, two processes and two runs. Each sub-group (below) is, per slot, one zarr3 array of shape
-``(local devices, elements)`` in one uncompressed chunk -- one file, written in one request and
-fsync'ed: each row is one device's partitions of the group's arrays (a leaf's master, then its
-optimizer moments) end to end, so the process writes exactly the shards its devices hold, and the
-disk sees few large sequential files instead of one small file per array and device (that layout
-measured 0.03 of the disk's raw write bandwidth, fsync per file dominating; bench/nvme.py). The directory
+``(local devices, elements)`` with one uncompressed chunk per row -- one file per device, written
+in one request and fsync'ed, the devices' files in parallel: a row is one device's partitions of
+the group's arrays (a leaf's master, then its optimizer moments) end to end, so the process writes
+exactly the shards its devices hold, and the disk sees few large files instead of one small file
+per array and device (that layout measured 0.03 of the disk's raw write bandwidth, fsync per small
+file dominating; one file for all rows 0.42, bench/nvme.py). The directory
 is removed when the engine is garbage-collected or the process exits normally; a killed process
 leaves it (see crash consistency). Paths are checked before any device work: a missing
 ``nvme_path``, a path that is not a writable directory (a probe file is written and fsync'ed), and,
@@ -59,8 +60,9 @@ are scratch space too.
 ``data_copy_concurrency`` (threads copying / encoding chunks); ``buffer_count``, ``pipeline_read``,
 ``pipeline_write`` and ``sub_group_size`` as above; the cache pool is 0 bytes (every read goes to
 the disk, nothing is held twice in host memory). ``aio.block_size``, ``single_submit`` and
-``overlap_events`` tune libaio requests that tensorstore does not make (each group's file is written
-in one request): a warning each. ``aio.use_gds`` (GPUDirect Storage) is refused.
+``overlap_events`` tune libaio requests that tensorstore does not make (each file is written in one
+request): a warning each. DeepSpeed's default ``intra_op_parallelism`` of 1 leaves one thread to
+copy the chunks; the disk's bandwidth needs several (bench/nvme.py sets 8). ``aio.use_gds`` (GPUDirect Storage) is refused.
 ``offload_param.device: nvme`` (and its ``buffer_size``, ``max_in_cpu``) is refused: parameter
 offload is not built here. A client optax optimizer (``initialize(optimizer=...)``) is refused: the
 group update needs an elementwise optimizer (jzero's Adam, AdamW, Lion, SGD).
@@ -380,13 +382,17 @@ class NvmeStore:
     return groups
 
   def _open(self, slot: str, g: int):
-    """Group ``g``'s array in a slot: (local devices, elements), one chunk: one file."""
+    """Group ``g``'s array in a slot: (local devices, elements), one file per device's row."""
     shape = [len(self.devices), self.group_numel[g]]
     spec = {"driver": "zarr3",
             "kvstore": {"driver": "file", "path": str(self.directory / f"slot_{slot}" / f"group_{g}")},
             "metadata": {"shape": shape, "data_type": "float32",
-                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": shape}},
-                         "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]}}
+                         "chunk_grid": {"name": "regular",
+                                        "configuration": {"chunk_shape": [1, shape[1]]}},
+                         "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]},
+            # every row is a file, also an all-zero one (padding, fresh moments): a committed
+            # slot is complete, and its files' sizes are what the memory report counts
+            "store_data_equal_to_fill_value": True}
     return self._ts.open(spec, create=True, delete_existing=True, context=self._context).result()
 
   def _members(self, g: int) -> list[_Stored]:
@@ -652,11 +658,12 @@ def open_committed(directory: str | os.PathLike) -> tuple[int, dict[str, np.ndar
   out = {}
   for group in doc["groups"]:
     path = slot / group["name"]
-    if not (path / "c" / "0" / "0").is_file():
+    missing = [r for r in range(group["shape"][0]) if not (path / "c" / str(r) / "0").is_file()]
+    if missing:
       raise NvmeStoreError(
-          f"{path}: its data file is missing, though {MANIFEST} names step {doc['step']} in slot "
-          f"{doc['slot']} as committed; the store is damaged. Restore the last checkpoint "
-          f"(engine.load_checkpoint) instead of resuming from it.")
+          f"{path}: the files of device rows {missing} are missing, though {MANIFEST} names step "
+          f"{doc['step']} in slot {doc['slot']} as committed; the store is damaged. Restore the "
+          f"last checkpoint (engine.load_checkpoint) instead of resuming from it.")
     rows = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}},
                    open=True).result().read().result()
     for name, m in group["members"].items():

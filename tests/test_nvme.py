@@ -70,9 +70,10 @@ def test_fp32_nvme_equals_no_offload_and_lives_in_the_store(stage, sub_group_siz
   store = engine.nvme_store
   assert store.step == STEPS and len(store.groups) == groups
   assert store.directory.is_relative_to(tmp_path / f"zero_stage_{stage}")
-  for g in range(groups):  # one file per group: 8 rows of the group's partitions
-    data = store.directory / f"slot_{store.slot}" / f"group_{g}" / "c" / "0" / "0"
-    assert data.stat().st_size == 8 * store.group_numel[g] * 4
+  for g in range(groups):  # per group one file per device: its partitions of the group's arrays
+    for r in range(8):
+      data = store.directory / f"slot_{store.slot}" / f"group_{g}" / "c" / str(r) / "0"
+      assert data.stat().st_size == store.group_numel[g] * 4
   moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
   assert moments and all(x.size == 0 for x in moments)  # every leaf is on the NVMe tier
   report = engine.memory_report(state)
@@ -204,8 +205,9 @@ def test_killed_during_a_step_the_store_holds_the_last_completed_step(tmp_path):
   files = [{f.relative_to(tmp_path) for f in d.rglob("*")} for d in dirs]
   assert not files[0] & files[1]
   slot = dirs[0] / f"slot_{json.loads((dirs[0] / nvme.MANIFEST).read_text())['slot']}"
-  (slot / "group_1" / "c" / "0" / "0").unlink()
-  with pytest.raises(nvme.NvmeStoreError, match="group_1: its data file is missing.*damaged"):
+  (slot / "group_1" / "c" / "5" / "0").unlink()
+  with pytest.raises(nvme.NvmeStoreError, match=r"group_1: the files of device rows \[5\] are "
+                                                r"missing.*damaged"):
     nvme.open_committed(dirs[0])
   (dirs[1] / nvme.MANIFEST).unlink()
   with pytest.raises(nvme.NvmeStoreError, match="before its first step was committed"):
