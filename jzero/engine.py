@@ -24,7 +24,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jzero import offload, param_offload
+from jzero import nvme, offload, param_offload
 from jzero.config import Config
 from jzero.data import DataLoader
 from jzero.errors import ConfigError, DataError, JZeroError, JZeroWarning
@@ -70,6 +70,8 @@ class Engine(StepBuilder):
   _host_step: int | None = dataclasses.field(default=None, repr=False)
   _batch_structure: Any = dataclasses.field(default=None, repr=False)
   _refresh_fn: Any = dataclasses.field(default=None, repr=False)
+  nvme_settings: nvme.NvmeSettings | None = None
+  nvme_store: nvme.NvmeStore | None = dataclasses.field(default=None, repr=False)
 
   # -- configuration read by the step ---------------------------------------------------------------
   @property
@@ -187,6 +189,8 @@ class Engine(StepBuilder):
     if self.plan is None:
       self.plan = self._make_plan(rng, sample_batch)
     plan, compute = self.plan, self.compute_dtype
+    if plan.has_nvme and self.nvme_store is None:  # checks the free space before device work
+      self.nvme_store = nvme.NvmeStore(self, self.nvme_settings)
 
     def to_layout(leaf: LeafPlan, x: jax.Array, partitioned: bool) -> jax.Array:
       return leaf.to_padded(x) if partitioned else x
@@ -197,22 +201,36 @@ class Engine(StepBuilder):
         params = self.model.init_params(init_key, sample_batch)
       p32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
       state_layout = plan.map(lambda l, x: to_layout(l, x, l.state_partitioned), p32)
-      return TrainState(
+      full = state_layout
+      if plan.has_nvme:  # placeholders; the real master goes to the store (jzero.nvme)
+        state_layout = nvme.shrink(plan, state_layout)
+      state = TrainState(
           step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32),
           params=plan.map(lambda l, x: to_layout(l, x, l.param_partitioned).astype(compute), p32),
           master=state_layout if plan.has_master else None,
           opt_state=self.tx.init(state_layout), loss_scale=self.scaler.init(),
           rng=jax.random.key_data(train_key))
+      if plan.has_nvme:
+        return state, {l.path: x for l, x in zip(plan.leaf_list(), jax.tree.leaves(full))
+                       if l.state_tier == "nvme"}
+      return state
 
     shardings = self.state_shardings()
     if params is None:
       params = self.model.initial_params
     shardings = shardings._replace(secondary=None)
+    if plan.has_nvme:
+      shardings = (shardings, {l.path: plan.sharding(plan.state_spec(l))
+                               for l in plan.leaf_list() if l.state_tier == "nvme"})
     if params is not None:
       self._check_params(params)
       state = jax.jit(make_state, out_shardings=shardings)(rng, params)
     else:
       state = jax.jit(lambda r: make_state(r, None), out_shardings=shardings)(rng)
+    if plan.has_nvme:
+      state, masters = state
+      if not isinstance(state.step, jax.core.Tracer):  # not under eval_shape (a restore's shapes)
+        self.nvme_store.write_masters(self, 0, masters)
     return self.with_secondary(state)
 
   def with_secondary(self, state: TrainState) -> TrainState:
@@ -306,11 +324,15 @@ class Engine(StepBuilder):
       t0 = time.perf_counter()
       grads = jax.block_until_ready(grads_fn(state, batch))
       t1 = time.perf_counter()
-      state, metrics = jax.block_until_ready(update_fn(state, *grads))
+      state, metrics, *io = jax.block_until_ready(update_fn(state, *grads))
+      if io:  # the NVMe leaves' update, committed before the step ends (jzero.nvme)
+        state = self.nvme_store.update(self, state, metrics, io[0])
       self.timings.append(StepTiming(step=self._host_step + 1, forward_backward_s=t1 - t0,
                                      optimizer_s=time.perf_counter() - t1))
     else:
-      state, metrics = self._fused_step(batch)(state, batch)
+      state, metrics, *io = self._fused_step(batch)(state, batch)
+      if io:
+        state = self.nvme_store.update(self, state, metrics, io[0])
     self._host_step += 1
     every = self.config.steps_per_print
     if every and self._host_step % every == 0:
@@ -409,7 +431,7 @@ class Engine(StepBuilder):
     """
     plan = self._require_plan()
     self.check_live(state, "logical_params")
-    source = state.master if plan.has_master else state.params
+    source = nvme.full_state(self, state).master if plan.has_master else state.params
     # Host-tier arrays (offload) are read on the device: a copy of the partitions, then gathered.
     source = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device"))
                           if x.sharding.memory_kind not in (None, "device") else x, source)
@@ -526,6 +548,7 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
   cfg = given.resolve(dp_world_size=zmesh.dp_size, hidden_size=hidden_size or adapter.hidden_size,
                     total_num_steps=total_num_steps, auto_values=auto_values)
   zmesh, zeropp = zpp.resolve(cfg.zero_optimization, zmesh, default_mesh=mesh is None)
+  nvme_settings = nvme.settings_from_config(cfg, client_optimizer=optimizer is not None)
   if optimizer is None:
     tx, schedule = build_optimizer(_block(cfg.optimizer), _block(cfg.scheduler))
   else:
@@ -558,7 +581,7 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
     stacked_layers = adapter.stacked_layers
   return Engine(config=cfg, mesh=zmesh, model=adapter, loss_fn=loss_fn, tx=tx, schedule=schedule,
                 scaler=scaler, stacked_layers=_as_prefixes(stacked_layers),
-                training_dataloader=loader, zeropp=zeropp)
+                training_dataloader=loader, zeropp=zeropp, nvme_settings=nvme_settings)
 
 
 def _warn_gpu_only_knobs(given: Any, zero: Any, mesh: ZeroMesh) -> None:

@@ -28,8 +28,8 @@ leaves' shapes (pass them instead of a count); padding to a multiple of N is ign
 Offload moves a category off the device, per process (one process per device):
 
 * ``offload_optimizer`` (stages 1-3; ZeRO-Offload): the optimizer state and fp32 master
-  (KΨ/N) and their update go to ``"cpu"`` (host memory), or to ``"nvme"`` in stage 3
-  (ZeRO-Infinity). The gradient partition the update reads (gΨ/N) goes to host memory with it, as
+  (KΨ/N) and their update go to ``"cpu"`` (host memory), or to ``"nvme"`` (ZeRO-Infinity;
+  DeepSpeed swaps to NVMe in stage 3 only, jzero's store works in stages 1-3, :mod:`jzero.nvme`). The gradient partition the update reads (gΨ/N) goes to host memory with it, as
   in ZeRO-Offload, so stage 2 and 3 keep no gradients on the device; stage 1 still accumulates the
   full local gradient (gΨ) on the device before reducing it.
 * ``offload_param`` (stage 3 only; ZeRO-Infinity): the partitioned compute params,
@@ -226,9 +226,6 @@ def _offload_problem(stage: int, offload_optimizer: str | None,
             "optimizer state).")
   if offload_param and stage != 3:
     return f"offload_param needs ZeRO stage 3, got stage {stage}: only stage 3 partitions params."
-  if "nvme" in (offload_optimizer, offload_param) and stage != 3:
-    return (f"NVMe offload (ZeRO-Infinity) needs ZeRO stage 3, got stage {stage}; use 'cpu' in "
-            f"stages 1 and 2.")
   return None
 
 

@@ -29,7 +29,7 @@ __all__ = ["REPORT_CATEGORIES", "live_bytes", "state_report", "CompiledMemory", 
 
 # -- measured accounting ---------------------------------------------------------------------------
 REPORT_CATEGORIES = ("params", "grads", "master", "optimizer")
-_KIND_ORDER = ("device", "pinned_host", "unpinned_host")
+_KIND_ORDER = ("device", "pinned_host", "unpinned_host", "nvme")
 
 
 def live_bytes(tree: Any, device: jax.Device | None = None) -> dict[str, int]:
@@ -69,6 +69,11 @@ def state_report(engine: Any, state: Any) -> dict[str, dict[str, int]]:
   }
   if getattr(state, "secondary", None) is not None:
     report["secondary"] = live_bytes(state.secondary, device)
+  store = getattr(engine, "nvme_store", None)
+  if store is not None:  # the NVMe tier: measured from the store's chunk files (jzero.nvme)
+    for category, nbytes in store.measured_per_device().items():
+      if nbytes:
+        report[category]["nvme"] = nbytes
   return report
 
 
@@ -119,6 +124,7 @@ class MemoryReport:
   optimizer_bytes: float
   compiled: CompiledMemory | None = None
   prefetch: bool = False
+  notes: tuple[str, ...] = ()
 
   @property
   def categories(self) -> tuple[str, ...]:
@@ -151,7 +157,12 @@ def _state_bytes_per_param(engine: Any, state: Any) -> tuple[float, float]:
   param_like = optax.tree_utils.tree_map_params(engine.tx, lambda x: x.nbytes, state.opt_state,
                                                 transform_non_params=lambda _: 0)
   master = sum(x.nbytes for x in jax.tree.leaves(state.master))
-  return master / numel, sum(jax.tree.leaves(param_like)) / numel
+  optimizer = sum(jax.tree.leaves(param_like))
+  store = getattr(engine, "nvme_store", None)
+  if store is not None:  # NVMe leaves hold 0-byte placeholders; their bytes are in the store
+    stored = store.logical_bytes()
+    master, optimizer = master + stored["master"], optimizer + stored["optimizer"]
+  return master / numel, optimizer / numel
 
 
 def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
@@ -171,10 +182,11 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
   master_k, opt_k = _state_bytes_per_param(engine, state)
   leaves = plan.leaf_list()
   host = sum(l.numel for l in leaves if l.state_tier == "host")
+  on_nvme = sum(l.numel for l in leaves if l.state_tier == "nvme")
   est = estimate(leaves, plan.stage, engine.mesh.zero_size,
-                 offload_optimizer="cpu" if host else None,
+                 offload_optimizer="cpu" if host else "nvme" if on_nvme else None,
                  offload_param="cpu" if plan.param_offloads else None,
-                 offload_ratio=host / sum(l.numel for l in leaves),
+                 offload_ratio=(host or on_nvme) / sum(l.numel for l in leaves),
                  param_bytes=jnp.dtype(plan.compute_dtype).itemsize,
                  optimizer_bytes=master_k + opt_k,
                  persistence_threshold=zero.param_persistence_threshold,
@@ -191,10 +203,16 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
   if est.hpz > 1:
     predicted["secondary"] = est.bytes["device"]["secondary"]
   compiled = CompiledMemory.of(engine.compile_step(state, batch)) if batch is not None else None
+  store, notes = getattr(engine, "nvme_store", None), ()
+  if store is not None:
+    notes = (f"NVMe store of process {jax.process_index()}: {store.directory} -- "
+             f"{format_bytes(store.bytes_per_slot)} per slot ({len(store.devices)} devices), "
+             f"{format_bytes(store.disk_bytes())} on disk (two slots and metadata), step "
+             f"{store.step} committed in slot {store.slot}",)
   return MemoryReport(device=str(engine.mesh.mesh.devices.flat[0]),
                       precision=engine.config.precision, measured=state_report(engine, state),
                       predicted=predicted, estimate=est, optimizer_bytes=master_k + opt_k,
-                      compiled=compiled, prefetch=plan.prefetches)
+                      compiled=compiled, prefetch=plan.prefetches, notes=notes)
 
 
 def format_memory_report(report: MemoryReport) -> str:
@@ -227,6 +245,7 @@ def format_memory_report(report: MemoryReport) -> str:
     lines.append(f"  ZeRO-3 gathered working set (plan): {format_bytes(est.gathered)} -- the largest "
                  f"unit or layer{' twice (prefetch)' if report.prefetch else ''} plus the "
                  f"parameters gathered at the start; a temporary of the compiled step")
+  lines.extend(f"  {note}" for note in report.notes)
   c = report.compiled
   if c is not None:
     lines.append(f"compiled step (XLA memory_analysis): argument {format_bytes(c.argument)}, "

@@ -65,15 +65,16 @@ class OffloadSettings:
     ratio: fraction of the parameters whose state goes to the host (0: no offload).
     memory_kind: "pinned_host" or "unpinned_host".
     update: "stream" or "host" (see the module docstring).
+    tier: the chosen leaves' tier: "host", or "nvme" (``device: nvme``, :mod:`jzero.nvme`).
   """
 
   def __init__(self, ratio: float = 0.0, memory_kind: str = "pinned_host",
-               update: str = DEFAULT_UPDATE):
-    self.ratio, self.memory_kind, self.update = ratio, memory_kind, update
+               update: str = DEFAULT_UPDATE, tier: str = "host"):
+    self.ratio, self.memory_kind, self.update, self.tier = ratio, memory_kind, update, tier
 
   def __repr__(self) -> str:
     return (f"OffloadSettings(ratio={self.ratio}, memory_kind={self.memory_kind!r}, "
-            f"update={self.update!r})")
+            f"update={self.update!r}, tier={self.tier!r})")
 
 
 def settings_from_config(zero: Any) -> OffloadSettings:
@@ -87,8 +88,8 @@ def settings_from_config(zero: Any) -> OffloadSettings:
     return OffloadSettings()
   if zero.stage == 0:
     raise ConfigError(
-        "zero_optimization.offload_optimizer.device=cpu needs ZeRO stage 1, 2 or 3 (stage 0 "
-        "does not partition the optimizer state); set zero_optimization.stage to 1 or more, or "
+        f"zero_optimization.offload_optimizer.device={block.device} needs ZeRO stage 1, 2 or 3 "
+        "(stage 0 does not partition the optimizer state); set zero_optimization.stage to 1 or more, or "
         "remove offload_optimizer.")
   ratio = 1.0 if block.ratio == "auto" else float(block.ratio)
   if not 0.0 < ratio <= 1.0:
@@ -97,7 +98,7 @@ def settings_from_config(zero: Any) -> OffloadSettings:
   pinned = block.pin_memory in (True, "auto")
   update = block.update or DEFAULT_UPDATE
   return OffloadSettings(ratio=ratio, memory_kind="pinned_host" if pinned else "unpinned_host",
-                         update=update)
+                         update=update, tier="nvme" if block.device == "nvme" else "host")
 
 
 def choose_offloaded(sizes: dict[str, int], ratio: float) -> set[str]:

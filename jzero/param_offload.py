@@ -43,7 +43,7 @@ from typing import Any
 
 import jax
 
-from jzero.errors import ConfigError
+from jzero.errors import ConfigError, NotSupportedError
 
 __all__ = ["ParamOffloadSettings", "settings_from_config", "fetch", "to_device", "to_host"]
 
@@ -67,6 +67,7 @@ def settings_from_config(zero: Any) -> ParamOffloadSettings | None:
 
   Raises:
     ConfigError: ``offload_param`` with a device at a stage other than 3, or with ZeRO++ hpZ.
+    NotSupportedError: together with the optimizer's NVMe tier.
   """
   block = zero.offload_param
   if block is None or block.device in ("none", "auto"):
@@ -83,6 +84,12 @@ def settings_from_config(zero: Any) -> ParamOffloadSettings | None:
         f"zero_optimization.offload_param with zero_hpz_partition_size={hpz}: ZeRO++'s hpZ keeps "
         f"a device copy of every parameter partition, which defeats parameter offload; remove "
         f"one of the two.")
+  optimizer = zero.offload_optimizer
+  if optimizer is not None and optimizer.device == "nvme":
+    raise NotSupportedError(
+        "zero_optimization.offload_param.device=cpu with offload_optimizer.device=nvme: parameter "
+        "offload is not implemented together with the NVMe tier yet. Use offload_optimizer.device: "
+        "cpu with parameter offload, or the NVMe tier without offload_param.")
   pinned = block.pin_memory in (True, "auto")
   return ParamOffloadSettings(memory_kind="pinned_host" if pinned else "unpinned_host")
 

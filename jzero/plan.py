@@ -51,8 +51,10 @@ block sizes; :attr:`Plan.zeropp` holds the node / local split of the ZeRO axes. 
 (``ZeroParam.comm``), the secondary's placement (:meth:`Plan.secondary_spec`), the memory
 estimator and report read them from here. The primary layout is the same as without ZeRO++.
 
-**Tiers.** Each leaf's master and optimizer state has a tier, ``state_tier``: "device", or
-"host" under ZeRO-Offload (``offload_optimizer``; which leaves: :func:`jzero.offload.choose_offloaded`).
+**Tiers.** Each leaf's master and optimizer state has a tier, ``state_tier``: "device", "host"
+under ZeRO-Offload (``offload_optimizer.device: cpu``; which leaves:
+:func:`jzero.offload.choose_offloaded`) or "nvme" (``device: nvme``, ZeRO-Infinity: the state lives
+in a tensorstore store and the TrainState keeps 0-byte placeholders, :mod:`jzero.nvme`).
 A host leaf keeps its partitioning; its shardings carry ``host_memory_kind``
 (:meth:`Plan.memory_kind`), and with any host leaf every other array gets an explicit "device".
 Each stage-3 partitioned compute param has a tier too, ``param_tier``: "host" under parameter
@@ -126,8 +128,8 @@ class LeafPlan:
     reduce: how the partitioned gradient is reduced: "plain" reduce-scatter, or "int4" two-hop
       all-to-all (qgZ).
     gather_group, reduce_group: block sizes (elements) of the int8 gather and int4 reduction.
-    state_tier: where the fp32 master and optimizer state live: "device" or "host"
-      (ZeRO-Offload, :mod:`jzero.offload`).
+    state_tier: where the fp32 master and optimizer state live: "device", "host"
+      (ZeRO-Offload, :mod:`jzero.offload`) or "nvme" (:mod:`jzero.nvme`).
     param_tier: where the (partitioned) compute param lives between steps: "device" or "host"
       (parameter offload, :mod:`jzero.param_offload`).
   """
@@ -283,6 +285,11 @@ class Plan:
   def uses_host(self) -> bool:
     """Some array of the train state lives in host memory."""
     return self.offloads or self.param_offloads
+
+  @property
+  def has_nvme(self) -> bool:
+    """Some leaf's master / optimizer state lives in the NVMe store (:mod:`jzero.nvme`)."""
+    return any(l.state_tier == "nvme" for l in self.leaf_list())
 
   def memory_kind(self, tier: str = "device") -> str | None:
     """The memory kind of a tier; None (JAX's default) for the device when nothing is offloaded,
@@ -536,7 +543,8 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
         param_partitioned=param_partitioned,
         state_partitioned=splittable,
         grad_partitioned=splittable and stage >= 2,
-        unit=(units or {}).get(p), state_tier="host" if p in host else "device",
+        unit=(units or {}).get(p),
+        state_tier=getattr(offload, "tier", "host") if p in host else "device",
         param_tier="host" if param_partitioned and offload_param is not None else "device")
     leaves.append(_zeropp_leaf(leaf, zeropp, n) if zeropp.enabled else leaf)
   return Plan(stage=stage, mesh=mesh, leaves=jax.tree_util.tree_unflatten(treedef, leaves),

@@ -41,7 +41,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jzero import collectives, offload, param_offload
+from jzero import collectives, nvme, offload, param_offload
 from jzero.collectives import ZeroParam
 from jzero.errors import JZeroWarning
 from jzero.layers import LayerPolicy, engine_context
@@ -265,9 +265,15 @@ class StepBuilder:
     if clip > 0:
       factor = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
       grads = jax.tree.map(lambda g: g * factor, grads)
+    nvme_out = None
+    if plan.has_nvme:  # NVMe leaves: updated after this jit, from the store (jzero.nvme)
+      nvme_out = nvme.step_outputs(self, state, grads)
+      grads = nvme.shrink(plan, grads)
 
     def apply_update(_):
       master = state.master if plan.has_master else plan.map(self._local_master, state.params)
+      if plan.has_nvme:
+        master = nvme.shrink(plan, master)
       if plan.uses_host:  # ZeRO-Offload: host-tier state updated group by group (jzero.offload)
         # Which masters arrive (and go back) in host memory: the separate fp32 master follows the
         # state's tier; in fp32 training the master is the param partition, in the param's tier.
@@ -280,7 +286,9 @@ class StepBuilder:
       else:
         updates, opt_state = self.tx.update(grads, state.opt_state, master)
         master = compute_from = optax.apply_updates(master, updates)
-      params = plan.map(self._compute_param, compute_from)
+      # NVMe leaves keep their params here: the store's update makes the new ones (jzero.nvme)
+      params = plan.map(lambda l, m, old: old if l.state_tier == "nvme"
+                        else self._compute_param(l, m), compute_from, state.params)
       secondary = plan.map(self._secondary, params) if plan.zeropp.hpz > 1 else None
       if plan.param_offloads:  # the new partitions go back to the host tier (jzero.param_offload)
         params = plan.map(lambda l, p, m: p if l.param_tier != "host" else
@@ -316,6 +324,8 @@ class StepBuilder:
         step=state.step + 1, skipped=state.skipped + overflow.astype(jnp.int32), params=params,
         master=master, opt_state=opt_state, loss_scale=self.scaler.update(state.loss_scale, overflow),
         rng=state.rng, secondary=secondary)
+    if nvme_out is not None:
+      return new_state, metrics, nvme_out
     return new_state, metrics
 
   def _learning_rate(self, applied: jax.Array, opt_state: PyTree) -> jax.Array:
@@ -358,13 +368,20 @@ class StepBuilder:
 
   def _build_step(self, batch: PyTree):
     specs, batch_specs = self.state_specs(), jax.tree.map(lambda _: self.plan.batch_spec(), batch)
-    return self._jit(self._local_step, (specs, batch_specs), (specs, P()), donate=(0,))
+    return self._jit(self._local_step, (specs, batch_specs), self._step_out_specs(specs),
+                     donate=(0,))
+
+  def _step_out_specs(self, specs: TrainState) -> tuple:
+    """(state, metrics) specs; with an NVMe tier also what the store's update reads."""
+    if self.plan.has_nvme:
+      return (specs, P(), nvme.step_output_specs(self))
+    return (specs, P())
 
   def _build_split_step(self, batch: PyTree):
     """The step as two jits -- forward+backward+reduction, then the update -- for timing them."""
     specs, batch_specs = self.state_specs(), jax.tree.map(lambda _: self.plan.batch_spec(), batch)
     grad_specs = self.plan.state_specs()
     grads = self._jit(self._local_grads, (specs, batch_specs), (grad_specs, P(), P()), donate=())
-    update = self._jit(self._local_update, (specs, grad_specs, P(), P()), (specs, P()),
-                       donate=(0,))
+    update = self._jit(self._local_update, (specs, grad_specs, P(), P()),
+                       self._step_out_specs(specs), donate=(0,))
     return grads, update

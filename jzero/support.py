@@ -27,10 +27,24 @@ class _Rule(NamedTuple):
   refused: bool  # REFUSED: NotSupportedError; NO_EFFECT: JZeroWarning
   why: str
   applies: Callable[[Any], bool] | None = None  # default: the value differs from DeepSpeed's
+  when: Callable[[Config], bool] | None = None  # the whole config's condition (default: always)
 
 
-_NVME = "the NVMe tier (ZeRO-Infinity) is not implemented yet; use device: cpu"
-_NVME_ONLY = "an NVMe-swapping setting; the host tier has no swap buffers"
+def _nvme(config: Config) -> bool:
+  """The optimizer state goes to the NVMe tier (jzero.nvme honours the NVMe settings)."""
+  block = config.zero_optimization.offload_optimizer
+  return block is not None and block.device == "nvme"
+
+
+def _not_nvme(config: Config) -> bool:
+  return not _nvme(config)
+
+
+_NVME_ONLY = "an NVMe-swapping setting, read only with offload_optimizer.device: nvme"
+_PARAM_NVME_ONLY = ("a parameter NVMe-swapping setting; parameters go to host memory "
+                    "(offload_param.device: cpu), never to NVMe")
+_LIBAIO = ("it tunes libaio requests; tensorstore writes each device's partition of an array as one "
+           "file in one request (jzero.nvme maps aio.queue_depth and intra_op_parallelism)")
 _MICS = "MiCS is not implemented"
 _HOOKS = "a PyTorch module-hook option; jzero installs no hooks"
 _REUSE = ("jzero keeps no gathered parameters for reuse: every unit and layer is gathered again "
@@ -43,25 +57,30 @@ _SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest")
 # differs from DeepSpeed's default (or when ``applies(value)`` says so); settings absent from
 # the table are honoured.
 SUPPORT_TABLE: tuple[_Rule, ...] = (
-    # --- offload (jzero.offload): device "cpu" for the optimizer is honoured -------------------
-    _Rule("zero_optimization.offload_optimizer.device", REFUSED, _NVME, lambda d: d == "nvme"),
+    # --- offload (jzero.offload, jzero.nvme): device "cpu" and "nvme" for the optimizer -------
     _Rule("zero_optimization.offload_optimizer.super_offload", REFUSED,
           "SuperOffload (GH200 superchip offload) is not implemented"),
-    _Rule("zero_optimization.offload_optimizer.buffer_count", NO_EFFECT, _NVME_ONLY),
-    _Rule("zero_optimization.offload_optimizer.pipeline_read", NO_EFFECT, _NVME_ONLY),
-    _Rule("zero_optimization.offload_optimizer.pipeline_write", NO_EFFECT, _NVME_ONLY),
+    _Rule("zero_optimization.offload_optimizer.buffer_count", NO_EFFECT, _NVME_ONLY,
+          when=_not_nvme),
+    _Rule("zero_optimization.offload_optimizer.pipeline_read", NO_EFFECT, _NVME_ONLY,
+          when=_not_nvme),
+    _Rule("zero_optimization.offload_optimizer.pipeline_write", NO_EFFECT, _NVME_ONLY,
+          when=_not_nvme),
     _Rule("zero_optimization.offload_optimizer.fast_init", NO_EFFECT,
           "jzero creates the optimizer state directly in its tier; there is no slow init"),
     _Rule("zero_optimization.offload_optimizer.cpuadam_cores_perc", NO_EFFECT,
           "the host update is XLA's host computation (or runs on the device); it has no "
           "DeepSpeedCPUAdam thread pool to size"),
     _Rule("zero_optimization.offload_optimizer.nvme_path", NO_EFFECT,
-          "nvme_path is only read with device: nvme", bool),
+          "nvme_path is only read with device: nvme", bool, when=_not_nvme),
     # --- parameter offload (jzero.param_offload): device "cpu" at stage 3 is honoured ---------
-    _Rule("zero_optimization.offload_param.device", REFUSED, _NVME, lambda d: d == "nvme"),
-    _Rule("zero_optimization.offload_param.buffer_count", NO_EFFECT, _NVME_ONLY),
-    _Rule("zero_optimization.offload_param.buffer_size", NO_EFFECT, _NVME_ONLY),
-    _Rule("zero_optimization.offload_param.max_in_cpu", NO_EFFECT, _NVME_ONLY),
+    _Rule("zero_optimization.offload_param.device", REFUSED,
+          "parameters on the NVMe tier are not implemented, only the optimizer state's "
+          "(offload_optimizer.device: nvme); use offload_param.device: cpu",
+          lambda d: d == "nvme"),
+    _Rule("zero_optimization.offload_param.buffer_count", NO_EFFECT, _PARAM_NVME_ONLY),
+    _Rule("zero_optimization.offload_param.buffer_size", NO_EFFECT, _PARAM_NVME_ONLY),
+    _Rule("zero_optimization.offload_param.max_in_cpu", NO_EFFECT, _PARAM_NVME_ONLY),
     _Rule("zero_optimization.zero_quantized_nontrainable_weights", REFUSED,
           "keeping frozen weights' partitions as int8 is not implemented yet; ZeRO++'s qwZ, hpZ "
           "and qgZ are (zero_quantized_weights, zero_hpz_partition_size, "
@@ -102,7 +121,8 @@ SUPPORT_TABLE: tuple[_Rule, ...] = (
     _Rule("zero_optimization.elastic_checkpoint", NO_EFFECT,
           "jzero checkpoints are always reshardable"),
     _Rule("zero_optimization.sub_group_size", NO_EFFECT,
-          "XLA fuses the optimizer update per leaf; there are no staging buffers"),
+          "XLA fuses the optimizer update per leaf; there are no staging buffers (it sizes the "
+          "NVMe tier's groups with offload_optimizer.device: nvme)", when=_not_nvme),
     _Rule("zero_optimization.max_reuse_distance", NO_EFFECT, _REUSE),
     _Rule("zero_optimization.use_all_reduce_for_fetch_params", NO_EFFECT,
           "jzero fetches parameters with one all-gather per unit or layer"),
@@ -135,7 +155,16 @@ SUPPORT_TABLE: tuple[_Rule, ...] = (
     _Rule("memory_breakdown", NO_EFFECT,
           "jzero reports memory from XLA's own accounting instead"),
     _Rule("dump_state", NO_EFFECT, "a DeepSpeed debugging printout"),
-    _Rule("aio", NO_EFFECT, "it tunes DeepSpeed's libaio NVMe I/O, which jzero does not use"),
+    _Rule("aio", NO_EFFECT, "it tunes NVMe I/O, and no offload_optimizer.device is nvme",
+          when=_not_nvme),
+    _Rule("aio.block_size", NO_EFFECT, _LIBAIO, when=_nvme),
+    _Rule("aio.single_submit", NO_EFFECT, _LIBAIO, when=_nvme),
+    _Rule("aio.overlap_events", NO_EFFECT,
+          "tensorstore completes requests as futures; jzero overlaps reads and writes with the "
+          "update by offload_optimizer.pipeline_read / pipeline_write", when=_nvme),
+    _Rule("aio.use_gds", REFUSED,
+          "GPUDirect Storage is not implemented: the NVMe tier reads into host memory and "
+          "copies to the device", when=_nvme),
 )
 
 
@@ -169,6 +198,8 @@ def check_supported(config: Config) -> None:
     if found is None:
       continue
     name, value, default = found
+    if rule.when is not None and not rule.when(config):
+      continue
     if value == "auto" or not (rule.applies(value) if rule.applies else value != default):
       continue
     setting = f"{name}={_show_setting(value)}"

@@ -115,7 +115,8 @@ def test_nvme_config_is_refused_naming_the_nvme_offload():
   assert config.aio.intra_op_parallelism == 8
   with pytest.warns(JZeroWarning, match=r'aio=\{"block_size": 8388608, "queue_depth": 32, '
                     r'"intra_op_parallelism": 8\} has no effect under XLA'):
-    with pytest.raises(NotSupportedError, match=r"offload_param\.device=nvme \(the NVMe tier"):
+    with pytest.raises(NotSupportedError,
+                       match=r"offload_param\.device=nvme \(parameters on the NVMe tier"):
       config.check_supported()
 
 
@@ -736,8 +737,9 @@ def test_check_supported_refuses_every_listed_setting_at_once():
   with pytest.raises(NotSupportedError) as info:
     config.check_supported()
   assert str(info.value).splitlines()[1:] == [
-      "  not yet supported: zero_optimization.offload_param.device=nvme (the NVMe tier "
-      "(ZeRO-Infinity) is not implemented yet; use device: cpu)",
+      "  not yet supported: zero_optimization.offload_param.device=nvme (parameters on the NVMe "
+      "tier are not implemented, only the optimizer state's (offload_optimizer.device: nvme); "
+      "use offload_param.device: cpu)",
       "  not yet supported: zero_optimization.zeropp_loco_param={\"err_beta\": 0.8, "
       "\"reset_T\": 1024} (LoCo-ZeRO++'s error feedback for qgZ is not implemented yet; "
       "zero_quantized_gradients without it is)",

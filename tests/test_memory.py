@@ -93,7 +93,7 @@ def test_param_offload_leaves_only_persistent_params_on_the_device():
 
 @pytest.mark.parametrize("stage, opt, param, message", [
     (0, "cpu", None, "stage 1, 2 or 3"), (2, None, "cpu", "needs ZeRO stage 3"),
-    (2, "nvme", None, "NVMe offload"), (3, "gpu", None, "'cpu' or 'nvme'")])
+    (2, None, "nvme", "needs ZeRO stage 3"), (3, "gpu", None, "'cpu' or 'nvme'")])
 def test_offload_the_stage_does_not_have_is_refused(stage, opt, param, message):
   with pytest.raises(ConfigError, match=message):
     estimate(1e9, stage, 8, offload_optimizer=opt, offload_param=param)

@@ -179,8 +179,11 @@ def test_checkpoints_restore_across_param_tiers_exactly(tmp_path):
     ({"stage": 2, "offload_param": {"device": "cpu"}}, ConfigError,
      r"offload_param\.device=cpu needs ZeRO stage 3, got stage 2"),
     ({"stage": 1, "offload_param": {"device": "cpu"}}, ConfigError, "needs ZeRO stage 3"),
-    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}, NotSupportedError,
-     r"offload_param\.device=nvme \(the NVMe tier"),
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "."}}, NotSupportedError,
+     r"offload_param\.device=nvme \(parameters on the NVMe tier"),
+    ({"stage": 3, "offload_param": {"device": "cpu"},
+      "offload_optimizer": {"device": "nvme", "nvme_path": "."}}, NotSupportedError,
+     "together with the NVMe tier"),
     ({"stage": 3, "offload_param": {"device": "cpu"}, "zero_hpz_partition_size": 2}, ConfigError,
      "hpZ keeps a device copy"),
 ])

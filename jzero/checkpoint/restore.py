@@ -186,7 +186,8 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
       work.
   """
   step_dir, meta = layout.open_checkpoint(directory, tag)
-  abstract = abstract_state(engine, sample_batch)
+  from jzero import nvme  # pylint: disable=import-outside-toplevel
+  abstract = nvme.expand_abstract(engine, abstract_state(engine, sample_batch))  # real shapes
   plan = engine.plan
   _check_model(meta, plan, step_dir)
   shardings = broadcast(engine.state_shardings(), abstract)
@@ -235,5 +236,6 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
     state = type(abstract)(step=restored["step"], skipped=restored["skipped"], params=params,
                            master=master, opt_state=group("opt_state", abstract.opt_state),
                            loss_scale=loss_scale, rng=restored["rng"])
+  state = nvme.absorb(engine, state)  # NVMe tier: into the store, placeholders in the state
   state = engine.with_secondary(state)  # hpZ: from the restored params, as the step makes it
   return (state, meta["client_state"]) if with_client_state else state
