@@ -29,6 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jzero import delayed
 from jzero.checkpoint import layout
 from jzero.errors import CheckpointError, JZeroWarning
 from jzero.plan import LeafPlan, Plan, flatten_paths
@@ -212,6 +213,8 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
       if name in ("step", "skipped") or name.startswith("opt_state/") or (
           name.startswith("loss_scale/") and same_precision):
         requests[name] = (name, target)
+  for name in delayed.restore_names(abstract, stored, params_only):  # delayed update's gradient
+    requests[name] = (name, targets[name])
   restored = _restore_arrays(step_dir, requests)
 
   def group(prefix: str, tree: PyTree) -> PyTree:
@@ -228,12 +231,16 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
     state = type(abstract)(step=zero(), skipped=zero(), params=params, master=master,
                            opt_state=_fresh_opt_state(engine, weights, shardings.opt_state),
                            loss_scale=jax.device_put(engine.scaler.init(), replicated),
-                           rng=restored["rng"])
+                           rng=restored["rng"],
+                           delayed=delayed.restored(abstract, shardings, restored, stored, True,
+                                                    step_dir))
   else:
     loss_scale = (group("loss_scale", abstract.loss_scale) if same_precision
                   else jax.device_put(engine.scaler.init(), replicated))
     state = type(abstract)(step=restored["step"], skipped=restored["skipped"], params=params,
                            master=master, opt_state=group("opt_state", abstract.opt_state),
-                           loss_scale=loss_scale, rng=restored["rng"])
+                           loss_scale=loss_scale, rng=restored["rng"],
+                           delayed=delayed.restored(abstract, shardings, restored, stored, False,
+                                                    step_dir))
   state = engine.with_secondary(state)  # hpZ: from the restored params, as the step makes it
   return (state, meta["client_state"]) if with_client_state else state
