@@ -13,7 +13,8 @@ size and checksum, and shapes, leaf paths and the optimizer-state structure agai
 before any device work. ``params_only=True`` restores weights alone, with a fresh optimizer state.
 ZeRO++ hpZ's secondary partitions are not in a checkpoint: they are a function of the compute
 params, recomputed after the restore by the code the step refreshes them with, so a resumed run
-is bit-exact.
+is bit-exact. The delayed update's carried gradient (:mod:`jzero.delayed`) is restored like the
+master when both the checkpoint and the engine have it; otherwise nothing is carried.
 """
 
 from __future__ import annotations
