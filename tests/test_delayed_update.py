@@ -156,7 +156,8 @@ def test_checkpoint_resumes_exactly_with_the_carried_gradient(tmp_path):
   """Saved after the first step (parameters unchanged, g_1 carried) and restored: the carried
   gradient comes back bit for bit and the next steps equal the uninterrupted run exactly (the
   restored flag is read once, so the steady step runs, not the prime one); restored into an
-  engine without the delayed update, the gradient is dropped with a warning."""
+  engine without the delayed update, the gradient is dropped with a warning; a checkpoint
+  without one (or params_only) resumes with nothing carried: a prime step first."""
   engine = _engine(2)
   data = _data()
   state = engine.init(jax.random.key(0))
@@ -189,6 +190,10 @@ def test_checkpoint_resumes_exactly_with_the_carried_gradient(tmp_path):
   with pytest.warns(jzero.JZeroWarning, match="delayed-update gradient"):
     back = plain.load_checkpoint(tmp_path)
   assert back.delayed is None
+  plain.save_checkpoint(back, tmp_path / "plain")  # and a plain run's checkpoint resumes with
+  plain.wait_for_checkpoints()                     # nothing carried: a prime step first
+  switched = engine.load_checkpoint(tmp_path / "plain")
+  assert not bool(switched.delayed.ready) and delayed.needs_prime(engine, switched)
   fresh = engine.load_checkpoint(tmp_path, params_only=True)  # weights only: nothing carried
   assert not bool(fresh.delayed.ready) and delayed.needs_prime(engine, fresh)
 
