@@ -3,13 +3,17 @@
   python bench/offload.py [--devices 8] [--stage 2] [--steps 10] [--precision fp32] [--out bench/out]
 
 The default job (jzero.models.GPT's default 6.4M-parameter model, micro-batch 1 per device) with
-``offload_optimizer`` off, ``update: stream`` and ``update: host``. Each mode is compiled, warmed
+``offload_optimizer`` off, ``update: stream`` and ``update: host``, and each update mode with
+``delayed_update: true`` (ZeRO-Offload's delayed parameter update, :mod:`jzero.delayed`: the
+update of step t-1's gradient runs in the same step as step t's forward and backward, which XLA
+may overlap; the first, prime step is a warm-up step, so the timed steps are the steady ones). Each mode is compiled, warmed
 up for two steps, then the modes' steps are timed round-robin (one step of each in turn, each
 blocked until ready) so every ratio compares runs under the same machine load. Per mode one row:
 median step time and its ratio to no offload, XLA's memory analysis of the compiled step
 (argument / temp bytes per device; host fields read 0 on CPU), master + optimizer-state bytes per
 device by memory kind from the live arrays, and the largest loss difference from the no-offload run
-over the same steps (exactness). Writes ``offload.json`` and ``offload.md`` to ``--out``.
+over the same steps (exactness; with the delayed update the math differs by design, one step
+late, and the column shows by how much). Writes ``offload.json`` and ``offload.md`` to ``--out``.
 
 On CPU "device" and "host" memory are the same RAM, so the step-time ratio measures the cost of
 the extra copies and of XLA's host computation, not of a PCIe link.
@@ -27,6 +31,16 @@ import time
 from pathlib import Path
 
 
+# mode -> offload_optimizer block (None: no offload)
+MODES = {
+    "no offload": None,
+    "stream": {"update": "stream"},
+    "host": {"update": "host"},
+    "stream + delayed update": {"update": "stream", "delayed_update": True},
+    "host + delayed update": {"update": "host", "delayed_update": True},
+}
+
+
 def _parse() -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--devices", type=int, default=8)
@@ -34,6 +48,8 @@ def _parse() -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=10, help="timed steps per mode (after 2 warm-up)")
   p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
   p.add_argument("--out", default="bench/out")
+  p.add_argument("--modes", default=",".join(MODES),
+                 help=f"comma-separated subset of: {', '.join(MODES)}")
   return p.parse_args()
 
 
@@ -50,12 +66,17 @@ def main() -> int:
 
   model = GPTConfig()
   corpus = ByteCorpus.load(None, seq_len=model.seq_len, max_bytes=1 << 20)
-  modes = {"no offload": None, "stream": "stream", "host": "host"}
+  names = [m.strip() for m in args.modes.split(",")]
+  unknown = sorted(set(names) - set(MODES))
+  if unknown or "no offload" not in names:
+    raise SystemExit(f"--modes: {unknown} unknown; give a subset of {list(MODES)} that includes "
+                     f"'no offload' (the baseline)")
+  modes = {name: MODES[name] for name in MODES if name in names}
   runs = {}
-  for name, update in modes.items():
+  for name, block in modes.items():
     zero = {"stage": args.stage}
-    if update:
-      zero["offload_optimizer"] = {"device": "cpu", "update": update}
+    if block:
+      zero["offload_optimizer"] = {"device": "cpu", **block}
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
               "zero_optimization": zero}
@@ -96,23 +117,26 @@ def main() -> int:
       for kind, n in live_bytes(part, device).items():
         state_bytes[kind] = state_bytes.get(kind, 0) + n
     del engine_device
+    carried = run["state"].delayed
+    carried_bytes = sum(live_bytes(carried.grads, device).values()) if carried is not None else 0
     diff = max(abs(a - b) / b for a, b in zip(run["losses"], base["losses"]))
     rows.append(dict(mode=name, step_ms=ms, ratio=ms / base_ms, compile_s=run["compile_s"],
                      argument=run["compiled"].argument, temp=run["compiled"].temp,
                      state_device=state_bytes.get("device", 0),
                      state_host=state_bytes.get("pinned_host", 0)
-                     + state_bytes.get("unpinned_host", 0),
+                     + state_bytes.get("unpinned_host", 0), carried_grads=carried_bytes,
                      max_loss_rel_diff=diff))
 
   header = ("| mode | step (ms, median) | vs no offload | compile (s) | argument | temp | "
-            "master+opt on device | on host | max loss rel. diff |")
+            "master+opt on device | on host | carried grad (device) | max loss rel. diff |")
   lines = [f"ZeRO-{args.stage}, {args.precision}, default GPT ({model}), {args.devices} simulated "
            f"devices, {args.steps} timed steps round-robin; per-device bytes", "", header,
-           "|" + "---|" * 9]
+           "|" + "---|" * 10]
   for r in rows:
     lines.append(f"| {r['mode']} | {r['step_ms']:.1f} | {r['ratio']:.2f} | {r['compile_s']:.1f} | "
                  f"{format_bytes(r['argument'])} | {format_bytes(r['temp'])} | "
                  f"{format_bytes(r['state_device'])} | {format_bytes(r['state_host'])} | "
+                 f"{format_bytes(r['carried_grads'])} | "
                  f"{r['max_loss_rel_diff']:.1e} |")
   table = "\n".join(lines)
   print(table)

@@ -175,6 +175,8 @@ class OffloadOptimizerConfig(_Block):
   cpuadam_cores_perc: AutoFraction = 0.8
   # jzero's own key (not DeepSpeed's): how the host-resident state is updated (jzero.offload).
   update: Literal["stream", "host"] | None = None  # None: jzero.offload.DEFAULT_UPDATE
+  # jzero's own key: ZeRO-Offload's one-step delayed parameter update (jzero.delayed).
+  delayed_update: Flag = False
 
 
 class LeafModuleConfig(_Block):

@@ -24,7 +24,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jzero import nvme, offload, param_offload
+from jzero import delayed, nvme, offload, param_offload
 from jzero.config import Config
 from jzero.data import DataLoader
 from jzero.errors import ConfigError, DataError, JZeroError, JZeroWarning
@@ -72,6 +72,8 @@ class Engine(StepBuilder):
   _refresh_fn: Any = dataclasses.field(default=None, repr=False)
   nvme_settings: nvme.NvmeSettings | None = None
   nvme_store: nvme.NvmeStore | None = dataclasses.field(default=None, repr=False)
+  _prime_fn: Any = dataclasses.field(default=None, repr=False)  # delayed update (jzero.delayed)
+  _delayed_ready: Any = dataclasses.field(default=None, repr=False)
 
   # -- configuration read by the step ---------------------------------------------------------------
   @property
@@ -96,6 +98,9 @@ class Engine(StepBuilder):
 
   def _is_stacked(self, path: str) -> bool:
     return any(path == s or path.startswith(s + "/") for s in self.stacked_layers)
+
+  def _delays_update(self) -> bool:
+    return delayed.enabled(self.config.zero_optimization)
 
   def _checks_overflow(self) -> bool:
     precision = self.config.precision
@@ -142,7 +147,8 @@ class Engine(StepBuilder):
     return TrainState(step=P(), skipped=P(), params=plan.param_specs(),
                       master=plan.state_specs() if plan.has_master else None,
                       opt_state=plan.opt_specs(self.tx), loss_scale=P(), rng=P(),
-                      secondary=plan.secondary_specs())
+                      secondary=plan.secondary_specs(),
+                      delayed=delayed.specs(plan, self._delays_update()))
 
   def state_memory_kinds(self) -> TrainState:
     """Memory kind of every TrainState leaf (prefix tree; None: JAX's default, the device). The
@@ -156,7 +162,8 @@ class Engine(StepBuilder):
                       master=plan.map(plan.state_memory_kind) if plan.has_master else None,
                       opt_state=plan.opt_memory_kinds(self.tx), loss_scale=device, rng=device,
                       secondary=jax.tree.map(lambda _: device, plan.secondary_specs(),
-                                             is_leaf=lambda x: isinstance(x, P)))
+                                             is_leaf=lambda x: isinstance(x, P)),
+                      delayed=delayed.memory_kinds(plan, self._delays_update(), device))
 
   def state_shardings(self) -> TrainState:
     """NamedShardings of every TrainState leaf (prefix tree), with their memory kinds."""
@@ -209,7 +216,8 @@ class Engine(StepBuilder):
           params=plan.map(lambda l, x: to_layout(l, x, l.param_partitioned).astype(compute), p32),
           master=state_layout if plan.has_master else None,
           opt_state=self.tx.init(state_layout), loss_scale=self.scaler.init(),
-          rng=jax.random.key_data(train_key))
+          rng=jax.random.key_data(train_key),
+          delayed=delayed.initial(state_layout) if self._delays_update() else None)
       if plan.has_nvme:
         return state, {l.path: x for l, x in zip(plan.leaf_list(), jax.tree.leaves(full))
                        if l.state_tier == "nvme"}
@@ -330,9 +338,10 @@ class Engine(StepBuilder):
       self.timings.append(StepTiming(step=self._host_step + 1, forward_backward_s=t1 - t0,
                                      optimizer_s=time.perf_counter() - t1))
     else:
-      state, metrics, *io = self._fused_step(batch)(state, batch)
+      state, metrics, *io = self._fused_step(batch, state)(state, batch)
       if io:
         state = self.nvme_store.update(self, state, metrics, io[0])
+      delayed.seen(self, state)
     self._host_step += 1
     every = self.config.steps_per_print
     if every and self._host_step % every == 0:
@@ -352,13 +361,20 @@ class Engine(StepBuilder):
     logger.info(line)
 
   def jitted_step(self, batch: PyTree):
-    """The jitted (not yet compiled) fused step, e.g. to lower or ``jax.export`` it."""
+    """The jitted (not yet compiled) fused step, e.g. to lower or ``jax.export`` it (with the
+    delayed update: the steady step, which applies the carried gradient)."""
     self._check_batch(batch)
     return self._fused_step(batch)
 
-  def _fused_step(self, batch: PyTree):
+  def _fused_step(self, batch: PyTree, state: TrainState | None = None):
+    """The fused step; with the delayed update, the prime step for a ``state`` that carries no
+    gradient (:func:`jzero.delayed.needs_prime`)."""
+    if state is not None and delayed.needs_prime(self, state):
+      if self._prime_fn is None:
+        self._prime_fn = self._build_step(batch, ready=False)
+      return self._prime_fn
     if self._step_fn is None:
-      self._step_fn = self._build_step(batch)
+      self._step_fn = self._build_step(batch, ready=delayed.static_ready(self))
     return self._step_fn
 
   def compile_step(self, state: TrainState, batch: PyTree):
@@ -543,6 +559,7 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
   given.check_supported()
   offload.settings_from_config(given.zero_optimization)  # offload the stage cannot have: refused
   param_offload.settings_from_config(given.zero_optimization)
+  delayed.enabled(given.zero_optimization)  # delayed update without cpu offload: refused
   zmesh = _as_mesh(mesh)
   adapter = as_model(model, init_inputs)
   cfg = given.resolve(dp_world_size=zmesh.dp_size, hidden_size=hidden_size or adapter.hidden_size,

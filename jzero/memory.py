@@ -235,7 +235,7 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
              offload_ratio: float = 1.0, persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
              model_persistence_threshold: int | None = None, activations: float = 0.0,
              gathered: tuple[int, int] = (0, 0), prefetch: bool = False,
-             hpz_partition_size: int = 1) -> Estimate:
+             hpz_partition_size: int = 1, delayed_update: bool = False) -> Estimate:
   """Per-device bytes of one ZeRO configuration (formulas and offload rules: module docstring).
 
   Args:
@@ -260,6 +260,9 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
     prefetch: the next unit or layer is gathered while one computes (two alive).
     hpz_partition_size: ZeRO++ hpZ's group size s (stage 3): a secondary copy of the
       partitioned params, p(Ψ - Ψr)/s per device.
+    delayed_update: ZeRO-Offload's delayed parameter update (:mod:`jzero.delayed`): the step
+      carries its fp32 gradient partition to the next step, 4Ψ/N on the device
+      (``bytes["device"]["delayed_grads"]``); needs ``offload_optimizer``.
 
   Raises:
     ConfigError: an offload setting the stage does not have, or hpZ outside stage 3.
@@ -296,6 +299,11 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
     device["params"] = float(param_bytes * persistent)
   if hpz > 1:
     device["secondary"] = param_bytes * (psi - persistent) / hpz
+  if delayed_update:
+    if not offload_optimizer:
+      raise ConfigError("delayed_update needs offload_optimizer (ZeRO-Offload's delayed "
+                        "parameter update hides the host optimizer step).")
+    device["delayed_grads"] = 4 * psi / n
   return Estimate(stage=stage, offload_optimizer=offload_optimizer, offload_param=offload_param,
                   num_params=psi, persistent_params=persistent, devices=n,
                   devices_per_node=devices, param_bytes=param_bytes, bytes=tiers,

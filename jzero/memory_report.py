@@ -53,8 +53,8 @@ def live_bytes(tree: Any, device: jax.Device | None = None) -> dict[str, int]:
 def state_report(engine: Any, state: Any) -> dict[str, dict[str, int]]:
   """Bytes the first device of ``engine``'s mesh holds: category -> memory kind -> bytes.
 
-  Categories are :data:`REPORT_CATEGORIES`, plus "secondary" (ZeRO++ hpZ's copy) when the state
-  has one; params, master, optimizer and secondary are measured from the live arrays, grads
+  Categories are :data:`REPORT_CATEGORIES`, plus "secondary" (ZeRO++ hpZ's copy) and
+  "delayed_grads" (the delayed update's carried gradient) when the state has them; params, master, optimizer and secondary are measured from the live arrays, grads
   counted from the plan (``{}`` where a category has no arrays).
   """
   plan = engine.plan
@@ -74,6 +74,8 @@ def state_report(engine: Any, state: Any) -> dict[str, dict[str, int]]:
     for category, nbytes in store.measured_per_device().items():
       if nbytes:
         report[category]["nvme"] = nbytes
+  if getattr(state, "delayed", None) is not None:  # the carried gradient (jzero.delayed)
+    report["delayed_grads"] = live_bytes(state.delayed.grads, device)
   return report
 
 
@@ -128,8 +130,10 @@ class MemoryReport:
 
   @property
   def categories(self) -> tuple[str, ...]:
-    """:data:`REPORT_CATEGORIES`, plus "secondary" with ZeRO++ hpZ."""
-    return REPORT_CATEGORIES + (("secondary",) if "secondary" in self.measured else ())
+    """:data:`REPORT_CATEGORIES`, plus "secondary" with ZeRO++ hpZ and "delayed_grads" with the
+    delayed update."""
+    return REPORT_CATEGORIES + tuple(c for c in ("secondary", "delayed_grads")
+                                     if c in self.measured)
 
   def measured_bytes(self, category: str | None = None) -> int:
     """Measured bytes of one category, over all memory kinds (None: all categories)."""
@@ -192,7 +196,8 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
                  persistence_threshold=zero.param_persistence_threshold,
                  model_persistence_threshold=zero.model_persistence_threshold,
                  gathered=plan.gathered_working_set(), prefetch=plan.prefetches,
-                 hpz_partition_size=plan.zeropp.hpz)
+                 hpz_partition_size=plan.zeropp.hpz,
+                 delayed_update=getattr(state, "delayed", None) is not None)
   # Offload: master + optimizer state are predicted over the tiers they live on. jzero's gradient
   # buffer is a temporary of the step on the device; the estimator's host share of it (DeepSpeed
   # copies the gradient partition to the host) is counted as the device's here.
@@ -202,6 +207,8 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
                "optimizer": per_k * opt_k}
   if est.hpz > 1:
     predicted["secondary"] = est.bytes["device"]["secondary"]
+  if "delayed_grads" in est.bytes["device"]:
+    predicted["delayed_grads"] = est.bytes["device"]["delayed_grads"]
   compiled = CompiledMemory.of(engine.compile_step(state, batch)) if batch is not None else None
   store, notes = getattr(engine, "nvme_store", None), ()
   if store is not None:
@@ -230,7 +237,8 @@ def format_memory_report(report: MemoryReport) -> str:
   for name in (*report.categories, None):
     ratio = report.ratio(name)
     label = name or "total"
-    label = {"grads": "grads (plan)", "secondary": "hpZ secondary"}.get(label, label)
+    label = {"grads": "grads (plan)", "secondary": "hpZ secondary",
+             "delayed_grads": "delayed grads (DPU)"}.get(label, label)
     rows.append([label]
                 + [_cell(report.measured[name].get(k, 0)) if name else "" for k in kinds]
                 + [_cell(report.measured_bytes(name)), _cell(report.predicted_bytes(name)),

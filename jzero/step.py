@@ -21,7 +21,9 @@ ZeRO says it should:
    themselves); stage 1/2 all-gather the updated partitions into new replicated compute params,
    stage 3 just casts its partition (with ZeRO++'s hpZ, then refreshes each device's secondary
    partition from its node's primary partitions, :mod:`jzero.zeropp`). Host-tier params are
-   written back to the host.
+   written back to the host. With ZeRO-Offload's delayed parameter update the update uses the
+   gradient the previous step carried and this step's gradient is carried to the next
+   (:mod:`jzero.delayed`).
 
 The loss of a micro-batch is each device's mean over its slice, divided by the data-parallel size
 and by ``gradient_accumulation_steps`` before the backward pass, so the summed gradient is the
@@ -41,7 +43,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jzero import collectives, nvme, offload, param_offload
+from jzero import collectives, delayed, nvme, offload, param_offload
 from jzero.collectives import ZeroParam
 from jzero.errors import JZeroWarning
 from jzero.layers import LayerPolicy, engine_context
@@ -67,6 +69,9 @@ class TrainState(NamedTuple):
     secondary: ZeRO++ hpZ: each device's secondary partition of the stage-3 params (compute
       dtype, split over the node's local axes; see :mod:`jzero.zeropp`); None without hpZ. A
       function of ``params``: recomputed at init and restore, never saved.
+    delayed: ZeRO-Offload's delayed parameter update: the gradient this step computed, carried
+      to the next step, which updates with it (:class:`jzero.delayed.DelayedGrads`); None
+      without ``offload_optimizer.delayed_update``.
   """
 
   step: jax.Array
@@ -77,6 +82,7 @@ class TrainState(NamedTuple):
   loss_scale: LossScaleState
   rng: jax.Array
   secondary: PyTree | None = None
+  delayed: delayed.DelayedGrads | None = None
 
 
 class StepBuilder:
@@ -251,8 +257,12 @@ class StepBuilder:
     mean = lambda x: lax.pmean(x, axes.batch_axes)
     return plan.map(self._reduce_final, grads), mean(loss), jax.tree.map(mean, aux)
 
-  def _local_update(self, state: TrainState, grads: PyTree, loss: jax.Array, aux: dict):
-    """Overflow check, unscale, clip by the global norm, optimizer update -> (state, metrics)."""
+  def _local_update(self, state: TrainState, grads: PyTree, loss: jax.Array, aux: dict,
+                    ready: bool | None = None):
+    """Overflow check, unscale, clip by the global norm, optimizer update -> (state, metrics).
+
+    ``ready``: with the delayed update, whether the state is known to carry a gradient (True: the
+    steady step, False: the prime step, None: read ``state.delayed.ready``)."""
     plan, axes = self.plan, self.mesh
     scale = state.loss_scale.scale
     if self._checks_overflow():
@@ -269,6 +279,10 @@ class StepBuilder:
     if plan.has_nvme:  # NVMe leaves: updated after this jit, from the store (jzero.nvme)
       nvme_out = nvme.step_outputs(self, state, grads)
       grads = nvme.shrink(plan, grads)
+    if state.delayed is not None:  # DPU: update with the carried g_{t-1}, carry g_t
+      grads, skip_update, carried = delayed.swap(state.delayed, grads, overflow, ready)
+    else:
+      skip_update, carried = overflow if self._checks_overflow() else False, None
 
     def apply_update(_):
       master = state.master if plan.has_master else plan.map(self._local_master, state.params)
@@ -305,12 +319,14 @@ class StepBuilder:
         return params, master, opt_state, state.secondary
       return state.params, state.master, state.opt_state, state.secondary
 
-    if self._checks_overflow():
-      params, master, opt_state, secondary = lax.cond(overflow, skip, apply_update, None)
+    if isinstance(skip_update, bool):
+      params, master, opt_state, secondary = (skip if skip_update else apply_update)(None)
     else:
-      params, master, opt_state, secondary = apply_update(None)
+      params, master, opt_state, secondary = lax.cond(skip_update, skip, apply_update, None)
 
     applied = state.step - state.skipped
+    if state.delayed is not None:  # the carried gradient is not applied yet
+      applied = applied - state.delayed.ready.astype(applied.dtype)
     metrics = {
         "loss": loss,
         "grad_norm": grad_norm,
@@ -323,7 +339,7 @@ class StepBuilder:
     new_state = TrainState(
         step=state.step + 1, skipped=state.skipped + overflow.astype(jnp.int32), params=params,
         master=master, opt_state=opt_state, loss_scale=self.scaler.update(state.loss_scale, overflow),
-        rng=state.rng, secondary=secondary)
+        rng=state.rng, secondary=secondary, delayed=carried)
     if nvme_out is not None:
       return new_state, metrics, nvme_out
     return new_state, metrics
@@ -340,8 +356,8 @@ class StepBuilder:
       lr = None
     return jnp.nan if lr is None else jnp.asarray(lr, jnp.float32)
 
-  def _local_step(self, state: TrainState, batch: PyTree):
-    return self._local_update(state, *self._local_grads(state, batch))
+  def _local_step(self, state: TrainState, batch: PyTree, ready: bool | None = None):
+    return self._local_update(state, *self._local_grads(state, batch), ready=ready)
 
   def _global_norm(self, grads: PyTree) -> jax.Array:
     """L2 norm of the full gradient, from partitions: psum of the partitioned partial sums."""
@@ -366,10 +382,10 @@ class StepBuilder:
                    out_shardings=out_shardings if isinstance(out_specs, tuple) else out_shardings[0],
                    donate_argnums=donate, compiler_options=plan.xla_options() or None)
 
-  def _build_step(self, batch: PyTree):
+  def _build_step(self, batch: PyTree, ready: bool | None = None):
     specs, batch_specs = self.state_specs(), jax.tree.map(lambda _: self.plan.batch_spec(), batch)
-    return self._jit(self._local_step, (specs, batch_specs), self._step_out_specs(specs),
-                     donate=(0,))
+    return self._jit(functools.partial(self._local_step, ready=ready), (specs, batch_specs),
+                     self._step_out_specs(specs), donate=(0,))
 
   def _step_out_specs(self, specs: TrainState) -> tuple:
     """(state, metrics) specs; with an NVMe tier also what the store's update reads."""

@@ -82,6 +82,8 @@ def array_leaves(engine: Any, state: Any) -> dict[str, LeafPlan | None]:
     leaves[f"params/{leaf.path}"] = leaf
     if state.master is not None:
       leaves[f"master/{leaf.path}"] = leaf
+    if getattr(state, "delayed", None) is not None:  # the carried gradient (jzero.delayed)
+      leaves[f"delayed/grads/{leaf.path}"] = leaf
   leaves.update(opt_leaves(engine, state.opt_state))
   return leaves
 

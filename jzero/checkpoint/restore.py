@@ -13,7 +13,8 @@ size and checksum, and shapes, leaf paths and the optimizer-state structure agai
 before any device work. ``params_only=True`` restores weights alone, with a fresh optimizer state.
 ZeRO++ hpZ's secondary partitions are not in a checkpoint: they are a function of the compute
 params, recomputed after the restore by the code the step refreshes them with, so a resumed run
-is bit-exact.
+is bit-exact. The delayed update's carried gradient (:mod:`jzero.delayed`) is restored like the
+master when both the checkpoint and the engine have it; otherwise nothing is carried.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jzero import delayed
 from jzero.checkpoint import layout
 from jzero.errors import CheckpointError, JZeroWarning
 from jzero.plan import LeafPlan, Plan, flatten_paths
@@ -213,6 +215,8 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
       if name in ("step", "skipped") or name.startswith("opt_state/") or (
           name.startswith("loss_scale/") and same_precision):
         requests[name] = (name, target)
+  for name in delayed.restore_names(abstract, stored, params_only):  # delayed update's gradient
+    requests[name] = (name, targets[name])
   restored = _restore_arrays(step_dir, requests)
 
   def group(prefix: str, tree: PyTree) -> PyTree:
@@ -229,13 +233,17 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
     state = type(abstract)(step=zero(), skipped=zero(), params=params, master=master,
                            opt_state=_fresh_opt_state(engine, weights, shardings.opt_state),
                            loss_scale=jax.device_put(engine.scaler.init(), replicated),
-                           rng=restored["rng"])
+                           rng=restored["rng"],
+                           delayed=delayed.restored(abstract, shardings, restored, stored, True,
+                                                    step_dir))
   else:
     loss_scale = (group("loss_scale", abstract.loss_scale) if same_precision
                   else jax.device_put(engine.scaler.init(), replicated))
     state = type(abstract)(step=restored["step"], skipped=restored["skipped"], params=params,
                            master=master, opt_state=group("opt_state", abstract.opt_state),
-                           loss_scale=loss_scale, rng=restored["rng"])
+                           loss_scale=loss_scale, rng=restored["rng"],
+                           delayed=delayed.restored(abstract, shardings, restored, stored, False,
+                                                    step_dir))
   state = nvme.absorb(engine, state)  # NVMe tier: into the store, placeholders in the state
   state = engine.with_secondary(state)  # hpZ: from the restored params, as the step makes it
   return (state, meta["client_state"]) if with_client_state else state
