@@ -247,8 +247,9 @@ def format_memory_report(report: MemoryReport) -> str:
   if est.offload_optimizer or est.offload_param:
     lines.append("  predicted per tier (estimator): " + ", ".join(
         f"{tier} {format_bytes(est.tier_total(tier))}" for tier in TIERS
-        if est.tier_total(tier)) + " (host: per process; its gradient share is the estimator's "
-        "DeepSpeed-style copy, a temporary in jzero)")
+        if est.tier_total(tier)) + " (per device's share: a process holds the shares of its "
+        "local devices; the host gradient share is the estimator's DeepSpeed-style copy, a "
+        "temporary in jzero)")
   if est.gathered:
     lines.append(f"  ZeRO-3 gathered working set (plan): {format_bytes(est.gathered)} -- the largest "
                  f"unit or layer{' twice (prefetch)' if report.prefetch else ''} plus the "

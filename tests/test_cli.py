@@ -79,3 +79,21 @@ def test_process_flags_are_checked_before_any_device_work():
   out = _jzero("train", "--config", str(CONFIGS / "zero3.json"), "--coordinator", "localhost",
                "--num-processes", "2", "--process-id", "0")
   assert out.returncode == 2 and "HOST:PORT" in out.stderr
+
+
+def _bytes(text: str) -> float:
+  value, unit = text.split()
+  return float(value) * {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
+
+
+def test_offload_config_trains_and_predicts_host_bytes_per_process_before_training():
+  """configs/ds_zero3_offload.json trains; before the first step process 0 prints the host bytes
+  its 8 devices' shares add up to, the memory report's per-device host prediction times 8."""
+  out = _jzero("train", "--config", str(CONFIGS / "ds_zero3_offload.json"), "--steps", "2", *TINY)
+  assert out.returncode == 0, out.stderr
+  before = re.search(r"offload: predicted model states per process \(8 devices\): host "
+                     r"([\d.]+ k?M?G?B)", out.stdout)
+  per_device = re.search(r"predicted per tier \(estimator\): .*host ([\d.]+ k?M?G?B)", out.stdout)
+  assert before and per_device, out.stdout
+  assert out.stdout.index(before[0]) < out.stdout.index("loss: start")
+  assert abs(_bytes(before[1]) / (8 * _bytes(per_device[1])) - 1) < 0.01
