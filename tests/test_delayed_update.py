@@ -14,15 +14,14 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 import jzero
 from jzero import delayed
 from jzero.errors import ConfigError
 from jzero.memory_report import format_memory_report
-from jzero.models import GPT, lm_loss
-from zero_testing import SMALL, batches, ds_config, gpt_factory, max_relative_diff, \
-    reference_optimizer
+from jzero.models import lm_loss
+from zero_testing import (SMALL, batches, ds_config, gpt_factory, loss_of_params,
+                          max_relative_diff, reference_optimizer)
 
 N = 8
 STEPS = 3
@@ -43,12 +42,7 @@ def _engine(stage: int, gas: int = 1, update: str = "stream"):
 def _logical(engine, state):
   """The fp32 params in the model's shapes, as numpy (engine.logical_params, without compiling a
   jit per call)."""
-  def cut(leaf, x):
-    x = np.asarray(x)
-    if leaf.shard_dim is None:
-      return x
-    return x[(slice(None),) * (leaf.shard_dim % x.ndim) + (slice(0, leaf.shape[leaf.shard_dim]),)]
-  return engine.plan.map(cut, state.params)
+  return engine.plan.map(lambda leaf, x: np.asarray(leaf.to_logical(np.asarray(x))), state.params)
 
 
 def _leaf(engine, path):
@@ -69,16 +63,8 @@ def _reference(initial, data):
   """The documented math as a plain single-device optax loop: step t computes g_t at the current
   parameters and updates them with g_{t-1} (clipped by its own norm, then AdamW); step 1 only
   keeps g_1. Returns each step's parameters and losses."""
-  model = nnx.eval_shape(lambda: GPT(SMALL, rngs=nnx.Rngs(0)))  # structure only: no eager init
-  graphdef, template = nnx.split(model, nnx.Param)
   tx = reference_optimizer()
-
-  def loss(p, batch):
-    state = jax.tree.map(lambda x: x, template)
-    nnx.replace_by_pure_dict(state, p)
-    return lm_loss(nnx.merge(graphdef, state), batch)
-
-  grad_fn = jax.jit(jax.value_and_grad(loss))
+  grad_fn = jax.jit(jax.value_and_grad(loss_of_params(gpt_factory(SMALL))))
 
   @jax.jit
   def update(p, opt, g):

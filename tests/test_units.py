@@ -21,8 +21,8 @@ from jzero import profile
 from jzero.memory_report import memory_report
 from jzero.models import GPTConfig, lm_loss
 from jzero.units import ModuleInfo, UnitRules, choose_units
-from zero_testing import (batches, ds_config, engine_run, gpt_factory, max_relative_diff,
-                          reference_optimizer)
+from zero_testing import (batches, ds_config, engine_run, gpt_factory, loss_of_params,
+                          max_relative_diff, reference_optimizer)
 
 N = 8
 WIDE = 512  # the loop model: residual MLP blocks of width 512 (two 512 x 2048 kernels)
@@ -272,17 +272,6 @@ def _reference(init_params: dict, loss_of_params, data: list[dict]):
   return params, losses
 
 
-def _nnx_loss(factory, loss_fn):
-  graphdef, template = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param)
-
-  def loss_of_params(p, batch):
-    state = jax.tree.map(lambda x: x, template)
-    nnx.replace_by_pure_dict(state, p)
-    return loss_fn(nnx.merge(graphdef, state), batch)
-
-  return loss_of_params
-
-
 STEPS = 8
 CASES = {
     "nnx-loop": (lambda: (lambda rngs: LoopNet(rngs, 3, 64)), mse,
@@ -310,10 +299,10 @@ def test_loop_models_match_plain_optax_in_every_stage(case):
   initial = runs[0][0]
   if case == "linen-loop":
     module = model()
-    loss_of_params = lambda p, b: loss_fn(lambda x: module.apply({"params": p}, x), b)
+    loss = lambda p, b: loss_fn(lambda x: module.apply({"params": p}, x), b)
   else:
-    loss_of_params = _nnx_loss(model(), loss_fn)
-  ref_params, ref_losses = _reference(initial, loss_of_params, data)
+    loss = loss_of_params(model(), loss_fn)
+  ref_params, ref_losses = _reference(initial, loss, data)
   for stage, (start, params, losses) in runs.items():
     assert max_relative_diff(start, initial) == 0.0
     assert np.max(np.abs(np.array(losses) - ref_losses) / np.array(ref_losses)) <= 1e-5, stage

@@ -63,6 +63,19 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def loss_of_params(factory, loss_fn=lm_loss):
+  """``loss_fn`` of the NNX model ``factory(rngs)`` builds, as a function of its params' pure dict
+  (the model's structure only: nothing is initialised)."""
+  graphdef, template = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(0))), nnx.Param)
+
+  def loss(p, batch):
+    state = jax.tree.map(lambda x: x, template)
+    nnx.replace_by_pure_dict(state, p)
+    return loss_fn(nnx.merge(graphdef, state), batch)
+
+  return loss
+
+
 def reference_run(cfg: GPTConfig, params: dict, data: list[dict], loss_fn=lm_loss):
   """The plain single-device optax loop: same model, same data, whole batch on one device.
 
@@ -70,14 +83,8 @@ def reference_run(cfg: GPTConfig, params: dict, data: list[dict], loss_fn=lm_los
   """
   device = jax.devices()[0]
   params = jax.device_put(jax.tree.map(np.asarray, params), device)
-  model = GPT(cfg, rngs=nnx.Rngs(0))
-  graphdef, template = nnx.split(model, nnx.Param)
+  loss = loss_of_params(gpt_factory(cfg), loss_fn)
   tx = reference_optimizer()
-
-  def loss(p, batch):
-    state = jax.tree.map(lambda x: x, template)
-    nnx.replace_by_pure_dict(state, p)
-    return loss_fn(nnx.merge(graphdef, state), batch)
 
   @jax.jit
   def step(p, opt, batch):
