@@ -57,8 +57,6 @@ def _child(mode: str, devices: int) -> dict:
 
   import jax
   jax.config.update("jax_num_cpu_devices", devices)
-  import numpy as np
-
   import jzero
   from jzero.data import ByteCorpus
   from jzero.models import GPT, GPTConfig, lm_loss
@@ -93,8 +91,7 @@ def _child(mode: str, devices: int) -> dict:
           "predicted_host_bytes": predicted_host - grads_host,
           "measured_state_bytes": sum(measured_by_kind.values()),
           "measured_host_bytes": sum(v for k, v in measured_by_kind.items() if k in host_tiers),
-          "rss_freed_bytes": freed, "params": int(sum(np.prod(l.shape)
-                                                      for l in engine.plan.leaf_list()))}
+          "rss_freed_bytes": freed, "params": sum(l.numel for l in engine.plan.leaf_list())}
 
 
 def _mb(x: float) -> str:

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from round_robin import time_round_robin
+
 
 def _parse() -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -119,15 +121,7 @@ def main() -> int:
       losses.append(float(metrics["loss"]))
     runs[name] = dict(engine=engine, state=state, times=[], losses=losses,
                       warmup_s=time.perf_counter() - t0)
-  for i in range(2, 2 + args.steps):
-    for run in runs.values():
-      engine = run["engine"]
-      batch = engine.shard_batch(corpus.batch(i, engine.global_batch_size))
-      t0 = time.perf_counter()
-      run["state"], metrics = engine.train_step(run["state"], batch)
-      jax.block_until_ready(run["state"])
-      run["times"].append(time.perf_counter() - t0)
-      run["losses"].append(float(metrics["loss"]))
+  time_round_robin(runs, corpus, first=2, steps=args.steps)
   base_ms = statistics.median(runs["no offload"]["times"]) * 1e3
   nvme_run = runs["nvme"]
   store = nvme_run["engine"].nvme_store

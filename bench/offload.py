@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from round_robin import time_round_robin
+
 
 # mode -> offload_optimizer block (None: no offload)
 MODES = {
@@ -96,15 +98,7 @@ def main() -> int:
     runs[name] = dict(engine=engine, state=state, compiled=compiled, compile_s=compile_s,
                       times=[], losses=losses)
 
-  for i in range(2, 2 + args.steps):
-    for name, run in runs.items():
-      engine = run["engine"]
-      batch = engine.shard_batch(corpus.batch(i, engine.global_batch_size))
-      t0 = time.perf_counter()
-      run["state"], metrics = engine.train_step(run["state"], batch)
-      jax.block_until_ready(run["state"])
-      run["times"].append(time.perf_counter() - t0)
-      run["losses"].append(float(metrics["loss"]))
+  time_round_robin(runs, corpus, first=2, steps=args.steps)
 
   base = runs["no offload"]
   base_ms = statistics.median(base["times"]) * 1e3
