@@ -50,7 +50,7 @@ from jax import lax
 from jzero.errors import ConfigError
 
 __all__ = ["DEFAULT_UPDATE", "UPDATE_MODES", "OffloadSettings", "settings_from_config",
-           "choose_offloaded", "apply_update", "host_compute"]
+           "choose_offloaded", "apply_update", "host_compute", "to_device", "to_host"]
 
 PyTree = Any
 UPDATE_MODES = ("stream", "host")
@@ -126,11 +126,13 @@ def host_compute():
   return fn("device_host")
 
 
-def _to_device(x: jax.Array) -> jax.Array:
+def to_device(x: jax.Array) -> jax.Array:
+  """``x`` moved to device memory (inside a jit)."""
   return jax.device_put(x, jax.memory.Space.Device)
 
 
-def _to_host(x: jax.Array) -> jax.Array:
+def to_host(x: jax.Array) -> jax.Array:
+  """``x`` moved to host memory (inside a jit; the memory kind comes from the out_shardings)."""
   return jax.device_put(x, jax.memory.Space.Host)
 
 
@@ -189,22 +191,22 @@ def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
     m_host = [master_host[i] for i in group]
     if mode == "host" and any(moved):
       m_out, s_out = _host_update(tx, g, s, m, flags, moved, node_def, m_host)
-      m_dev_out = [_to_device(x) if hm else x for x, hm in zip(m_out, m_host)]
+      m_dev_out = [to_device(x) if hm else x for x, hm in zip(m_out, m_host)]
     else:
       streamed = any(moved) or any(m_host)
       if streamed and previous != ():
         # Bring this group in only after the previous one went back: one group on the device.
         g, m, s, _ = lax.optimization_barrier((g, m, s, previous))
-      m_dev = [_to_device(x) if h or hm else x for x, h, hm in zip(m, moved, m_host)]
-      s_dev = [[_to_device(x) if h else x for x, h in zip(node, moved)] if f else node
+      m_dev = [to_device(x) if h or hm else x for x, h, hm in zip(m, moved, m_host)]
+      s_dev = [[to_device(x) if h else x for x, h in zip(node, moved)] if f else node
                for node, f in zip(s, flags)]
       state = jax.tree.unflatten(node_def, s_dev)
       updates, state = tx.update(g, state, m_dev)
       m_out = m_dev_out = optax.apply_updates(m_dev, updates)
       s_out = node_def.flatten_up_to(state)
-      s_out = [[_to_host(x) if h else x for x, h in zip(node, moved)] if f else node
+      s_out = [[to_host(x) if h else x for x, h in zip(node, moved)] if f else node
                for node, f in zip(s_out, flags)]
-      m_out = [_to_host(x) if hm else x for x, hm in zip(m_out, m_host)]
+      m_out = [to_host(x) if hm else x for x, hm in zip(m_out, m_host)]
       if streamed:
         previous = (m_out, [node for node, f in zip(s_out, flags) if f])
     for j, i in enumerate(group):
@@ -224,11 +226,11 @@ def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
 def _host_update(tx, g, s, m, flags, moved, node_def, host_m):
   """The "host" mode: gradients to the host, the optax update under compute_on("device_host");
   ``host_m``: per leaf, its master arrives and goes back in host memory."""
-  g = [_to_host(x) for x in g]
-  m_in = [x if hm else _to_host(x) for x, hm in zip(m, host_m)]
+  g = [to_host(x) for x in g]
+  m_in = [x if hm else to_host(x) for x, hm in zip(m, host_m)]
   # Everything the host computation reads is in host memory: device-resident state (the step
   # count, leaves of a mixed group that stay on the device) goes over and comes back.
-  s = [[x if h else _to_host(x) for x, h in zip(node, moved)] if f else _to_host(node)
+  s = [[x if h else to_host(x) for x, h in zip(node, moved)] if f else to_host(node)
        for node, f in zip(s, flags)]
   with host_compute():
     state = jax.tree.unflatten(node_def, s)
@@ -236,9 +238,9 @@ def _host_update(tx, g, s, m, flags, moved, node_def, host_m):
     m_out = optax.apply_updates(m_in, updates)
   s_out = node_def.flatten_up_to(state)
   # Device-resident parts of the state (the step count) come back to the device.
-  s_out = [[x if h else _to_device(x) for x, h in zip(node, moved)] if f else _to_device(node)
+  s_out = [[x if h else to_device(x) for x, h in zip(node, moved)] if f else to_device(node)
            for node, f in zip(s_out, flags)]
-  m_out = [x if hm else _to_device(x) for x, hm in zip(m_out, host_m)]
+  m_out = [x if hm else to_device(x) for x, hm in zip(m_out, host_m)]
   return m_out, s_out
 
 
@@ -250,8 +252,8 @@ def keep_tiers(opt_state: PyTree, master: PyTree, on_host: PyTree, *,
   host = jax.tree.leaves(on_host)
   node_def, nodes, flags = _split_state(opt_state, jax.tree.structure(on_host))
   nodes = [jax.tree.unflatten(jax.tree.structure(on_host),
-                              [_to_host(x) if h else x for x, h in zip(node, host)])
+                              [to_host(x) if h else x for x, h in zip(node, host)])
            if f else node for node, f in zip(nodes, flags)]
   if master_on_host:
-    master = jax.tree.map(lambda x, h: _to_host(x) if h else x, master, on_host)
+    master = jax.tree.map(lambda x, h: to_host(x) if h else x, master, on_host)
   return master, jax.tree.unflatten(node_def, nodes)

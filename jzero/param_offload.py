@@ -44,8 +44,9 @@ from typing import Any
 import jax
 
 from jzero.errors import ConfigError, NotSupportedError
+from jzero.offload import to_device
 
-__all__ = ["ParamOffloadSettings", "settings_from_config", "fetch", "to_device", "to_host"]
+__all__ = ["ParamOffloadSettings", "settings_from_config", "fetch"]
 
 
 class ParamOffloadSettings:
@@ -92,16 +93,6 @@ def settings_from_config(zero: Any) -> ParamOffloadSettings | None:
         "cpu with parameter offload, or the NVMe tier without offload_param.")
   pinned = block.pin_memory in (True, "auto")
   return ParamOffloadSettings(memory_kind="pinned_host" if pinned else "unpinned_host")
-
-
-def to_device(x: jax.Array) -> jax.Array:
-  """``x`` moved to device memory (inside a jit)."""
-  return jax.device_put(x, jax.memory.Space.Device)
-
-
-def to_host(x: jax.Array) -> jax.Array:
-  """``x`` moved to host memory (inside a jit; the memory kind comes from the out_shardings)."""
-  return jax.device_put(x, jax.memory.Space.Host)
 
 
 @jax.custom_jvp

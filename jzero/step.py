@@ -43,7 +43,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jzero import collectives, delayed, nvme, offload, param_offload
+from jzero import collectives, delayed, nvme, offload
 from jzero.collectives import ZeroParam
 from jzero.errors import JZeroWarning
 from jzero.layers import LayerPolicy, engine_context
@@ -306,7 +306,7 @@ class StepBuilder:
       secondary = plan.map(self._secondary, params) if plan.zeropp.hpz > 1 else None
       if plan.param_offloads:  # the new partitions go back to the host tier (jzero.param_offload)
         params = plan.map(lambda l, p, m: p if l.param_tier != "host" else
-                          m if not plan.has_master else param_offload.to_host(p), params, master)
+                          m if not plan.has_master else offload.to_host(p), params, master)
       return params, (master if plan.has_master else None), opt_state, secondary
 
     def skip(_):
@@ -314,7 +314,7 @@ class StepBuilder:
         master, opt_state = offload.keep_tiers(
             state.opt_state, state.master, plan.map(lambda l: l.state_tier == "host"),
             master_on_host=plan.has_master)
-        params = plan.map(lambda l, p: param_offload.to_host(p) if l.param_tier == "host" else p,
+        params = plan.map(lambda l, p: offload.to_host(p) if l.param_tier == "host" else p,
                           state.params)
         return params, master, opt_state, state.secondary
       return state.params, state.master, state.opt_state, state.secondary
