@@ -250,8 +250,7 @@ class Engine(StepBuilder):
       return state
     if self._refresh_fn is None:  # no compile options: also traced inside eval_shape(init)
       specs, out = plan.param_specs(), plan.secondary_specs()
-      body = jax.shard_map(lambda p: plan.map(self._secondary, p), mesh=self.mesh.mesh,
-                           in_specs=(specs,), out_specs=out, check_vma=False)
+      body = plan.shard_map(lambda p: plan.map(self._secondary, p), (specs,), out)
       to_sharding = lambda tree: jax.tree.map(plan.sharding, tree,
                                               is_leaf=lambda x: isinstance(x, P))
       self._refresh_fn = jax.jit(body, in_shardings=(to_sharding(specs),),
@@ -433,8 +432,7 @@ class Engine(StepBuilder):
         return lax.pmean(loss.astype(jnp.float32), self.mesh.batch_axes)
 
       specs = (plan.param_specs(), plan.secondary_specs(), plan.batch_spec())
-      body = jax.shard_map(local_loss, mesh=self.mesh.mesh, in_specs=specs, out_specs=P(),
-                           check_vma=False)
+      body = plan.shard_map(local_loss, specs, P())
       self._eval_fn = jax.jit(body)
     return float(self._eval_fn(state.params, state.secondary,
                                jax.device_put(batch, self.batch_sharding())))

@@ -505,9 +505,8 @@ class NvmeStore:
       params = [engine._compute_param(l, x) for l, x in zip(leaves, new_m)]
       return new_m, [n for n, f in zip(out, flags) if f], params
 
-    fn = jax.jit(jax.shard_map(body, mesh=plan.mesh.mesh,
-                               in_specs=(sspec, sspec, [sspec] * n_nodes, [P()] * n_other),
-                               out_specs=(sspec, [sspec] * n_nodes, pspec), check_vma=False),
+    fn = jax.jit(plan.shard_map(body, (sspec, sspec, [sspec] * n_nodes, [P()] * n_other),
+                                (sspec, [sspec] * n_nodes, pspec)),
                  donate_argnums=(0, 1, 2), compiler_options=plan.xla_options() or None)
     self._fns[g] = fn
     return fn

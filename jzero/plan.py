@@ -80,6 +80,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import kernels
+from jzero import collective_order
 from jzero.collectives import pad_to
 from jzero.mesh import ZeroMesh
 from jzero.zeropp import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL, Comm, ZeroPP
@@ -394,6 +395,14 @@ class Plan:
     return NamedSharding(self.mesh.mesh, spec, memory_kind=memory_kind or self.memory_kind())
 
   # -- how collectives are scheduled ----------------------------------------------------------------
+  def shard_map(self, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable[..., Any]:
+    """``jax.shard_map`` of ``fn`` over the plan's mesh; on CPU with its collectives chained into
+    one order, so every process pairs the same ones (:mod:`jzero.collective_order`)."""
+    platform = self.mesh.mesh.devices.flat[0].platform
+    body = collective_order.in_one_order(fn) if collective_order.needed(platform) else fn
+    return jax.shard_map(body, mesh=self.mesh.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
   def xla_options(self) -> dict[str, Any]:
     """XLA compile options that carry DeepSpeed's bucket and overlap knobs.
 

@@ -52,7 +52,7 @@ import numpy as np
 from jzero.mesh import ZeroMesh
 
 __all__ = ["Collective", "CommVolume", "StepTiming", "collectives", "comm_volume", "zero_theory",
-           "COMPUTE_OPS"]
+           "unordered_collectives", "COMPUTE_OPS"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
@@ -181,16 +181,13 @@ def _axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...
   return tuple(n for n in names if n in spanned)
 
 
-def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]:
-  """Every collective of an optimized HLO module, with its per-step run count.
+_Instruction = tuple[str, str, str, str]  # (name, result type, opcode, operands and attributes)
 
-  Args:
-    hlo_text: ``compiled.as_text()`` of the step (or any optimized HLO module text).
-    mesh: the mesh the step runs on (names the axes groups span); None: axes left empty.
-  """
-  mesh_shape = dict(mesh.mesh.shape) if mesh is not None else {}
-  n_devices = math.prod(mesh_shape.values()) if mesh_shape else 1
-  comps: dict[str, list[tuple[str, str, str, str]]] = {}
+
+def _parse_module(hlo_text: str) -> tuple[dict[str, list[_Instruction]],
+                                          dict[str, list[tuple[str, int]]], str]:
+  """(instructions per computation in text order, (callee, trip count) per computation, entry)."""
+  comps: dict[str, list[_Instruction]] = {}
   calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
   entry, current = None, None
   for line in hlo_text.splitlines():
@@ -217,6 +214,66 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
         calls[current].append((callee.strip().lstrip("%"), 1))
   if entry is None:
     raise ValueError("not an HLO module: no ENTRY computation found")
+  return comps, calls, entry
+
+
+def _operands(rest: str) -> list[str]:
+  """The instruction names an instruction reads (its parenthesised operand list)."""
+  depth = 0
+  for i, ch in enumerate(rest):
+    depth += ch == "("
+    if ch == ")":
+      if depth == 0:
+        return re.findall(r"%([\w.\-]+)", rest[:i])
+      depth -= 1
+  return re.findall(r"%([\w.\-]+)", rest)
+
+
+def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str]]:
+  """Pairs of collective-bearing instructions (a collective, or a loop / branch / call holding
+  one) that no data dependency orders: ``(computation, earlier, later)`` for each pair adjacent in
+  text order where the later does not read the earlier's result, directly or through others.
+
+  Empty when every computation's collectives form one chain -- what
+  :mod:`jzero.collective_order` builds, so that XLA's CPU runtime cannot run two at once."""
+  comps, calls, _ = _parse_module(hlo_text)
+  bearing: dict[str, bool] = {}
+
+  def holds(comp: str) -> bool:
+    if comp not in bearing:
+      bearing[comp] = False
+      bearing[comp] = any(op.removesuffix("-start") in KINDS for _, _, op, _ in comps.get(comp, ())
+                          ) or any(holds(c) for c, _ in calls.get(comp, ()))
+    return bearing[comp]
+
+  found = []
+  for comp, insts in comps.items():
+    ancestors: dict[str, set[str]] = {}
+    previous = None
+    for name, _, op, rest in insts:
+      reads = [o for o in _operands(rest) if o in ancestors]
+      ancestors[name] = set(reads).union(*(ancestors[o] for o in reads))
+      if op.endswith("-done"):
+        continue
+      callees = [c.strip().lstrip("%") for c in _CALLS.findall(rest)] + [
+          c.strip().lstrip("%") for b in _BRANCHES.findall(rest) for c in b.split(",")]
+      if op.removesuffix("-start") in KINDS or any(holds(c) for c in callees):
+        if previous is not None and previous not in ancestors[name]:
+          found.append((comp, previous, name))
+        previous = name
+  return found
+
+
+def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]:
+  """Every collective of an optimized HLO module, with its per-step run count.
+
+  Args:
+    hlo_text: ``compiled.as_text()`` of the step (or any optimized HLO module text).
+    mesh: the mesh the step runs on (names the axes groups span); None: axes left empty.
+  """
+  mesh_shape = dict(mesh.mesh.shape) if mesh is not None else {}
+  n_devices = math.prod(mesh_shape.values()) if mesh_shape else 1
+  comps, calls, entry = _parse_module(hlo_text)
 
   runs: dict[str, int] = collections.defaultdict(int)
 

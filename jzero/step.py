@@ -376,8 +376,7 @@ class StepBuilder:
     kinds = lambda specs: tuple(state_kinds if isinstance(s, TrainState) else None for s in specs)
     out = out_specs if isinstance(out_specs, tuple) else (out_specs,)
     out_shardings = self._shardings(out, kinds(out))
-    body = jax.shard_map(fn, mesh=self.mesh.mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)
+    body = plan.shard_map(fn, in_specs, out_specs)
     return jax.jit(body, in_shardings=self._shardings(in_specs, kinds(in_specs)),
                    out_shardings=out_shardings if isinstance(out_specs, tuple) else out_shardings[0],
                    donate_argnums=donate, compiler_options=plan.xla_options() or None)
