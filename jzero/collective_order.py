@@ -20,10 +20,14 @@ runs in the traced program's order (the same on every process) at every level: t
 and inside each loop body and branch. ``lax.optimization_barrier`` would not do: XLA's CPU compiler
 expands it away before the runtime sees it.
 
-The identity: ``t`` is one element of the previous output, ``z = float(t != t) * 0.0`` is +0.0 for
-every value of ``t`` (NaN included) and XLA does not fold ``x * 0.0`` for floats; the next
-collective's smallest input ``x`` becomes ``x - z`` (floats: bitwise ``x``, -0.0 and NaN kept),
-``x + int(z)`` (integers) or ``x | bool(z)``. Cost: one pass over that input (usually a scalar, a
+The identity: ``t`` is one element of the previous output (an integer's bits read as a float: XLA
+folds ``i != i`` for integers, also through a lossless convert); ``w = t * 0.0`` is +-0.0 or NaN
+(XLA does not fold ``t * 0.0`` for floats), ``z = -0.0 if w != w else -|w|`` is -0.0 whatever
+``t`` is, and XLA cannot know it; the input ``x`` becomes ``x + int(z)`` (integers; a float
+``x`` on its bits, since float arithmetic on CPU flushes subnormals) or ``x | (z != 0)``: the
+same bits, NaN payloads and subnormals included. (An
+arithmetic XLA can see through -- ``float(t != t) * 0``, a full-size dynamic slice -- is folded
+away and orders nothing.) Cost: one pass over that input (usually a scalar, a
 layer's partition or a gradient XLA fuses it into); ``bench/collective_order.py`` measures the step.
 
 Where. Only programs compiled for CPU need it: a GPU runs one stream schedule per program, the same
@@ -37,6 +41,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.extend import core
 
 __all__ = ["in_one_order", "needed", "COLLECTIVES"]
@@ -75,19 +80,19 @@ def in_one_order(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 # -- the rewrite --------------------------------------------------------------------------------------
 def _chain(jaxpr: core.Jaxpr) -> core.Jaxpr:
-  """``jaxpr`` with each collective-bearing equation made to read the previous one's output."""
+  """``jaxpr`` with each collective-bearing equation made to wait for the previous one's output."""
   if not _has_collective(jaxpr):
     return jaxpr
-  eqns, token = [], None
+  eqns, tokens = [], []
   for eqn in jaxpr.eqns:
     if not _bears_collective(eqn):
       eqns.append(eqn)
       continue
     eqn = eqn.replace(params={k: _chain_param(v) for k, v in eqn.params.items()})
-    if token is not None:
-      eqn = _read_after(eqn, token, eqns)
+    if tokens:
+      eqn = _read_after(eqn, tokens, eqns)
     eqns.append(eqn)
-    token = _token_of(eqn) or token
+    tokens = _exit_tokens(eqn) or tokens
   return jaxpr.replace(eqns=eqns)
 
 
@@ -107,7 +112,132 @@ def _has_collective(jaxpr: core.Jaxpr) -> bool:
 
 def _bears_collective(eqn: core.JaxprEqn) -> bool:
   return (eqn.primitive.name in COLLECTIVES
-          or any(_has_collective(j) for j in core.jaxprs_in_params(eqn.params)))
+          or any(_has_collective(j) for j in list(core.jaxprs_in_params(eqn.params))))
+
+
+# -- which inputs a region's first collective waits for, which outputs its last one feeds ----------
+#
+# XLA inlines calls (jit, remat, custom derivatives, nested shard_map) into their caller, and may
+# inline a loop that runs once, so a dependency on *some* input of a region does not make the
+# collectives inside it wait. The chain therefore enters a region through an input its first
+# collective really reads (:func:`_entry_inputs`) and leaves it through the outputs its last
+# collective really feeds (:func:`_exit_tokens`). "Really" is a precise data-flow analysis
+# (:func:`_flow`), which never claims a dependency that is not there.
+
+
+def _bodies(eqn: core.JaxprEqn) -> list[tuple[core.Jaxpr, Callable[[int], int], int]]:
+  """(body, body input index -> equation input index, number of body outputs that are equation
+  outputs, in order) for each body that runs when ``eqn`` runs; [] for an unknown region."""
+  name, params = eqn.primitive.name, eqn.params
+  if name == "while":
+    n = params["cond_nconsts"]
+    return [(params["body_jaxpr"].jaxpr, lambda j, n=n: j + n, len(eqn.outvars))]
+  if name == "cond":
+    return [(b.jaxpr, lambda j: j + 1, len(eqn.outvars)) for b in params["branches"]]
+  out = []
+  for body in list(core.jaxprs_in_params(params)):
+    if len(body.invars) == len(eqn.invars) and len(body.outvars) == len(eqn.outvars):
+      out.append((body, lambda j: j, len(eqn.outvars)))
+  return out[:1]
+
+
+def _flow(jaxpr: core.Jaxpr, sources: dict) -> dict:
+  """{var: frozenset of source labels it depends on} through ``jaxpr`` from ``sources`` (var ->
+  frozenset of labels). Precise through regions; a plain primitive's outputs read all inputs."""
+  env = dict(sources)
+  get = lambda v: env.get(v, frozenset()) if isinstance(v, core.Var) else frozenset()
+  for eqn in jaxpr.eqns:
+    ins = [get(v) for v in eqn.invars]
+    for v, d in zip(eqn.outvars, _eqn_flow(eqn, ins)):
+      env[v] = d
+  return env
+
+
+def _eqn_flow(eqn: core.JaxprEqn, ins: list[frozenset]) -> list[frozenset]:
+  """What each output of ``eqn`` depends on, given what each input depends on."""
+  name = eqn.primitive.name
+  if name == "optimization_barrier":  # a tuple passed through: no output waits for another input
+    return list(ins)
+  if name not in ("scan", "while", "cond") and not _bodies(eqn):
+    # a primitive (scatter's or a reduction's jaxpr is not a region): every output reads every input
+    every = frozenset().union(*ins)
+    return [every] * len(eqn.outvars)
+  if name in ("scan", "while"):
+    if name == "scan":
+      body = eqn.params["jaxpr"].jaxpr
+      consts, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+      head, carry, tail = ins[:consts], ins[consts:consts + ncarry], ins[consts + ncarry:]
+    else:
+      body = eqn.params["body_jaxpr"].jaxpr
+      skip, consts = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+      ncarry = len(eqn.outvars)
+      head, carry, tail = ins[skip:skip + consts], ins[skip + consts:], []
+    while True:  # the carry after any number of iterations (a fixed point: sets only grow)
+      outs = _through(body, head + carry + tail)
+      grown = [c | o for c, o in zip(carry, outs[:ncarry])]
+      if grown == carry:
+        break
+      carry = grown
+    return carry + outs[ncarry:]
+  if name == "cond":  # whichever branch runs; and the branch waits for the predicate
+    per_branch = [_through(b.jaxpr, ins[1:]) for b in eqn.params["branches"]]
+    return [ins[0] | frozenset.intersection(*outs) for outs in zip(*per_branch)]
+  return _through(_bodies(eqn)[0][0], ins)
+
+
+def _through(body: core.Jaxpr, ins: list[frozenset]) -> list[frozenset]:
+  env = _flow(body, dict(zip(body.invars, ins)))
+  return [env.get(v, frozenset()) if isinstance(v, core.Var) else frozenset()
+          for v in body.outvars]
+
+
+def _entry_inputs(eqn: core.JaxprEqn) -> set[int]:
+  """Indices of inputs of a collective-bearing ``eqn`` such that delaying any one of them delays
+  its first collective."""
+  if eqn.primitive.name in COLLECTIVES:
+    return set(range(len(eqn.invars)))
+  found = None
+  for body, to_outer, _ in _bodies(eqn):
+    first = next((e for e in body.eqns if _bears_collective(e)), None)
+    if first is None:
+      continue
+    env = _flow(body, {v: frozenset([j]) for j, v in enumerate(body.invars)})
+    reads = set()
+    for i in _entry_inputs(first):
+      v = first.invars[i]
+      if isinstance(v, core.Var):
+        reads |= {to_outer(j) for j in env.get(v, ())}
+    found = reads if found is None else found & reads  # a cond: whichever branch runs
+  if eqn.primitive.name == "cond":
+    return (found or set()) | {0}  # every branch waits for the predicate
+  return found or set()
+
+
+def _exit_tokens(eqn: core.JaxprEqn) -> list[core.Var]:
+  """Outputs of a collective-bearing ``eqn`` that, read together, make the reader wait for its
+  last collective: the smallest of each of :func:`_exit_groups`."""
+  return [min(group, key=_size) for group in _exit_groups(eqn)]
+
+
+def _exit_groups(eqn: core.JaxprEqn) -> list[list[core.Var]]:
+  """Groups of outputs of a collective-bearing ``eqn``: reading any one output of every group
+  waits for its last collective (one group per branch of a cond that holds one)."""
+  outs = [(k, v) for k, v in enumerate(eqn.outvars) if _is_array_var(v)]
+  if eqn.primitive.name in COLLECTIVES:  # every output is there when it completes
+    return [[v for _, v in outs]] if outs else []
+  groups = []
+  for body, _, _ in _bodies(eqn):
+    last = next((e for e in reversed(body.eqns) if _bears_collective(e)), None)
+    if last is None:
+      continue
+    for inner in _exit_groups(last):
+      env = _flow(body, {v: frozenset([0]) for v in inner})
+      fed = [v for (k, v) in outs
+             if isinstance(body.outvars[k], core.Var) and env.get(body.outvars[k])]
+      groups.append(fed or [v for _, v in outs])  # none fed: read them all (best effort)
+  if not groups and outs:
+    groups.append([v for _, v in outs])
+  return groups
 
 
 def _is_array_var(v: Any) -> bool:
@@ -123,44 +253,18 @@ def _size(v: core.Var) -> tuple[int, int]:
   return (0 if jnp.issubdtype(v.aval.dtype, jnp.floating) else 1, v.aval.size)
 
 
-def _token_of(eqn: core.JaxprEqn) -> core.Var | None:
-  """The output of a collective-bearing equation that the next one will read: the smallest,
-  preferring outputs computed inside its region over ones its body only passes through."""
-  outs = [v for v in eqn.outvars if _is_array_var(v)]
-  forwarded = _forwarded_outputs(eqn)
-  computed = [v for v in outs if v not in forwarded]
-  pool = computed or outs
-  return min(pool, key=_size) if pool else None
-
-
-def _forwarded_outputs(eqn: core.JaxprEqn) -> set:
-  """Outputs of a region that its body returns unchanged from an input (a loop's untouched carry):
-  XLA may hoist those out of the region, so they would not wait for it."""
-  bodies = core.jaxprs_in_params(eqn.params)
-  if eqn.primitive.name == "while":
-    bodies = [eqn.params["body_jaxpr"].jaxpr]
-  forwarded = set()
-  for body in bodies:
-    if len(body.outvars) != len(eqn.outvars):
-      continue
-    inputs = set(v for v in body.invars if isinstance(v, core.Var))
-    forwarded |= {out for out, inner in zip(eqn.outvars, body.outvars)
-                  if not isinstance(inner, core.Var) or inner in inputs
-                  or inner in set(body.constvars)}
-  return forwarded
-
-
-def _read_after(eqn: core.JaxprEqn, token: core.Var, eqns: list) -> core.JaxprEqn:
-  """``eqn`` with its smallest array input replaced by an identity of it that reads ``token``
-  (its equations appended to ``eqns``)."""
-  candidates = [(i, v) for i, v in enumerate(eqn.invars) if _is_array_var(v)]
+def _read_after(eqn: core.JaxprEqn, tokens: list[core.Var], eqns: list) -> core.JaxprEqn:
+  """``eqn`` with one input its first collective waits for replaced by an identity of it that reads
+  ``tokens`` (the identity's equations appended to ``eqns``)."""
+  entry = _entry_inputs(eqn)
+  candidates = [(i, v) for i, v in enumerate(eqn.invars) if i in entry and _is_array_var(v)]
   if not candidates:
     return eqn
   strong = [c for c in candidates if not c[1].aval.weak_type] or candidates
   index, x = min(strong, key=lambda c: _size(c[1]))
-  template = jax.make_jaxpr(_identity_after)(x.aval, token.aval).jaxpr
+  template = jax.make_jaxpr(_identity_after)(x.aval, *(t.aval for t in tokens)).jaxpr
   assert not template.constvars, template
-  rename = {template.invars[0]: x, template.invars[1]: token}
+  rename = dict(zip(template.invars, [x, *tokens]))
   for e in template.eqns:
     eqns.append(e.replace(invars=[rename.get(v, v) if isinstance(v, core.Var) else v
                                   for v in e.invars]))
@@ -169,14 +273,18 @@ def _read_after(eqn: core.JaxprEqn, token: core.Var, eqns: list) -> core.JaxprEq
   return eqn.replace(invars=invars)
 
 
-def _identity_after(x: jax.Array, token: jax.Array) -> jax.Array:
-  """``x``, bit for bit, computed from one element of ``token`` as well (module docstring)."""
-  t = token.reshape(-1)[0] if token.ndim else token
-  if not jnp.issubdtype(t.dtype, jnp.floating):
-    t = t.astype(jnp.float32)
-  zero = (t != t).astype(jnp.float32) * 0.0
-  if jnp.issubdtype(x.dtype, jnp.floating):
-    return x - zero.astype(x.dtype)
+def _identity_after(x: jax.Array, *tokens: jax.Array) -> jax.Array:
+  """``x``, bit for bit, computed from one element of each token as well (module docstring)."""
+  zero = jnp.asarray(-0.0, jnp.float32)
+  for token in tokens:
+    t = token.reshape(-1)[0] if token.ndim else token
+    if not jnp.issubdtype(t.dtype, jnp.floating):  # its bits as a float: XLA folds int == int
+      t = lax.bitcast_convert_type(t.astype(jnp.uint32), jnp.float32)
+    w = t.astype(jnp.float32) * 0.0  # +-0.0, or NaN
+    zero = zero + jnp.where(w != w, -0.0, -jnp.abs(w))  # -0.0
+  if jnp.issubdtype(x.dtype, jnp.floating):  # on its bits: float arithmetic flushes subnormals
+    bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(x, bits) + zero.astype(bits), x.dtype)
   if x.dtype == jnp.bool_:
-    return x | zero.astype(jnp.bool_)
+    return x | (zero != 0)
   return x + zero.astype(x.dtype)

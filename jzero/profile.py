@@ -249,9 +249,17 @@ def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str]]:
   found = []
   for comp, insts in comps.items():
     ancestors: dict[str, set[str]] = {}
+    elements: dict[str, list[str]] = {}  # a tuple's (or a barrier's) elements, by position
     previous = None
     for name, _, op, rest in insts:
       reads = [o for o in _operands(rest) if o in ancestors]
+      if op == "tuple":
+        elements[name] = reads
+      elif op == "opt-barrier" and reads and reads[0] in elements:
+        elements[name] = elements[reads[0]]  # passes its tuple through, element by element
+      index = re.search(r"index=(\d+)", rest)
+      if op == "get-tuple-element" and reads and reads[0] in elements and index:
+        reads = elements[reads[0]][int(index.group(1)):][:1]
       ancestors[name] = set(reads).union(*(ancestors[o] for o in reads))
       if op.endswith("-done"):
         continue

@@ -76,11 +76,18 @@ def loss_of_params(factory, loss_fn=lm_loss):
   return loss
 
 
-def reference_run(cfg: GPTConfig, params: dict, data: list[dict], loss_fn=lm_loss):
+def reference_run(cfg: GPTConfig, params: dict, data: list[dict], loss_fn=lm_loss, *,
+                  float64: bool = False):
   """The plain single-device optax loop: same model, same data, whole batch on one device.
 
-  Independent of jzero's optimizer code: optax's own clip_by_global_norm and adamw.
+  Independent of jzero's optimizer code: optax's own clip_by_global_norm and adamw. ``float64``:
+  the same loop in double precision (params, activations, optimizer state), the stand-in for the
+  exact result against which float32 runs' rounding errors are measured.
   """
+  if float64:
+    with jax.enable_x64(True):
+      return reference_run(cfg, jax.tree.map(lambda x: np.asarray(x, np.float64), params), data,
+                           loss_fn)
   device = jax.devices()[0]
   params = jax.device_put(jax.tree.map(np.asarray, params), device)
   loss = loss_of_params(gpt_factory(cfg), loss_fn)

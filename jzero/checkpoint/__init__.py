@@ -20,15 +20,15 @@ and Orbax's OCDBT / zarr array store, whose metadata is JSON too (no pickle anyw
 
 from jzero.checkpoint.describe import describe
 from jzero.checkpoint.layout import (CHECKSUM, FILES_FILE, LATEST_FILE, META_FILE, WEIGHTS16,
-                                     all_tags,
-                                     latest_step, latest_tag, read_metadata)
+                                     all_tags, incomplete_tags, is_complete, latest_step,
+                                     latest_tag, read_metadata, resume_tag)
 from jzero.checkpoint.restore import load_checkpoint
 from jzero.checkpoint.save import Checkpointer, save_checkpoint, wait_until_finished
 from jzero.checkpoint.weights import ConsolidateReport, consolidate, load_weights, read_weights
 
 __all__ = [
     "Checkpointer", "save_checkpoint", "load_checkpoint", "wait_until_finished", "latest_tag",
-    "latest_step", "all_tags", "read_metadata", "consolidate", "ConsolidateReport",
+    "latest_step", "resume_tag", "all_tags", "incomplete_tags", "is_complete", "read_metadata", "consolidate", "ConsolidateReport",
     "load_weights", "read_weights", "describe", "CHECKSUM", "FILES_FILE", "LATEST_FILE",
     "META_FILE", "WEIGHTS16",
 ]

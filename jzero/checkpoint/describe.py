@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
+
 import numpy as np
 
 from jzero.checkpoint import layout
@@ -24,16 +26,26 @@ def describe(directory: str | os.PathLike, tag: str | int | None = None) -> str:
   (shape, dtype, bytes) and totals -- ``jzero inspect``. Every file is checked against its recorded
   size and checksum first (a damaged checkpoint is a CheckpointError naming the file); no array is
   read."""
+  root = Path(directory).absolute()
+  if tag is not None and not layout._is_checkpoint(root) and (root / str(tag)).is_dir() \
+      and not layout.is_complete(root / str(tag)):
+    return (f"checkpoint {root / str(tag)}: INCOMPLETE -- its save was cut off after Orbax's "
+            f"commit and before jzero recorded its files ({layout.FILES_FILE}); it is never "
+            f"restored, and the next save under this tag replaces it. Complete checkpoints in "
+            f"{root}: {layout.all_tags(root)}.")
   step_dir, meta = layout.open_checkpoint(directory, tag)
   root = step_dir.parent
   versions, mesh, config = meta["versions"], meta["mesh"], meta["config"]
   master = "fp32 master" if meta["has_master"] else "no separate master (fp32 params)"
   scheduler = (config.get("scheduler") or {}).get("type", "constant lr")
   latest = layout.latest_tag(root)
+  skipped = layout.incomplete_tags(root)
+  incomplete = f"; INCOMPLETE, never restored: {skipped}" if skipped else ""
   lines = [
       f"checkpoint {step_dir}",
-      f"  tag {step_dir.name!r}, step {meta['step']} (finalized checkpoints in {root}: "
-      f"{layout.all_tags(root)}; latest: {'none' if latest is None else repr(latest)})",
+      f"  tag {step_dir.name!r}, step {meta['step']} (complete checkpoints in {root}: "
+      f"{layout.all_tags(root)}; latest: {'none' if latest is None else repr(latest)}"
+      f"{incomplete})",
       f"  data position: step {meta['data_position']['step']}",
       f"  ZeRO stage {meta['stage']}, precision {meta['precision']} (compute "
       f"{meta['compute_dtype']}, {master})",

@@ -3,13 +3,28 @@
 Everything here is host work on files; nothing touches a device. The layout::
 
   DIR/
-    latest                      text: the tag of the newest finalized checkpoint, e.g. "20"
+    latest                      text: the tag of the newest complete checkpoint, e.g. "20"
     20/                         one checkpoint; its tag (default: the step) names the directory
       state/                    Orbax PyTree (OCDBT + zarr3): the TrainState as nested dicts
       meta/jzero.json           the JSON description (see jzero.checkpoint.save)
       weights16/                with gather_16bit_weights_on_model_save: params-only Orbax PyTree
       jzero_files.json          written after the commit: every file's size and checksum
       _CHECKPOINT_METADATA ...  Orbax's own
+
+**Complete or not there.** A checkpoint is *complete* when Orbax has committed it (renamed its
+temporary directory to ``DIR/<tag>``) and jzero has recorded its file list (``jzero_files.json``,
+written atomically after the commit); :func:`is_complete` is that test, and every reader and
+writer goes by it. A save killed at any moment leaves either nothing under the tag's name (a
+temporary directory, removed by the next :class:`~jzero.checkpoint.Checkpointer`), or an
+*incomplete* ``DIR/<tag>`` (killed between the commit and the file list), or a complete checkpoint
+that ``latest`` does not name yet (killed before ``latest`` moved). Readers resolve "the latest"
+with :func:`resume_tag`: the newest complete checkpoint among the one ``latest`` names and those
+saved to become it (``save_latest``, recorded in the JSON) -- so the last two cases resume where
+the save meant to -- warning about each incomplete directory they pass over. Asked for an
+incomplete tag explicitly, they refuse it naming the complete ones. The next save at an incomplete
+tag replaces it (renamed away, deleted, then Orbax writes the new one through its own temporary
+directory); a complete checkpoint is never overwritten. With several processes only the primary
+writes, renames or deletes.
 
 **Integrity.** After Orbax commits a checkpoint, jzero reads every file of it back once and
 records its size and an XXH3-128 checksum in ``jzero_files.json`` (written atomically), and only
@@ -122,8 +137,14 @@ def _is_checkpoint(path: Path) -> bool:
   return (path / "meta" / META_FILE).is_file()
 
 
+def is_complete(path: Path) -> bool:
+  """Committed by Orbax and recorded by jzero (module docstring): the one test of completeness."""
+  return path.is_dir() and (path / FILES_FILE).is_file() and _is_checkpoint(path)
+
+
 def latest_tag(directory: str | os.PathLike) -> str | None:
-  """The tag named by ``DIR/latest`` (the newest finalized save), or None if there is none."""
+  """The tag ``DIR/latest`` holds, or None if there is no such file. (What to restore when no tag
+  is given is :func:`resume_tag`.)"""
   path = Path(directory).absolute() / LATEST_FILE
   if not path.is_file():
     return None
@@ -137,28 +158,64 @@ def latest_tag(directory: str | os.PathLike) -> str | None:
 
 
 def all_tags(directory: str | os.PathLike) -> list[str]:
-  """Tags of the finalized checkpoints in ``directory`` (committed by Orbax and recorded by
+  """Tags of the complete checkpoints in ``directory`` (committed by Orbax and recorded by
   jzero), oldest first: by the step they hold, then by name."""
   root = Path(directory).absolute()
   if not root.is_dir():
     return []
-  found = []
-  for path in root.iterdir():
-    if path.is_dir() and (path / FILES_FILE).is_file() and _is_checkpoint(path):
-      found.append((_recorded_step(path), path.name))
+  found = [(_recorded(path, "step", -1), path.name) for path in root.iterdir() if is_complete(path)]
   return [name for _, name in sorted(found, key=lambda x: (x[0], len(x[1]), x[1]))]
 
 
-def _recorded_step(path: Path) -> int:
+def incomplete_tags(directory: str | os.PathLike) -> list[str]:
+  """Tags whose directory exists but holds no complete checkpoint (a save killed after Orbax's
+  commit and before jzero's file list), by name."""
+  root = Path(directory).absolute()
+  if not root.is_dir():
+    return []
+  return sorted(p.name for p in root.iterdir()
+                if p.is_dir() and not is_complete(p) and _looks_like_tag(p.name)
+                and (_is_checkpoint(p) or (p / "state").is_dir() or (p / "meta").is_dir()))
+
+
+def _looks_like_tag(name: str) -> bool:
   try:
-    return int(json.loads((path / "meta" / META_FILE).read_text())["step"])
+    return check_tag(name) == name
+  except CheckpointError:
+    return False
+
+
+def _recorded(path: Path, key: str, default: Any) -> Any:
+  """One entry of a checkpoint's JSON (``default`` where it cannot be read)."""
+  try:
+    value = json.loads((path / "meta" / META_FILE).read_text())[key]
   except (OSError, ValueError, KeyError, TypeError):
-    return -1
+    return default
+  return int(value) if key == "step" else value
+
+
+def resume_tag(directory: str | os.PathLike) -> str | None:
+  """The checkpoint to restore when no tag is given: the newest complete one among the one
+  ``latest`` names and those saved to become ``latest`` (a save killed before it moved
+  ``latest``); None if there is none. Warns about every incomplete directory passed over."""
+  root = Path(directory).absolute()
+  named = latest_tag(root)
+  incomplete = incomplete_tags(root)
+  if incomplete:
+    warnings.warn(f"{root}: skipping incomplete checkpoint(s) {incomplete} (their save was cut "
+                  f"off after Orbax's commit, before jzero recorded the files); the next save "
+                  f"under such a tag replaces it.", JZeroWarning, stacklevel=3)
+  candidates = [t for t in all_tags(root)
+                if t == named or _recorded(root / t, "save_latest", False) is True]
+  if named is not None and named not in candidates and (root / named).exists():
+    warnings.warn(f"{root / LATEST_FILE} names {named!r}, which is not a complete checkpoint; "
+                  f"restoring the newest complete one instead.", JZeroWarning, stacklevel=3)
+  return candidates[-1] if candidates else None
 
 
 def latest_step(directory: str | os.PathLike) -> int | None:
-  """The optimizer step held by the ``latest`` checkpoint of ``directory``, or None."""
-  tag = latest_tag(directory)
+  """The optimizer step held by the checkpoint :func:`resume_tag` chooses, or None."""
+  tag = resume_tag(directory)
   return None if tag is None else int(read_metadata(directory, tag)["step"])
 
 
@@ -173,23 +230,28 @@ def checkpoint_dir(directory: str | os.PathLike, tag: str | int | None = None) -
       raise CheckpointError(f"{root} is the checkpoint {root.name!r}, not {str(tag)!r}.")
     return root
   if tag is None:
-    tag = latest_tag(root)
+    tag = resume_tag(root)
     if tag is None:
-      tags = all_tags(root)
-      hint = (f"finalized checkpoints present: {tags}; pass one explicitly" if tags else
-              "it holds no finalized checkpoint")
+      named, tags = latest_tag(root), all_tags(root)
+      if named is not None:
+        raise CheckpointError(f"{root / LATEST_FILE} names {named!r}, but {root / named} is not a "
+                              f"complete checkpoint (complete checkpoints present: {tags}).")
+      hint = (f"complete checkpoints present: {tags}; pass one explicitly" if tags else
+              "it holds no complete checkpoint")
       raise CheckpointError(f"{root} has no '{LATEST_FILE}' file ({hint}).")
-    if not (root / tag).is_dir():
-      raise CheckpointError(f"{root / LATEST_FILE} names {tag!r}, but {root / tag} does not exist "
-                            f"(finalized checkpoints present: {all_tags(root)}).")
     return root / tag
   tag = check_tag(tag)
   path = root / tag
   if not path.is_dir():
     unfinished = sorted(p.name for p in root.glob(f"{tag}{ORBAX_TMP}*"))
     why = " (its save never finished)" if unfinished else ""
-    raise CheckpointError(f"{root} has no checkpoint {tag!r}{why}; finalized checkpoints: "
+    raise CheckpointError(f"{root} has no checkpoint {tag!r}{why}; complete checkpoints: "
                           f"{all_tags(root)}.")
+  if not is_complete(path):
+    raise CheckpointError(f"{path} is an incomplete checkpoint: its save was cut off after "
+                          f"Orbax's commit and before jzero recorded its files ({FILES_FILE}), so "
+                          f"it cannot be trusted. Restore a complete one ({all_tags(root)}); the "
+                          f"next save under {tag!r} replaces it.")
   return path
 
 
@@ -240,14 +302,13 @@ def recorded_files(step_dir: Path) -> dict[str, int]:
 
 def verify_files(step_dir: Path) -> None:
   """Every file the save wrote exists with its size and checksum; else raises naming the first
-  that does not (and the finalized checkpoints to fall back to)."""
+  that does not (and the complete checkpoints to fall back to)."""
   listing = step_dir / FILES_FILE
   others = lambda: [t for t in all_tags(step_dir.parent) if t != step_dir.name]
   if not listing.is_file():
-    warnings.warn(f"{step_dir} has no {FILES_FILE}: its save was interrupted after Orbax committed "
-                  f"it and before jzero recorded it, so its files cannot be checked before "
-                  f"reading.", JZeroWarning, stacklevel=3)
-    return
+    raise CheckpointError(f"{step_dir} is an incomplete checkpoint: it has no {FILES_FILE} (its "
+                          f"save was cut off after Orbax's commit), so its files cannot be "
+                          f"checked. Restore a complete one ({others()}).")
   try:
     files = json.loads(listing.read_text())["files"]
     files = {rel: entry if isinstance(entry, dict) else {"size": entry}  # format 1: sizes only
@@ -256,23 +317,23 @@ def verify_files(step_dir: Path) -> None:
       raise TypeError("a size is not an integer")
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise CheckpointError(f"{listing} is not a valid file list ({e}); the checkpoint was modified "
-                          f"after it was written. Restore another checkpoint (finalized: "
+                          f"after it was written. Restore another checkpoint (complete: "
                           f"{others()}).") from None
   for rel, entry in files.items():
     path = step_dir / rel
     if not path.is_file():
       raise CheckpointError(f"checkpoint {step_dir} is incomplete: file {rel} is missing. The "
                             f"checkpoint was damaged after it was written; restore another one "
-                            f"(finalized: {others()}).")
+                            f"(complete: {others()}).")
     if path.stat().st_size != entry["size"]:
       raise CheckpointError(f"checkpoint {step_dir} is corrupt: file {rel} has "
                             f"{path.stat().st_size} bytes but {entry['size']} were written "
-                            f"(truncated or overwritten). Restore another checkpoint (finalized: "
+                            f"(truncated or overwritten). Restore another checkpoint (complete: "
                             f"{others()}).")
     if CHECKSUM in entry and _checksum(path) != entry[CHECKSUM]:
       raise CheckpointError(f"checkpoint {step_dir} is corrupt: file {rel} does not match the "
                             f"checksum recorded when it was written (its bytes changed: bit rot, a "
-                            f"bad copy, or an edit). Restore another checkpoint (finalized: "
+                            f"bad copy, or an edit). Restore another checkpoint (complete: "
                             f"{others()}).")
 
 

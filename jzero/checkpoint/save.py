@@ -29,6 +29,7 @@ from __future__ import annotations
 import shutil
 import sys
 import threading
+import warnings
 import json
 import os
 from pathlib import Path
@@ -43,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jzero.checkpoint import layout
 from jzero.checkpoint.layout import (DELETING, FORMAT, FORMAT_VERSION, LATEST_FILE, META_FILE,
                                      ORBAX_TMP, WEIGHTS16)
-from jzero.errors import CheckpointError
+from jzero.errors import CheckpointError, JZeroWarning
 from jzero.plan import LeafPlan, Plan, flatten_paths
 
 __all__ = ["Checkpointer", "save_checkpoint", "wait_until_finished", "weights_json"]
@@ -73,7 +74,7 @@ def _versions() -> dict:
 
 
 def _metadata(engine: Any, state: Any, tag: str, arrays: dict[str, jax.Array],
-              weights16: np.dtype | None, client_state: dict | None) -> dict:
+              weights16: np.dtype | None, client_state: dict | None, save_latest: bool) -> dict:
   plan = engine.plan
   leaves = layout.array_leaves(engine, state)
   return {
@@ -96,6 +97,7 @@ def _metadata(engine: Any, state: Any, tag: str, arrays: dict[str, jax.Array],
                  for name, x in arrays.items()},
       "weights16": None if weights16 is None else {"dtype": str(weights16), "item": WEIGHTS16},
       "client_state": client_state or {},
+      "save_latest": save_latest,  # meant to become `latest` (layout.resume_tag)
   }
 
 
@@ -178,9 +180,7 @@ class Checkpointer:
     tag = layout.check_tag(int(state.step) if tag is None else tag)
     if self._primary:
       self.directory.mkdir(parents=True, exist_ok=True)
-    if (self.directory / tag).exists():
-      raise CheckpointError(f"{self.directory / tag} already exists; checkpoints are never "
-                            f"overwritten. Save under another tag or remove it first.")
+    self._clear_slot(tag)
     try:
       json.dumps(client_state)
     except (TypeError, ValueError) as e:
@@ -192,7 +192,7 @@ class Checkpointer:
     dtype16 = _weights16_dtype(engine)
     items = {"state": ocp.args.PyTreeSave(layout.nest(arrays)),
              "meta": ocp.args.JsonSave(_metadata(engine, state, tag, arrays, dtype16,
-                                                 client_state))}
+                                                 client_state, save_latest))}
     if dtype16 is not None:
       weights = self._weights16(engine, state, dtype16)
       items[WEIGHTS16] = ocp.args.PyTreeSave(
@@ -204,6 +204,23 @@ class Checkpointer:
                                        name=f"jzero-checkpoint-{tag}")
     self._finalizer.start()
     return tag
+
+  def _clear_slot(self, tag: str) -> None:
+    """Refuses a tag that names a complete checkpoint; removes an incomplete one (renamed away
+    first, so a removal cut short never looks like a checkpoint). Only the primary removes; every
+    process then waits for it."""
+    path = self.directory / tag
+    if layout.is_complete(path):
+      raise CheckpointError(f"{path} already exists; checkpoints are never overwritten. Save under "
+                            f"another tag or remove it first.")
+    if self._primary and path.exists():
+      warnings.warn(f"{path} is an incomplete checkpoint (a save cut off before jzero recorded its "
+                    f"files); replacing it.", JZeroWarning, stacklevel=3)
+      doomed = self.directory / (tag + DELETING)
+      os.rename(path, doomed)
+      shutil.rmtree(doomed)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"jzero-checkpoint-slot-{tag}")
 
   def _weights16(self, engine: Any, state: Any, dtype: np.dtype) -> dict[str, jax.Array]:
     """The logical weights in ``dtype``, each split over the devices (see _spread_sharding)."""

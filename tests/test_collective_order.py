@@ -1,0 +1,150 @@
+"""One order of collectives on every process (jzero.collective_order).
+
+Statically: in the compiled step of every stage, ZeRO++, the offload tiers, fp16's skip branch and
+accumulation 1 and 2, each computation's collective-bearing instructions (collectives, and loops /
+branches holding them) form one chain of data dependencies, so XLA's CPU runtime cannot run two at
+once -- and without the chain they do not (the check can fail). End to end: 2 processes x 1 device
+and 2 x 4 over gloo, stages 0-3 with no clipping and 2 accumulation steps, each trained twice.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jzero
+from collective_order_worker import BATCH, RUNS, STAGES, STEPS, model_config
+from jzero import collective_order
+from jzero.mesh import MeshSpec
+from jzero.models import lm_loss
+from jzero.plan import flatten_paths
+from jzero.profile import collectives, unordered_collectives
+from zero_testing import SMALL, batches, ds_config, engine_run, free_port, gpt_factory
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("collective_order_worker.py")
+NODE2X4 = str(ROOT / "configs" / "mesh" / "node2x4.yaml")
+
+
+def _no_clip(config: dict) -> dict:
+  return {**config, "gradient_clipping": 0.0}
+
+
+SETTINGS = {
+    **{f"stage{s}-gas{g}": (lambda s=s, g=g: _no_clip(ds_config(s, gas=g)), None)
+       for s in (0, 1, 2, 3) for g in (1, 2)},
+    "zeropp-all": (lambda: _no_clip(ds_config(
+        3, stage3_param_persistence_threshold=0, zero_quantized_weights=True,
+        zero_hpz_partition_size=4, zero_quantized_gradients=True)), NODE2X4),
+    "offload-optimizer": (lambda: _no_clip(ds_config(2, offload_optimizer={"device": "cpu"})), None),
+    "offload-param": (lambda: _no_clip(ds_config(3, offload_param={"device": "cpu"},
+                                                 offload_optimizer={"device": "cpu"})), None),
+    "delayed-update": (lambda: _no_clip(ds_config(2, offload_optimizer={
+        "device": "cpu", "delayed_update": True})), None),
+    "fp16-clip": (lambda: {**ds_config(3, gas=2), "fp16": {"enabled": True}}, None),
+}
+
+
+def _compiled_step(config: dict, mesh) -> str:
+  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, config, mesh=mesh)
+  state = engine.init(jax.random.key(0))
+  batch = engine.shard_batch(batches(SMALL.seq_len, engine.global_batch_size, 1)[0])
+  return engine._build_step(batch).lower(state, batch).compile().as_text()
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_every_collective_waits_for_the_previous_one(setting):
+  make, mesh = SETTINGS[setting]
+  hlo = _compiled_step(make(), mesh)
+  assert len(collectives(hlo)) >= 2
+  assert unordered_collectives(hlo) == []
+
+
+def test_the_nvme_tier_step_is_chained(tmp_path):
+  config = _no_clip(ds_config(2, offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path)}))
+  assert unordered_collectives(_compiled_step(config, None)) == []
+
+
+@pytest.mark.parametrize("setting", ["stage1-gas2", "stage3-gas2"])
+def test_without_the_chain_the_runtime_may_reorder_them(setting, monkeypatch):
+  """The check can fail: the same steps compiled without the chain have unordered collectives."""
+  monkeypatch.setattr(collective_order, "needed", lambda platform: False)
+  make, mesh = SETTINGS[setting]
+  assert len(unordered_collectives(_compiled_step(make(), mesh))) >= 10
+
+
+def test_the_chain_changes_no_bit():
+  """The identity the chain inserts keeps every value, -0.0 and NaN included."""
+  x = np.array([0.0, -0.0, np.nan, np.inf, -3.5, 1e-45], np.float32)
+  for token in (np.array([np.nan], np.float32), np.array([7], np.int32), np.array(-0.0, np.float32)):
+    out = np.asarray(jax.jit(collective_order._identity_after)(x, token))
+    assert out.tobytes() == x.tobytes()
+  ints = np.array([-(2 ** 31), 5, 2 ** 31 - 1], np.int32)
+  assert np.array_equal(jax.jit(collective_order._identity_after)(ints, x[:1]), ints)
+
+
+# --- several processes ---------------------------------------------------------------------------
+
+
+def _launch(tmp_path_factory, processes: int, devices: int) -> Path:
+  out = tmp_path_factory.mktemp(f"order{processes}x{devices}")
+  port = free_port()
+  procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(processes), str(port),
+                             str(devices), str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(processes)]
+  logs = [p.communicate(timeout=600)[0] for p in procs]
+  for i, (p, log) in enumerate(zip(procs, logs)):
+    assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{log[-3000:]}"
+  return out
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (2, 4)], ids=["2x1", "2x4"])
+def job(request, tmp_path_factory) -> tuple[int, Path]:
+  processes, devices = request.param
+  return processes * devices, _launch(tmp_path_factory, processes, devices)
+
+
+def _run(out: Path, stage: int, run: int) -> dict[str, np.ndarray]:
+  with np.load(out / f"stage{stage}_run{run}.npz") as f:
+    return {k: f[k] for k in f.files}
+
+
+def _one_process(stage: int, devices: int) -> dict[str, np.ndarray]:
+  cfg = model_config()
+  config = _no_clip(ds_config(stage, micro=BATCH // devices // 2, gas=2))
+  engine = jzero.initialize(gpt_factory(cfg), lm_loss, config,
+                            mesh=MeshSpec.default().build(jax.devices()[:devices]))
+  _, params, losses = engine_run(engine, batches(cfg.seq_len, BATCH, STEPS))
+  return {"losses": np.array(losses), **flatten_paths(params)}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_processes_repeat_bit_for_bit_and_match_one_process(job, stage):
+  """No abort (the job fixture), the same bits in every run, and the one-process result.
+
+  2 x 1 against one process with 2 devices: bit for bit (a sum of two floats has one rounding,
+  whatever the order). 2 x 4 against one process with 8 devices: gloo and XLA's in-process
+  all-reduce add the 8 contributions in different orders, one reordering of an 8-term float32 sum
+  is at most 7 roundings (7 x 2^-24 = 4.2e-7 relative); losses and parameters stay within 1e-6,
+  about twice that (measured 1.1e-7)."""
+  devices, out = job
+  runs = [_run(out, stage, r) for r in range(RUNS)]
+  for other in runs[1:]:
+    assert runs[0].keys() == other.keys()
+    for name in runs[0]:
+      assert runs[0][name].tobytes() == other[name].tobytes(), name
+  single = _one_process(stage, devices)
+  assert runs[0].keys() == single.keys() and len(single["losses"]) == STEPS
+  for name, value in single.items():
+    if devices == 2:
+      assert runs[0][name].tobytes() == value.tobytes(), name
+    else:
+      scale = max(float(np.linalg.norm(value)), 1e-30)
+      assert float(np.linalg.norm(runs[0][name] - value)) / scale <= 1e-6, name
