@@ -9,7 +9,6 @@ and 2 x 4 over gloo, stages 0-3 with no clipping and 2 accumulation steps, each 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,8 @@ from jzero.mesh import MeshSpec
 from jzero.models import lm_loss
 from jzero.plan import flatten_paths
 from jzero.profile import collectives, unordered_collectives
-from zero_testing import SMALL, batches, ds_config, engine_run, free_port, gpt_factory
+from zero_testing import (SMALL, batches, ds_config, engine_run, free_port, gpt_factory,
+                          subprocess_env)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("collective_order_worker.py")
@@ -97,7 +97,8 @@ def _launch(tmp_path_factory, processes: int, devices: int) -> Path:
   port = free_port()
   procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(processes), str(port),
                              str(devices), str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=subprocess_env())
            for i in range(processes)]
   logs = [p.communicate(timeout=600)[0] for p in procs]
   for i, (p, log) in enumerate(zip(procs, logs)):
@@ -129,11 +130,12 @@ def _one_process(stage: int, devices: int) -> dict[str, np.ndarray]:
 def test_processes_repeat_bit_for_bit_and_match_one_process(job, stage):
   """No abort (the job fixture), the same bits in every run, and the one-process result.
 
-  2 x 1 against one process with 2 devices: bit for bit (a sum of two floats has one rounding,
-  whatever the order). 2 x 4 against one process with 8 devices: gloo and XLA's in-process
-  all-reduce add the 8 contributions in different orders, one reordering of an 8-term float32 sum
-  is at most 7 roundings (7 x 2^-24 = 4.2e-7 relative); losses and parameters stay within 1e-6,
-  about twice that (measured 1.1e-7)."""
+  The one-process run (this process, on as many of its devices) computes the same program; its
+  sums differ in order only: gloo and XLA's in-process all-reduce add the devices' contributions
+  in different orders, and XLA's CPU matmuls split their reductions by the threads a process
+  gives each device. One reordering of an n-term float32 sum is at most n - 1 roundings (7 x 2^-24
+  = 4.2e-7 relative for 8 terms); losses and parameters must stay within 1e-6, about twice that
+  (measured: 2 x 1 bit for bit in separate processes, 2 x 4 1.1e-7)."""
   devices, out = job
   runs = [_run(out, stage, r) for r in range(RUNS)]
   for other in runs[1:]:
@@ -142,9 +144,9 @@ def test_processes_repeat_bit_for_bit_and_match_one_process(job, stage):
       assert runs[0][name].tobytes() == other[name].tobytes(), name
   single = _one_process(stage, devices)
   assert runs[0].keys() == single.keys() and len(single["losses"]) == STEPS
-  for name, value in single.items():
-    if devices == 2:
-      assert runs[0][name].tobytes() == value.tobytes(), name
-    else:
-      scale = max(float(np.linalg.norm(value)), 1e-30)
-      assert float(np.linalg.norm(runs[0][name] - value)) / scale <= 1e-6, name
+  diffs = {name: float(np.linalg.norm(runs[0][name] - value)) / max(float(np.linalg.norm(value)),
+                                                                     1e-30)
+           for name, value in single.items()}
+  print(f"BOUND order {devices} devices stage {stage} vs one process: measured "
+        f"{max(diffs.values()):.3g} <= bound 1e-06")
+  assert max(diffs.values()) <= 1e-6, diffs

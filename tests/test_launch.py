@@ -28,7 +28,7 @@ import jzero
 from jzero import cli, launch
 from jzero.errors import JZeroError
 from launch_worker import Tiny, loss_fn
-from zero_testing import free_port
+from zero_testing import free_port, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("launch_worker.py")
@@ -42,7 +42,7 @@ STEPS = 30
 
 
 def _env(**extra: str) -> dict[str, str]:
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JZERO_")}
+  env = {k: v for k, v in subprocess_env().items() if not k.startswith("JZERO_")}
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
   env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **extra)
   return env

@@ -23,7 +23,7 @@ from jzero.models import lm_loss
 from jzero.plan import flatten_paths
 from multiprocess_worker import BATCH, STAGE3, STEPS
 from zero_testing import (SMALL, batches, ds_config, engine_run, free_port, gpt_factory,
-                          max_relative_diff)
+                          max_relative_diff, subprocess_env)
 
 PROCESSES, DEVICES_PER_PROCESS = 2, 4
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
@@ -33,7 +33,7 @@ WORKER = Path(__file__).with_name("multiprocess_worker.py")
 def job(tmp_path_factory) -> Path:
   out = tmp_path_factory.mktemp("multiprocess")
   port = free_port()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = subprocess_env()
   procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(PROCESSES), str(port),
                              str(DEVICES_PER_PROCESS), str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

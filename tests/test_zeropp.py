@@ -25,7 +25,7 @@ from jzero.models import GPTConfig, lm_loss
 from jzero.plan import flatten_paths
 from jzero.profile import comm_volume
 from zero_testing import (SMALL, batches, ds_config, engine_run, free_port, gpt_factory,
-                          max_relative_diff)
+                          max_relative_diff, subprocess_env)
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE2X4 = str(ROOT / "configs" / "mesh" / "node2x4.yaml")
@@ -245,11 +245,18 @@ def test_three_nodes_of_two():
 
 def test_two_processes_match_one_process(tmp_path):
   """2 processes x 4 CPU devices over gloo, node = process (the default mesh laid out as
-  node 2 x local 4): ZeRO++ all on gives the single-process losses."""
-  from multiprocess_worker import BATCH as MP_BATCH, STEPS as MP_STEPS, ZEROPP
+  node 2 x local 4): ZeRO++ all on gives the single-process run.
+
+  Not bit for bit: the processes sum in another order (gloo), and a value that lands on the other
+  side of an int8 / int4 rounding boundary moves by a whole quantization step. So the bound is the
+  quantization's own effect, measured in the same run: the two layouts must be closer to each
+  other than ZeRO++ is to plain ZeRO-3 (which differ by every value's rounding, not a few). The
+  first step, before any quantized gradient was applied, agrees to float32 rounding (1e-6).
+  Measured on an AMD EPYC: 4.6e-5 between the layouts."""
+  from multiprocess_worker import BATCH as MP_BATCH, STAGE3, STEPS as MP_STEPS, ZEROPP
   worker = Path(__file__).with_name("multiprocess_worker.py")
   port = free_port()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = subprocess_env()
   procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", str(port), "4",
                              str(tmp_path), "zeropp"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -261,6 +268,14 @@ def test_two_processes_match_one_process(tmp_path):
     losses, params = f["losses"], {k: f[k] for k in f.files if k != "losses"}
   engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **ZEROPP))
   assert engine.zeropp.hierarchy.nodes == 2
-  _, single, single_losses = engine_run(engine, batches(SMALL.seq_len, MP_BATCH, MP_STEPS))
-  np.testing.assert_allclose(losses, single_losses, rtol=1e-6)
-  assert max_relative_diff(params, flatten_paths(single)) <= 1e-6
+  data = batches(SMALL.seq_len, MP_BATCH, MP_STEPS)
+  _, single, single_losses = engine_run(engine, data)
+  plain_engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **STAGE3))
+  _, plain, plain_losses = engine_run(plain_engine, data)
+  np.testing.assert_allclose(losses[0], single_losses[0], rtol=1e-6)
+  relative = lambda a, b: np.max(np.abs(np.asarray(a) - b) / np.abs(b))
+  assert relative(losses, single_losses) <= relative(single_losses, plain_losses)
+  quantization = max_relative_diff(flatten_paths(single), flatten_paths(plain))
+  layouts = max_relative_diff(params, flatten_paths(single))
+  print(f"BOUND zeropp 2x4 vs 1x8 params: measured {layouts:.3g} <= bound {quantization:.3g}")
+  assert layouts <= quantization

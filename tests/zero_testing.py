@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import jax
@@ -54,6 +55,16 @@ def reference_optimizer() -> optax.GradientTransformation:
   """What ds_config's engine runs, in plain optax: clipping by the global norm, then AdamW."""
   return optax.chain(optax.clip_by_global_norm(CLIP),
                      optax.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD))
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+  """This process's environment for a worker subprocess: XLA_FLAGS without a device-count flag
+  (workers choose their own devices; an ISA flag, tests/isa_matrix.sh, is kept)."""
+  env = dict(os.environ, **extra)
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  env["XLA_FLAGS"] = " ".join(flags)
+  return env
 
 
 def free_port() -> int:
