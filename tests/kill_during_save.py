@@ -1,6 +1,6 @@
 """``jzero train`` that SIGKILLs itself at one phase of one save; not a test module itself.
 
-Usage: python kill_during_save.py PHASE SAVE_INDEX -- <jzero train arguments>
+Usage: python kill_during_save.py PHASE TAG -- <jzero train arguments>
 
 The kill is injected at a fixed point of the save code, not by timing (tests/test_kill_resume.py):
 
@@ -8,7 +8,7 @@ The kill is injected at a fixed point of the save code, not by timing (tests/tes
 * ``before-files``: after Orbax's commit, before jzero records the file list (``jzero_files.json``);
 * ``before-latest``: after the file list, before ``latest`` moves to the new checkpoint.
 
-SAVE_INDEX counts the saves of this run from 1; the earlier ones complete normally.
+TAG is the checkpoint whose save is killed (e.g. the step "4"); the other saves complete normally.
 """
 
 from __future__ import annotations
@@ -27,33 +27,39 @@ from jzero.checkpoint import layout  # noqa: E402
 PHASES = ("before-commit", "before-files", "before-latest")
 
 
-def main(phase: str, save_index: int, argv: list[str]) -> int:
+def main(phase: str, tag: str, argv: list[str]) -> int:
   if phase not in PHASES:
     raise SystemExit(f"phase must be one of {PHASES}")
-  seen = {"commit": 0, "files": 0, "latest": 0}
 
-  def kill_on(counter: str, original):
-    def wrapped(*args, **kwargs):
-      seen[counter] += 1
-      if seen[counter] == save_index:
-        sys.stdout.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-      return original(*args, **kwargs)
-    return wrapped
+  def kill_if(hit: bool) -> None:
+    if hit:
+      sys.stdout.flush()
+      os.kill(os.getpid(), signal.SIGKILL)
 
   if phase == "before-commit":
-    atomicity.AtomicRenameTemporaryPath.finalize = kill_on(
-        "commit", atomicity.AtomicRenameTemporaryPath.finalize)
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    def killing_finalize(self, *args, **kwargs):
+      kill_if(self.get_final().name == tag)
+      return finalize(self, *args, **kwargs)
+    atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
   elif phase == "before-files":
-    layout.record_files = kill_on("files", layout.record_files)
+    record_files = layout.record_files
+
+    def killing_record(step_dir, *args, **kwargs):
+      kill_if(step_dir.name == tag)
+      return record_files(step_dir, *args, **kwargs)
+    layout.record_files = killing_record
   else:
     write_atomic = layout.write_atomic
-    latest = kill_on("latest", write_atomic)
-    layout.write_atomic = lambda path, text: (latest if path.name == layout.LATEST_FILE
-                                              else write_atomic)(path, text)
+
+    def killing_write(path, text):
+      kill_if(path.name == layout.LATEST_FILE and text.strip() == tag)
+      return write_atomic(path, text)
+    layout.write_atomic = killing_write
   return cli.main(argv)
 
 
 if __name__ == "__main__":
   sep = sys.argv.index("--")
-  sys.exit(main(sys.argv[1], int(sys.argv[2]), sys.argv[sep + 1:]))
+  sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[sep + 1:]))

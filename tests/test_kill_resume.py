@@ -39,7 +39,7 @@ EXPECTED = {
 @pytest.mark.parametrize("phase", list(EXPECTED))
 def test_killed_save_resumes_and_saves_again(tmp_path, phase):
   ckpt = tmp_path / "ckpt"
-  killed = _train(ckpt, 6, phase, "2")
+  killed = _train(ckpt, 6, phase, "4")
   assert killed.returncode == -9, killed.stderr[-2000:]
   complete, resume_step = EXPECTED[phase]
   assert checkpoint.all_tags(ckpt) == complete
