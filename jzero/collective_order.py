@@ -17,8 +17,8 @@ collective-bearing operation -- a collective, or a loop / branch / call / remat 
 -- reads one element of the previous one's output through an identity that XLA cannot fold: a real
 data dependency, which the runtime honours as an execution edge (wait for completion). The chain
 runs in the traced program's order (the same on every process) at every level: the top of the body
-and inside each loop body and branch. ``lax.optimization_barrier`` would not do: XLA's CPU compiler
-expands it away before the runtime sees it.
+and inside each loop body and branch. ``lax.optimization_barrier`` would not do: it passes each
+value through on its own, so nothing waits for the values it is grouped with.
 
 The identity: ``t`` is one element of the previous output (an integer's bits read as a float: XLA
 folds ``i != i`` for integers, also through a lossless convert); ``w = t * 0.0`` is +-0.0 or NaN

@@ -416,8 +416,8 @@ class Plan:
     stage 3 with a non-zero prefetch bucket, pipelines the layer scan's all-gathers, so the next
     layer's parameters are gathered while this layer computes (DeepSpeed's prefetch). Off makes
     every collective synchronous. These passes exist in the GPU compiler; the CPU backend has none
-    of them (it runs collectives one by one, in order), so the options are only passed when
-    compiling for GPU. ``jzero aot`` shows their effect on the scheduled program.
+    of them (and may run independent collectives at once, which :meth:`shard_map` prevents by
+    chaining them), so the options are only passed when compiling for GPU. ``jzero aot`` shows their effect on the scheduled program.
 
     On CPU the step gets the options that make XLA keep ZeRO's memory promise (see
     :data:`CPU_OPTIONS`), where this jaxlib knows them.
