@@ -58,8 +58,7 @@ def _worker(process_id: int, processes: int, port: int, devices: int, steps: int
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                 "zero_optimization": {"stage": stage}}
       engine = jzero.initialize(lambda rngs: GPT(cfg, rngs=rngs), lm_loss, config)
-      collective_order.needed = (lambda platform: needed(platform)) if chained else (
-          lambda platform: False)
+      collective_order.needed = needed if chained else (lambda mesh: False)
       state = engine.init(jax.random.key(0))
       batch = engine.shard_batch(corpus.batch(0, engine.global_batch_size))
       state, _ = engine.train_step(state, batch)  # compiles this run's step with this setting

@@ -30,8 +30,9 @@ arithmetic XLA can see through -- ``float(t != t) * 0``, a full-size dynamic sli
 away and orders nothing.) Cost: one pass over that input (usually a scalar, a
 layer's partition or a gradient XLA fuses it into); ``bench/collective_order.py`` measures the step.
 
-Where. Only programs compiled for CPU need it: a GPU runs one stream schedule per program, the same
-on every process, so NCCL pairs collectives in program order (:func:`needed`).
+Where. Only programs over the CPU devices of several processes need it (:func:`needed`): within one
+process the CPU runtime pairs collectives by id, and a GPU runs one stream schedule per program,
+the same on every process, so NCCL pairs collectives in program order.
 """
 
 from __future__ import annotations
@@ -57,9 +58,13 @@ COLLECTIVES = frozenset({
 })
 
 
-def needed(platform: str) -> bool:
-  """Whether programs compiled for ``platform`` need their collectives chained (CPU only)."""
-  return platform == "cpu"
+def needed(mesh: jax.sharding.Mesh) -> bool:
+  """Whether programs over ``mesh`` need their collectives chained: CPU devices of more than one
+  process. (Within one process XLA's CPU collectives meet at a rendezvous keyed by the collective's
+  id, so running them at once cannot pair the wrong ones; the chain would only constrain the
+  schedule -- in stage 3 it keeps gathered layers alive longer.)"""
+  devices = mesh.devices.flat
+  return devices[0].platform == "cpu" and len({d.process_index for d in mesh.devices.flat}) > 1
 
 
 def in_one_order(fn: Callable[..., Any]) -> Callable[..., Any]:

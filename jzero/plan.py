@@ -396,10 +396,9 @@ class Plan:
 
   # -- how collectives are scheduled ----------------------------------------------------------------
   def shard_map(self, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable[..., Any]:
-    """``jax.shard_map`` of ``fn`` over the plan's mesh; on CPU with its collectives chained into
+    """``jax.shard_map`` of ``fn`` over the plan's mesh; across CPU processes with its collectives chained into
     one order, so every process pairs the same ones (:mod:`jzero.collective_order`)."""
-    platform = self.mesh.mesh.devices.flat[0].platform
-    body = collective_order.in_one_order(fn) if collective_order.needed(platform) else fn
+    body = collective_order.in_one_order(fn) if collective_order.needed(self.mesh.mesh) else fn
     return jax.shard_map(body, mesh=self.mesh.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
 

@@ -38,6 +38,7 @@ def main(process_id: int, num_processes: int, port: int, devices: int, out: str)
                                process_id=process_id, initialization_timeout=120)
   import numpy as np
   import jzero
+  from jzero import collective_order
   from jzero.models import lm_loss
   from jzero.plan import flatten_paths
   from zero_testing import batches, ds_config, gpt_factory
@@ -48,6 +49,7 @@ def main(process_id: int, num_processes: int, port: int, devices: int, out: str)
     config = ds_config(stage, micro=BATCH // jax.device_count() // 2, gas=2)
     config["gradient_clipping"] = 0.0
     engine = jzero.initialize(gpt_factory(cfg), lm_loss, config)
+    assert collective_order.needed(engine.plan.mesh.mesh) == (num_processes > 1)
     for run in range(RUNS):
       state = engine.init(jax.random.key(0))
       losses = []

@@ -58,15 +58,26 @@ def _compiled_step(config: dict, mesh) -> str:
   return engine._build_step(batch).lower(state, batch).compile().as_text()
 
 
+@pytest.fixture
+def chained(monkeypatch):
+  """Chain this process's programs as if its mesh spanned several processes (the chain is only
+  applied there: ``collective_order.needed``)."""
+  monkeypatch.setattr(collective_order, "needed", lambda mesh: True)
+
+
+def test_one_process_needs_no_chain():
+  assert not collective_order.needed(MeshSpec.default().build(jax.devices()).mesh)
+
+
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_every_collective_waits_for_the_previous_one(setting):
+def test_every_collective_waits_for_the_previous_one(setting, chained):
   make, mesh = SETTINGS[setting]
   hlo = _compiled_step(make(), mesh)
   assert len(collectives(hlo)) >= 2
   assert unordered_collectives(hlo) == []
 
 
-def test_the_nvme_tier_step_is_chained(tmp_path):
+def test_the_nvme_tier_step_is_chained(tmp_path, chained):
   config = _no_clip(ds_config(2, offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path)}))
   assert unordered_collectives(_compiled_step(config, None)) == []
 
@@ -74,7 +85,7 @@ def test_the_nvme_tier_step_is_chained(tmp_path):
 @pytest.mark.parametrize("setting", ["stage1-gas2", "stage3-gas2"])
 def test_without_the_chain_the_runtime_may_reorder_them(setting, monkeypatch):
   """The check can fail: the same steps compiled without the chain have unordered collectives."""
-  monkeypatch.setattr(collective_order, "needed", lambda platform: False)
+  monkeypatch.setattr(collective_order, "needed", lambda mesh: False)
   make, mesh = SETTINGS[setting]
   assert len(unordered_collectives(_compiled_step(make(), mesh))) >= 10
 
