@@ -37,12 +37,12 @@ def _no_clip(config: dict) -> dict:
 
 
 SETTINGS = {
+    # every stage, accumulation 1 and 2 each on two of them (the chain inside the micro-batch loop)
     **{f"stage{s}-gas{g}": (lambda s=s, g=g: _no_clip(ds_config(s, gas=g)), None)
-       for s in (0, 1, 2, 3) for g in (1, 2)},
+       for s, g in ((0, 1), (1, 2), (2, 1), (3, 2))},
     "zeropp-all": (lambda: _no_clip(ds_config(
         3, stage3_param_persistence_threshold=0, zero_quantized_weights=True,
         zero_hpz_partition_size=4, zero_quantized_gradients=True)), NODE2X4),
-    "offload-optimizer": (lambda: _no_clip(ds_config(2, offload_optimizer={"device": "cpu"})), None),
     "offload-param": (lambda: _no_clip(ds_config(3, offload_param={"device": "cpu"},
                                                  offload_optimizer={"device": "cpu"})), None),
     "delayed-update": (lambda: _no_clip(ds_config(2, offload_optimizer={
@@ -82,11 +82,10 @@ def test_the_nvme_tier_step_is_chained(tmp_path, chained):
   assert unordered_collectives(_compiled_step(config, None)) == []
 
 
-@pytest.mark.parametrize("setting", ["stage1-gas2", "stage3-gas2"])
-def test_without_the_chain_the_runtime_may_reorder_them(setting, monkeypatch):
-  """The check can fail: the same steps compiled without the chain have unordered collectives."""
+def test_without_the_chain_the_runtime_may_reorder_them(monkeypatch):
+  """The check can fail: the same step compiled without the chain has unordered collectives."""
   monkeypatch.setattr(collective_order, "needed", lambda mesh: False)
-  make, mesh = SETTINGS[setting]
+  make, mesh = SETTINGS["stage3-gas2"]
   assert len(unordered_collectives(_compiled_step(make(), mesh))) >= 10
 
 
