@@ -45,6 +45,7 @@ import dataclasses
 import importlib
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -104,11 +105,23 @@ def gpu_spec(gpu: str) -> GpuSpec:
 
 
 def _require_cuda_plugin() -> None:
+  """The CUDA compiler plugin, importable and able to register its compile-only topology.
+
+  The plugin registers itself (and its topology factory) only after checking the CUDA runtime's
+  version, which fails on a machine without CUDA libraries unless ``JAX_PLATFORMS`` leaves CUDA
+  out. Before JAX has discovered its plugins, jzero skips that check for the discovery
+  (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``): compiling needs no runtime, and on a machine with a GPU
+  the CUDA backend still checks its driver when it starts.
+  """
   try:
     importlib.import_module("jax_plugins.xla_cuda12")
   except ImportError as e:
     raise JZeroError(f"compiling for a GPU topology needs the CUDA compiler plugin, which is not "
                      f"installed ({e}). Install the gpu-aot extra: {INSTALL_HINT}.") from None
+  from jax._src import xla_bridge  # backends_are_initialized has no public home in jax 0.10
+
+  if not xla_bridge.backends_are_initialized():
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 
 def gpu_devices(gpu: str | GpuSpec, devices: int, nodes: int = 1) -> list[Any]:
@@ -128,8 +141,14 @@ def gpu_devices(gpu: str | GpuSpec, devices: int, nodes: int = 1) -> list[Any]:
   _require_cuda_plugin()
   from jax.experimental import topologies  # noqa: PLC0415
 
-  topology = topologies.get_topology_desc(platform="cuda", topology=f"{nodes} x 1 x "
-                                          f"{devices // nodes}", target_config=spec.text)
+  try:
+    topology = topologies.get_topology_desc(platform="cuda", topology=f"{nodes} x 1 x "
+                                            f"{devices // nodes}", target_config=spec.text)
+  except NotImplementedError:
+    raise JZeroError("the CUDA compiler plugin did not register its topology: JAX started its "
+                     "backends before jzero.aot on a machine without CUDA libraries. Call "
+                     "jzero.aot first in this interpreter, or set JAX_PLATFORMS=cpu before "
+                     "starting Python.") from None
   return list(topology.devices)
 
 

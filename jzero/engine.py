@@ -44,6 +44,12 @@ __all__ = ["TrainState", "Engine", "initialize"]
 PyTree = Any
 logger = logging.getLogger("jzero")
 
+_TRAIN_STEP_HINT = (
+    "{call}: jzero's engine has no separate forward, backward and step (DeepSpeed's "
+    "loss = engine(batch); engine.backward(loss); engine.step()). One compiled call does all "
+    "three on the state it returns: state, metrics = engine.train_step(state, batch) "
+    "(metrics['loss'] is the loss; engine.eval_loss(state, batch) evaluates without an update).")
+
 
 @dataclasses.dataclass
 class Engine(StepBuilder):
@@ -74,6 +80,7 @@ class Engine(StepBuilder):
   nvme_store: nvme.NvmeStore | None = dataclasses.field(default=None, repr=False)
   _prime_fn: Any = dataclasses.field(default=None, repr=False)  # delayed update (jzero.delayed)
   _delayed_ready: Any = dataclasses.field(default=None, repr=False)
+  _last_lr: Any = dataclasses.field(default=None, repr=False)  # the last step's lr (on device)
 
   # -- configuration read by the step ---------------------------------------------------------------
   @property
@@ -95,6 +102,46 @@ class Engine(StepBuilder):
   @property
   def micro_batch_size(self) -> int:
     return self.config.train_micro_batch_size_per_gpu
+
+  # -- DeepSpeed's engine shapes --------------------------------------------------------------------
+  def __iter__(self):
+    """``engine, optimizer, dataloader, lr_scheduler = jzero.initialize(...)``: DeepSpeed's
+    4-tuple (the optax transformation, ``training_dataloader`` and the schedule ``step -> lr``)."""
+    return iter((self, self.tx, self.training_dataloader, self.schedule))
+
+  @property
+  def module(self) -> Any:
+    """The model as given to :func:`initialize` (an NNX factory's module has abstract shapes):
+    its structure. The parameters live in the TrainState: :meth:`logical_params`."""
+    return self.model.module
+
+  @property
+  def global_steps(self) -> int:
+    """Optimizer steps taken (DeepSpeed's ``engine.global_steps``), skipped ones included: the
+    step number of the last state :meth:`train_step` returned (0 before the first)."""
+    return self._host_step or 0
+
+  def get_lr(self) -> list[float]:
+    """The learning rate of the last step (DeepSpeed's ``engine.get_lr()``: one per param group;
+    jzero has one group). Before the first step: the schedule's (or config's) first value. NaN for a
+    client optimizer without ``optax.inject_hyperparams``."""
+    if self._last_lr is not None:
+      return [float(self._last_lr)]
+    if self.schedule is not None:
+      return [float(self.schedule(0))]
+    lr = (self.config.optimizer.params.get("lr") if self.config.optimizer is not None else None)
+    return [float("nan") if lr is None else float(lr)]
+
+  def __call__(self, *args, **kwargs):
+    raise JZeroError(_TRAIN_STEP_HINT.format(call="engine(batch)"))
+
+  forward = __call__
+
+  def backward(self, *args, **kwargs):
+    raise JZeroError(_TRAIN_STEP_HINT.format(call="engine.backward(loss)"))
+
+  def step(self, *args, **kwargs):
+    raise JZeroError(_TRAIN_STEP_HINT.format(call="engine.step()"))
 
   def _is_stacked(self, path: str) -> bool:
     return any(path == s or path.startswith(s + "/") for s in self.stacked_layers)
@@ -342,6 +389,7 @@ class Engine(StepBuilder):
         state = self.nvme_store.update(self, state, metrics, io[0])
       delayed.seen(self, state)
     self._host_step += 1
+    self._last_lr = metrics["lr"]
     every = self.config.steps_per_print
     if every and self._host_step % every == 0:
       self._log_step(metrics)
@@ -415,8 +463,14 @@ class Engine(StepBuilder):
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
         sharding, np.asarray(x), (self.global_batch_size,) + np.shape(x)[1:]), batch)
 
-  def eval_loss(self, state: TrainState, batch: PyTree) -> float:
-    """Mean loss of ``batch`` (leading dim a multiple of the data-parallel size), no update."""
+  def eval_loss(self, state: TrainState, batch: PyTree) -> float | tuple[float, dict]:
+    """Mean loss of ``batch`` (leading dim a multiple of the data-parallel size), no update.
+
+    Returns what the loss returns, averaged over the batch: a float, or ``(loss, aux)`` with each
+    aux value a float (a Python number per leaf). A loss with an ``rng`` parameter gets
+    ``rng=None`` here -- evaluation, as ``model.eval()`` in PyTorch: dropout must be off when it
+    has no key (``nnx.Dropout(rate)(x, deterministic=rng is None, rngs=rng)``, README).
+    """
     plan = self._require_plan()
     self.check_live(state, "eval_loss")
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
@@ -427,15 +481,21 @@ class Engine(StepBuilder):
     if self._eval_fn is None:
       def local_loss(params, secondary, mb):
         with engine_context(LayerPolicy()):
-          out = self.loss_fn(self._bind(self._grad_targets(params), params, secondary), mb)
-        loss = out[0] if isinstance(out, tuple) else out
-        return lax.pmean(loss.astype(jnp.float32), self.mesh.batch_axes)
+          model = self._bind(self._grad_targets(params), params, secondary)
+          out = self.loss_fn(model, mb, rng=None) if self.loss_takes_rng else self.loss_fn(model, mb)
+        loss, aux = out if isinstance(out, tuple) else (out, None)
+        mean = lambda x: lax.pmean(jnp.asarray(x).astype(jnp.float32), self.mesh.batch_axes)
+        return mean(loss), jax.tree.map(mean, aux)
 
       specs = (plan.param_specs(), plan.secondary_specs(), plan.batch_spec())
       body = plan.shard_map(local_loss, specs, P())
       self._eval_fn = jax.jit(body)
-    return float(self._eval_fn(state.params, state.secondary,
-                               jax.device_put(batch, self.batch_sharding())))
+    loss, aux = self._eval_fn(state.params, state.secondary,
+                              jax.device_put(batch, self.batch_sharding()))
+    if aux is None:
+      return float(loss)
+    return float(loss), jax.tree.map(lambda a: np.asarray(a).item() if np.ndim(a) == 0
+                                     else np.asarray(a), aux)
 
   # -- reading the state back -----------------------------------------------------------------------
   def logical_params(self, state: TrainState, dtype: Any = jnp.float32) -> PyTree:
@@ -453,7 +513,7 @@ class Engine(StepBuilder):
     return jax.jit(lambda s: plan.map(unpad, s), out_shardings=plan.sharding(P()))(source)
 
   # -- checkpoints (jzero.checkpoint; imported here because it imports this module) ----------------
-  def save_checkpoint(self, state: TrainState, directory: str | Path,
+  def save_checkpoint(self, state: TrainState, directory: str | Path | None = None,
                       tag: str | int | None = None, *, client_state: dict | None = None,
                       keep: int | None = None, save_latest: bool = True) -> str:
     """Starts an asynchronous sharded save of ``state`` as ``directory/<tag>``; returns the tag.
@@ -463,6 +523,12 @@ class Engine(StepBuilder):
     dict, given back by ``load_checkpoint(..., with_client_state=True)``. The save finishes in the
     background; the program's end waits for it (see :mod:`jzero.checkpoint.save`).
     """
+    if directory is None or not isinstance(state, TrainState):
+      given = f"{state!r}" if isinstance(state, (str, Path)) else type(state).__name__
+      raise JZeroError(
+          f"save_checkpoint({given}, ...): jzero saves the state you pass, first: "
+          f"engine.save_checkpoint(state, directory, tag) (DeepSpeed's save_checkpoint(save_dir, "
+          f"tag) saves the engine's own state; jzero's state is what train_step returned).")
     from jzero import checkpoint
     return checkpoint.save_checkpoint(self, state, directory, tag, keep=keep,
                                       client_state=client_state, save_latest=save_latest)
@@ -532,7 +598,8 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
   Args:
     model: a Flax NNX module, a factory ``rngs -> nnx.Module``, or a Linen module.
     loss_fn: ``loss_fn(model, batch) -> loss`` or ``-> (loss, aux_dict)``; the loss is the mean over
-      the batch it is given. If it has an ``rng`` parameter it gets a per-device, per-micro-batch key.
+      the batch it is given. If it has an ``rng`` parameter it gets a per-device, per-micro-batch key
+      in ``train_step`` and ``None`` in ``eval_loss`` (dropout off).
     config: a DeepSpeed config: :class:`jzero.Config`, dict, or path of a JSON / YAML file.
     mesh: None (all devices on one data axis), a mesh file path, a MeshSpec, a ZeroMesh, or a
       ``jax.sharding.Mesh`` (all axes used for ZeRO and the batch).

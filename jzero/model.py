@@ -41,6 +41,7 @@ class ModelAdapter(abc.ABC):
 
   hidden_size: int | None = None
   stacked_layers: Any = None  # the model's own `stacked_layers` attribute, if it declares one
+  module: Any = None  # the model as given (NNX: the module, or the factory's abstract module)
   initial_params: PyTree | None = None  # concrete params when the model already holds them
 
   @abc.abstractmethod
@@ -103,7 +104,7 @@ class NnxModel(ModelAdapter):
     self._template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     self.hidden_size = _hidden_size(abstract_module)
     self.stacked_layers = getattr(abstract_module, "stacked_layers", None)
-    self._abstract = abstract_module
+    self._abstract = self.module = abstract_module
 
   def abstract_params(self, rng, sample_batch):
     return nnx.to_pure_dict(self._template)
@@ -132,7 +133,7 @@ class LinenModel(ModelAdapter):
   """
 
   def __init__(self, module: nn.Module, init_inputs: Callable[[Any], tuple] | None = None):
-    self._module = module
+    self._module = self.module = module
     self._given_inputs = init_inputs is not None
     self._inputs = init_inputs or (lambda batch: (batch,))
     self._sample_batch = None

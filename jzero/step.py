@@ -91,6 +91,12 @@ class StepBuilder:
   ``shard_map`` on one device's blocks; :meth:`_jit` wraps them in ``jit(shard_map(...))`` with
   the plan's shardings and memory kinds."""
 
+  @property
+  def loss_takes_rng(self) -> bool:
+    """Whether the loss has an ``rng`` parameter: a per-device, per-micro-batch key in training,
+    ``None`` in evaluation."""
+    return "rng" in inspect.signature(self.loss_fn).parameters
+
   # -- the step -------------------------------------------------------------------------------------
   def _reduce_micro(self, leaf: LeafPlan, g: jax.Array, accumulate: bool) -> jax.Array:
     """A micro-batch's gradient -> what the accumulator holds.
@@ -222,12 +228,11 @@ class StepBuilder:
                          prefetch=zero.stage == 3 and zero.prefetch_bucket_size > 0,
                          offload_inputs=checkpointing is not None
                          and bool(checkpointing.cpu_checkpointing))
-    pass_rng = "rng" in inspect.signature(self.loss_fn).parameters
 
     def scaled_loss(targets, mb, rng):
       with engine_context(policy) as tagged:
         model = self._bind(targets, state.params, state.secondary)
-        out = self.loss_fn(model, mb, rng=rng) if pass_rng else self.loss_fn(model, mb)
+        out = self.loss_fn(model, mb, rng=rng) if self.loss_takes_rng else self.loss_fn(model, mb)
       if policy.offload_inputs and not sum(tagged):
         warnings.warn(
             "activation_checkpointing.cpu_checkpointing: the model ran no jzero remat region "

@@ -141,6 +141,22 @@ def test_cli_json(tmp_path):
 
 
 @needs_plugin
+def test_compile_for_works_in_a_fresh_interpreter_without_jax_platforms():
+  """From Python, as documented: no ``JAX_PLATFORMS=cpu`` set by hand on a machine without a GPU;
+  the host side still runs on the CPU afterwards."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  code = ("import jax\nfrom jzero import aot\n"
+          "from jzero.models import GPTConfig\n"
+          "r = aot.compile_for('configs/zero1.json', 'h100', 8, precision='bf16', "
+          "model=GPTConfig(d_model=64, n_layers=2, n_heads=2, seq_len=32))\n"
+          "print(r.stage, r.fits, jax.devices()[0].platform)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=CONFIGS.parent, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split()[-3:] == ["1", "True", "cpu"]
+
+
+@needs_plugin
 def test_report_table_names_every_part():
   text = aot.format_report(_compile("stage3", stage=3))
   for part in ("NVIDIA H100 80GB HBM3", "params", "master", "optimizer", "estimator",

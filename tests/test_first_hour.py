@@ -1,0 +1,101 @@
+"""What a user migrating from DeepSpeed tries in their first hour: a loss with dropout (``rng``)
+and aux outputs in training and evaluation; DeepSpeed's call shapes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jzero
+from jzero.errors import JZeroError
+
+from zero_testing import loss_of_params
+
+N = 8
+WIDTH, CLASSES, ROWS = 32, 4, 16
+
+
+class DropoutNet(nnx.Module):
+  """An MLP with dropout as the README writes it: no key of its own, one from the loss."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.hidden = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+    self.out = nnx.Linear(WIDTH, CLASSES, rngs=rngs)
+    self.drop = nnx.Dropout(0.5)
+
+  def __call__(self, x, rng=None):
+    h = self.drop(jax.nn.relu(self.hidden(x)), deterministic=rng is None, rngs=rng)
+    return self.out(h)
+
+
+def classify(model, batch, rng=None):
+  logits = model(batch["x"], rng=rng)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
+
+
+def _batch(seed: int) -> dict:
+  rng = np.random.default_rng(seed)
+  return {"x": rng.normal(size=(ROWS, WIDTH)).astype(np.float32),
+          "y": rng.integers(0, CLASSES, size=ROWS).astype(np.int32)}
+
+
+def _config(stage: int) -> dict:
+  return {"train_micro_batch_size_per_gpu": ROWS // N, "gradient_accumulation_steps": 1,
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+          "zero_optimization": {"stage": stage}}
+
+
+def test_eval_loss_with_rng_loss_turns_dropout_off_and_returns_aux():
+  """``eval_loss`` calls a loss that takes ``rng`` with ``rng=None`` (dropout off) and returns its
+  aux: equal to the same loss computed on one device with the logical params, and the same twice;
+  ``train_step`` passes keys (dropout on: its loss differs from evaluation of the same params)."""
+  engine = jzero.initialize(DropoutNet, classify, _config(3))
+  state = engine.init(jax.random.key(0), _batch(0))
+  batch = _batch(1)
+  loss, aux = engine.eval_loss(state, batch)
+  assert isinstance(loss, float) and set(aux) == {"accuracy"} and isinstance(aux["accuracy"], float)
+  assert engine.eval_loss(state, batch) == (loss, aux)
+
+  params = jax.tree.map(np.asarray, engine.logical_params(state))
+  ref_loss, ref_aux = loss_of_params(DropoutNet, classify)(params, batch)
+  np.testing.assert_allclose(loss, float(ref_loss), rtol=1e-6)
+  np.testing.assert_allclose(aux["accuracy"], float(ref_aux["accuracy"]), rtol=1e-6)
+
+  state, metrics = engine.train_step(state, engine.shard_batch(batch))
+  assert abs(float(metrics["loss"]) - loss) > 1e-4, "dropout was off in training"
+  assert 0.0 <= float(metrics["accuracy"]) <= 1.0
+
+
+def test_eval_loss_of_a_plain_loss_is_a_float():
+  engine = jzero.initialize(DropoutNet, lambda m, b: classify(m, b)[0], _config(1))
+  state = engine.init(jax.random.key(0), _batch(0))
+  assert isinstance(engine.eval_loss(state, _batch(1)), float)
+
+
+def test_deepspeed_call_shapes(tmp_path):
+  """DeepSpeed's 4-tuple, ``module``, ``global_steps`` and ``get_lr()`` work; forward / backward /
+  step and DeepSpeed's ``save_checkpoint(dir, tag=...)`` are errors that show jzero's call."""
+  config = {**_config(2), "scheduler": {"type": "WarmupLR", "params": {
+      "warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}}
+  engine, optimizer, dataloader, scheduler = jzero.initialize(DropoutNet, classify, config)
+  assert isinstance(engine, jzero.Engine) and optimizer is engine.tx and dataloader is None
+  assert isinstance(engine.module, DropoutNet)
+  assert engine.global_steps == 0 and engine.get_lr() == [float(scheduler(0))]
+  state = engine.init(jax.random.key(0), _batch(0))
+  for step in range(3):
+    state, metrics = engine.train_step(state, engine.shard_batch(_batch(step)))
+  assert engine.global_steps == 3 == int(state.step)
+  assert engine.get_lr() == [float(metrics["lr"])] and 0 < engine.get_lr()[0] < 1e-2
+
+  for call in (lambda: engine(_batch(0)), lambda: engine.forward(_batch(0)),
+               lambda: engine.backward(metrics["loss"]), lambda: engine.step()):
+    with pytest.raises(JZeroError, match=r"state, metrics = engine\.train_step\(state, batch\)"):
+      call()
+  with pytest.raises(JZeroError, match=r"engine\.save_checkpoint\(state, directory, tag\)"):
+    engine.save_checkpoint(str(tmp_path), tag="x")
+  assert not any(tmp_path.iterdir())
