@@ -157,14 +157,23 @@ def _batch_triple(train: int | None, micro: int | None, gas: int | None, dp: int
         "pass jzero.initialize(..., auto_values={'micro_batch_size': N}))"]))
   if train == micro * gas * dp:  # train >= 1, so the derived values are > 0 too
     return train, micro, gas
-
-  def show(name: str, value: int, was: int | None) -> str:
-    return f"{name} ({value}{'' if was is not None else ', derived'})"
+  if given[0] is not None and None in given[1:]:  # a derived value that cannot be whole
+    if given[1] is not None:
+      derived, factor, unit = "gradient_accumulation_steps", f"train_micro_batch_size_per_gpu " \
+          f"{given[1]} * data-parallel size {dp} = {given[1] * dp}", given[1] * dp
+    elif given[2] is not None:
+      derived, factor, unit = "train_micro_batch_size_per_gpu", f"gradient_accumulation_steps " \
+          f"{given[2]} * data-parallel size {dp} = {given[2] * dp}", given[2] * dp
+    else:
+      derived, factor, unit = "train_micro_batch_size_per_gpu", f"the data-parallel size {dp}", dp
+    raise ConfigError(_report(source, "invalid batch size", [
+        f"train_batch_size {train} is not a multiple of {factor}, so no whole {derived} "
+        f"gives it; fix: a train_batch_size that is a multiple of {unit} (e.g. "
+        f"{max(unit, train // unit * unit)}), or give {derived} too"]))
 
   raise ConfigError(_report(source, "invalid batch size", [
-      f"{show('train_batch_size', train, given[0])} != "
-      f"{show('train_micro_batch_size_per_gpu', micro, given[1])} * "
-      f"{show('gradient_accumulation_steps', gas, given[2])} * data-parallel size ({dp}) = "
+      f"train_batch_size ({train}) != train_micro_batch_size_per_gpu ({micro}) * "
+      f"gradient_accumulation_steps ({gas}) * data-parallel size ({dp}) = "
       f"{micro * gas * dp}; fix: give values with train_batch_size = "
       f"train_micro_batch_size_per_gpu * gradient_accumulation_steps * {dp}, or give two of "
       'them (or "auto") and jzero derives the third'

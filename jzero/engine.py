@@ -36,7 +36,7 @@ from jzero.plan import LeafPlan, Plan, flatten_paths, make_plan
 from jzero.precision import DTYPES, LossScaler
 from jzero.units import UnitRules, check_units, choose_units
 from jzero import zeropp as zpp
-from jzero.step import StepBuilder, TrainState
+from jzero.step import StepBuilder, TrainState, split_loss
 from jzero.profile import StepTiming
 
 __all__ = ["TrainState", "Engine", "initialize"]
@@ -483,7 +483,7 @@ class Engine(StepBuilder):
         with engine_context(LayerPolicy()):
           model = self._bind(self._grad_targets(params), params, secondary)
           out = self.loss_fn(model, mb, rng=None) if self.loss_takes_rng else self.loss_fn(model, mb)
-        loss, aux = out if isinstance(out, tuple) else (out, None)
+        loss, aux = split_loss(out)
         mean = lambda x: lax.pmean(jnp.asarray(x).astype(jnp.float32), self.mesh.batch_axes)
         return mean(loss), jax.tree.map(mean, aux)
 

@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from jzero import collectives, delayed, nvme, offload
 from jzero.collectives import ZeroParam
-from jzero.errors import JZeroWarning
+from jzero.errors import JZeroError, JZeroWarning
 from jzero.layers import LayerPolicy, engine_context
 from jzero.plan import LeafPlan
 from jzero.precision import LossScaleState, has_overflow
@@ -83,6 +83,18 @@ class TrainState(NamedTuple):
   rng: jax.Array
   secondary: PyTree | None = None
   delayed: delayed.DelayedGrads | None = None
+
+
+def split_loss(out: Any) -> tuple[jax.Array, Any]:
+  """What a loss_fn returned -> (scalar loss, aux dict or None); a loss that is not a scalar is an
+  error naming the fix (value_and_grad would raise JAX's own TypeError deep in the step)."""
+  loss, aux = out if isinstance(out, tuple) else (out, None)
+  if jnp.ndim(loss) != 0:
+    raise JZeroError(
+        f"loss_fn returned a loss of shape {tuple(jnp.shape(loss))}; jzero needs a scalar, the "
+        f"mean over the batch it is given (as DeepSpeed's loss.backward() does): return "
+        f"loss.mean().")
+  return loss, aux
 
 
 class StepBuilder:
@@ -238,8 +250,8 @@ class StepBuilder:
             "activation_checkpointing.cpu_checkpointing: the model ran no jzero remat region "
             "(jzero.scan_layers, linen_scan_layers, jzero.remat or a ZeRO-3 gather unit), so no "
             "activation was offloaded to the host", JZeroWarning, stacklevel=2)
-      loss, aux = out if isinstance(out, tuple) else (out, {})
-      loss = loss.astype(jnp.float32)
+      loss, aux = split_loss(out)
+      loss, aux = loss.astype(jnp.float32), {} if aux is None else aux
       return loss * loss_mult, (loss, aux)
 
     def micro_grads(mb, i):

@@ -41,8 +41,10 @@ REAL_CONFIGS = {
     HF_ZERO2: "ok",
     HF_ZERO3: "ok",
     HF_ZERO3_BF16: "ok",
-    NVME: "train_batch_size (1) != train_micro_batch_size_per_gpu (0, derived)",
-    BATCH: "train_batch_size (2) != train_micro_batch_size_per_gpu (0, derived)",
+    NVME: "train_batch_size 1 is not a multiple of the data-parallel size 8, so no whole "
+          "train_micro_batch_size_per_gpu gives it",
+    BATCH: "train_batch_size 2 is not a multiple of gradient_accumulation_steps 1 * "
+           "data-parallel size 8 = 8, so no whole train_micro_batch_size_per_gpu gives it",
 }
 
 
@@ -535,8 +537,11 @@ def test_batch_error_names_the_three_keys_and_the_dp_size():
           "gradient_accumulation_steps (2) * data-parallel size (2) = 68; fix:" in str(info.value))
   with pytest.raises(ConfigError) as info:
     batch(2, train=32, micro=18)
-  assert ("gradient_accumulation_steps (0, derived) * data-parallel size (2) = 0"
-          in str(info.value))
+  # a derived count that cannot be whole says so, instead of showing it as 0
+  assert ("train_batch_size 32 is not a multiple of train_micro_batch_size_per_gpu 18 * "
+          "data-parallel size 2 = 36, so no whole gradient_accumulation_steps gives it; fix: a "
+          "train_batch_size that is a multiple of 36 (e.g. 36)" in str(info.value))
+  assert "(0, derived)" not in str(info.value)
 
 
 @pytest.mark.parametrize("given, expected", [

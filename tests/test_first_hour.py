@@ -99,3 +99,32 @@ def test_deepspeed_call_shapes(tmp_path):
   with pytest.raises(JZeroError, match=r"engine\.save_checkpoint\(state, directory, tag\)"):
     engine.save_checkpoint(str(tmp_path), tag="x")
   assert not any(tmp_path.iterdir())
+
+
+def test_a_per_example_loss_is_a_clear_error():
+  per_example = lambda m, b: optax.softmax_cross_entropy_with_integer_labels(m(b["x"]), b["y"])
+  engine = jzero.initialize(DropoutNet, per_example, _config(2))
+  state = engine.init(jax.random.key(0), _batch(0))
+  with pytest.raises(JZeroError, match=r"loss of shape \(2,\); .* return loss\.mean\(\)"):
+    engine.train_step(state, engine.shard_batch(_batch(1)))
+  with pytest.raises(JZeroError, match=r"return loss\.mean\(\)"):
+    engine.eval_loss(state, _batch(1))
+
+
+def test_restoring_into_another_model_names_the_leaves_it_lacks(tmp_path):
+  """A checkpoint of a tied-embedding GPT restored into an untied one: the message names the
+  model's leaf the checkpoint lacks and no empty list of the other kind."""
+  from jzero.errors import CheckpointError
+  from jzero.models import GPT, lm_loss
+  from zero_testing import SMALL, ds_config
+  import dataclasses
+  make = lambda cfg: jzero.initialize(lambda rngs: GPT(cfg, rngs=rngs), lm_loss, ds_config(1))
+  engine = make(SMALL)
+  engine.save_checkpoint(engine.init(jax.random.key(0)), tmp_path, 1)
+  engine.wait_for_checkpoints()
+  untied = make(dataclasses.replace(SMALL, tie_embeddings=False))
+  with pytest.raises(CheckpointError) as info:
+    untied.load_checkpoint(tmp_path)
+  message = str(info.value)
+  assert "written for another model: the model's leaves ['head" in message, message
+  assert "[]" not in message and "jzero inspect" in message

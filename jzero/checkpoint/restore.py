@@ -51,15 +51,27 @@ def broadcast(prefix: PyTree, tree: PyTree) -> PyTree:
                       is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
+def _some(paths: list[str], shown: int = 5) -> str:
+  """The first ``shown`` paths, and how many more."""
+  more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+  return f"{paths[:shown]}{more}"
+
+
 def _check_model(meta: dict, plan: Plan, step_dir: Path) -> None:
   """The checkpoint's leaves are the model's: same paths, same logical shapes."""
   saved = {leaf["path"]: tuple(leaf["shape"]) for leaf in meta["leaves"]}
   want = {leaf.path: leaf.shape for leaf in plan.leaf_list()}
   missing, unexpected = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
   if missing or unexpected:
+    parts = []
+    if missing:
+      parts.append(f"the model's leaves {_some(missing)} are not in it")
+    if unexpected:
+      parts.append(f"it holds leaves {_some(unexpected)} the model does not have")
     raise CheckpointError(
-        f"checkpoint {step_dir} was written for another model: the model's leaves {missing[:5]} "
-        f"are not in it, and its leaves {unexpected[:5]} are not in the model.")
+        f"checkpoint {step_dir} was written for another model: {', and '.join(parts)}. Restore "
+        f"it into the model it was saved from (jzero inspect {step_dir.parent} lists its leaves), "
+        f"or import only the weights that match with checkpoint.load_weights.")
   bad = [f"{p}: {saved[p]} in the checkpoint, {want[p]} in the model" for p in want
          if saved[p] != want[p]]
   if bad:
