@@ -421,6 +421,7 @@ class Config(BaseModel):
   wall_clock_breakdown: Flag = False
   memory_breakdown: Flag = False
   dump_state: Flag = False
+  dataloader_drop_last: Flag = False  # jzero's loader always drops it: says so when False
   fp16: Fp16Config = Field(default_factory=Fp16Config)
   bf16: Bf16Config = Field(default_factory=Bf16Config)  # after fp16: its check reads fp16
   optimizer: OptimizerConfig | None = None

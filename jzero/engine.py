@@ -391,7 +391,7 @@ class Engine(StepBuilder):
     self._host_step += 1
     self._last_lr = metrics["lr"]
     every = self.config.steps_per_print
-    if every and self._host_step % every == 0:
+    if every and self._host_step % every == 0 and jax.process_index() == 0:  # one report per job
       self._log_step(metrics)
     return state, metrics
 
@@ -655,6 +655,14 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
   if training_data is not None:
     loader = DataLoader(training_data, cfg.train_batch_size, zmesh.sharding(zmesh.batch_spec()),
                         shuffle=shuffle, seed=seed)
+    left_over = len(training_data) % cfg.train_batch_size
+    if left_over and not cfg.dataloader_drop_last:
+      warnings.warn(
+          f"training_data: {len(training_data)} samples make {len(loader)} batches of "
+          f"train_batch_size {cfg.train_batch_size} per epoch; the last {left_over} samples of "
+          f"each epoch's order are not used (a compiled step has one batch shape). DeepSpeed's "
+          f"dataloader_drop_last is false here; set it to true to drop them without this warning.",
+          JZeroWarning, stacklevel=2)
     if sample_batch is None:
       sample_batch = loader.host_batch(0, rows=np.arange(1))
   if sample_batch is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -34,7 +35,8 @@ import numpy as np
 import yaml
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jzero.errors import MeshError
+from jzero.distributed import ENV_NUM_CPU_DEVICES
+from jzero.errors import JZeroWarning, MeshError
 
 __all__ = ["MeshSpec", "ZeroMesh", "simulate_cpu_devices"]
 
@@ -51,6 +53,13 @@ def simulate_cpu_devices(n: int) -> None:
   """
   if n < 1:
     raise MeshError(f"simulated device count must be >= 1, got {n}.")
+  launched = os.environ.get(ENV_NUM_CPU_DEVICES)
+  if launched and int(launched) != n:
+    warnings.warn(
+        f"simulate_cpu_devices({n}): this process was started by `jzero launch --num_cpu_devices "
+        f"{launched}`, which sets each process's device count; using {launched}. Change "
+        f"--num_cpu_devices to change it.", JZeroWarning, stacklevel=2)
+    n = int(launched)
   from jax._src import xla_bridge  # backends_are_initialized has no public home in jax 0.10
 
   if xla_bridge.backends_are_initialized():

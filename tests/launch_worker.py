@@ -37,7 +37,7 @@ def loss_fn(model: Tiny, batch: dict) -> jax.Array:
 
 
 def main(steps: int) -> None:
-  cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+  cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
   engine = jzero.initialize(Tiny, loss_fn, cfg)
   info = distributed.init_distributed()

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import jzero
-from jzero.errors import JZeroError
+from jzero.errors import JZeroError, JZeroWarning
 
 from zero_testing import loss_of_params
 
@@ -128,3 +128,12 @@ def test_restoring_into_another_model_names_the_leaves_it_lacks(tmp_path):
   message = str(info.value)
   assert "written for another model: the model's leaves ['head" in message, message
   assert "[]" not in message and "jzero inspect" in message
+
+
+def test_simulate_cpu_devices_under_the_launcher_says_the_launcher_decides(monkeypatch):
+  """Under ``jzero launch --num_cpu_devices N`` the launcher's count is used, and a script's own
+  different count is a warning, not silently dropped."""
+  monkeypatch.setenv("JZERO_NUM_CPU_DEVICES", str(jax.device_count()))
+  with pytest.warns(JZeroWarning, match=r"--num_cpu_devices 8.*using 8"):
+    jzero.simulate_cpu_devices(2)  # this process already has the launcher's 8: no error
+  assert jax.device_count() == 8

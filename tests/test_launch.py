@@ -153,6 +153,7 @@ def test_sigkill_under_launcher_stops_the_job(tmp_path):
     assert out.wait_for(r"^\[0\] joined via jzero launch as 0/2")
     assert out.wait_for(r"^\[1\] joined via jzero launch as 1/2")
     out.wait_for(r"^\[1\] process 1 step 3 ")
+    out.wait_for(r"^\[0\] \[jzero\] step 3: loss")  # the engine's step report (steps_per_print 1)
     os.kill(pids[1], signal.SIGKILL)
     t0 = time.monotonic()
     code = p.wait(timeout=FAILURE_BOUND_S)
@@ -161,6 +162,7 @@ def test_sigkill_under_launcher_stops_the_job(tmp_path):
     p.kill()
   assert code != 0 and took < FAILURE_BOUND_S
   assert "process 1 (127.0.0.1, local rank 0) was killed by SIGKILL" in out.text, out.text[-2000:]
+  assert not re.search(r"^\[1\] \[jzero\] step", out.text, re.M)  # process 0 reports for the job
   with pytest.raises(ProcessLookupError):
     os.kill(pids[0], 0)
 

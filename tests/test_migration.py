@@ -14,11 +14,12 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
+from flax import nnx
 
 import jzero
 from jzero.cli import build_parser
 from jzero.config import Config
-from jzero.errors import ConfigError, MeshError, NotSupportedError
+from jzero.errors import ConfigError, JZeroWarning, MeshError, NotSupportedError
 from jzero.models import lm_loss
 
 from zero_testing import SMALL, ds_config, gpt_factory
@@ -174,22 +175,23 @@ class Samples:
     return {"x": self.x[i], "y": self.y[i]}
 
 
-def _mlp_engine(**kw):
-  from flax import nnx
+class Linear8x4(nnx.Module):
+  def __init__(self, rngs):
+    self.w = nnx.Param(jax.random.normal(rngs.params(), (8, 4)) * 0.1)
 
-  class Net(nnx.Module):
-    def __init__(self, rngs):
-      self.w = nnx.Param(jax.random.normal(rngs.params(), (8, 4)) * 0.1)
+  def __call__(self, x):
+    return x @ self.w
 
-    def __call__(self, x):
-      return x @ self.w
 
-  return jzero.initialize(Net, mse, ds_config(2, micro=2), **kw)
+def _mlp_engine(config: dict | None = None, **kw):
+  return jzero.initialize(Linear8x4, mse, config or ds_config(2, micro=2), **kw)
 
 
 def test_training_data_gives_placed_global_batches_as_a_function_of_the_step():
   dataset = Samples(50)  # 50 samples, global batch 16: 3 batches per epoch, 2 samples dropped
-  engine = _mlp_engine(training_data=dataset, seed=3)
+  with pytest.warns(JZeroWarning, match=r"50 samples make 3 batches of train_batch_size 16 per "
+                    r"epoch; the last 2 samples .* dataloader_drop_last"):
+    engine = _mlp_engine(training_data=dataset, seed=3)
   loader = engine.training_dataloader
   assert len(loader) == 3
   epoch0 = list(loader)
@@ -213,6 +215,14 @@ def test_training_data_gives_placed_global_batches_as_a_function_of_the_step():
     host = {k: v[loader.indices(step)] for k, v in (("x", dataset.x), ("y", dataset.y))}
     mstate, mmetrics = manual.train_step(mstate, manual.shard_batch(host))
   assert float(metrics["loss"]) == float(mmetrics["loss"])
+
+
+def test_dataloader_drop_last_true_drops_the_remainder_quietly():
+  config = {**ds_config(2, micro=2), "dataloader_drop_last": True}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", JZeroWarning)
+    engine = _mlp_engine(config, training_data=Samples(50))
+  assert len(engine.training_dataloader) == 3
 
 
 def test_training_data_too_small_or_not_indexable_is_named():
