@@ -421,8 +421,9 @@ def test_damaged_data_file_is_named(small_checkpoint, tmp_path, damage):
   else:
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
   rel = str(victim.relative_to(directory / "7"))
-  with pytest.raises(CheckpointError, match=f"file {rel} (is missing|has .* bytes but)"):
+  with pytest.raises(CheckpointError, match=f"file {rel} (is missing|has .* bytes but)") as info:
     checkpoint.load_checkpoint(_engine(2, 8), directory)
+  assert f"there is no other complete checkpoint in {directory}" in str(info.value)  # step 7 only
   with pytest.raises(CheckpointError, match=rel):
     checkpoint.consolidate(directory, safetensors=tmp_path / "w.safetensors")
 

@@ -304,7 +304,10 @@ def verify_files(step_dir: Path) -> None:
   """Every file the save wrote exists with its size and checksum; else raises naming the first
   that does not (and the complete checkpoints to fall back to)."""
   listing = step_dir / FILES_FILE
-  others = lambda: [t for t in all_tags(step_dir.parent) if t != step_dir.name]
+  def others() -> str:
+    tags = [t for t in all_tags(step_dir.parent) if t != step_dir.name]
+    return (f"complete: {', '.join(tags)}" if tags else
+            f"there is no other complete checkpoint in {step_dir.parent}")
   if not listing.is_file():
     raise CheckpointError(f"{step_dir} is an incomplete checkpoint: it has no {FILES_FILE} (its "
                           f"save was cut off after Orbax's commit), so its files cannot be "
@@ -317,23 +320,23 @@ def verify_files(step_dir: Path) -> None:
       raise TypeError("a size is not an integer")
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise CheckpointError(f"{listing} is not a valid file list ({e}); the checkpoint was modified "
-                          f"after it was written. Restore another checkpoint (complete: "
+                          f"after it was written. Restore another checkpoint ("
                           f"{others()}).") from None
   for rel, entry in files.items():
     path = step_dir / rel
     if not path.is_file():
       raise CheckpointError(f"checkpoint {step_dir} is incomplete: file {rel} is missing. The "
                             f"checkpoint was damaged after it was written; restore another one "
-                            f"(complete: {others()}).")
+                            f"({others()}).")
     if path.stat().st_size != entry["size"]:
       raise CheckpointError(f"checkpoint {step_dir} is corrupt: file {rel} has "
                             f"{path.stat().st_size} bytes but {entry['size']} were written "
-                            f"(truncated or overwritten). Restore another checkpoint (complete: "
+                            f"(truncated or overwritten). Restore another checkpoint ("
                             f"{others()}).")
     if CHECKSUM in entry and _checksum(path) != entry[CHECKSUM]:
       raise CheckpointError(f"checkpoint {step_dir} is corrupt: file {rel} does not match the "
                             f"checksum recorded when it was written (its bytes changed: bit rot, a "
-                            f"bad copy, or an edit). Restore another checkpoint (complete: "
+                            f"bad copy, or an edit). Restore another checkpoint ("
                             f"{others()}).")
 
 
