@@ -26,7 +26,10 @@ Preemption. :func:`should_stop` is a sync point every process calls once per ste
 step number: after any process received SIGTERM, it returns True on every process *at the same
 step* (JAX's preemption sync manager, ``multihost_utils.reached_preemption_sync_point``), so they
 can all save that step's checkpoint and exit 0. In a single process it returns True once SIGTERM
-arrived.
+arrived. With several processes JAX catches SIGTERM itself, so a script that never asks would
+train on through its grace period: then the engine asks at each ``train_step`` and, at the sync
+point, saves to the directory of the script's last ``engine.save_checkpoint`` and exits 0, or,
+having nowhere to save, exits 143 at once (``Engine._stop_if_preempted``).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class ProcessInfo:
 
 _joined: ProcessInfo | None = None
 _heartbeat_s = DEFAULT_HEARTBEAT_TIMEOUT_S
-_sigterm = {"seen": False, "installed": False}
+_sigterm = {"seen": False, "installed": False, "polls": 0}
 
 
 def _cluster():
@@ -216,8 +219,21 @@ def should_stop(step: int) -> bool:
   """True on every process at the same ``step`` once any process got SIGTERM (a preemption).
 
   Every process must call it once per step, with the same increasing step numbers. Costs one
-  small exchange with the coordination service per call when there are several processes.
+  small exchange with the coordination service per call when there are several processes. A
+  script that calls it handles preemption itself; in one that never does, the engine's
+  ``train_step`` asks instead (:meth:`jzero.Engine.train_step`).
   """
+  _sigterm["polls"] += 1
+  return reached_sync_point(step)
+
+
+def polls() -> int:
+  """How many times the script has called :func:`should_stop` (the engine's check reads it)."""
+  return _sigterm["polls"]
+
+
+def reached_sync_point(step: int) -> bool:
+  """:func:`should_stop` without counting as the script's own check."""
   import jax
 
   if jax.process_count() > 1:

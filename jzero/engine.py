@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -24,7 +25,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jzero import delayed, nvme, offload, param_offload
+from jzero import delayed, distributed, nvme, offload, param_offload
 from jzero.config import Config
 from jzero.data import DataLoader
 from jzero.errors import ConfigError, DataError, JZeroError, JZeroWarning
@@ -83,6 +84,8 @@ class Engine(StepBuilder):
   _last_lr: Any = dataclasses.field(default=None, repr=False)  # the last step's lr (on device)
   _unchecked_skip: Any = dataclasses.field(default=None, repr=False)  # (step, overflow array)
   _warned_skip: bool = dataclasses.field(default=False, repr=False)
+  _polls_seen: int | None = dataclasses.field(default=None, repr=False)  # should_stop calls
+  _saved: tuple[Path, int] | None = dataclasses.field(default=None, repr=False)  # (dir, step)
 
   # -- configuration read by the step ---------------------------------------------------------------
   @property
@@ -396,10 +399,41 @@ class Engine(StepBuilder):
     self._host_step += 1
     self._last_lr = metrics["lr"]
     self._warn_first_skip(self._host_step, metrics["overflow"])
+    if jax.process_count() > 1:
+      self._stop_if_preempted(state)
     every = self.config.steps_per_print
     if every and self._host_step % every == 0 and jax.process_index() == 0:  # one report per job
       self._log_step(metrics)
     return state, metrics
+
+  def _stop_if_preempted(self, state: TrainState) -> None:
+    """Preemption for a script that does not handle it (several processes; see
+    :mod:`jzero.distributed`): if the script has not called ``should_stop`` since the last step,
+    the engine asks, with the step number every process shares; at the sync point every process
+    saves this step to the directory of the script's last ``save_checkpoint`` and exits 0, or,
+    with no such directory, says so and exits 143 (SIGTERM's status) before the grace period ends.
+    """
+    previous, self._polls_seen = self._polls_seen, distributed.polls()
+    if previous is None or previous != self._polls_seen:  # first step, or the script checks
+      return
+    step = self._host_step
+    if not distributed.reached_sync_point(step):
+      return
+    me = jax.process_index()
+    if self._saved is None:
+      print(f"jzero: process {me}: preempted (SIGTERM) at step {step}; nothing saved: the script "
+            f"neither calls jzero.distributed.should_stop nor has saved with "
+            f"engine.save_checkpoint, so jzero has nowhere to save. Exiting with status 143.",
+            file=sys.stderr, flush=True)
+      raise SystemExit(143)
+    directory, saved_step = self._saved
+    if saved_step != step:
+      self.save_checkpoint(state, directory)
+    self.wait_for_checkpoints()
+    if me == 0:
+      print(f"jzero: preempted (SIGTERM): every process stopped after step {step}, saved in "
+            f"{directory}; exiting with status 0.", flush=True)
+    raise SystemExit(0)
 
   def _warn_first_skip(self, step: int, overflow: jax.Array) -> None:
     """Warns the first time a step was skipped for a gradient that was not finite (fp16's loss
@@ -552,8 +586,10 @@ class Engine(StepBuilder):
           f"engine.save_checkpoint(state, directory, tag) (DeepSpeed's save_checkpoint(save_dir, "
           f"tag) saves the engine's own state; jzero's state is what train_step returned).")
     from jzero import checkpoint
-    return checkpoint.save_checkpoint(self, state, directory, tag, keep=keep,
-                                      client_state=client_state, save_latest=save_latest)
+    tag = checkpoint.save_checkpoint(self, state, directory, tag, keep=keep,
+                                     client_state=client_state, save_latest=save_latest)
+    self._saved = (Path(directory), int(tag) if str(tag).isdigit() else None)
+    return tag
 
   def load_checkpoint(self, directory: str | Path, tag: str | int | None = None, *,
                       params_only: bool = False, sample_batch: Any = None,

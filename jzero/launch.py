@@ -294,8 +294,10 @@ class _Job:
         i = failed[0]
         proc, code = self.procs[i], codes[i]
         others = [j for j, c in enumerate(codes) if c is None]
+        after_sigterm = (" after SIGTERM, without saving a checkpoint (its script neither "
+                         "handles preemption nor saved before)") if self.signals and code == 143 else ""
         print(f"jzero launch: process {proc.process_id} ({proc.host}, local rank "
-              f"{proc.local_rank}) {_describe_exit(code)}; "
+              f"{proc.local_rank}) {_describe_exit(code)}{after_sigterm}; "
               + (f"stopping the other {len(others)} process(es): {others}." if others else
                  "no other process is running."), file=sys.stderr, flush=True)
         self._signal_all(signal.SIGKILL)
@@ -305,6 +307,9 @@ class _Job:
         return code if code > 0 else 128 - code
       if all(c == 0 for c in codes):
         self._drain()
+        if self.signals:
+          print(f"jzero launch: every process exited 0 after SIGTERM (stopped at a step they all "
+                f"reached; saved where their script saves).", file=sys.stderr, flush=True)
         return 0
       time.sleep(0.1)
 

@@ -1,12 +1,13 @@
 """A training script run by tests/test_launch.py as several processes; not a test module itself.
 
-Usage: python launch_worker.py STEPS
+Usage: python launch_worker.py STEPS [--no-poll] [--save-dir DIR]
 
 Joins the job through ``jzero.initialize`` alone (no arguments: the ``jzero launch`` or SLURM
 environment says where the others are), prints ``joined via SOURCE as I/N pid PID``, then trains a
 tiny model under ZeRO stage 3 for STEPS steps, printing ``process I step S loss L`` after each and
 stopping early, at the same step on every process, when ``jzero.distributed.should_stop`` says a
-process got SIGTERM (``preempted at step S``).
+process got SIGTERM (``preempted at step S``). With ``--no-poll`` it never asks (the engine's
+own preemption check must stop it); with ``--save-dir DIR`` it saves step 2 there.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def loss_fn(model: Tiny, batch: dict) -> jax.Array:
   return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
-def main(steps: int) -> None:
-  cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+def main(steps: int, polls: bool = True, save_dir: str | None = None) -> None:
+  cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1,
+         "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
   engine = jzero.initialize(Tiny, loss_fn, cfg)
   info = distributed.init_distributed()
@@ -51,11 +53,14 @@ def main(steps: int) -> None:
     batch = {"x": x[rows], "y": np.zeros((len(rows), 4), np.float32)}  # this process's rows
     state, metrics = engine.train_step(state, engine.shard_batch(batch))
     print(f"process {me} step {step} loss {float(metrics['loss'])!r}", flush=True)
-    if distributed.should_stop(step):
+    if save_dir and step == 2:
+      engine.save_checkpoint(state, save_dir)
+    if polls and distributed.should_stop(step):
       print(f"process {me} preempted at step {step}", flush=True)
       return
     time.sleep(0.2)
 
 
 if __name__ == "__main__":
-  main(int(sys.argv[1]))
+  main(int(sys.argv[1]), polls="--no-poll" not in sys.argv,
+       save_dir=sys.argv[sys.argv.index("--save-dir") + 1] if "--save-dir" in sys.argv else None)
