@@ -82,8 +82,6 @@ class Engine(StepBuilder):
   _prime_fn: Any = dataclasses.field(default=None, repr=False)  # delayed update (jzero.delayed)
   _delayed_ready: Any = dataclasses.field(default=None, repr=False)
   _last_lr: Any = dataclasses.field(default=None, repr=False)  # the last step's lr (on device)
-  _unchecked_skip: Any = dataclasses.field(default=None, repr=False)  # (step, overflow array)
-  _warned_skip: bool = dataclasses.field(default=False, repr=False)
   _polls_seen: int | None = dataclasses.field(default=None, repr=False)  # should_stop calls
   _saved: tuple[Path, int] | None = dataclasses.field(default=None, repr=False)  # (dir, step)
 
@@ -155,11 +153,8 @@ class Engine(StepBuilder):
     return delayed.enabled(self.config.zero_optimization)
 
   def _checks_overflow(self) -> bool:
-    """Whether a step whose gradient is not finite is skipped: fp16 (the loss scaler's overflow),
-    fp32 (a NaN / inf from the data or the loss) and bf16 unless ``bf16.check_grad_overflow`` is
-    false. The old state is donated, so without the check one such step makes every parameter
-    NaN."""
-    return self.config.precision != "bf16" or self.config.bf16.check_grad_overflow
+    precision = self.config.precision
+    return precision == "fp16" or (precision == "bf16" and self.config.bf16.check_grad_overflow)
 
   # -- plan and shardings ---------------------------------------------------------------------------
   def _make_plan(self, rng: jax.Array, sample_batch: Any) -> Plan:
@@ -398,7 +393,6 @@ class Engine(StepBuilder):
       delayed.seen(self, state)
     self._host_step += 1
     self._last_lr = metrics["lr"]
-    self._warn_first_skip(self._host_step, metrics["overflow"])
     if jax.process_count() > 1:
       self._stop_if_preempted(state)
     every = self.config.steps_per_print
@@ -434,22 +428,6 @@ class Engine(StepBuilder):
       print(f"jzero: preempted (SIGTERM): every process stopped after step {step}, saved in "
             f"{directory}; exiting with status 0.", flush=True)
     raise SystemExit(0)
-
-  def _warn_first_skip(self, step: int, overflow: jax.Array) -> None:
-    """Warns the first time a step was skipped for a gradient that was not finite (fp16's loss
-    scaler skips steps as its normal work, logged with the metrics instead). The flag read is the
-    previous step's, after this step was dispatched: the device is never left idle waiting."""
-    if self.config.precision == "fp16" or self._warned_skip:
-      return
-    previous, self._unchecked_skip = self._unchecked_skip, (step, overflow)
-    if previous is not None and bool(previous[1]):
-      self._warned_skip = True
-      warnings.warn(
-          f"step {previous[0]}: the gradient was not finite (NaN or inf), so the step was skipped: "
-          f"parameters and optimizer state are unchanged. metrics['overflow'] flags such steps "
-          f"and metrics['skipped'] counts them. Look for NaN or inf in the batch, an integer input "
-          f"out of an embedding's range, or a loss that divides by zero.", JZeroWarning,
-          stacklevel=3)
 
   def _log_step(self, metrics: dict) -> None:
     lr = float(metrics["lr"])

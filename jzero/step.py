@@ -350,7 +350,6 @@ class StepBuilder:
         "lr": self._learning_rate(applied, opt_state),
         "loss_scale": scale,
         "overflow": overflow,
-        "skipped": state.skipped + overflow.astype(jnp.int32),
         "min_scale_overflow": self.scaler.at_min_scale_overflow(state.loss_scale, overflow),
         **aux,
     }
