@@ -4,6 +4,7 @@ DeepSpeed's launcher, for JAX::
 
   jzero launch --num_processes 2 --num_cpu_devices 4 train.py --config ds.json   # one machine
   jzero launch --hostfile hosts --master_port 29500 train.py ...                 # several, ssh
+  jzero launch --num_processes 2 -- jzero train --config ds.json                # a command
   python -m jzero.launch ...                                                     # the same
 
 What runs where. Without ``--hostfile`` every process runs on this machine. A hostfile is
@@ -41,6 +42,7 @@ import argparse
 import dataclasses
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -207,7 +209,15 @@ def process_env(proc: Proc, world: int, local_world: int, master_addr: str, mast
   return env
 
 
-def _program(script: str, script_args: Sequence[str], module: bool) -> list[str]:
+def _program(script: str, script_args: Sequence[str], module: bool, no_python: bool = False
+             ) -> list[str]:
+  """The program every process runs: ``python -u [-m] script ...``, or the command itself with
+  ``--no_python`` or when ``script`` is no file here but a command on ``PATH`` (``jzero launch --
+  jzero train ...``: a console script is itself a Python program)."""
+  if module and no_python:
+    raise JZeroError("--module and --no_python exclude each other: a module runs under python.")
+  if no_python or (not module and not Path(script).exists() and shutil.which(script)):
+    return [script, *script_args]
   return [sys.executable, "-u", *(["-m"] if module else []), script, *script_args]
 
 
@@ -346,6 +356,9 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                       "directory)")
   p.add_argument("--module", "-m", action="store_true",
                  help="run the script as a Python module (python -m), e.g. '--module jzero train'")
+  p.add_argument("--no_python", "--no-python", action="store_true",
+                 help="run the script as a command, not under python (default for a command "
+                      "on PATH that is no file here, e.g. '-- jzero train ...')")
   p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                  help="print each process's command and environment; start nothing")
   p.add_argument("script", help="the training script (or module with --module)")
@@ -369,7 +382,7 @@ def run_launch(args: argparse.Namespace) -> int:
   first = procs[0].host
   master = args.master_addr or ("127.0.0.1" if is_local(first) else first)
   extra = read_env_file(args.env_file)
-  program = _program(args.script, args.script_args, args.module)
+  program = _program(args.script, args.script_args, args.module, args.no_python)
   envs = [process_env(p, len(procs), len(slots[p.host]), master, args.master_port,
                       args.num_cpu_devices, extra) for p in procs]
   argvs = [command_line(p, e, program, ssh_port=args.ssh_port) for p, e in zip(procs, envs)]

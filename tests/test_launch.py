@@ -139,6 +139,26 @@ def test_dry_run_prints_ssh_commands(tmp_path, capsys, monkeypatch):
     assert f"cd {tmp_path}" in command
 
 
+def test_a_command_on_path_runs_as_itself(tmp_path, monkeypatch):
+  """``jzero launch -- jzero train ...`` (the form a DeepSpeed user types) runs the console
+  script, not ``python jzero``; a file of that name here, or ``--module``, still runs under
+  python; ``--no_python`` forces the command."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  (bin_dir / "trainer").write_text("#!/bin/sh\n")
+  (bin_dir / "trainer").chmod(0o755)
+  monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+  monkeypatch.chdir(tmp_path)
+  assert launch._program("trainer", ["train"], module=False) == ["trainer", "train"]
+  assert launch._program("train.py", ["-x"], module=False)[1:] == ["-u", "train.py", "-x"]
+  assert launch._program("trainer", ["train"], module=True)[1:] == ["-u", "-m", "trainer", "train"]
+  assert launch._program("./run.sh", [], module=False, no_python=True) == ["./run.sh"]
+  (tmp_path / "trainer").write_text("print('a script named like the command')\n")
+  assert launch._program("trainer", [], module=False)[1:] == ["-u", "trainer"]
+  with pytest.raises(JZeroError, match="--module and --no_python"):
+    launch._program("trainer", [], module=True, no_python=True)
+
+
 # -- failures ---------------------------------------------------------------------------------------
 def test_sigkill_under_launcher_stops_the_job(tmp_path):
   """A hostfile of two local names, --include picks one slot of each; process 1 is SIGKILLed at
