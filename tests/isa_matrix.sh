@@ -7,6 +7,10 @@
 #   tests/isa_matrix.sh [pytest args...]      (default: the whole suite)
 #   ISAS="AVX2 SSE4_2" tests/isa_matrix.sh     (some of the ISAs: default AVX2 SSE4_2)
 #
+# SSE4_2 is below what JAX's wheels need (AVX), so it stands for no CPU JAX supports: there XLA's
+# CPU JIT cannot resolve __truncsfhf2 (float32 -> float16 without F16C) and every fp16 program
+# fails to compile ("Failed to materialize symbols: ... convert_fusion"; jax 0.10.2: 7 tests).
+#
 # Subprocess tests (several processes) run their workers with the ISA flag too: the helpers pass
 # XLA_FLAGS through, dropping only a device-count flag.
 set -u
