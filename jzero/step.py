@@ -309,7 +309,9 @@ class StepBuilder:
     else:
       skip_update, carried = overflow, None
 
-    def apply_update(_):
+    def apply_update(_, keep: jax.Array | None = None):
+      """The update; with ``keep`` (a traced bool, device-tier state only) the old partition and
+      optimizer state are selected elementwise where it is true, before any gather."""
       master = state.master if plan.has_master else plan.map(self._local_master, state.params)
       if plan.has_nvme:
         master = nvme.shrink(plan, master)
@@ -324,7 +326,11 @@ class StepBuilder:
             grouped=self.schedule is not None, master_on_host=master_on_host)
       else:
         updates, opt_state = self.tx.update(grads, state.opt_state, master)
-        master = compute_from = optax.apply_updates(master, updates)
+        new_master = optax.apply_updates(master, updates)
+        if keep is not None:
+          new_master, opt_state = jax.tree.map(lambda old, new: jnp.where(keep, old, new),
+                                               (master, state.opt_state), (new_master, opt_state))
+        master = compute_from = new_master
       # NVMe leaves keep their params here: the store's update makes the new ones (jzero.nvme)
       params = plan.map(lambda l, m, old: old if l.state_tier == "nvme"
                         else self._compute_param(l, m), compute_from, state.params)
@@ -349,8 +355,7 @@ class StepBuilder:
     elif checks or plan.uses_host or plan.param_offloads:
       params, master, opt_state, secondary = lax.cond(skip_update, skip, apply_update, None)
     else:  # an elementwise select fuses into the update: no second copy of the state (a cond's)
-      params, master, opt_state, secondary = jax.tree.map(
-          lambda new, old: jnp.where(skip_update, old, new), apply_update(None), skip(None))
+      params, master, opt_state, secondary = apply_update(None, keep=skip_update)
 
     applied = state.step - state.skipped
     if state.delayed is not None:  # the carried gradient is not applied yet
