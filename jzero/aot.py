@@ -70,6 +70,7 @@ GPU_SPECS = {  # --gpu name -> XLA GPU target config in jzero/gpu_specs
 INSTALL_HINT = ('pip install -e ".[gpu-aot]" (or pip install "jzero[gpu-aot]"): the CUDA compiler '
                 'plugin, jax-cuda12-plugin and jax-cuda12-pjrt matching your jax; no GPU and no '
                 'CUDA libraries are needed')
+TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"  # the custom call a Pallas GPU kernel lowers to
 DEFAULT_MEMORY_FRACTION = 0.75  # what JAX preallocates on a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION)
 STATE_KINDS = ("params", "grads", "master", "optimizer")
 
@@ -169,6 +170,8 @@ class AotReport:
     device_memory: the part's memory; memory_fraction: the part of it JAX may use.
     trace_s, lower_s, compile_s: wall times of tracing, lowering and XLA's GPU compile.
     collectives: every collective of the scheduled program.
+    pallas_kernels: the Pallas (Triton) kernel calls in the compiled program -- ZeRO++'s int8 /
+      int4 block kernels (``kernels/``); 0 without qwZ / qgZ.
     xla_options: the compile options the plan passed (bucket and overlap knobs).
   """
 
@@ -197,6 +200,7 @@ class AotReport:
   compile_s: float
   collectives: list[Collective]
   xla_options: dict[str, Any]
+  pallas_kernels: int = 0
 
   @property
   def kinds(self) -> tuple[str, ...]:
@@ -466,6 +470,7 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
   from jzero.profile import collectives  # noqa: PLC0415
 
   analysis = compiled.memory_analysis()
+  hlo = compiled.as_text()
   return AotReport(
       gpu=spec.description, gpu_name=spec.name, devices=devices, nodes=nodes,
       mesh=zmesh.describe(), stage=cfg.zero_optimization.stage, precision=cfg.precision,
@@ -476,8 +481,14 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
       argument=analysis.argument_size_in_bytes, output=analysis.output_size_in_bytes,
       temp=analysis.temp_size_in_bytes, alias=analysis.alias_size_in_bytes,
       device_memory=spec.memory_bytes, memory_fraction=memory_fraction, trace_s=t1 - t0,
-      lower_s=t2 - t1, compile_s=t3 - t2, collectives=collectives(compiled.as_text(), zmesh),
-      xla_options=engine.plan.xla_options())
+      lower_s=t2 - t1, compile_s=t3 - t2, collectives=collectives(hlo, zmesh),
+      xla_options=engine.plan.xla_options(), pallas_kernels=pallas_calls(hlo))
+
+
+def pallas_calls(hlo_text: str) -> int:
+  """The Pallas kernels a compiled GPU program calls: its Triton custom calls."""
+  return sum(1 for line in hlo_text.splitlines()
+             if "custom-call(" in line and TRITON_CALL_TARGET in line)
 
 
 # -- the readable table ----------------------------------------------------------------------------
@@ -525,6 +536,7 @@ def format_report(r: AotReport) -> str:
   lines.append(f"overlapped with compute: {pct(r.overlap_fraction)} of "
                f"{format_bytes(r.sent_bytes)} sent per device per step "
                f"({pct(r.matmul_overlap_fraction)} with a matmul in flight)")
+  lines.append(f"Pallas kernels (ZeRO++ block quantization, Triton): {r.pallas_kernels} calls")
   return "\n".join(lines)
 
 

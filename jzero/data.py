@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sysconfig
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -142,6 +142,7 @@ class DataLoader:
     self.shuffle, self.seed = shuffle, seed
     self.epoch = 0
     self._rows = self._local_rows()
+    self.check: Callable[[Any], None] | None = None  # the engine's host-batch check
 
   def __len__(self) -> int:
     """Batches per epoch."""
@@ -172,6 +173,8 @@ class DataLoader:
   def batch(self, step: int) -> Any:
     """The global batch of optimizer step ``step``, placed on the mesh."""
     local = self.host_batch(step, self._rows)
+    if self.check is not None:
+      self.check(local)
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(
             self.sharding, x, (self.batch_size,) + x.shape[1:]), local)

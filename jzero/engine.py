@@ -71,6 +71,9 @@ class Engine(StepBuilder):
   zeropp: zpp.ZeroPP = dataclasses.field(default_factory=zpp.ZeroPP)
   training_dataloader: DataLoader | None = None
   timings: list[StepTiming] = dataclasses.field(default_factory=list)
+  # shard_batch refuses integer inputs past the model's largest embedding table (an out-of-range
+  # lookup gives NaN); set False when an integer leaf larger than that is not an embedding input.
+  check_input_ids: bool = True
   _step_fn: Any = dataclasses.field(default=None, repr=False)
   _split_fns: Any = dataclasses.field(default=None, repr=False)
   _eval_fn: Any = dataclasses.field(default=None, repr=False)
@@ -82,6 +85,8 @@ class Engine(StepBuilder):
   _prime_fn: Any = dataclasses.field(default=None, repr=False)  # delayed update (jzero.delayed)
   _delayed_ready: Any = dataclasses.field(default=None, repr=False)
   _last_lr: Any = dataclasses.field(default=None, repr=False)  # the last step's lr (on device)
+  _unchecked_skip: Any = dataclasses.field(default=None, repr=False)  # (step, overflow array)
+  _warned_skip: bool = dataclasses.field(default=False, repr=False)
   _polls_seen: int | None = dataclasses.field(default=None, repr=False)  # should_stop calls
   _saved: tuple[Path, int] | None = dataclasses.field(default=None, repr=False)  # (dir, step)
 
@@ -362,6 +367,28 @@ class Engine(StepBuilder):
             f"{self.micro_batch_size} x gradient_accumulation_steps {self.gas} x data-parallel "
             f"size {self.mesh.dp_size}).")
 
+  def _check_input_ids(self, batch: PyTree) -> None:
+    """Host batches only (one max per integer leaf, no device read): ids past the rows of the
+    model's largest embedding table (a param named ``embedding``, NNX's and Linen's)."""
+    if not self.check_input_ids or self.plan is None:
+      return
+    rows = [leaf.shape[0] for leaf in self.plan.leaf_list()
+            if leaf.path.rsplit("/", 1)[-1] == "embedding" and len(leaf.shape) == 2]
+    if not rows:
+      return
+    limit = max(rows)
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+      if isinstance(x, jax.Array) or not np.size(x):
+        continue
+      x = np.asarray(x)
+      if np.issubdtype(x.dtype, np.integer) and (top := int(x.max())) >= limit:
+        raise DataError(
+            f"batch leaf {jax.tree_util.keystr(path) or 'batch'} holds the id {top}, but the "
+            f"model's largest embedding table has {limit} rows (ids 0..{limit - 1}): a lookup "
+            f"out of range gives NaN and the step would be skipped. Match the tokenizer's "
+            f"vocabulary to the model's vocab size, or set engine.check_input_ids = False if "
+            f"this leaf does not index an embedding.")
+
   def train_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch (leading dim ``train_batch_size``). Donates ``state``.
 
@@ -393,6 +420,7 @@ class Engine(StepBuilder):
       delayed.seen(self, state)
     self._host_step += 1
     self._last_lr = metrics["lr"]
+    self._warn_first_skip(self._host_step, metrics["overflow"])
     if jax.process_count() > 1:
       self._stop_if_preempted(state)
     every = self.config.steps_per_print
@@ -428,6 +456,22 @@ class Engine(StepBuilder):
       print(f"jzero: preempted (SIGTERM): every process stopped after step {step}, saved in "
             f"{directory}; exiting with status 0.", flush=True)
     raise SystemExit(0)
+
+  def _warn_first_skip(self, step: int, overflow: jax.Array) -> None:
+    """Warns the first time a step was skipped for a gradient that was not finite (fp16's loss
+    scaler and bf16's check skip steps as their normal work, logged with the metrics instead). The flag read is the
+    previous step's, after this step was dispatched: the device is never left idle waiting."""
+    if self.config.precision != "fp32" or self._warned_skip:
+      return
+    previous, self._unchecked_skip = self._unchecked_skip, (step, overflow)
+    if previous is not None and bool(previous[1]):
+      self._warned_skip = True
+      warnings.warn(
+          f"step {previous[0]}: the gradient was not finite (NaN or inf), so the step was skipped: "
+          f"parameters and optimizer state are unchanged. metrics['overflow'] flags such steps "
+          f"and metrics['skipped'] counts them. Look for NaN or inf in the batch, an integer input "
+          f"out of an embedding's range, or a loss that divides by zero.", JZeroWarning,
+          stacklevel=3)
 
   def _log_step(self, metrics: dict) -> None:
     lr = float(metrics["lr"])
@@ -480,6 +524,7 @@ class Engine(StepBuilder):
     lead = {np.shape(x)[0] if np.shape(x) else None for x in jax.tree.leaves(batch)}
     if process_local is None:
       process_local = jax.process_count() > 1 and lead != {self.global_batch_size}
+    self._check_input_ids(batch)
     if not process_local:
       self._check_batch(batch)
       return jax.device_put(batch, self.batch_sharding())
@@ -666,6 +711,13 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
   cfg = given.resolve(dp_world_size=zmesh.dp_size, hidden_size=hidden_size or adapter.hidden_size,
                     total_num_steps=total_num_steps, auto_values=auto_values)
   zmesh, zeropp = zpp.resolve(cfg.zero_optimization, zmesh, default_mesh=mesh is None)
+  if delayed.enabled(cfg.zero_optimization) and cfg.precision == "fp32":
+    warnings.warn(
+        "offload_optimizer.delayed_update in fp32: a step whose gradient is not finite (NaN / "
+        "inf) is not skipped -- the delayed update applies each carried gradient "
+        "unconditionally, so that the host update overlaps the next forward and backward. Use "
+        "fp16, or bf16 (check_grad_overflow: true), to have such steps skipped.",
+        JZeroWarning, stacklevel=2)
   nvme_settings = nvme.settings_from_config(cfg, client_optimizer=optimizer is not None)
   if optimizer is None:
     tx, schedule = build_optimizer(_block(cfg.optimizer), _block(cfg.scheduler))
@@ -705,9 +757,12 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
     adapter.set_sample_batch(sample_batch)
   if stacked_layers is None:
     stacked_layers = adapter.stacked_layers
-  return Engine(config=cfg, mesh=zmesh, model=adapter, loss_fn=loss_fn, tx=tx, schedule=schedule,
-                scaler=scaler, stacked_layers=_as_prefixes(stacked_layers),
-                training_dataloader=loader, zeropp=zeropp, nvme_settings=nvme_settings)
+  engine = Engine(config=cfg, mesh=zmesh, model=adapter, loss_fn=loss_fn, tx=tx,
+                  schedule=schedule, scaler=scaler, stacked_layers=_as_prefixes(stacked_layers),
+                  training_dataloader=loader, zeropp=zeropp, nvme_settings=nvme_settings)
+  if loader is not None:
+    loader.check = engine._check_input_ids
+  return engine
 
 
 def _warn_gpu_only_knobs(given: Any, zero: Any, mesh: ZeroMesh) -> None:

@@ -42,7 +42,7 @@ compute params, and written to the other slot. With ``pipeline_read`` the reads 
 group's writes proceed while the next groups are read and updated (at most ``buffer_count`` groups'
 writes pending); without them each read / write is waited for. :meth:`NvmeStore.update` returns
 once every write is committed and the manifest names the new step: that is the step's commit point;
-``engine.train_step`` returns after it. A skipped (fp16 overflow) step writes nothing and moves the
+``engine.train_step`` returns after it. A skipped step (its gradient not finite) writes nothing and moves the
 manifest's step only.
 
 **Crash consistency.** Two slots, ``slot_a`` and ``slot_b``: step t reads the slot the manifest

@@ -79,7 +79,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import kernels
+from jzero import kernels
 from jzero import collective_order
 from jzero.collectives import pad_to
 from jzero.mesh import ZeroMesh

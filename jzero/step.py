@@ -14,7 +14,11 @@ ZeRO says it should:
    and its gradient lands in a device slot (:mod:`jzero.param_offload`).
 2. Stage 0 all-reduces the accumulated gradient, stage 1 reduce-scatters it.
 3. fp16: any inf/nan anywhere -> skip the step and let the loss scaler back off (DeepSpeed's
-   dynamic loss scaling). Gradients are unscaled, the true global norm is computed from the
+   dynamic loss scaling; bf16 with ``check_grad_overflow``); fp32: a global norm that is not finite (a NaN row, a loss that
+   divides by zero) skips the step too -- an elementwise select of the old state, fused into the
+   update, where fp16's ``lax.cond`` would hold a second copy of the state (a cond still, with
+   host-tier state; not with the delayed update, whose steady step always applies: the engine
+   warns). Gradients are unscaled, the true global norm is computed from the
    partitions (a ``psum`` of partial sums of squares) and the gradient clipped DeepSpeed's way:
    ``g *= min(1, clip / (norm + 1e-6))``.
 4. The optax update runs on each device's partition of the fp32 master (or, in fp32, of the params
@@ -60,7 +64,7 @@ class TrainState(NamedTuple):
 
   Attributes:
     step: optimizer steps taken (DeepSpeed's ``global_steps``; skipped fp16 steps included).
-    skipped: steps skipped because of fp16 overflow.
+    skipped: steps skipped because the gradient was not finite (fp16 overflow, or a NaN / inf).
     params: compute params (compute dtype) in the plan's param layout.
     master: fp32 master params in the plan's state layout; None in fp32 training.
     opt_state: the optax state, param-like leaves in the state layout.
@@ -282,12 +286,16 @@ class StepBuilder:
     steady step, False: the prime step, None: read ``state.delayed.ready``)."""
     plan, axes = self.plan, self.mesh
     scale = state.loss_scale.scale
-    if self._checks_overflow():
+    checks = self._checks_overflow()
+    if checks:
       overflow = lax.psum(has_overflow(grads).astype(jnp.int32), axes.zero_axes) > 0
-    else:
-      overflow = jnp.zeros((), bool)
     grads = jax.tree.map(lambda g: g / scale, grads)
     grad_norm = self._global_norm(grads)
+    norm_check = self.config.precision == "fp32" and state.delayed is None
+    if norm_check:  # fp32: a NaN or inf anywhere makes the global norm non-finite
+      overflow = jnp.logical_not(jnp.isfinite(grad_norm))
+    elif not checks:  # bf16 without check_grad_overflow; the delayed update (jzero.delayed)
+      overflow = jnp.zeros((), bool)
     clip = self.config.gradient_clipping
     if clip > 0:
       factor = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
@@ -299,9 +307,11 @@ class StepBuilder:
     if state.delayed is not None:  # DPU: update with the carried g_{t-1}, carry g_t
       grads, skip_update, carried = delayed.swap(state.delayed, grads, overflow, ready)
     else:
-      skip_update, carried = overflow if self._checks_overflow() else False, None
+      skip_update, carried = overflow, None
 
-    def apply_update(_):
+    def apply_update(_, keep: jax.Array | None = None):
+      """The update; with ``keep`` (a traced bool, device-tier state only) the old partition and
+      optimizer state are selected elementwise where it is true, before any gather."""
       master = state.master if plan.has_master else plan.map(self._local_master, state.params)
       if plan.has_nvme:
         master = nvme.shrink(plan, master)
@@ -316,7 +326,11 @@ class StepBuilder:
             grouped=self.schedule is not None, master_on_host=master_on_host)
       else:
         updates, opt_state = self.tx.update(grads, state.opt_state, master)
-        master = compute_from = optax.apply_updates(master, updates)
+        new_master = optax.apply_updates(master, updates)
+        if keep is not None:
+          new_master, opt_state = jax.tree.map(lambda old, new: jnp.where(keep, old, new),
+                                               (master, state.opt_state), (new_master, opt_state))
+        master = compute_from = new_master
       # NVMe leaves keep their params here: the store's update makes the new ones (jzero.nvme)
       params = plan.map(lambda l, m, old: old if l.state_tier == "nvme"
                         else self._compute_param(l, m), compute_from, state.params)
@@ -338,8 +352,10 @@ class StepBuilder:
 
     if isinstance(skip_update, bool):
       params, master, opt_state, secondary = (skip if skip_update else apply_update)(None)
-    else:
+    elif checks or plan.uses_host or plan.param_offloads:
       params, master, opt_state, secondary = lax.cond(skip_update, skip, apply_update, None)
+    else:  # an elementwise select fuses into the update: no second copy of the state (a cond's)
+      params, master, opt_state, secondary = apply_update(None, keep=skip_update)
 
     applied = state.step - state.skipped
     if state.delayed is not None:  # the carried gradient is not applied yet
@@ -350,6 +366,7 @@ class StepBuilder:
         "lr": self._learning_rate(applied, opt_state),
         "loss_scale": scale,
         "overflow": overflow,
+        "skipped": state.skipped + overflow.astype(jnp.int32),
         "min_scale_overflow": self.scaler.at_min_scale_overflow(state.loss_scale, overflow),
         **aux,
     }

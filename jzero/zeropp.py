@@ -7,7 +7,8 @@ switches of ``zero_optimization`` (all stage 3 only, as in DeepSpeed):
 
 * **qwZ** (``zero_quantized_weights``): the parameter all-gather moves int8 blocks and fp32
   scales instead of 16-bit values -- each device quantizes its partition
-  (:func:`kernels.quantize`, DeepSpeed's group size :func:`kernels.qwz_group_size`), the blocks
+  (:func:`jzero.kernels.quantize`, DeepSpeed's group size
+  :func:`jzero.kernels.qwz_group_size`), the blocks
   are gathered, every device dequantizes them to the compute dtype. The gather's backward stays a
   full-precision (or qgZ) reduce-scatter of the gradient; the compute dtype is never changed, so
   bf16 training stays bf16 (DeepSpeed #7775 cast bf16 weights to fp16).
@@ -17,8 +18,8 @@ switches of ``zero_optimization`` (all stage 3 only, as in DeepSpeed):
   pass read the secondary over the intra-node axes; only refreshing it crosses nodes.
 * **qgZ** (``zero_quantized_gradients``): the gradient reduce-scatter becomes two all-to-all
   hops of int4 blocks -- inside the node, then across nodes -- with a dequantize-sum-requantize
-  between them (:func:`kernels.requantize_sum`) and a float32 sum at the end
-  (:func:`kernels.dequantize_sum`). Never a reduce-scatter of integers: XLA would sum them in
+  between them (:func:`jzero.kernels.requantize_sum`) and a float32 sum at the end
+  (:func:`jzero.kernels.dequantize_sum`). Never a reduce-scatter of integers: XLA would sum them in
   the integer type and wrap.
 
 **The hierarchy.** All three read a split of the ZeRO axes into *node* axes (across nodes) and
@@ -87,7 +88,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-import kernels
+from jzero import kernels
 from jzero.errors import ConfigError, JZeroWarning
 from jzero.mesh import MeshSpec, ZeroMesh
 
@@ -281,7 +282,7 @@ class Comm:
     gather_group: int8 block size (elements) of the qwZ gather.
     reduce_group: int4 block size of the qgZ hops.
     zero_axes, node_axes, local_axes: the mesh axes.
-    impl: the kernels' implementation (:mod:`kernels.ops`): "jnp" on a CPU mesh (the Pallas
+    impl: the kernels' implementation (:mod:`jzero.kernels.ops`): "jnp" on a CPU mesh (the Pallas
       kernels would only be traced to be dropped: seconds of tracing per step compile), "auto"
       elsewhere (Pallas where the step is lowered for CUDA, also ahead of time).
   """

@@ -19,7 +19,7 @@ DeepSpeed packs int4 as adjacent pairs; jzero pairs the two halves of a block in
 kernels pack and unpack with two contiguous slices (the wire size is the same). Both arrays have
 the stack axes in front, so ``lax.all_gather(..., tiled=False)`` and ``lax.all_to_all`` along axis
 0 move whole chunks, and a :class:`Quantized` goes through them as a pytree (see
-:mod:`kernels.ops`).
+:mod:`jzero.kernels.ops`).
 
 **Bytes.** A chunk costs ``groups * G * bits / 8`` value bytes plus ``4 * groups`` scale bytes
 (:func:`wire_bytes`): int8 with G = 2048 sends 1 + 4/2048 = 1.00195 bytes per element, int4
@@ -54,7 +54,7 @@ MIN_QWZ_GROUP = 256  # below this, fp32 scales cost more than 1.5% of the int8 b
 
 
 def _fail(message: str) -> NoReturn:
-  # Imported here, not at module level: ``jzero`` imports ``kernels``, and an error path runs only
+  # Imported here, not at module level: ``jzero`` imports ``jzero.kernels``, and an error path runs only
   # after both are loaded.
   from jzero.errors import ConfigError  # noqa: PLC0415
   raise ConfigError(message)
@@ -149,7 +149,7 @@ class Quantized:
     values: int8 ``(*stack, groups, G)`` or, for 4 bits, uint8 ``(*stack, groups, G // 2)``.
     scales: float32 ``(*stack, groups)``: the dequantization multiplier of each block.
     shape: the logical shape of one chunk (the stack axes are not part of it).
-    dtype: the dtype the chunk had; :func:`kernels.dequantize` returns it unless told otherwise.
+    dtype: the dtype the chunk had; :func:`jzero.kernels.dequantize` returns it unless told otherwise.
     bits: 8 or 4.
     group_size: G, elements per block.
 

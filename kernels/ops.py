@@ -1,7 +1,7 @@
 """The public operations: quantize, dequantize, dequantize-and-sum, and their collectives.
 
-Each operation reshapes between the public layout (:mod:`kernels.layout`) and the block views
-(:mod:`kernels.reference`) -- free reshapes, plus one zero-pad when a chunk does not fill its last
+Each operation reshapes between the public layout (:mod:`jzero.kernels.layout`) and the block views
+(:mod:`jzero.kernels.reference`) -- free reshapes, plus one zero-pad when a chunk does not fill its last
 block -- and runs one kernel, picked by ``impl``:
 
 * ``"auto"`` (default): the Pallas kernel when the computation is lowered for CUDA, the jnp
@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels import reference as _reference
-from kernels.layout import (Quantized, _fail, check_bits, check_dtype, check_group_size,
-                            num_groups)
+from jzero.kernels import reference as _reference
+from jzero.kernels.layout import (Quantized, _fail, check_bits, check_dtype,
+                                  check_group_size, num_groups)
 
 __all__ = ["quantize", "dequantize", "dequantize_sum", "requantize_sum", "all_gather",
            "all_to_all", "IMPLS", "RULES"]
@@ -72,7 +72,7 @@ def _run(impl: str, name: str, *args, **static) -> Any:
   if impl == "jnp" or any(a.size == 0 for a in args):
     return reference(*args)
   try:
-    from kernels import pallas as _pallas  # noqa: PLC0415  (Triton bindings only when needed)
+    from jzero.kernels import pallas as _pallas  # noqa: PLC0415  (Triton bindings only when needed)
   except ImportError as e:  # a jaxlib built without Pallas' Triton backend
     if impl == "auto":
       return reference(*args)
@@ -117,7 +117,7 @@ def quantize(x: jax.Array, bits: int = 8, group_size: int = 2048, *, batch_dims:
     x: the array; its first ``batch_dims`` axes index independent chunks (each chunk is
       flattened and cut into its own blocks), the rest is the chunk shape.
     bits: 8 (int8) or 4 (int4, two per byte).
-    group_size: G, elements per block (even, 2..8192; see :func:`kernels.qwz_group_size`).
+    group_size: G, elements per block (even, 2..8192; see :func:`jzero.kernels.qwz_group_size`).
     batch_dims: how many leading axes of ``x`` are stack axes.
     rule: ``"deepspeed"`` (scale 2^(b-1)/absmax; +absmax clips to 2^(b-1)-1) or ``"no_clip"``
       (scale (2^(b-1)-1)/absmax; error at most absmax/(2^(b-1)-1)/2 for every element).
@@ -202,7 +202,7 @@ def requantize_sum(q: Quantized, bits: int | None = None, *, rule: str = "deepsp
 
 def _check_quantized(q: Any, argument: str, stacked: bool = False) -> None:
   if not isinstance(q, Quantized):
-    _fail(f"{argument} must be a kernels.Quantized (from kernels.quantize), not "
+    _fail(f"{argument} must be a jzero.kernels.Quantized (from jzero.kernels.quantize), not "
           f"{type(q).__name__}.")
   q.check()
   if stacked and not q.stack_shape:

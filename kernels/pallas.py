@@ -1,4 +1,4 @@
-"""Pallas kernels (Triton backend) for the block views of :mod:`kernels.reference`.
+"""Pallas kernels (Triton backend) for the block views of :mod:`jzero.kernels.reference`.
 
 Same inputs, outputs and math as the reference, bit for bit (the tests compare them in interpret
 mode); on an NVIDIA GPU they compile to one fused pass over memory each: quantize reads the
@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from kernels.reference import F32_MAX, inverse, numerator, scaled, split_scale, tiny_absmax
+from jzero.kernels.reference import F32_MAX, inverse, numerator, scaled, split_scale, tiny_absmax
 
 __all__ = ["quantize_blocks", "dequantize_sum_blocks", "requantize_sum_blocks",
            "round_half_even", "tiling", "BLOCK_ELEMENTS"]
@@ -187,7 +187,7 @@ def _values_shape(rows: int, group_size: int, bits: int) -> jax.ShapeDtypeStruct
 
 def quantize_blocks(x: jax.Array, bits: int, rule: str = "deepspeed", *, interpret: bool = False
                     ) -> tuple[jax.Array, jax.Array]:
-  """Pallas :func:`kernels.reference.quantize_blocks`: float ``(R, G)`` -> values, scales."""
+  """Pallas :func:`jzero.kernels.reference.quantize_blocks`: float ``(R, G)`` -> values, scales."""
   rows, group_size = x.shape
   tile = _Tile(rows, group_size)
 
@@ -213,7 +213,7 @@ def _stacked_shape(values: jax.Array, bits: int) -> tuple[int, int, int]:
 
 def dequantize_sum_blocks(values: jax.Array, scales: jax.Array, bits: int, dtype: jnp.dtype, *,
                           interpret: bool = False) -> jax.Array:
-  """Pallas :func:`kernels.reference.dequantize_sum_blocks`: ``(K, R, ...)`` -> ``(R, G)``."""
+  """Pallas :func:`jzero.kernels.reference.dequantize_sum_blocks`: ``(K, R, ...)`` -> ``(R, G)``."""
   k, rows, group_size = _stacked_shape(values, bits)
   tile = _Tile(rows, group_size)
 
@@ -232,7 +232,7 @@ def dequantize_sum_blocks(values: jax.Array, scales: jax.Array, bits: int, dtype
 def requantize_sum_blocks(values: jax.Array, scales: jax.Array, bits: int, out_bits: int,
                           rule: str = "deepspeed", *, interpret: bool = False
                           ) -> tuple[jax.Array, jax.Array]:
-  """Pallas :func:`kernels.reference.requantize_sum_blocks`: the sum, quantized again."""
+  """Pallas :func:`jzero.kernels.reference.requantize_sum_blocks`: the sum, quantized again."""
   k, rows, group_size = _stacked_shape(values, bits)
   tile = _Tile(rows, group_size)
 

@@ -1,6 +1,6 @@
 """Plain-jnp reference of the block kernels: the definition the Pallas kernels are held to.
 
-Every function here works on *block views* (see :mod:`kernels.layout` for the public layout):
+Every function here works on *block views* (see :mod:`jzero.kernels.layout` for the public layout):
 float ``x`` is ``(R, G)``, R blocks of G elements; int8 values are ``(R, G)``; int4 values are
 uint8 ``(R, G/2)``, byte j holding element j in its high nibble and element j + G/2 in its low
 one; scales are float32 ``(R,)``; the stacked inputs of the sums carry a leading ``K`` axis on

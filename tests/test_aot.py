@@ -77,6 +77,27 @@ def test_default_model_compiles_for_8_h100_and_arguments_are_the_plans_state(sta
 
 
 @needs_plugin
+def test_zeropp_step_calls_the_pallas_kernels():
+  """qwZ + qgZ on 2 nodes x 4 H100s: the compiled step calls ZeRO++'s Pallas block kernels as
+  Triton kernels (quantize before the int8 gather and the int4 all-to-alls, dequantize-sum after);
+  plain ZeRO-3 of the same model calls none."""
+  small = GPTConfig(d_model=128, n_layers=2, n_heads=4, seq_len=64)
+  zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    zeropp = aot.compile_for(dict(BF16_ADAM, zero_optimization=zero), "h100", 8, nodes=2,
+                             model=small)
+    plain = aot.compile_for(dict(BF16_ADAM, zero_optimization={"stage": 3}), "h100", 8, nodes=2,
+                            model=small)
+  assert plain.pallas_kernels == 0
+  assert zeropp.pallas_kernels >= 4  # at least quantize + dequantize for weights and gradients
+  assert f"Pallas kernels (ZeRO++ block quantization, Triton): {zeropp.pallas_kernels} calls" in (
+      aot.format_report(zeropp))
+  assert aot.pallas_calls('%k = f32[8] custom-call(f32[8] %x), custom_call_target='
+                          '"__gpu$xla.gpu.triton"\n%y = f32[8] add(%k, %k)') == 1
+
+
+@needs_plugin
 def test_overlap_comm_makes_zero3_layer_gathers_async_and_overlapped():
   on = _compile("stage3", stage=3)  # DeepSpeed's default: overlap_comm true in stage 3
   off = _compile("stage3-no-overlap", stage=3, overlap_comm=False)

@@ -137,3 +137,53 @@ def test_simulate_cpu_devices_under_the_launcher_says_the_launcher_decides(monke
   with pytest.warns(JZeroWarning, match=r"--num_cpu_devices 8.*using 8"):
     jzero.simulate_cpu_devices(2)  # this process already has the launcher's 8: no error
   assert jax.device_count() == 8
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp32_step_with_a_nan_row_is_skipped_and_said(stage):
+  """fp32: one NaN input row makes the gradient NaN; the step is skipped (parameters unchanged,
+  metrics flag and count it), a warning says so once, and training goes on."""
+  loss = lambda m, b: classify(m, b)[0]
+  engine = jzero.initialize(DropoutNet, loss, _config(stage))
+  state = engine.init(jax.random.key(0), _batch(0))
+  state, _ = engine.train_step(state, engine.shard_batch(_batch(0)))
+  before = jax.tree.map(np.asarray, engine.logical_params(state))
+  poisoned = _batch(1)
+  poisoned["x"][3] = np.nan
+  state, metrics = engine.train_step(state, engine.shard_batch(poisoned))
+  assert bool(metrics["overflow"]) and int(metrics["skipped"]) == 1 == int(state.skipped)
+  after = jax.tree.map(np.asarray, engine.logical_params(state))
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    np.testing.assert_array_equal(a, b)
+  with pytest.warns(JZeroWarning, match=r"step 2: the gradient was not finite .* skipped"):
+    state, metrics = engine.train_step(state, engine.shard_batch(_batch(2)))
+  assert not bool(metrics["overflow"]) and int(metrics["skipped"]) == 1
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(engine.logical_params(state)))
+
+
+def test_token_ids_past_the_embedding_are_a_data_error_unless_switched_off():
+  """An id past the embedding table would be a NaN lookup: shard_batch and the engine's data
+  loader refuse it naming the leaf, the id and the table; engine.check_input_ids = False lets it
+  through (the fp32 step is then skipped, as the NaN test above shows)."""
+  from jzero.models import GPT, GPTConfig
+  from jzero.models.gpt import lm_loss
+  model = GPTConfig(d_model=32, n_layers=1, n_heads=2, seq_len=8)  # vocab 256
+  config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam",
+            "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}}
+  tokens = np.random.default_rng(0).integers(0, 256, (jax.device_count(), 9)).astype(np.int32)
+  engine = jzero.initialize(lambda rngs: GPT(model, rngs=rngs), lm_loss, config)
+  engine.init(jax.random.key(0), {"tokens": tokens})
+  engine.shard_batch({"tokens": tokens})  # ids 0..255: fine
+  bad = tokens.copy()
+  bad[1, 4] = 300
+  with pytest.raises(jzero.DataError, match=r"\['tokens'\] holds the id 300.* 256 rows"):
+    engine.shard_batch({"tokens": bad})
+  engine.check_input_ids = False
+  engine.shard_batch({"tokens": bad})
+  data = [{"tokens": row} for row in np.concatenate([tokens, bad])]
+  loader_engine = jzero.initialize(lambda rngs: GPT(model, rngs=rngs), lm_loss, config,
+                                   training_data=data, shuffle=False)
+  loader_engine.init(jax.random.key(0), {"tokens": tokens})
+  next(loader_engine.training_dataloader.batches(0))  # the good rows
+  with pytest.raises(jzero.DataError, match="holds the id 300"):
+    next(loader_engine.training_dataloader.batches(1))  # the second half: bad[1] has 300

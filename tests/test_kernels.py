@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-import kernels
+from jzero import kernels
 from jzero.errors import ConfigError
-from kernels import pallas as kpallas
+from jzero.kernels import pallas as kpallas
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
