@@ -407,7 +407,7 @@ def test_errors():
       (lambda: kernels.dequantize(q, jnp.int8), "dtype=int8"),
       (lambda: kernels.dequantize(q, concat_axis=0), "concat_axis=0"),
       (lambda: kernels.dequantize_sum(q), "no stack axis"),
-      (lambda: kernels.dequantize(x), "must be a kernels.Quantized"),
+      (lambda: kernels.dequantize(x), "must be a jzero.kernels.Quantized"),
       (lambda: kernels.requantize_sum(stacked, bits=2), "bits=2"),
       (lambda: kernels.qwz_group_size(0), "numel=0"),
   ]
