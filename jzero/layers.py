@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from typing import Any, Callable, Iterator
 
 import jax
@@ -66,8 +67,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jzero.collectives import ZeroParam
 
-__all__ = ["gather", "remat", "scan_layers", "linen_scan_layers", "engine_context", "LayerPolicy",
-           "current_layer_policy", "current_policy", "name_layer_inputs", "LAYER_INPUT"]
+__all__ = ["gather", "remat", "scan_layers", "linen_scan_layers", "engine_context", "TraceLog",
+           "LayerPolicy", "current_layer_policy", "current_policy", "name_layer_inputs", "LAYER_INPUT"]
 
 #: The ``checkpoint_name`` of the layer inputs that ``cpu_checkpointing`` moves to the host.
 LAYER_INPUT = "jzero_layer_input"
@@ -112,29 +113,49 @@ _POLICY: contextvars.ContextVar[LayerPolicy | None] = contextvars.ContextVar(
     "jzero_layer_policy", default=None)
 
 
-_TAGGED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
-    "jzero_tagged_layer_inputs", default=None)
+@dataclasses.dataclass
+class TraceLog:
+  """What the engine learns while it traces the loss.
+
+  Attributes:
+    tagged: the number of arrays each :func:`name_layer_inputs` call tagged (a
+      ``cpu_checkpointing`` run whose sum is 0 offloaded nothing: no remat region ran).
+    gathered: the full-parameter elements each :func:`gather` call materialised from stage-3
+      partitions (one entry per group gathered together: a scanned layer, a unit's call). Its
+      maximum is the step's largest gathered group as the model really runs -- which the plan
+      cannot know when a unit runs inside the model's own ``nn.scan`` (one layer's slice per call).
+  """
+
+  tagged: list[int] = dataclasses.field(default_factory=list)
+  gathered: list[int] = dataclasses.field(default_factory=list)
+
+
+_LOG: contextvars.ContextVar[TraceLog | None] = contextvars.ContextVar(
+    "jzero_trace_log", default=None)
 
 
 @contextlib.contextmanager
-def engine_context(policy: LayerPolicy) -> Iterator[list[int]]:
-  """Used by the engine while tracing the loss: sets the remat policy of :func:`scan_layers`.
-
-  Yields a list that :func:`name_layer_inputs` appends the number of arrays it tagged to, so the
-  engine can tell a ``cpu_checkpointing`` run that offloaded nothing (no remat region ran).
-  """
-  tagged: list[int] = []
-  token, tagged_token = _POLICY.set(policy), _TAGGED.set(tagged)
+def engine_context(policy: LayerPolicy) -> Iterator[TraceLog]:
+  """Used by the engine while tracing the loss: sets the remat policy of :func:`scan_layers` and
+  yields the :class:`TraceLog` that :func:`name_layer_inputs` and :func:`gather` write to."""
+  log = TraceLog()
+  token, log_token = _POLICY.set(policy), _LOG.set(log)
   try:
-    yield tagged
+    yield log
   finally:
     _POLICY.reset(token)
-    _TAGGED.reset(tagged_token)
+    _LOG.reset(log_token)
 
 
 def gather(tree: Any) -> Any:
   """Replaces every :class:`~jzero.collectives.ZeroParam` in ``tree`` by the full parameter
   (identity on arrays)."""
+  zero_params = [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, ZeroParam))
+                 if isinstance(x, ZeroParam)]
+  log = _LOG.get()
+  gathered = sum(math.prod(x.shape) for x in zero_params if x.full is None)
+  if log is not None and gathered:
+    log.gathered.append(gathered)
   return jax.tree.map(lambda x: x.gather() if isinstance(x, ZeroParam) else x, tree,
                       is_leaf=lambda x: isinstance(x, ZeroParam))
 
@@ -165,9 +186,9 @@ def name_layer_inputs(tree: Any) -> Any:
     return checkpoint_name(x, LAYER_INPUT)
 
   tree = jax.tree.map(tag, tree, is_leaf=lambda x: isinstance(x, ZeroParam))
-  tagged = _TAGGED.get()
-  if tagged is not None:
-    tagged.append(count)
+  log = _LOG.get()
+  if log is not None:
+    log.tagged.append(count)
   return tree
 
 

@@ -39,7 +39,8 @@ Counted are the model states that live across steps. Two temporaries of the step
 given: activations (:func:`activation_bytes`) and stage 3's *gathered working set* -- the full
 parameters alive at once: the largest gather unit or one layer of the layer scan (twice when the
 next one is prefetched) plus the parameters gathered at the start of the forward pass
-(:meth:`jzero.plan.Plan.gathered_working_set`, :mod:`jzero.units`). Not counted: communication
+(:meth:`jzero.plan.Plan.gathered_working_set`, :mod:`jzero.units`; ``jzero estimate`` takes the
+layer from ``--model``, ``--hidden`` or ``--largest-layer``). Not counted: communication
 buckets, allocator slack; :func:`memory_report` shows the compiled step's ``memory_analysis()``
 beside the prediction.
 
@@ -78,7 +79,8 @@ from jzero.precision import DTYPES
 
 __all__ = [
     "PRECISION_BYTES", "CATEGORIES", "TIERS", "DEFAULT_PERSISTENCE_THRESHOLD",
-    "ParamShape", "param_shapes", "persistent_numel", "Estimate", "estimate",
+    "ParamShape", "param_shapes", "persistent_numel", "largest_gathered_numel",
+    "transformer_layer_numel", "Estimate", "estimate",
     "activation_bytes", "Recommendation", "recommend", "format_bytes", "format_estimates",
     "add_estimate_arguments", "run_estimate",
 ]
@@ -114,6 +116,23 @@ def param_shapes(abstract_params: Any, stacked_layers: Sequence[str] = ()) -> li
   flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
   return [ParamShape(tuple(x.shape), is_stacked(path_str(p)) and len(x.shape) >= 1)
           for p, x in flat]
+
+
+def largest_gathered_numel(leaves: Sequence[ParamShape],
+                           threshold: int = DEFAULT_PERSISTENCE_THRESHOLD) -> int:
+  """Stage 3's largest group gathered at once, from the leaves' shapes alone: one layer of all
+  stacked leaves (the layer scan gathers them together) or the largest other leaf; leaves below
+  the persistence threshold (per layer) are not gathered."""
+  per_layer = [(math.prod(l.shape) // l.shape[0] if l.stacked else math.prod(l.shape), l.stacked)
+               for l in leaves if _splittable(l)]
+  gathered = [(n, stacked) for n, stacked in per_layer if n >= threshold]
+  return max([sum(n for n, stacked in gathered if stacked),
+              *(n for n, stacked in gathered if not stacked)])
+
+
+def transformer_layer_numel(hidden: int) -> int:
+  """Parameters of one GPT layer of width h: attention 4h² + 4h, MLP 8h² + 5h, two LayerNorms 4h."""
+  return 12 * hidden * hidden + 13 * hidden
 
 
 def _splittable(leaf: ParamShape) -> bool:
@@ -514,6 +533,11 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
   acts.add_argument("--heads", type=int, default=None)
   acts.add_argument("--checkpoint-activations", action="store_true",
                     help="full activation checkpointing: keep each layer's input only")
+  parser.add_argument("--largest-layer", type=_parse_count, default=None, metavar="N",
+                      help="ZeRO-3's gathered working set: elements of the largest layer gathered "
+                           "at once (DeepSpeed's largest_layer_params), twice for the prefetched "
+                           "next one. Default: with --model its layer; with --hidden a transformer "
+                           "layer, 12H² + 13H; otherwise not counted")
   fit = parser.add_argument_group("which stage?")
   fit.add_argument("--budget", type=_parse_bytes, default=None,
                    help="device memory, e.g. 16GB or 80GiB: the smallest stage that fits")
@@ -577,8 +601,13 @@ def run_estimate(args: argparse.Namespace) -> int:
   if act_shape:
     acts = activation_bytes(args.micro_batch, *act_shape, bytes_per_element=p,
                             checkpointing=args.checkpoint_activations)
+  largest = args.largest_layer
+  if largest is None and not isinstance(params, int):
+    largest = largest_gathered_numel(params, args.persistence_threshold)
+  elif largest is None and args.hidden:
+    largest = transformer_layer_numel(args.hidden)
   common = dict(param_bytes=p, optimizer_bytes=k, persistence_threshold=args.persistence_threshold,
-                activations=acts)
+                activations=acts, gathered=(largest or 0, 0), prefetch=True)
   if args.hpz < 1 or (args.devices * args.nodes) % args.hpz:
     raise ConfigError(f"--hpz {args.hpz}: the hpZ group must divide the {args.devices * args.nodes} "
                       f"devices (usually --hpz {args.devices}, the devices per node).")
@@ -597,6 +626,11 @@ def run_estimate(args: argparse.Namespace) -> int:
     print(f"  activations: micro-batch {args.micro_batch} x seq {s}, hidden {h}, {layers} layers, "
           f"{heads} heads, checkpointing {'on' if args.checkpoint_activations else 'off'}: "
           f"{format_bytes(acts)} per device")
+  if any(e.stage == 3 for e in rows):
+    print(f"  ZeRO-3 gathers the largest layer ({largest:,} params) and prefetches the next: "
+          f"{format_bytes(2 * p * largest)} per device, in the device total" if largest else
+          "  ZeRO-3's device total leaves out the gathered working set (the largest layer, twice "
+          "with prefetch): give --largest-layer N, or --hidden H for a transformer layer")
   print("per device (host and NVMe: per process; GB = 1e9 bytes):")
   print(format_estimates(rows))
   if args.budget is not None:

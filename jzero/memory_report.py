@@ -183,6 +183,8 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
     batch: a global batch placed on the mesh; adds the compiled step's memory analysis.
   """
   plan, zero = engine.plan, engine.config.zero_optimization
+  # compiled first: tracing the step tells the gathered working set as the model really runs
+  compiled = CompiledMemory.of(engine.compile_step(state, batch)) if batch is not None else None
   master_k, opt_k = _state_bytes_per_param(engine, state)
   leaves = plan.leaf_list()
   host = sum(l.numel for l in leaves if l.state_tier == "host")
@@ -195,7 +197,7 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
                  optimizer_bytes=master_k + opt_k,
                  persistence_threshold=zero.param_persistence_threshold,
                  model_persistence_threshold=zero.model_persistence_threshold,
-                 gathered=plan.gathered_working_set(), prefetch=plan.prefetches,
+                 gathered=engine.gathered_working_set(), prefetch=plan.prefetches,
                  hpz_partition_size=plan.zeropp.hpz,
                  delayed_update=getattr(state, "delayed", None) is not None)
   # Offload: master + optimizer state are predicted over the tiers they live on. jzero's gradient
@@ -209,7 +211,6 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
     predicted["secondary"] = est.bytes["device"]["secondary"]
   if "delayed_grads" in est.bytes["device"]:
     predicted["delayed_grads"] = est.bytes["device"]["delayed_grads"]
-  compiled = CompiledMemory.of(engine.compile_step(state, batch)) if batch is not None else None
   store, notes = getattr(engine, "nvme_store", None), ()
   if store is not None:
     notes = (f"NVMe store of process {jax.process_index()}: {store.directory} -- "
@@ -251,7 +252,8 @@ def format_memory_report(report: MemoryReport) -> str:
         "local devices; the host gradient share is the estimator's DeepSpeed-style copy, a "
         "temporary in jzero)")
   if est.gathered:
-    lines.append(f"  ZeRO-3 gathered working set (plan): {format_bytes(est.gathered)} -- the largest "
+    source = "traced step" if report.compiled is not None else "plan"
+    lines.append(f"  ZeRO-3 gathered working set ({source}): {format_bytes(est.gathered)} -- the largest "
                  f"unit or layer{' twice (prefetch)' if report.prefetch else ''} plus the "
                  f"parameters gathered at the start; a temporary of the compiled step")
   lines.extend(f"  {note}" for note in report.notes)

@@ -107,6 +107,20 @@ class StepBuilder:
   ``shard_map`` on one device's blocks; :meth:`_jit` wraps them in ``jit(shard_map(...))`` with
   the plan's shardings and memory kinds."""
 
+  #: The full-parameter elements of each group stage 3 gathered together while the step was last
+  #: traced (:class:`jzero.layers.TraceLog`); None before the first trace.
+  traced_gathers: tuple[int, ...] | None = None
+
+  def gathered_working_set(self) -> tuple[int, int]:
+    """Stage 3's (largest group gathered at once, elements gathered at the start), as
+    :meth:`jzero.plan.Plan.gathered_working_set` -- with the largest group as the traced step
+    really gathers it once the step has been traced (a unit inside the model's own ``nn.scan``
+    gathers one layer's slice per call, which the plan cannot see)."""
+    largest, upfront = self.plan.gathered_working_set()
+    if self.traced_gathers is not None and self.plan.stage == 3:
+      largest = max(self.traced_gathers, default=0)
+    return largest, upfront
+
   @property
   def loss_takes_rng(self) -> bool:
     """Whether the loss has an ``rng`` parameter: a per-device, per-micro-batch key in training,
@@ -246,10 +260,11 @@ class StepBuilder:
                          and bool(checkpointing.cpu_checkpointing))
 
     def scaled_loss(targets, mb, rng):
-      with engine_context(policy) as tagged:
+      with engine_context(policy) as log:
         model = self._bind(targets, state.params, state.secondary)
         out = self.loss_fn(model, mb, rng=rng) if self.loss_takes_rng else self.loss_fn(model, mb)
-      if policy.offload_inputs and not sum(tagged):
+      self.traced_gathers = tuple(log.gathered)
+      if policy.offload_inputs and not sum(log.tagged):
         warnings.warn(
             "activation_checkpointing.cpu_checkpointing: the model ran no jzero remat region "
             "(jzero.scan_layers, linen_scan_layers, jzero.remat or a ZeRO-3 gather unit), so no "

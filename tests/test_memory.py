@@ -128,6 +128,8 @@ def test_persistence_matches_the_plan(threshold, cap):
   assert memory.persistent_numel(plan.leaf_list(), threshold, cap) == in_plan
   if threshold == 5000:
     assert 0 < in_plan < sum(l.numel for l in plan.leaf_list())
+  if cap is None:  # the estimator's gathered layer is the plan's
+    assert memory.largest_gathered_numel(shapes, threshold) == plan.gathered_working_set()[0]
 
 
 # -- activations -----------------------------------------------------------------------------------
@@ -226,6 +228,22 @@ def test_cli_offload_budget_and_model(capsys):
   out = _run("--model default --stage 3 --precision fp32 --micro-batch 4", capsys)
   assert "6,394,368 params" in out and "627,200 params replicated" in out
   assert "activations" in out and "K = 8 B/param" in out
+
+
+def test_cli_zero3_with_both_offloads_counts_the_gathered_layer(capsys):
+  """ZeRO-3 with params and optimizer offloaded keeps the gathered layer on the device (twice:
+  the next one is prefetched): never a 0 B device total when the layer is known, and a note
+  saying what is left out when it is not."""
+  both = "--stage 3 --offload-optimizer cpu --offload-param nvme"
+  out = _run(f"--params 7e9 {both} --hidden 4096", capsys)
+  layer = 12 * 4096**2 + 13 * 4096
+  assert f"largest layer ({layer:,} params)" in out
+  row = next(line for line in out.splitlines() if line.startswith("ZeRO-3 + optimizer->cpu"))
+  assert memory.format_bytes(2 * 2 * layer) in row and " 0 B" not in row
+  assert memory.format_bytes(2 * 2 * 5 * 10**8) in _run(
+      f"--params 7e9 {both} --largest-layer 5e8", capsys)
+  assert "leaves out the gathered working set" in _run(f"--params 7e9 {both}", capsys)
+  assert "largest layer (" in _run(f"--model default {both}", capsys)  # its layer scan's layer
 
 
 def test_cli_bad_flags(capsys):

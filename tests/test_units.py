@@ -344,6 +344,27 @@ def test_a_models_own_scan_gathers_its_units_per_layer():
   assert max_relative_diff(results[1][1], results[0][1]) <= 1e-6
 
 
+class UndeclaredScanNet(PlainScanNet):
+  """The same own nn.scan, its stack not declared."""
+
+  stacked_layers = ()
+
+
+@pytest.mark.parametrize("model", [PlainScanNet, UndeclaredScanNet])
+def test_a_models_own_scan_reports_one_layer_of_its_largest_unit(model):
+  """Inside a model's own nn.scan each Dense unit gathers one layer's slice per call, declared
+  stack or not: the memory report's working set (read from the traced step) is the largest
+  Dense's one layer -- the plan alone would say the whole layer (declared) or the whole stack."""
+  batch = _regression_batch(N, 32)
+  engine = jzero.initialize(model(), mse, _stage3(), init_inputs=lambda b: (b["x"],),
+                            sample_batch=batch)
+  state = engine.init(jax.random.key(0))
+  report = memory_report(engine, state, engine.shard_batch(batch))
+  one_layer_of_dense_0 = 32 * 64 + 64  # ScannedBlock: Dense(64) on width 32, then Dense(32)
+  assert report.estimate.gathered == 4 * one_layer_of_dense_0
+  assert engine.plan.gathered_working_set()[0] > one_layer_of_dense_0
+
+
 # --- stage 2: gradients reduce-scattered during backward -----------------------------------------
 
 
