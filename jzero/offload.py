@@ -196,7 +196,13 @@ def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
       streamed = any(moved) or any(m_host)
       if streamed and previous != ():
         # Bring this group in only after the previous one went back: one group on the device.
-        g, m, s, _ = lax.optimization_barrier((g, m, s, previous))
+        # Only the per-leaf arrays wait: the step count (a scalar every group reads) stays out
+        # of the barrier, or XLA computes the update around it differently (not bitwise equal
+        # to the update without offload).
+        moved_s = [node for node, f in zip(s, flags) if f]
+        m, moved_s, _ = lax.optimization_barrier((m, moved_s, previous))
+        it = iter(moved_s)
+        s = [next(it) if f else node for node, f in zip(s, flags)]
       m_dev = [to_device(x) if h or hm else x for x, h, hm in zip(m, moved, m_host)]
       s_dev = [[to_device(x) if h else x for x, h in zip(node, moved)] if f else node
                for node, f in zip(s, flags)]
