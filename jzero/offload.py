@@ -25,8 +25,13 @@ largest matrices move first.
 * ``"host"``: the gradient partitions go to the host and the optax update runs there, under
   ``compute_on("device_host")``; only the updated (fp32-training) parameter comes back.
 
-Both run optax's own update on the same numbers, so in fp32 they equal the non-offloaded step
-bit for bit up to XLA's fusion choices (tests: 1e-6). Grouping calls ``tx.update`` once per group
+Both run optax's own update on the same numbers. In bf16 both give the non-offloaded master bit
+for bit (tested: a one-ulp difference there would grow through the bf16 rounding of the compute
+params into a different run). That needs the stream's group barrier to hold only the per-leaf
+arrays: with Adam's step count inside it, XLA compiled the update to other roundings (10% of the
+master one ulp off after one step). In fp32 the stream mode can still differ by an ulp from the
+second step on (XLA fuses the step-count-dependent bias correction differently around the
+transfers); tests bound it by 1e-6. Grouping calls ``tx.update`` once per group
 on a list of that group's leaves; that is valid for the optimizers jzero builds from the config
 (elementwise; their only shared state is the step count, which every group advances the same
 way). A client optax optimizer (``initialize(optimizer=...)``) may depend on the parameter tree's
