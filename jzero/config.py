@@ -177,6 +177,8 @@ class OffloadOptimizerConfig(_Block):
   update: Literal["stream", "host"] | None = None  # None: jzero.offload.DEFAULT_UPDATE
   # jzero's own key: ZeRO-Offload's one-step delayed parameter update (jzero.delayed).
   delayed_update: Flag = False
+  # jzero's own key: plain steps before the delayed update starts (the paper's warm-up).
+  delayed_update_warmup: int = Field(0, ge=0)
 
 
 class LeafModuleConfig(_Block):

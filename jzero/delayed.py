@@ -36,6 +36,14 @@ no overflow check is on: a *prime* step for when nothing is carried (it applies 
 *steady* step, which always applies. It knows which one a state needs without reading the device:
 the ``ready`` flag it returned last is known true; any other state's flag is read once.
 
+**Warm-up.** The ZeRO-Offload paper starts the delayed update only after the first training
+steps, whose gradients change fastest. ``offload_optimizer.delayed_update_warmup: W`` (jzero's
+key, default 0) runs steps 1..W as plain steps (p_t = U(p_{t-1}, G(p_{t-1}, b_t)), nothing
+carried); from step W+1 the delayed update runs as above, step W+1 taking the place of step 1
+(it computes and carries g_{W+1} and applies nothing). The engine picks the *warm-up* step
+(a third compiled variant, :data:`WARMUP`) from its host-side step count, so the step has no cond
+on it; a run resumed inside the warm-up continues it.
+
 **fp16 / overflow.** The overflow check, the unscaling and the clipping happen when a gradient is
 computed: if g_t overflows, step t backs the loss scale off (and counts the step as skipped) at
 once, as a plain run does, and carries g_t as not ready, so step t+1 applies no update. The steps'
@@ -56,11 +64,13 @@ from jax.sharding import PartitionSpec as P
 from jzero.errors import ConfigError, JZeroWarning
 from jzero.plan import flatten_paths
 
-__all__ = ["DelayedGrads", "enabled", "specs", "memory_kinds", "initial", "static_ready",
+__all__ = ["DelayedGrads", "WARMUP", "enabled", "warmup_steps", "specs", "memory_kinds", "initial", "static_ready",
            "needs_prime", "seen", "swap", "restore_names", "restored"]
 
 PyTree = Any
 PREFIX = "delayed"  # the train state's field, and the checkpoint's array names' first part
+#: The ``ready`` of a warm-up step: it applies its own gradient and carries nothing.
+WARMUP = "warmup"
 
 
 class DelayedGrads(NamedTuple):
@@ -83,6 +93,11 @@ def enabled(zero: Any) -> bool:
     ConfigError: ``delayed_update`` without ``offload_optimizer.device: cpu``.
   """
   block = zero.offload_optimizer
+  if block is not None and block.delayed_update_warmup and not block.delayed_update:
+    raise ConfigError(
+        f"zero_optimization.offload_optimizer.delayed_update_warmup="
+        f"{block.delayed_update_warmup} has no delayed update to warm up: set delayed_update: "
+        f"true, or remove delayed_update_warmup.")
   if block is None or not block.delayed_update:
     return False
   if block.device != "cpu":
@@ -92,6 +107,11 @@ def enabled(zero: Any) -> bool:
         f"exists to hide the host optimizer step behind the next forward and backward, and it "
         f"changes the math by one step. Set device: cpu, or remove delayed_update.")
   return True
+
+
+def warmup_steps(zero: Any) -> int:
+  """Plain steps before the delayed update starts (0 when it is off)."""
+  return zero.offload_optimizer.delayed_update_warmup if enabled(zero) else 0
 
 
 def specs(plan: Any, on: bool) -> DelayedGrads | None:
@@ -130,9 +150,10 @@ def needs_prime(engine: Any, state: Any) -> bool:
   return not bool(state.delayed.ready)
 
 
-def seen(engine: Any, state: Any) -> None:
-  """Records the ready flag of a state a step returned (see :func:`needs_prime`)."""
-  if state.delayed is not None and static_ready(engine) is not None:
+def seen(engine: Any, state: Any, warmup: bool = False) -> None:
+  """Records the ready flag of a state a step returned (see :func:`needs_prime`); a warm-up
+  step's state carries nothing, so its flag is not known true."""
+  if state.delayed is not None and static_ready(engine) is not None and not warmup:
     engine._delayed_ready = state.delayed.ready
 
 
@@ -143,11 +164,14 @@ def swap(carried: DelayedGrads, grads: PyTree, overflow: jax.Array, ready: bool 
     carried: the state's carried gradient (g_{t-1}).
     grads: this step's unscaled, clipped gradient (g_t).
     overflow: g_t overflowed (fp16): carry it as not ready.
-    ready: what is known statically about ``carried.ready`` (None: read it).
+    ready: what is known statically about ``carried.ready`` (None: read it), or :data:`WARMUP`:
+      a plain step, which applies g_t (unless it overflowed) and carries ``carried`` unchanged.
 
   Returns:
     (gradient to apply, skip -- True, False or a bool array --, the new DelayedGrads).
   """
+  if ready == WARMUP:
+    return grads, overflow, carried
   new = DelayedGrads(grads=grads, ready=jnp.logical_not(overflow))
   skip = jnp.logical_not(carried.ready) if ready is None else not ready
   return carried.grads, skip, new

@@ -75,7 +75,7 @@ class Engine(StepBuilder):
   # lookup gives NaN); set False when an integer leaf larger than that is not an embedding input.
   check_input_ids: bool = True
   _step_fn: Any = dataclasses.field(default=None, repr=False)
-  _split_fns: Any = dataclasses.field(default=None, repr=False)
+  _split_fns: dict = dataclasses.field(default_factory=dict, repr=False)  # "step" / "warmup"
   _eval_fn: Any = dataclasses.field(default=None, repr=False)
   _host_step: int | None = dataclasses.field(default=None, repr=False)
   _batch_structure: Any = dataclasses.field(default=None, repr=False)
@@ -83,6 +83,7 @@ class Engine(StepBuilder):
   nvme_settings: nvme.NvmeSettings | None = None
   nvme_store: nvme.NvmeStore | None = dataclasses.field(default=None, repr=False)
   _prime_fn: Any = dataclasses.field(default=None, repr=False)  # delayed update (jzero.delayed)
+  _warmup_fn: Any = dataclasses.field(default=None, repr=False)
   _delayed_ready: Any = dataclasses.field(default=None, repr=False)
   _last_lr: Any = dataclasses.field(default=None, repr=False)  # the last step's lr (on device)
   _unchecked_skip: Any = dataclasses.field(default=None, repr=False)  # (step, overflow array)
@@ -248,6 +249,7 @@ class Engine(StepBuilder):
       params: start from these parameters (the model's logical shapes, e.g. imported weights)
         instead of the model's initialisation; optimizer state starts fresh.
     """
+    self._host_step = None  # a new state starts its own step count
     if self.plan is None:
       self.plan = self._make_plan(rng, sample_batch)
     plan, compute = self.plan, self.compute_dtype
@@ -401,10 +403,13 @@ class Engine(StepBuilder):
     self.check_live(state, "train_step")
     if self._host_step is None:
       self._host_step = int(state.step)
+    warmup = self._host_step < delayed.warmup_steps(self.config.zero_optimization)
     if self.config.wall_clock_breakdown:
-      if self._split_fns is None:
-        self._split_fns = self._build_split_step(batch)
-      grads_fn, update_fn = self._split_fns
+      which = "warmup" if warmup else "step"
+      if which not in self._split_fns:
+        self._split_fns[which] = self._build_split_step(batch,
+                                                        delayed.WARMUP if warmup else None)
+      grads_fn, update_fn = self._split_fns[which]
       t0 = time.perf_counter()
       grads = jax.block_until_ready(grads_fn(state, batch))
       t1 = time.perf_counter()
@@ -414,10 +419,11 @@ class Engine(StepBuilder):
       self.timings.append(StepTiming(step=self._host_step + 1, forward_backward_s=t1 - t0,
                                      optimizer_s=time.perf_counter() - t1))
     else:
-      state, metrics, *io = self._fused_step(batch, state)(state, batch)
+      step_fn = self._warmup_step(batch) if warmup else self._fused_step(batch, state)
+      state, metrics, *io = step_fn(state, batch)
       if io:
         state = self.nvme_store.update(self, state, metrics, io[0])
-      delayed.seen(self, state)
+      delayed.seen(self, state, warmup)
     self._host_step += 1
     self._last_lr = metrics["lr"]
     self._warn_first_skip(self._host_step, metrics["overflow"])
@@ -501,6 +507,13 @@ class Engine(StepBuilder):
     if self._step_fn is None:
       self._step_fn = self._build_step(batch, ready=delayed.static_ready(self))
     return self._step_fn
+
+  def _warmup_step(self, batch: PyTree):
+    """The delayed update's warm-up step: plain, the carried state passed through
+    (:data:`jzero.delayed.WARMUP`)."""
+    if self._warmup_fn is None:
+      self._warmup_fn = self._build_step(batch, ready=delayed.WARMUP)
+    return self._warmup_fn
 
   def compile_step(self, state: TrainState, batch: PyTree):
     """The compiled step (for ``memory_analysis()`` and the HLO) without running it."""
@@ -623,6 +636,7 @@ class Engine(StepBuilder):
     ``(state, client_state)`` with ``with_client_state=True``.
     """
     from jzero import checkpoint
+    self._host_step = None  # read from the restored state at its first step
     return checkpoint.load_checkpoint(self, directory, tag, params_only=params_only,
                                       sample_batch=sample_batch,
                                       with_client_state=with_client_state)

@@ -294,11 +294,12 @@ class StepBuilder:
     return plan.map(self._reduce_final, grads), mean(loss), jax.tree.map(mean, aux)
 
   def _local_update(self, state: TrainState, grads: PyTree, loss: jax.Array, aux: dict,
-                    ready: bool | None = None):
+                    ready: bool | str | None = None):
     """Overflow check, unscale, clip by the global norm, optimizer update -> (state, metrics).
 
     ``ready``: with the delayed update, whether the state is known to carry a gradient (True: the
-    steady step, False: the prime step, None: read ``state.delayed.ready``)."""
+    steady step, False: the prime step, None: read ``state.delayed.ready``), or
+    :data:`jzero.delayed.WARMUP` (a plain step that carries nothing)."""
     plan, axes = self.plan, self.mesh
     scale = state.loss_scale.scale
     checks = self._checks_overflow()
@@ -306,7 +307,8 @@ class StepBuilder:
       overflow = lax.psum(has_overflow(grads).astype(jnp.int32), axes.zero_axes) > 0
     grads = jax.tree.map(lambda g: g / scale, grads)
     grad_norm = self._global_norm(grads)
-    norm_check = self.config.precision == "fp32" and state.delayed is None
+    norm_check = self.config.precision == "fp32" and (state.delayed is None
+                                                       or ready == delayed.WARMUP)
     if norm_check:  # fp32: a NaN or inf anywhere makes the global norm non-finite
       overflow = jnp.logical_not(jnp.isfinite(grad_norm))
     elif not checks:  # bf16 without check_grad_overflow; the delayed update (jzero.delayed)
@@ -405,7 +407,7 @@ class StepBuilder:
       lr = None
     return jnp.nan if lr is None else jnp.asarray(lr, jnp.float32)
 
-  def _local_step(self, state: TrainState, batch: PyTree, ready: bool | None = None):
+  def _local_step(self, state: TrainState, batch: PyTree, ready: bool | str | None = None):
     return self._local_update(state, *self._local_grads(state, batch), ready=ready)
 
   def _global_norm(self, grads: PyTree) -> jax.Array:
@@ -430,7 +432,7 @@ class StepBuilder:
                    out_shardings=out_shardings if isinstance(out_specs, tuple) else out_shardings[0],
                    donate_argnums=donate, compiler_options=plan.xla_options() or None)
 
-  def _build_step(self, batch: PyTree, ready: bool | None = None):
+  def _build_step(self, batch: PyTree, ready: bool | str | None = None):
     specs, batch_specs = self.state_specs(), jax.tree.map(lambda _: self.plan.batch_spec(), batch)
     return self._jit(functools.partial(self._local_step, ready=ready), (specs, batch_specs),
                      self._step_out_specs(specs), donate=(0,))
@@ -441,11 +443,12 @@ class StepBuilder:
       return (specs, P(), nvme.step_output_specs(self))
     return (specs, P())
 
-  def _build_split_step(self, batch: PyTree):
+  def _build_split_step(self, batch: PyTree, ready: bool | str | None = None):
     """The step as two jits -- forward+backward+reduction, then the update -- for timing them."""
     specs, batch_specs = self.state_specs(), jax.tree.map(lambda _: self.plan.batch_spec(), batch)
     grad_specs = self.plan.state_specs()
     grads = self._jit(self._local_grads, (specs, batch_specs), (grad_specs, P(), P()), donate=())
-    update = self._jit(self._local_update, (specs, grad_specs, P(), P()),
+    update = self._jit(functools.partial(self._local_update, ready=ready),
+                       (specs, grad_specs, P(), P()),
                        self._step_out_specs(specs), donate=(0,))
     return grads, update

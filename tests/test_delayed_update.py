@@ -85,20 +85,24 @@ def _reference(initial, data):
   return out, losses
 
 
-def _same_stage_delayed_by_hand(stage, gas, update, data):
+def _same_stage_delayed_by_hand(stage, gas, update, data, warmup: int = 0):
   """The same stage *without* the delayed update, its forward+backward and its update run as
   two jits (the engine's wall_clock_breakdown pair) and fed by hand: step t computes g_t, then
-  updates with g_{t-1}. Same reductions as the engine, so fp32 results agree to rounding."""
+  updates with g_{t-1} (the first ``warmup`` steps update with their own g_t). Same reductions as
+  the engine, so fp32 results agree to rounding."""
   engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(
       stage, gas=gas, offload_optimizer={"device": "cpu", "update": update}))
   state = engine.init(jax.random.key(0))
   grads_fn, update_fn = engine._build_split_step(engine.shard_batch(data[0]))
   carried, out = None, []
-  for batch in data:
+  for i, batch in enumerate(data):
     grads = grads_fn(state, engine.shard_batch(batch))
-    if carried is not None:
-      state, _ = update_fn(state, *carried)
-    carried = grads
+    if i < warmup:
+      state, _ = update_fn(state, *grads)
+    else:
+      if carried is not None:
+        state, _ = update_fn(state, *carried)
+      carried = grads
     out.append(_logical(engine, state))
   return out
 
@@ -136,6 +140,25 @@ def test_delayed_update_equals_the_documented_math(stage, gas, update):
   batch = engine.shard_batch(data[0])
   hlo = engine.jitted_step(batch).lower(state, batch).as_text()
   assert "stablehlo.case" not in hlo and "stablehlo.if" not in hlo
+
+
+def test_warmup_runs_plain_steps_before_the_delayed_update():
+  """delayed_update_warmup: 1 -- step 1 is a plain step (it applies its own gradient), step 2
+  takes the place of the delayed update's first step (it carries g_2 and applies nothing), step 3
+  applies g_2: each step's parameters equal the same stage fed by hand so (1e-6, fp32)."""
+  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(2, offload_optimizer={
+      "device": "cpu", "delayed_update": True, "delayed_update_warmup": 1}))
+  data = _data()
+  state = engine.init(jax.random.key(0))
+  initial = _logical(engine, state)
+  state, params, _ = _train(engine, state, data)
+  assert max_relative_diff(params[0], initial) > 1e-4  # step 1 applied g_1 at once
+  assert max_relative_diff(params[1], params[0]) == 0  # step 2 only carried g_2
+  assert max_relative_diff(params[2], params[1]) > 1e-4
+  for got, by_hand in zip(params, _same_stage_delayed_by_hand(2, 1, "stream", data, warmup=1)):
+    assert max_relative_diff(got, by_hand) <= 1e-6
+  assert engine._warmup_fn is not None and engine._prime_fn is not None
+  assert bool(state.delayed.ready)
 
 
 def test_checkpoint_resumes_exactly_with_the_carried_gradient(tmp_path):
@@ -202,6 +225,9 @@ def test_memory_report_counts_the_carried_gradient():
     ({"delayed_update": True}, "needs offload_optimizer.device: cpu"),
     ({"device": "none", "delayed_update": True}, "needs offload_optimizer.device: cpu"),
     ({"device": "cpu", "delayed_update": "yes"}, "delayed_update"),
+    ({"device": "cpu", "delayed_update_warmup": 2}, "no delayed update to warm up"),
+    ({"device": "cpu", "delayed_update": True, "delayed_update_warmup": -1},
+     "delayed_update_warmup"),
 ])
 def test_delayed_update_without_cpu_offload_is_refused(offload_optimizer, match):
   """Before any device work, naming the key and the fix."""
