@@ -33,7 +33,10 @@ Offload moves a category off the device, per process (one process per device):
   in ZeRO-Offload, so stage 2 and 3 keep no gradients on the device; stage 1 still accumulates the
   full local gradient (gΨ) on the device before reducing it.
 * ``offload_param`` (stage 3 only; ZeRO-Infinity): the partitioned compute params,
-  p(Ψ - Ψr)/N, go to ``"cpu"`` or ``"nvme"``; persistent params stay on the device.
+  p(Ψ - Ψr)/N, go to ``"cpu"`` or ``"nvme"``; persistent params stay on the device. With
+  ``"nvme"``, ``max_in_cpu`` of those elements stay in host memory (the host cache) and the host
+  also holds the staging buffers (``buffer_count`` x ``buffer_size`` elements) every partition
+  passes through on its way to the device; the rest lives on NVMe only.
 
 Counted are the model states that live across steps. Two temporaries of the step are added when
 given: activations (:func:`activation_bytes`) and stage 3's *gathered working set* -- the full
@@ -254,7 +257,8 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
              offload_ratio: float = 1.0, persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
              model_persistence_threshold: int | None = None, activations: float = 0.0,
              gathered: tuple[int, int] = (0, 0), prefetch: bool = False,
-             hpz_partition_size: int = 1, delayed_update: bool = False) -> Estimate:
+             hpz_partition_size: int = 1, delayed_update: bool = False,
+             param_buffer_elements: float = 0.0, param_cache_elements: float = 0.0) -> Estimate:
   """Per-device bytes of one ZeRO configuration (formulas and offload rules: module docstring).
 
   Args:
@@ -282,6 +286,11 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
     delayed_update: ZeRO-Offload's delayed parameter update (:mod:`jzero.delayed`): the step
       carries its fp32 gradient partition to the next step, 4Ψ/N on the device
       (``bytes["device"]["delayed_grads"]``); needs ``offload_optimizer``.
+    param_buffer_elements: ``offload_param: "nvme"``: the host staging buffers every partition
+      passes through on its way NVMe -> host -> device (DeepSpeed's ``buffer_count`` x
+      ``buffer_size`` elements), counted in host params.
+    param_cache_elements: ``offload_param: "nvme"``: partitioned elements kept in host memory
+      (``max_in_cpu``); the rest of the partition lives on NVMe only.
 
   Raises:
     ConfigError: an offload setting the stage does not have, or hpZ outside stage 3.
@@ -314,8 +323,13 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
     tiers["host"]["grads"] = r * g * psi / n
     device["grads"] = g * psi if stage == 1 else (1 - r) * g * psi / n
   if offload_param:
-    tiers[_OFFLOAD_TIER[offload_param]]["params"] = param_bytes * (psi - persistent) / n
+    partition = (psi - persistent) / n
+    tiers[_OFFLOAD_TIER[offload_param]]["params"] = param_bytes * partition
     device["params"] = float(param_bytes * persistent)
+    if offload_param == "nvme":
+      cached = min(param_cache_elements, partition)
+      tiers["nvme"]["params"] = param_bytes * (partition - cached)
+      tiers["host"]["params"] = param_bytes * (cached + param_buffer_elements)
   if hpz > 1:
     device["secondary"] = param_bytes * (psi - persistent) / hpz
   if delayed_update:
@@ -519,6 +533,14 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
                       help="also show the stages with the optimizer state offloaded")
   parser.add_argument("--offload-param", choices=("cpu", "nvme"), default=None,
                       help="also show ZeRO-3 with the params offloaded")
+  nvme = parser.add_argument_group("parameters on NVMe (--offload-param nvme; DeepSpeed's "
+                                   "offload_param keys and defaults)")
+  nvme.add_argument("--buffer-count", type=int, default=5,
+                    help="host staging buffers for parameters read from NVMe (default 5)")
+  nvme.add_argument("--buffer-size", type=_parse_count, default=100_000_000,
+                    help="elements per staging buffer (default 1e8)")
+  nvme.add_argument("--max-in-cpu", type=_parse_count, default=1_000_000_000,
+                    help="partitioned parameter elements kept in host memory (default 1e9)")
   parser.add_argument("--hpz", type=int, default=1, metavar="S",
                       help="ZeRO++ zero_hpz_partition_size: the ZeRO-3 rows add hpZ's secondary "
                            "copy of the params over S devices (default 1: off)")
@@ -607,7 +629,9 @@ def run_estimate(args: argparse.Namespace) -> int:
   elif largest is None and args.hidden:
     largest = transformer_layer_numel(args.hidden)
   common = dict(param_bytes=p, optimizer_bytes=k, persistence_threshold=args.persistence_threshold,
-                activations=acts, gathered=(largest or 0, 0), prefetch=True)
+                activations=acts, gathered=(largest or 0, 0), prefetch=True,
+                param_buffer_elements=args.buffer_count * args.buffer_size,
+                param_cache_elements=args.max_in_cpu)
   if args.hpz < 1 or (args.devices * args.nodes) % args.hpz:
     raise ConfigError(f"--hpz {args.hpz}: the hpZ group must divide the {args.devices * args.nodes} "
                       f"devices (usually --hpz {args.devices}, the devices per node).")
@@ -631,6 +655,10 @@ def run_estimate(args: argparse.Namespace) -> int:
           f"{format_bytes(2 * p * largest)} per device, in the device total" if largest else
           "  ZeRO-3's device total leaves out the gathered working set (the largest layer, twice "
           "with prefetch): give --largest-layer N, or --hidden H for a transformer layer")
+  if args.offload_param == "nvme":
+    print(f"  parameters on NVMe: host keeps up to {args.max_in_cpu:,} partitioned elements "
+          f"(max_in_cpu) and {args.buffer_count} x {args.buffer_size:,} elements of staging "
+          f"buffers per process, in host/process; the rest of the partition is on NVMe")
   print("per device (host and NVMe: per process; GB = 1e9 bytes):")
   print(format_estimates(rows))
   if args.budget is not None:

@@ -91,6 +91,21 @@ def test_param_offload_leaves_only_persistent_params_on_the_device():
   assert infinity.name == "ZeRO-3 + optimizer->cpu, params->nvme"
 
 
+def test_params_on_nvme_keep_max_in_cpu_and_the_staging_buffers_on_the_host():
+  """max_in_cpu elements of the partition stay in host memory, the rest on NVMe; the staging
+  buffers (buffer_count x buffer_size) are host bytes on top. 7e9 over 8: 875M per device."""
+  partition = 7e9 / 8
+  for cache in (0, 1e8, 1e12):  # none, part, more than the partition
+    est = estimate(7e9, 3, 8, offload_optimizer="cpu", offload_param="nvme",
+                   param_buffer_elements=5e8, param_cache_elements=cache)
+    cached = min(cache, partition)
+    assert est.bytes["host"]["params"] == 2 * (cached + 5e8)
+    assert est.bytes["nvme"]["params"] == 2 * (partition - cached)
+  cpu = estimate(7e9, 3, 8, offload_param="cpu", param_buffer_elements=5e8,
+                 param_cache_elements=1e8)  # the NVMe keys do not apply to host params
+  assert cpu.bytes["host"]["params"] == 2 * partition
+
+
 @pytest.mark.parametrize("stage, opt, param, message", [
     (0, "cpu", None, "stage 1, 2 or 3"), (2, None, "cpu", "needs ZeRO stage 3"),
     (2, None, "nvme", "needs ZeRO stage 3"), (3, "gpu", None, "'cpu' or 'nvme'")])
@@ -244,6 +259,11 @@ def test_cli_zero3_with_both_offloads_counts_the_gathered_layer(capsys):
       f"--params 7e9 {both} --largest-layer 5e8", capsys)
   assert "leaves out the gathered working set" in _run(f"--params 7e9 {both}", capsys)
   assert "largest layer (" in _run(f"--model default {both}", capsys)  # its layer scan's layer
+  trillion = _run("--params 1e12 --devices 8 --nodes 2 --offload-optimizer cpu "
+                  "--offload-param nvme --hidden 25600 --stage 3", capsys)
+  row = next(line for line in trillion.splitlines() if "params->nvme" in line)
+  # per process: optimizer 12 x 1e12/16 + gradients 2 x 1e12/16 + cache 2 x 1e9 + buffers 2 x 5e8
+  assert "878.00 GB" in row and "123.00 GB" in row and "31.46 GB" in row
 
 
 def test_cli_bad_flags(capsys):
