@@ -11,7 +11,9 @@ its step time next to no offload, measured in one run.
 2. Throughput, on the NVMe engine's own store after training: one slot's group files (packed
    once from the committed state) written (all writes started, then every commit waited for: the
    disk side of a step, tensorstore's fsync included)
-   and read back (all reads started, then waited for), ``--repeats`` times, best of each; before
+   and read back (all reads started, then waited for), in each of tensorstore's ``file_io_mode``
+   ``default`` (buffered) and ``direct`` (O_DIRECT, as DeepSpeed's aio), interleaved,
+   ``--repeats`` times, best of each; before
    each read the store's files are dropped from the page cache (``posix_fadvise(DONTNEED)`` after
    an fsync), so the reads come from the disk. Raw: the same number of bytes written to one plain
    file with ``write`` + ``fsync``, dropped from the page cache, and read back with ``read``, in
@@ -86,6 +88,23 @@ def _raw(directory: Path, nbytes: int) -> tuple[float, float]:
   return write_s, read_s
 
 
+def _raw_files(paths: list[str]) -> float:
+  """Seconds to read ``paths`` (the store's own files, page cache dropped) with plain ``read``
+  calls, one thread per file: what the OS gives for the store's layout."""
+  from concurrent.futures import ThreadPoolExecutor
+  _drop_cache(paths)
+
+  def read(path):
+    with open(path, "rb", buffering=0) as f:
+      while f.read(8 << 20):
+        pass
+
+  t0 = time.perf_counter()
+  with ThreadPoolExecutor(len(paths)) as pool:
+    list(pool.map(read, paths))
+  return time.perf_counter() - t0
+
+
 def main() -> int:
   args = _parse()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -128,43 +147,59 @@ def main() -> int:
   nvme_ms = statistics.median(nvme_run["times"]) * 1e3
   diff = max(abs(a - b) / b for a, b in zip(nvme_run["losses"], runs["no offload"]["losses"]))
 
-  # -- throughput: the store's own arrays, and raw sequential I/O of the same bytes -------------
+  # -- throughput: the store's own arrays in each file_io_mode, and raw sequential I/O ----------
+  import tensorstore as ts
+  from jzero import nvme
   arrays = store.read()  # the committed slot, as the step reads it
   buffers = [store._pack(g, arrays) for g in range(len(store.groups))]  # each group's file rows
   nbytes = store.bytes_per_slot
   slot = store._other
-  results = {"store_write": [], "store_read": [], "raw_write": [], "raw_read": []}
+  modes = ("default", "direct", "memmap")
+  by_mode = {mode: [ts.open(a.spec(), open=True, context=ts.Context(
+                        nvme.io_context(store.settings, mode))).result()
+                    for a in store._arrays[slot]] for mode in modes}
+  results = {k: [] for k in ("raw_write", "raw_read", "raw_files_read",
+                              *(f"{m}_{io}" for m in modes
+                                                          for io in ("write", "read")))}
   for _ in range(args.repeats):
-    t0 = time.perf_counter()
-    futures = [store._write(slot, g, buf) for g, buf in enumerate(buffers)]
-    for f in futures:
-      f.result()
-    results["store_write"].append(time.perf_counter() - t0)
-    _drop_cache(_files(store.directory / f"slot_{slot}"))
-    t0 = time.perf_counter()
-    reads = [array.read() for array in store._arrays[slot]]
-    for f in reads:
-      f.result()
-    results["store_read"].append(time.perf_counter() - t0)
+    for mode in modes:  # interleaved, so the modes share the disk's and the machine's load
+      t0 = time.perf_counter()
+      futures = [a.write(buf).commit for a, buf in zip(by_mode[mode], buffers)]
+      for f in futures:
+        f.result()
+      results[f"{mode}_write"].append(time.perf_counter() - t0)
+      _drop_cache(_files(store.directory / f"slot_{slot}"))
+      t0 = time.perf_counter()
+      reads = [a.read() for a in by_mode[mode]]
+      for f in reads:
+        f.result()
+      results[f"{mode}_read"].append(time.perf_counter() - t0)
     w, r = _raw(store.directory, nbytes)
     results["raw_write"].append(w)
     results["raw_read"].append(r)
+    results["raw_files_read"].append(_raw_files([
+        p for p in _files(store.directory / f"slot_{slot}") if not p.endswith("zarr.json")]))
   mbps = {k: nbytes / min(v) / 1e6 for k, v in results.items()}
 
   files = len(store.groups) * len(store.devices)
-  rows = [
-      dict(what="write (fsync)", store_MBps=mbps["store_write"], raw_MBps=mbps["raw_write"],
-           ratio=mbps["store_write"] / mbps["raw_write"]),
-      dict(what="read (page cache dropped)", store_MBps=mbps["store_read"],
-           raw_MBps=mbps["raw_read"], ratio=mbps["store_read"] / mbps["raw_read"]),
-  ]
+  how = {"write": "write (fsync)", "read": "read (page cache dropped)"}
+  rows = [dict(what=f"{how[io]}, file_io_mode {mode}"
+                    + (" (the store's)" if mode == nvme.IO_MODE else ""),
+               store_MBps=mbps[f"{mode}_{io}"], raw_MBps=mbps[f"raw_{io}"],
+               ratio=mbps[f"{mode}_{io}"] / mbps[f"raw_{io}"])
+          for io in ("write", "read") for mode in modes]
   lines = [f"NVMe tier, ZeRO-{args.stage}, fp32, GPT ({model.n_layers} layers, d "
            f"{model.d_model}), {args.devices} simulated devices; store: {format_bytes(nbytes)} per "
-           f"slot in {files} files (one per sub-group and device), aio threads {args.threads}", "",
+           f"slot in {files} files (one per sub-group and device), aio threads {args.threads}; "
+           f"best of {args.repeats}", "",
            "| I/O | NVMe tier (MB/s) | raw file (MB/s) | tier / raw |", "|---|---|---|---|"]
   for r in rows:
     lines.append(f"| {r['what']} | {r['store_MBps']:.0f} | {r['raw_MBps']:.0f} | "
                  f"{r['ratio']:.2f} |")
+  same = mbps["raw_files_read"]
+  lines.append(f"\nThe store's own {files} files read raw (one thread per file, page cache dropped): "
+               f"{same:.0f} MB/s; the store's read ({nvme.IO_MODE}) is "
+               f"{mbps[nvme.IO_MODE + '_read'] / same:.2f} of it.")
   lines += ["", "| run | step (ms, median) | vs no offload | max loss rel. diff |",
             "|---|---|---|---|",
             f"| no offload | {base_ms:.1f} | 1.00 | 0 |",

@@ -104,7 +104,7 @@ from jzero.errors import ConfigError, JZeroError
 
 __all__ = ["NVME", "NvmeSettings", "NvmeStoreError", "NvmeStore", "settings_from_config",
            "check_directory", "open_committed", "shrink", "placeholder_shape", "full_state",
-           "expand_abstract", "absorb", "MANIFEST", "SLOTS"]
+           "expand_abstract", "absorb", "IO_MODE", "io_context", "MANIFEST", "SLOTS"]
 
 PyTree = Any
 NVME = "nvme"
@@ -129,6 +129,20 @@ class NvmeSettings:
   sub_group_size: int = 1_000_000_000
   queue_depth: int = 8
   intra_op_parallelism: int = 1
+
+
+#: tensorstore's ``file_io_mode`` for the store's files (bench/nvme.py measures the modes side by
+#: side; README "NVMe tier").
+IO_MODE = "default"
+
+
+def io_context(settings: NvmeSettings, io_mode: str = IO_MODE) -> dict:
+  """The tensorstore context of the store's I/O: concurrency from ``aio``, no cache (every read
+  goes to the disk, nothing is held twice in host memory), fsync'ed writes."""
+  return {"file_io_concurrency": {"limit": settings.queue_depth},
+          "data_copy_concurrency": {"limit": settings.intra_op_parallelism},
+          "cache_pool": {"total_bytes_limit": 0}, "file_io_sync": True,
+          "file_io_mode": {"mode": io_mode}}
 
 
 def _int(value: Any, default: int) -> int:
@@ -356,10 +370,7 @@ class NvmeStore:
     self.directory = self.run_directory / f"process_{jax.process_index()}"
     self.directory.mkdir(parents=True, exist_ok=False)
     self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.run_directory), True)
-    self._context = ts.Context({
-        "file_io_concurrency": {"limit": settings.queue_depth},
-        "data_copy_concurrency": {"limit": settings.intra_op_parallelism},
-        "cache_pool": {"total_bytes_limit": 0}, "file_io_sync": True})
+    self._context = ts.Context(io_context(settings))
     self._arrays = {slot: [self._open(slot, g) for g in range(len(self.groups))]
                     for slot in SLOTS}
     self.step: int | None = None
