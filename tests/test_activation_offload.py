@@ -21,7 +21,7 @@ from jzero.layers import LayerPolicy
 from jzero.models import lm_loss
 from test_engine import _LinenScanned, _linen_engine
 from test_units import LoopNet, _regression_batch, mse
-from zero_testing import SMALL, batches, ds_config, gpt_factory, max_relative_diff
+from zero_testing import SAME_MATH, SMALL, batches, ds_config, gpt_factory, max_relative_diff
 
 N = 8
 STEPS = 2
@@ -54,8 +54,8 @@ def _gpt_engine(stage: int, offload: bool):
 
 def _assert_same(run, ref):
   (params, losses), (ref_params, ref_losses) = run, ref
-  assert np.max(np.abs(losses - ref_losses) / ref_losses) <= 1e-6
-  assert max_relative_diff(params, ref_params) <= 1e-6
+  assert np.max(np.abs(losses - ref_losses) / ref_losses) <= SAME_MATH
+  assert max_relative_diff(params, ref_params) <= SAME_MATH
 
 
 def test_policy_offloads_only_the_named_layer_inputs():

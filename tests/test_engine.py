@@ -19,8 +19,8 @@ from flax import linen as nn
 import jzero
 from jzero.models import GPTConfig, lm_loss
 from jzero.profile import collectives
-from zero_testing import (SMALL, batches, ds_config, engine_run, gpt_factory, max_relative_diff,
-                          reference_optimizer, reference_run)
+from zero_testing import (SAME_MATH, SMALL, VS_ONE_DEVICE, batches, ds_config, engine_run,
+                          gpt_factory, max_relative_diff, reference_optimizer, reference_run)
 
 N = 8
 MODEL = GPTConfig(d_model=128, n_layers=4)  # the default job's GPT at half width and depth
@@ -121,8 +121,10 @@ def test_gradient_accumulation_matches_one_big_micro_batch(stage):
       jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(stage, micro=8, gas=1)), data)
   _, acc, loss_acc = engine_run(
       jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(stage, micro=2, gas=4)), data)
-  np.testing.assert_allclose(loss_acc, loss_one, rtol=1e-5)
-  assert max_relative_diff(acc, one) <= 1e-5
+  # micro-batches of 2 x 4 against one of 8: other dot shapes and the sum in another order, as
+  # VS_ONE_DEVICE's reasoning
+  np.testing.assert_allclose(loss_acc, loss_one, rtol=VS_ONE_DEVICE)
+  assert max_relative_diff(acc, one) <= VS_ONE_DEVICE
 
 
 def _local_numel(x: jax.Array) -> int:
@@ -205,8 +207,8 @@ def test_uneven_leaves_are_padded_and_exact():
     assert any(l.pad for l in engine.plan.leaf_list())
   ref_params, ref_losses = reference_run(cfg, results[1][0], data)
   for stage, (_, params, losses) in results.items():
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert max_relative_diff(params, ref_params) <= 1e-5, stage
+    np.testing.assert_allclose(losses, ref_losses, rtol=VS_ONE_DEVICE)
+    assert max_relative_diff(params, ref_params) <= VS_ONE_DEVICE, stage
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -218,8 +220,8 @@ def test_hybrid_mesh_zero_within_node(stage):
   data = batches(SMALL.seq_len, N, 3)
   initial, params, losses = engine_run(engine, data)
   ref_params, ref_losses = reference_run(SMALL, initial, data)
-  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  assert max_relative_diff(params, ref_params) <= 1e-5
+  np.testing.assert_allclose(losses, ref_losses, rtol=VS_ONE_DEVICE)
+  assert max_relative_diff(params, ref_params) <= VS_ONE_DEVICE
   mu = jax.tree.leaves(engine.init(jax.random.key(0)).opt_state[0].mu)
   big = max(mu, key=lambda x: x.size)
   assert big.addressable_shards[0].data.size * 4 == big.size  # partitioned 4 ways, not 8
@@ -247,8 +249,8 @@ def test_linen_model_through_its_apply_function():
     for b in data:
       state, metrics = engine.train_step(state, engine.shard_batch(b))
     results.append((jax.tree.map(np.asarray, engine.logical_params(state)), float(metrics["loss"])))
-  assert max_relative_diff(results[1][0], results[0][0]) <= 1e-5
-  assert abs(results[1][1] - results[0][1]) <= 1e-5 * results[0][1]
+  assert max_relative_diff(results[1][0], results[0][0]) <= VS_ONE_DEVICE
+  assert abs(results[1][1] - results[0][1]) <= VS_ONE_DEVICE * results[0][1]
 
 
 class _LinenBlock(nn.Module):
@@ -308,8 +310,8 @@ def test_linen_scanned_layers_match_a_plain_optax_loop():
       ref_losses.append(float(value))
       state, metrics = engine.train_step(state, engine.shard_batch(b))
       losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert max_relative_diff(engine.logical_params(state), params) <= 1e-5, stage
+    np.testing.assert_allclose(losses, ref_losses, rtol=VS_ONE_DEVICE)
+    assert max_relative_diff(engine.logical_params(state), params) <= VS_ONE_DEVICE, stage
 
 
 def test_linen_stage3_gathers_one_layer_at_a_time():
@@ -416,8 +418,8 @@ def test_wall_clock_breakdown_times_both_halves_and_logs():
     _, p_timed, l_timed = engine_run(timed, data)
   finally:
     logger.removeHandler(captured)
-  np.testing.assert_allclose(l_timed, l_plain, rtol=1e-6)  # same step, split in two jits
-  assert max_relative_diff(p_timed, p_plain) <= 1e-6
+  np.testing.assert_allclose(l_timed, l_plain, rtol=SAME_MATH)  # same step, split in two jits
+  assert max_relative_diff(p_timed, p_plain) <= SAME_MATH
   assert [t.step for t in timed.timings] == [1, 2, 3, 4] and not plain.timings
   assert all(t.forward_backward_s > 0 and t.optimizer_s > 0 for t in timed.timings)
   lines = [r.getMessage() for r in captured.records]

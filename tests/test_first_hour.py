@@ -13,7 +13,7 @@ from flax import nnx
 import jzero
 from jzero.errors import JZeroError, JZeroWarning
 
-from zero_testing import loss_of_params
+from zero_testing import SAME_MATH, loss_of_params
 
 N = 8
 WIDTH, CLASSES, ROWS = 32, 4, 16
@@ -63,8 +63,10 @@ def test_eval_loss_with_rng_loss_turns_dropout_off_and_returns_aux():
 
   params = jax.tree.map(np.asarray, engine.logical_params(state))
   ref_loss, ref_aux = loss_of_params(DropoutNet, classify)(params, batch)
-  np.testing.assert_allclose(loss, float(ref_loss), rtol=1e-6)
-  np.testing.assert_allclose(aux["accuracy"], float(ref_aux["accuracy"]), rtol=1e-6)
+  # one forward pass of the same params, 8 devices against one: a mean over the batch in another
+  # order and the dots' other tilings, far below SAME_MATH's per-step bound
+  np.testing.assert_allclose(loss, float(ref_loss), rtol=SAME_MATH)
+  np.testing.assert_allclose(aux["accuracy"], float(ref_aux["accuracy"]), rtol=SAME_MATH)
 
   state, metrics = engine.train_step(state, engine.shard_batch(batch))
   assert abs(float(metrics["loss"]) - loss) > 1e-4, "dropout was off in training"

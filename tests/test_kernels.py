@@ -251,6 +251,7 @@ def test_dequantize_sum_is_the_fp32_sum_of_dequantized_chunks():
   parts = np.asarray(_dequantize(q, jnp.float32))
   want = (parts[0] + parts[1]) + parts[2]  # chunk 0 first, in float32
   assert _same(total, want)
+  # three same-signed float32 terms summed in float32: two roundings, <= 2u = 1.2e-7 of the sum
   np.testing.assert_allclose(np.asarray(total), parts.astype(np.float64).sum(0), rtol=1e-6)
   assert _same(_dequantize_sum(q, jnp.bfloat16), jnp.asarray(want).astype(jnp.bfloat16))
   # requantize_sum is quantize(dequantize_sum) in one pass, with the remaining stack axis kept

@@ -28,7 +28,7 @@ import jzero
 from jzero import cli, launch
 from jzero.errors import JZeroError
 from launch_worker import Tiny, loss_fn
-from zero_testing import free_port, subprocess_env
+from zero_testing import SAME_MATH, free_port, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("launch_worker.py")
@@ -294,7 +294,7 @@ def test_launched_job_matches_one_process_and_stops_on_sigterm(uninterrupted, pr
   assert "every process stopped after step" in text
   assert sorted(losses) == list(range(1, step + 1))
   np.testing.assert_allclose([losses[s] for s in losses], [uninterrupted[s] for s in losses],
-                             rtol=1e-6)
+                             rtol=SAME_MATH)
   assert re.search(r"^\[0\] jzero: ZeRO stage 3", text, re.M)  # process 0 reports, prefixed
 
 
@@ -312,7 +312,7 @@ def test_preempted_job_resumes_on_4_processes_x_2_devices(uninterrupted, preempt
   resumed = _losses(losses)
   assert sorted(resumed) == list(range(step + 1, STEPS + 1))
   np.testing.assert_allclose([resumed[s] for s in resumed], [uninterrupted[s] for s in resumed],
-                             rtol=1e-6)
+                             rtol=SAME_MATH)
 
 
 def test_preempted_job_resumes_in_one_process_on_8_devices(uninterrupted, preempted, tmp_path):
@@ -327,7 +327,7 @@ def test_preempted_job_resumes_in_one_process_on_8_devices(uninterrupted, preemp
   resumed = _losses(losses)
   assert sorted(resumed) == list(range(step + 1, STEPS + 1))
   np.testing.assert_allclose([resumed[s] for s in resumed], [uninterrupted[s] for s in resumed],
-                             rtol=1e-6)
+                             rtol=SAME_MATH)
 
 
 def test_preempted_job_resumes_in_one_process_on_4_devices(uninterrupted, preempted):
@@ -354,7 +354,7 @@ def test_preempted_job_resumes_in_one_process_on_4_devices(uninterrupted, preemp
   corpus = ByteCorpus.load(None, seq_len=16)
   for s in range(step, STEPS):
     state, metrics = engine.train_step(state, engine.shard_batch(corpus.batch(s, 32)))
-    np.testing.assert_allclose(float(metrics["loss"]), uninterrupted[s + 1], rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["loss"]), uninterrupted[s + 1], rtol=SAME_MATH)
 
 
 def test_shard_batch_takes_this_process_rows():
@@ -401,5 +401,5 @@ def test_stage3_across_processes_is_bitwise_reproducible(tmp_path):
   engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, micro=BATCH // 2, **STAGE3),
                             mesh=mesh)
   _, single, single_losses = engine_run(engine, batches(SMALL.seq_len, BATCH, WORKER_STEPS))
-  np.testing.assert_allclose(losses, single_losses, rtol=1e-6)
-  assert max_relative_diff(params, flatten_paths(single)) <= 1e-6
+  np.testing.assert_allclose(losses, single_losses, rtol=SAME_MATH)
+  assert max_relative_diff(params, flatten_paths(single)) <= SAME_MATH

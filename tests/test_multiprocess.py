@@ -22,8 +22,8 @@ import jzero
 from jzero.models import lm_loss
 from jzero.plan import flatten_paths
 from multiprocess_worker import BATCH, STAGE3, STEPS
-from zero_testing import (SMALL, batches, ds_config, engine_run, free_port, gpt_factory,
-                          max_relative_diff, subprocess_env)
+from zero_testing import (SAME_MATH, SMALL, batches, ds_config, engine_run, free_port,
+                          gpt_factory, max_relative_diff, subprocess_env)
 
 PROCESSES, DEVICES_PER_PROCESS = 2, 4
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
@@ -54,8 +54,8 @@ def test_two_processes_match_one_process(job):
   engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **STAGE3))
   _, single, single_losses = engine_run(engine, batches(SMALL.seq_len, BATCH, STEPS))
   assert len(losses) == STEPS
-  np.testing.assert_allclose(losses, single_losses, rtol=1e-6)
-  assert max_relative_diff(params, flatten_paths(single)) <= 1e-6
+  np.testing.assert_allclose(losses, single_losses, rtol=SAME_MATH)
+  assert max_relative_diff(params, flatten_paths(single)) <= SAME_MATH
 
 
 def test_each_process_holds_and_writes_only_its_shards(job):

@@ -17,6 +17,30 @@ LR, BETAS, EPS, WD, CLIP = 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 SMALL = GPTConfig(d_model=64, n_layers=2, n_heads=4, seq_len=32)
 
+# -- Bounds. Every tolerance of the suite is one of these or carries its own reason beside it; none
+# is fitted to one CPU. u = 2^-24 is fp32's unit roundoff (6.0e-8); max_relative_diff compares each
+# leaf in norm. tests/isa_matrix.sh reruns the suite under other XLA CPU ISAs (other kernels,
+# other roundings) to check they hold.
+U32 = 2.0 ** -24
+
+#: The same fp32 math with the data placed or the work split otherwise (an offload tier, the NVMe
+#: store, a step split in two jits, several processes instead of devices, a resumed run against an
+#: uninterrupted one, gather units against one gather): the results differ by rounding only -- the
+#: order of one sum over <= 8 devices per gradient element ((N - 1)u = 7u) and XLA's fusion of the
+#: elementwise optimizer update (a few u). Adam's update is a ratio of moments of the same gradient,
+#: so it does not amplify a relative error; over the <= 20 steps of these tests that stays within
+#: 1e-6 = 17u (measured <= 2e-7 under the AVX-512, AVX2 and SSE4.2 kernels, tests/isa_matrix.sh).
+SAME_MATH = 1e-6
+
+#: 8 devices against a plain one-device optax loop over the same batches (small models, <= 8
+#: steps): besides SAME_MATH's sources, XLA compiles the model for other shapes (a micro-batch per
+#: device against the whole batch), so every dot product accumulates its contraction (d <= 256 here)
+#: in another order: d*u = 1.5e-5 in the worst case, sqrt(d)*u = 1e-6 for random rounding; the
+#: loss mean over the batch adds log2(8) roundings. 1e-5 sits between the typical and the worst
+#: case. (The 20-step exactness test of the default model does not use it: there the reference is
+#: float64, tests/test_engine.py.)
+VS_ONE_DEVICE = 1e-5
+
 
 def ds_config(stage: int, *, micro: int = 1, gas: int = 1, precision: str = "fp32",
               **zero) -> dict:
