@@ -14,14 +14,18 @@ joins them (:func:`jzero.init_distributed`).
 import logging as _logging
 import sys as _sys
 
-from jzero.config import Config
-from jzero.distributed import init_distributed
-from jzero.engine import Engine, TrainState, initialize
-from jzero.errors import (CheckpointError, ConfigError, DataError, JZeroError, JZeroWarning,
-                          MeshError, NotSupportedError)
-from jzero.layers import gather, linen_scan_layers, remat, scan_layers
-from jzero.mesh import MeshSpec, ZeroMesh, simulate_cpu_devices
-from jzero.plan import Plan, make_plan
+from jzero import quiet_start as _quiet_start
+
+_quiet_start.import_jax()  # before anything imports JAX: no CUDA-plugin noise without a driver
+
+from jzero.config import Config  # noqa: E402
+from jzero.distributed import init_distributed  # noqa: E402
+from jzero.engine import Engine, TrainState, initialize  # noqa: E402
+from jzero.errors import (CheckpointError, ConfigError, DataError, JZeroError,  # noqa: E402
+                          JZeroWarning, MeshError, NotSupportedError)
+from jzero.layers import gather, linen_scan_layers, remat, scan_layers  # noqa: E402
+from jzero.mesh import MeshSpec, ZeroMesh, simulate_cpu_devices  # noqa: E402
+from jzero.plan import Plan, make_plan  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from zero_testing import free_port
 
@@ -20,6 +21,27 @@ def _jzero(*args: str) -> subprocess.CompletedProcess:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", "jzero.cli", *args], capture_output=True,
                         text=True, env=env, timeout=600)
+
+
+def test_a_quiet_start_without_a_gpu():
+  """`import jzero` and `jzero estimate --help` write nothing to stderr on a machine without an
+  NVIDIA driver, whether or not JAX's CUDA plugin (the gpu-aot extra) is installed: its
+  cudart_stub / absl lines and its plugin traceback are filtered (jzero.quiet_start). With the
+  plugin and no driver, a plain `import jax; jax.devices()` shows what is being hidden."""
+  from jzero.quiet_start import driver_present
+  if driver_present():
+    pytest.skip("an NVIDIA driver is present: the plugin's lines are not noise here")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # the plugin initialises
+  run = lambda *cmd: subprocess.run([sys.executable, *cmd], capture_output=True, text=True,
+                                    env=env, timeout=300)
+  imported = run("-c", "import jzero, jax; jax.devices()")
+  assert imported.returncode == 0 and imported.stderr == "", imported.stderr
+  helped = run("-m", "jzero", "estimate", "--help")
+  assert helped.returncode == 0 and helped.stderr == "" and "--params" in helped.stdout
+  import importlib.util
+  if importlib.util.find_spec("jax_plugins.xla_cuda12") is not None:  # the noise it hides
+    plain = run("-c", "import jax; jax.devices()")
+    assert "Could not find cuda drivers" in plain.stderr or "xla_cuda" in plain.stderr
 
 
 def test_train_summary_checkpoint_and_resume(tmp_path):
