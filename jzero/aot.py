@@ -54,6 +54,7 @@ from typing import Any, Callable
 
 from jzero.errors import ConfigError, JZeroError
 from jzero.profile import Collective
+from jzero.tables import format_bytes, text_table
 
 __all__ = ["GPU_SPECS", "GpuSpec", "gpu_spec", "gpu_devices", "AotReport", "compile_for",
            "format_report", "add_aot_arguments", "run_aot", "INSTALL_HINT"]
@@ -498,7 +499,6 @@ def _where(c: Collective) -> str:
 
 def format_report(r: AotReport) -> str:
   """The report as text: memory by kind (plan vs estimator), XLA's analysis, fit, collectives."""
-  from jzero.memory import _table, format_bytes  # noqa: PLC0415
 
   gib = r.device_memory / 2**30
   lines = [f"jzero aot: {r.devices} x {r.gpu} ({gib:.2f} GiB each), ZeRO-{r.stage}, {r.precision}, "
@@ -513,7 +513,7 @@ def format_report(r: AotReport) -> str:
                format_bytes(sum(r.estimate[k] for k in r.kinds))])
   if "activations" in r.estimate:
     rows.append(["activations", "-", format_bytes(r.estimate["activations"])])
-  lines.append(_table(["kind", "plan", "estimator"], rows, indent="  "))
+  lines.append(text_table(["kind", "plan", "estimator"], rows, indent="  "))
   ratio = r.argument / r.persistent_state if r.persistent_state else math.nan
   lines += ["", f"XLA memory_analysis per device: arguments {format_bytes(r.argument)} (plan's "
                 f"params + master + optimizer {format_bytes(r.persistent_state)}, ratio "
@@ -530,8 +530,8 @@ def format_report(r: AotReport) -> str:
                  f"{c.overlapped_ops} ({c.overlapped_matmuls} matmuls)" if c.overlapped else "no"])
   lines.append("collectives of the scheduled program (bytes: full buffer per run, sent per device "
                "per step; overlapped: compute instructions in flight, of which matmuls)")
-  lines.append(_table(["collective", "axes", "runs", "buffers", "bytes/run", "sent/step", "mode",
-                       "overlapped"], rows, indent="  ") if rows else "  none")
+  lines.append(text_table(["collective", "axes", "runs", "buffers", "bytes/run", "sent/step",
+                           "mode", "overlapped"], rows, indent="  ") if rows else "  none")
   pct = lambda x: "-" if math.isnan(x) else f"{x:.1%}"  # noqa: E731
   lines.append(f"overlapped with compute: {pct(r.overlap_fraction)} of "
                f"{format_bytes(r.sent_bytes)} sent per device per step "

@@ -79,12 +79,14 @@ import jax
 from jzero.errors import ConfigError
 from jzero.plan import path_str
 from jzero.precision import DTYPES
+from jzero.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
 
 __all__ = [
     "PRECISION_BYTES", "CATEGORIES", "TIERS", "DEFAULT_PERSISTENCE_THRESHOLD",
     "ParamShape", "param_shapes", "persistent_numel", "largest_gathered_numel",
     "transformer_layer_numel", "Estimate", "estimate",
     "activation_bytes", "Recommendation", "recommend", "format_bytes", "format_estimates",
+    "estimate_rows", "EstimateTable",
     "add_estimate_arguments", "run_estimate",
 ]
 
@@ -448,30 +450,9 @@ def _devices_needed(zero3: Estimate, usable: float) -> int | None:
 
 
 # -- tables ----------------------------------------------------------------------------------------
-def format_bytes(n: float) -> str:
-  """Decimal units up to GB (GB = 1e9 bytes): '38.50 GB', '2,100.00 GB', '25.58 MB'."""
-  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-    if abs(n) >= scale:
-      return f"{n / scale:,.2f} {unit}"
-  return f"{n:,.0f} B"
-
-
-def _cell(n: float) -> str:
-  return format_bytes(n) if n else "-"
-
-
-def _table(header: list[str], rows: list[list[str]], indent: str = "") -> str:
-  """Plain-text table: first column left-aligned, the others right-aligned."""
-  widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-  def line(cells):
-    return indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                              for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-  return "\n".join([line(header), *(line(r) for r in rows)])
-
-
-def format_estimates(estimates: Sequence[Estimate]) -> str:
-  """A table of estimates: device bytes by category and in total, offloaded bytes per process."""
+def estimate_rows(estimates: Sequence[Estimate]) -> tuple[list[str], list[list[str]]]:
+  """(header, rows) of a table of estimates: device bytes by category and in total, offloaded
+  bytes per process (and per node when a node has several processes)."""
   acts = any(e.activations for e in estimates)
   gathered = any(e.gathered for e in estimates)
   secondary = any(e.secondary for e in estimates)
@@ -481,12 +462,63 @@ def format_estimates(estimates: Sequence[Estimate]) -> str:
             + ["device total", "host/process"] + ["host/node"] * per_node + ["nvme/process"])
   rows = []
   for e in estimates:
-    rows.append([e.name, *(_cell(e.bytes["device"][c]) for c in CATEGORIES)]
-                + [_cell(e.secondary)] * secondary
-                + [_cell(e.gathered)] * gathered + [_cell(e.activations)] * acts
-                + [format_bytes(e.device_total), _cell(e.tier_total("host"))]
-                + [_cell(e.host_per_node)] * per_node + [_cell(e.tier_total("nvme"))])
-  return _table(header, rows)
+    rows.append([e.name, *(byte_cell(e.bytes["device"][c]) for c in CATEGORIES)]
+                + [byte_cell(e.secondary)] * secondary
+                + [byte_cell(e.gathered)] * gathered + [byte_cell(e.activations)] * acts
+                + [format_bytes(e.device_total), byte_cell(e.tier_total("host"))]
+                + [byte_cell(e.host_per_node)] * per_node + [byte_cell(e.tier_total("nvme"))])
+  return header, rows
+
+
+def format_estimates(estimates: Sequence[Estimate]) -> str:
+  """A table of estimates as text (see :func:`estimate_rows`)."""
+  return text_table(*estimate_rows(estimates))
+
+
+class EstimateTable(tuple):
+  """Several estimates that show themselves: ``str()`` is ``jzero estimate``'s table, a notebook
+  renders it as HTML, :meth:`to_records` gives plain dicts and :meth:`plot` stacked bars.
+
+  ``EstimateTable(estimate(psi, s, 8) for s in range(4))``
+  """
+
+  def __str__(self) -> str:
+    return format_estimates(self)
+
+  def _repr_html_(self) -> str:
+    return html_table(*estimate_rows(self), caption="bytes per device (host and NVMe: per "
+                      "process; GB = 1e9 bytes)")
+
+  def to_records(self) -> list[dict[str, Any]]:
+    """One dict per estimate: its name, the device bytes by category (params, grads, optimizer,
+    gathered, activations, and hpZ's secondary / the delayed update's gradient when present), the
+    device total and the host and NVMe bytes per process."""
+    return [{"configuration": e.name, **{c: float(v) for c, v in e.bytes["device"].items()},
+             "gathered": float(e.gathered), "activations": float(e.activations),
+             "device_total": float(e.device_total), "host": float(e.tier_total("host")),
+             "nvme": float(e.tier_total("nvme"))} for e in self]
+
+  def plot(self, ax: Any = None, budget: float | None = None) -> Any:
+    """Stacked bars of the device bytes per configuration (GB), by category; ``budget`` (bytes)
+    draws the device's memory as a line. Returns the matplotlib Axes."""
+    plt = require_pyplot()
+    if ax is None:
+      _, ax = plt.subplots(figsize=(1.6 + 1.1 * len(self), 3.6))
+    records = self.to_records()
+    parts = [c for c in (*CATEGORIES, "secondary", "delayed_grads", "gathered", "activations")
+             if any(r.get(c, 0) for r in records)]
+    bottom = [0.0] * len(records)
+    for part in parts:
+      heights = [r.get(part, 0.0) / 1e9 for r in records]
+      ax.bar(range(len(records)), heights, bottom=bottom, label=part)
+      bottom = [b + h for b, h in zip(bottom, heights)]
+    if budget is not None:
+      ax.axhline(budget / 1e9, color="k", linestyle="--", label="device memory")
+    ax.set_xticks(range(len(records)), [r["configuration"] for r in records], rotation=30,
+                  ha="right")
+    ax.set_ylabel("GB per device")
+    ax.legend(fontsize="small")
+    return ax
 
 
 # -- `jzero estimate` ------------------------------------------------------------------------------

@@ -21,10 +21,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jzero.memory import TIERS, CATEGORIES, Estimate, estimate, format_bytes, _cell, _table
+from jzero.memory import TIERS, CATEGORIES, Estimate, estimate
+from jzero.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
 
 __all__ = ["REPORT_CATEGORIES", "live_bytes", "state_report", "CompiledMemory", "MemoryReport",
-           "memory_report", "format_memory_report"]
+           "memory_report", "report_rows", "format_memory_report"]
 
 
 # -- measured accounting ---------------------------------------------------------------------------
@@ -145,6 +146,34 @@ class MemoryReport:
     names = self.categories if category is None else (category,)
     return sum(self.predicted[c] for c in names)
 
+  def __str__(self) -> str:
+    return format_memory_report(self)
+
+  def _repr_html_(self) -> str:
+    title, header, rows, notes = report_rows(self)
+    return html_table(header, rows, caption=title, notes=notes)
+
+  def to_records(self) -> list[dict[str, Any]]:
+    """One dict per category: bytes measured per memory kind, measured, predicted."""
+    return [{"category": c, **{f"measured_{k}": float(v) for k, v in self.measured[c].items()},
+             "measured": float(self.measured_bytes(c)), "predicted": float(self.predicted_bytes(c))}
+            for c in self.categories]
+
+  def plot(self, ax: Any = None) -> Any:
+    """Measured and predicted bytes per category (MB), side by side. Returns the Axes."""
+    plt = require_pyplot()
+    if ax is None:
+      _, ax = plt.subplots(figsize=(6, 3.2))
+    records = self.to_records()
+    x = range(len(records))
+    ax.bar([i - 0.2 for i in x], [r["measured"] / 1e6 for r in records], 0.4, label="measured")
+    ax.bar([i + 0.2 for i in x], [r["predicted"] / 1e6 for r in records], 0.4, label="predicted")
+    ax.set_xticks(list(x), [r["category"] for r in records])
+    ax.set_ylabel("MB per device")
+    ax.set_title(self.estimate.name, fontsize="medium")
+    ax.legend(fontsize="small")
+    return ax
+
   def ratio(self, category: str | None = None) -> float:
     """measured / predicted for one category (None: the total); nan where nothing is predicted."""
     predicted = self.predicted_bytes(category)
@@ -223,16 +252,18 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
                       compiled=compiled, prefetch=plan.prefetches, notes=notes)
 
 
-def format_memory_report(report: MemoryReport) -> str:
-  """A table of :func:`memory_report`: per category measured bytes by memory kind, measured,
-  predicted and their ratio; then the compiled step's memory analysis."""
+def report_rows(report: MemoryReport) -> tuple[str, list[str], list[list[str]], list[str]]:
+  """(title, header, rows, notes) of :func:`format_memory_report`'s table: per category the
+  measured bytes by memory kind, measured, predicted and their ratio; the notes are the
+  prediction per tier, the gathered working set, the NVMe store and the compiled step's memory
+  analysis."""
   est = report.estimate
   present = {k for kinds in report.measured.values() for k in kinds}
   kinds = [k for k in _KIND_ORDER if k in present] + sorted(present - set(_KIND_ORDER))
   persistent = f" ({est.persistent_params:,} persistent)" if est.persistent_params else ""
-  lines = [f"memory per device ({report.device}): {est.name}, {report.precision}, N = "
+  title = (f"memory per device ({report.device}): {est.name}, {report.precision}, N = "
            f"{est.devices}, {est.num_params:,} params{persistent}, optimizer state K = "
-           f"{report.optimizer_bytes:g} B/param"]
+           f"{report.optimizer_bytes:g} B/param")
   header = ["model states", *kinds, "measured", "predicted", "measured/predicted"]
   rows = []
   for name in (*report.categories, None):
@@ -241,26 +272,34 @@ def format_memory_report(report: MemoryReport) -> str:
     label = {"grads": "grads (plan)", "secondary": "hpZ secondary",
              "delayed_grads": "delayed grads (DPU)"}.get(label, label)
     rows.append([label]
-                + [_cell(report.measured[name].get(k, 0)) if name else "" for k in kinds]
-                + [_cell(report.measured_bytes(name)), _cell(report.predicted_bytes(name)),
+                + [byte_cell(report.measured[name].get(k, 0)) if name else "" for k in kinds]
+                + [byte_cell(report.measured_bytes(name)), byte_cell(report.predicted_bytes(name)),
                    "-" if math.isnan(ratio) else f"{ratio:.4f}"])
-  lines.append(_table(header, rows, indent="  "))
+  notes = []
   if est.offload_optimizer or est.offload_param:
-    lines.append("  predicted per tier (estimator): " + ", ".join(
+    notes.append("predicted per tier (estimator): " + ", ".join(
         f"{tier} {format_bytes(est.tier_total(tier))}" for tier in TIERS
         if est.tier_total(tier)) + " (per device's share: a process holds the shares of its "
         "local devices; the host gradient share is the estimator's DeepSpeed-style copy, a "
         "temporary in jzero)")
   if est.gathered:
     source = "traced step" if report.compiled is not None else "plan"
-    lines.append(f"  ZeRO-3 gathered working set ({source}): {format_bytes(est.gathered)} -- the largest "
-                 f"unit or layer{' twice (prefetch)' if report.prefetch else ''} plus the "
+    notes.append(f"ZeRO-3 gathered working set ({source}): {format_bytes(est.gathered)} -- the "
+                 f"largest unit or layer{' twice (prefetch)' if report.prefetch else ''} plus the "
                  f"parameters gathered at the start; a temporary of the compiled step")
-  lines.extend(f"  {note}" for note in report.notes)
+  notes.extend(report.notes)
   c = report.compiled
   if c is not None:
-    lines.append(f"compiled step (XLA memory_analysis): argument {format_bytes(c.argument)}, "
+    notes.append(f"compiled step (XLA memory_analysis): argument {format_bytes(c.argument)}, "
                  f"output {format_bytes(c.output)}, temp {format_bytes(c.temp)}, alias "
                  f"{format_bytes(c.alias)}, generated code {format_bytes(c.generated_code)}; "
                  f"peak {format_bytes(c.peak)}")
-  return "\n".join(lines)
+  return title, header, rows, notes
+
+
+def format_memory_report(report: MemoryReport) -> str:
+  """:func:`report_rows` as text (what ``jzero train`` prints at its end)."""
+  title, header, rows, notes = report_rows(report)
+  compiled = [n for n in notes if n.startswith("compiled step")]
+  return "\n".join([title, text_table(header, rows, indent="  "),
+                    *(f"  {n}" for n in notes if n not in compiled), *compiled])

@@ -205,6 +205,36 @@ def test_measured_state_bytes_match_the_estimator(stage, bf16):
   assert f"ZeRO-{stage}" in text and "measured/predicted" in text
 
 
+def test_reports_show_themselves_in_a_notebook():
+  """The estimator's table and the memory report render as HTML with the same cells as their text
+  (html.escape'd), give plain records and plot with matplotlib (bars per category)."""
+  import html
+  import matplotlib
+  matplotlib.use("Agg")
+  table = memory.EstimateTable(estimate(7e9, s, 8) for s in range(4))
+  assert str(table) == memory.format_estimates(table)
+  page = table._repr_html_()
+  for row in memory.estimate_rows(table)[1]:
+    assert all(f">{html.escape(cell)}<" in page for cell in row)
+  records = table.to_records()
+  assert [r["configuration"] for r in records] == ["DDP (stage 0)", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+  assert [r["device_total"] for r in records] == [112 * GB, 38.5 * GB, 26.25 * GB, 14 * GB]
+  ax = table.plot(budget=40 * GB)
+  assert len(ax.patches) == 3 * 4  # params, grads, optimizer for each of the 4 stages
+  assert max(p.get_y() + p.get_height() for p in ax.patches) == pytest.approx(112)
+
+  engine, state = _engine(TINY, 3)
+  report = memory_report.memory_report(engine, state)
+  title, header, rows, notes = memory_report.report_rows(report)
+  page = report._repr_html_()
+  assert html.escape(title) in page and all(f">{html.escape(c)}<" in page for c in header)
+  assert str(report) == memory_report.format_memory_report(report)
+  records = report.to_records()
+  assert [r["category"] for r in records] == list(report.categories)
+  assert sum(r["measured"] for r in records) == report.measured_bytes()
+  assert len(report.plot().patches) == 2 * len(records)
+
+
 def test_compiled_step_memory_analysis():
   engine, state = _engine(TINY, 2)
   batch = engine.shard_batch(
