@@ -90,7 +90,7 @@ def _train(args: argparse.Namespace) -> int:
   _join(args)
   import jax
   import numpy as np
-  from tqdm import tqdm
+  from tqdm.auto import tqdm  # a notebook widget under Jupyter, text in a terminal
   from tqdm.contrib.logging import logging_redirect_tqdm
 
   import jzero
