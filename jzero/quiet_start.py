@@ -12,8 +12,10 @@ a driver, and compiling for a GPU (``jzero aot``) needs no runtime.
 :func:`import_jax` -- called by ``jzero/__init__`` before anything imports JAX -- does two
 things, and only when no driver can be loaded (``libcuda.so.1``): it imports JAX with file
 descriptor 2 sent to a temporary file and writes every line of it back except those two known
-lines (C++ writes to the descriptor, so Python's ``sys.stderr`` cannot filter it), and it adds a
-filter to JAX's ``jax._src.xla_bridge`` logger that drops that one plugin traceback. Everything
+lines (C++ writes to the descriptor, so Python's ``sys.stderr`` cannot filter it) -- loading the
+plugin's PJRT library in the same window, whose static initialisers would print the line again
+when the backend starts --, and it adds a filter to JAX's ``jax._src.xla_bridge`` logger that drops
+that one plugin traceback. Everything
 else, JAX's own warnings included, still reaches stderr. A program that imports JAX before jzero
 has printed the lines already; so does any machine where a driver exists (there they may matter).
 """
@@ -21,6 +23,7 @@ has printed the lines already; so does any machine where a driver exists (there 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import os
 import sys
@@ -49,6 +52,20 @@ class _NoPluginError(logging.Filter):
     return not str(record.getMessage()).startswith(PLUGIN_ERROR)
 
 
+def _load_cuda_plugin_library() -> None:
+  """Loads the CUDA plugin's PJRT library now, so that its static initialisers log (the same
+  cudart_stub line) into :func:`import_jax`'s filter instead of at the backend's start, when JAX
+  loads it; loading it again there runs nothing. A plugin laid out otherwise: nothing done."""
+  spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
+  for folder in (spec.submodule_search_locations or []) if spec else []:
+    library = os.path.join(folder, "xla_cuda_plugin.so")
+    if os.path.exists(library):
+      try:
+        ctypes.CDLL(library)
+      except OSError:
+        pass  # JAX reports it itself when it tries
+
+
 def import_jax() -> None:
   """Imports JAX; without an NVIDIA driver, without the CUDA plugin's noise (module docstring)."""
   if "jax" in sys.modules or driver_present():
@@ -61,6 +78,7 @@ def import_jax() -> None:
     os.dup2(captured.fileno(), 2)
     try:
       import jax  # noqa: F401
+      _load_cuda_plugin_library()
     finally:
       sys.stderr.flush()
       os.dup2(saved, 2)

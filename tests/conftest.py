@@ -17,6 +17,7 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_backend_optimization_level=0").strip()
 
+import jzero  # noqa: E402,F401  (first: it imports JAX without the CUDA plugin's no-driver noise)
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
