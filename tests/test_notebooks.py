@@ -1,0 +1,32 @@
+"""The notebooks run top to bottom headless (each asserts its own key numbers inside) and are
+committed with their outputs, plots included, so that a reader on GitHub sees what they produce.
+(notebooks/zero3_to_flax.ipynb is executed by tests/test_checkpoint.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+@pytest.mark.parametrize("name", ["which_stage_fits"])
+def test_notebook_executes_and_is_committed_with_its_plots(name):
+  import nbclient
+  import nbformat
+
+  path = NOTEBOOKS / f"{name}.ipynb"
+  committed = nbformat.read(path, as_version=4)
+  images = [o for c in committed.cells if c.cell_type == "code" for o in c.get("outputs", [])
+            if "image/png" in o.get("data", {})]
+  assert images, f"{path.name} is committed without its plots: run notebooks/build_{name}.py"
+  notebook = nbformat.read(path, as_version=4)
+  nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                          resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+  errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
+            if o.get("output_type") == "error"]
+  assert not errors, errors
+  stdout = lambda nb: "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                             for o in c.get("outputs", []) if o.get("name") == "stdout")
+  assert stdout(notebook) == stdout(committed)  # the committed printout is today's
