@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import html
 import importlib
 import json
 import math
@@ -54,10 +55,10 @@ from typing import Any, Callable
 
 from jzero.errors import ConfigError, JZeroError
 from jzero.profile import Collective
-from jzero.tables import format_bytes, text_table
+from jzero.tables import format_bytes, html_table, require_pyplot, text_table
 
 __all__ = ["GPU_SPECS", "GpuSpec", "gpu_spec", "gpu_devices", "AotReport", "compile_for",
-           "format_report", "add_aot_arguments", "run_aot", "INSTALL_HINT"]
+           "report_parts", "format_report", "add_aot_arguments", "run_aot", "INSTALL_HINT"]
 
 SPEC_DIR = Path(__file__).parent / "gpu_specs"
 GPU_SPECS = {  # --gpu name -> XLA GPU target config in jzero/gpu_specs
@@ -252,6 +253,37 @@ class AotReport:
     """Share of the bytes sent per step by collectives with a matmul in flight (nan: none sent)."""
     hidden = sum(c.step_bytes for c in self.collectives if c.overlapped and c.overlapped_matmuls)
     return hidden / self.sent_bytes if self.sent_bytes else math.nan
+
+  def __str__(self) -> str:
+    return format_report(self)
+
+  def _repr_html_(self) -> str:
+    out = []
+    for part in report_parts(self):
+      if isinstance(part, str):
+        out.append(f"<div>{html.escape(part)}</div>" if part else "")
+      else:
+        out.append(html_table(part[1], part[2], caption=part[0]))
+    return "".join(out)
+
+  def plot(self, ax: Any = None) -> Any:
+    """Bars of the model state per kind (plan and estimator, GB) and lines for XLA's peak and the
+    usable device memory. Returns the Axes."""
+    plt = require_pyplot()
+    if ax is None:
+      _, ax = plt.subplots(figsize=(6, 3.2))
+    kinds = list(self.kinds)
+    xs = range(len(kinds))
+    ax.bar([x - 0.2 for x in xs], [self.state[k] / 1e9 for k in kinds], 0.4, label="plan")
+    ax.bar([x + 0.2 for x in xs], [self.estimate[k] / 1e9 for k in kinds], 0.4, label="estimator")
+    ax.axhline(self.peak / 1e9, color="r", label="XLA peak")
+    ax.axhline(self.usable_memory / 1e9, color="k", linestyle="--", label="usable memory")
+    ax.set_xticks(list(xs), kinds)
+    ax.set_ylabel("GB per device")
+    ax.set_title(f"{self.devices} x {self.gpu_name}, ZeRO-{self.stage}, {self.model}",
+                 fontsize="medium")
+    ax.legend(fontsize="small")
+    return ax
 
   def to_json(self) -> dict[str, Any]:
     """A JSON-serialisable dict: the fields, the derived figures, and each collective."""
@@ -497,25 +529,26 @@ def _where(c: Collective) -> str:
   return "step" if c.count == 1 else f"loop x{c.count}"
 
 
-def format_report(r: AotReport) -> str:
-  """The report as text: memory by kind (plan vs estimator), XLA's analysis, fit, collectives."""
-
+def report_parts(r: AotReport) -> list[Any]:
+  """The report as a list of parts: a line (str), or a table (caption, header, rows) -- what
+  :func:`format_report` prints and a notebook renders (``AotReport._repr_html_``)."""
   gib = r.device_memory / 2**30
-  lines = [f"jzero aot: {r.devices} x {r.gpu} ({gib:.2f} GiB each), ZeRO-{r.stage}, {r.precision}, "
-           f"{r.model}, {r.num_params / 1e9:.3f}B params",
-           f"  mesh {r.mesh}; micro-batch {r.micro_batch} x gas {r.gradient_accumulation_steps}, "
-           f"activation checkpointing {'on' if r.checkpoint_activations else 'off'}",
-           f"  compile: trace {r.trace_s:.1f} s, lower {r.lower_s:.1f} s, XLA GPU compile "
-           f"{r.compile_s:.1f} s", "", "model state per device (grads: in the compute dtype, "
-           "inside the step)"]
+  parts: list[Any] = [
+      f"jzero aot: {r.devices} x {r.gpu} ({gib:.2f} GiB each), ZeRO-{r.stage}, {r.precision}, "
+      f"{r.model}, {r.num_params / 1e9:.3f}B params",
+      f"  mesh {r.mesh}; micro-batch {r.micro_batch} x gas {r.gradient_accumulation_steps}, "
+      f"activation checkpointing {'on' if r.checkpoint_activations else 'off'}",
+      f"  compile: trace {r.trace_s:.1f} s, lower {r.lower_s:.1f} s, XLA GPU compile "
+      f"{r.compile_s:.1f} s", ""]
   rows = [[k, format_bytes(r.state[k]), format_bytes(r.estimate[k])] for k in r.kinds]
   rows.append(["total", format_bytes(r.model_states),
                format_bytes(sum(r.estimate[k] for k in r.kinds))])
   if "activations" in r.estimate:
     rows.append(["activations", "-", format_bytes(r.estimate["activations"])])
-  lines.append(text_table(["kind", "plan", "estimator"], rows, indent="  "))
+  parts.append(("model state per device (grads: in the compute dtype, inside the step)",
+                ["kind", "plan", "estimator"], rows))
   ratio = r.argument / r.persistent_state if r.persistent_state else math.nan
-  lines += ["", f"XLA memory_analysis per device: arguments {format_bytes(r.argument)} (plan's "
+  parts += ["", f"XLA memory_analysis per device: arguments {format_bytes(r.argument)} (plan's "
                 f"params + master + optimizer {format_bytes(r.persistent_state)}, ratio "
                 f"{ratio:.4f}), outputs {format_bytes(r.output)}, temp {format_bytes(r.temp)}, "
                 f"aliased {format_bytes(r.alias)}; peak {format_bytes(r.peak)}",
@@ -528,15 +561,27 @@ def format_report(r: AotReport) -> str:
                  format_bytes(c.full_bytes), format_bytes(c.step_bytes),
                  "async" if c.is_async else "sync",
                  f"{c.overlapped_ops} ({c.overlapped_matmuls} matmuls)" if c.overlapped else "no"])
-  lines.append("collectives of the scheduled program (bytes: full buffer per run, sent per device "
-               "per step; overlapped: compute instructions in flight, of which matmuls)")
-  lines.append(text_table(["collective", "axes", "runs", "buffers", "bytes/run", "sent/step",
-                           "mode", "overlapped"], rows, indent="  ") if rows else "  none")
+  parts.append(("collectives of the scheduled program (bytes: full buffer per run, sent per "
+                "device per step; overlapped: compute instructions in flight, of which matmuls)",
+                ["collective", "axes", "runs", "buffers", "bytes/run", "sent/step", "mode",
+                 "overlapped"], rows))
   pct = lambda x: "-" if math.isnan(x) else f"{x:.1%}"  # noqa: E731
-  lines.append(f"overlapped with compute: {pct(r.overlap_fraction)} of "
+  parts.append(f"overlapped with compute: {pct(r.overlap_fraction)} of "
                f"{format_bytes(r.sent_bytes)} sent per device per step "
                f"({pct(r.matmul_overlap_fraction)} with a matmul in flight)")
-  lines.append(f"Pallas kernels (ZeRO++ block quantization, Triton): {r.pallas_kernels} calls")
+  parts.append(f"Pallas kernels (ZeRO++ block quantization, Triton): {r.pallas_kernels} calls")
+  return parts
+
+
+def format_report(r: AotReport) -> str:
+  """The report as text: memory by kind (plan vs estimator), XLA's analysis, fit, collectives."""
+  lines = []
+  for part in report_parts(r):
+    if isinstance(part, str):
+      lines.append(part)
+      continue
+    caption, header, rows = part
+    lines += [caption, text_table(header, rows, indent="  ") if rows else "  none"]
   return "\n".join(lines)
 
 

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from jzero.mesh import ZeroMesh
+from jzero.tables import html_table, require_pyplot, text_table
 
 __all__ = ["Collective", "CommVolume", "StepTiming", "collectives", "comm_volume", "zero_theory",
            "unordered_collectives", "COMPUTE_OPS"]
@@ -389,20 +390,45 @@ class CommVolume:
     (``"node"``: what crosses nodes)."""
     return sum(c.step_bytes for c in self.ops if axis in c.axes)
 
-  def table(self) -> str:
-    """A per-kind / per-axes / per-payload table of bytes sent per device per step."""
-    rows = collections.defaultdict(lambda: [0, 0.0])
+  def rows(self) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of :meth:`table`: per kind, mesh axes and payload, the runs per step and the
+    MiB each device sends per step (and in Psi units); a total row last."""
+    grouped = collections.defaultdict(lambda: [0, 0.0])
     for c in self.ops:
       key = (c.kind, "x".join(c.axes) or "-", "+".join(c.payload) or "-")
-      rows[key][0] += c.count
-      rows[key][1] += c.step_bytes
-    lines = [f"{'collective':<20}{'axes':<14}{'payload':<10}{'runs/step':>10}"
-             f"{'MiB sent/device':>17}{'Psi':>8}"]
-    for (kind, axes, payload), (count, sent) in sorted(rows.items()):
-      lines.append(f"{kind:<20}{axes:<14}{payload:<10}{count:>10}{sent / 2**20:>17.3f}"
-                   f"{sent / self.psi_bytes:>8.3f}")
-    lines.append(f"{'total':<54}{self.total_bytes / 2**20:>17.3f}{self.total_psi:>8.3f}")
-    return "\n".join(lines)
+      grouped[key][0] += c.count
+      grouped[key][1] += c.step_bytes
+    header = ["collective", "axes", "payload", "runs/step", "MiB sent/device", "Psi"]
+    rows = [[kind, axes, payload, str(count), f"{sent / 2**20:.3f}",
+             f"{sent / self.psi_bytes:.3f}"]
+            for (kind, axes, payload), (count, sent) in sorted(grouped.items())]
+    rows.append(["total", "", "", "", f"{self.total_bytes / 2**20:.3f}", f"{self.total_psi:.3f}"])
+    return header, rows
+
+  def table(self) -> str:
+    """A per-kind / per-axes / per-payload table of bytes sent per device per step."""
+    return text_table(*self.rows())
+
+  def _repr_html_(self) -> str:
+    return html_table(*self.rows(), caption="collectives of the compiled step, per device")
+
+  def to_records(self) -> list[dict[str, Any]]:
+    """One dict per kind, axes and payload: runs per step, bytes sent per device per step."""
+    header, rows = self.rows()
+    return [{"collective": r[0], "axes": r[1], "payload": r[2], "runs": int(r[3]),
+             "bytes": float(r[4]) * 2**20} for r in rows[:-1]]
+
+  def plot(self, ax: Any = None) -> Any:
+    """Bars of MiB sent per device per step, one per kind and mesh axes. Returns the Axes."""
+    plt = require_pyplot()
+    if ax is None:
+      _, ax = plt.subplots(figsize=(6, 3.2))
+    records = self.to_records()
+    ax.bar(range(len(records)), [r["bytes"] / 2**20 for r in records])
+    ax.set_xticks(range(len(records)), [f"{r['collective']}\n{r['axes']} {r['payload']}"
+                                        for r in records], fontsize="small")
+    ax.set_ylabel("MiB sent per device per step")
+    return ax
 
 
 def comm_volume(compiled: Any, mesh: ZeroMesh, *, num_params: int, bytes_per_param: int

@@ -179,11 +179,24 @@ def test_compile_for_works_in_a_fresh_interpreter_without_jax_platforms():
 
 @needs_plugin
 def test_report_table_names_every_part():
-  text = aot.format_report(_compile("stage3", stage=3))
+  report = _compile("stage3", stage=3)
+  text = aot.format_report(report)
   for part in ("NVIDIA H100 80GB HBM3", "params", "master", "optimizer", "estimator",
                "XLA memory_analysis", "fits: yes", "all-gather", "reduce-scatter", "async",
                "overlapped with compute"):
     assert part in text, part
+  # in a notebook: the same parts as HTML tables, and a plot of the state against the memory
+  import html
+  import matplotlib
+  matplotlib.use("Agg")
+  assert str(report) == text
+  page = report._repr_html_()
+  tables = [p for p in aot.report_parts(report) if not isinstance(p, str)]
+  assert page.count("<table>") == len(tables) == 2
+  for _, header, rows in tables:
+    assert all(f">{html.escape(cell)}<" in page for row in [header, *rows] for cell in row)
+  ax = report.plot()
+  assert len(ax.patches) == 2 * len(report.kinds) and len(ax.lines) == 2
 
 
 # -- runs without the plugin -----------------------------------------------------------------------

@@ -33,6 +33,11 @@ def test_volume_matches_zero_theory_at_8_devices(stage):
   volume = comm_volume(compiled, engine.mesh, num_params=psi, bytes_per_param=4)
   theory = zero_theory(stage, 8)
   assert abs(volume.total_psi / theory - 1) <= 0.05, volume.table()
+  records = volume.to_records()  # the table's rows, as numbers (MiB rounded to 3 decimals)
+  assert sum(r["bytes"] for r in records) == pytest.approx(volume.total_bytes,
+                                                          abs=len(records) * 2**10)
+  assert volume.table().splitlines()[-1].split()[0] == "total"
+  assert volume._repr_html_().count("<tr>") == len(records) + 2  # header, rows, total
   kinds = volume.by_kind()
   if stage == 0:
     assert set(kinds) == {"all-reduce"}
