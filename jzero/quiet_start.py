@@ -72,15 +72,20 @@ def import_jax() -> None:
     import jax  # noqa: F401  (already imported, or a driver: nothing to hide)
     return
   logging.getLogger("jax._src.xla_bridge").addFilter(_NoPluginError())
-  sys.stderr.flush()
-  saved = os.dup(2)
+  flush = getattr(sys.stderr, "flush", lambda: None)  # sys.stderr may be None (pythonw, daemons)
+  try:
+    flush()
+    saved = os.dup(2)
+  except (OSError, ValueError):  # no file descriptor 2 (closed): nothing to filter
+    import jax  # noqa: F401
+    return
   with tempfile.TemporaryFile() as captured:
     os.dup2(captured.fileno(), 2)
     try:
       import jax  # noqa: F401
       _load_cuda_plugin_library()
     finally:
-      sys.stderr.flush()
+      flush()
       os.dup2(saved, 2)
       os.close(saved)
       captured.seek(0)

@@ -37,6 +37,8 @@ def test_a_quiet_start_without_a_gpu():
   for extra in ({}, {"JAX_PLATFORMS": "cpu"}):  # the backend's start loads the plugin's library
     imported = run("-c", "import jzero, jax; jax.devices()", **extra)
     assert imported.returncode == 0 and imported.stderr == "", (extra, imported.stderr)
+  closed = run("-c", "import os; os.close(2); import jzero, jax; jax.devices(); print('ok')")
+  assert closed.returncode == 0 and closed.stdout == "ok\n"  # a daemon without stderr
   helped = run("-m", "jzero", "estimate", "--help")
   assert helped.returncode == 0 and helped.stderr == "" and "--params" in helped.stdout
   import importlib.util
