@@ -20,7 +20,8 @@ _quiet_start.import_jax()  # before anything imports JAX: no CUDA-plugin noise w
 
 from jzero.config import Config  # noqa: E402
 from jzero.distributed import init_distributed  # noqa: E402
-from jzero.engine import Engine, TrainState, initialize  # noqa: E402
+from jzero.engine import Engine, TrainState  # noqa: E402
+from jzero.engine_from_config import initialize  # noqa: E402
 from jzero.errors import (CheckpointError, ConfigError, DataError, JZeroError,  # noqa: E402
                           JZeroWarning, MeshError, NotSupportedError)
 from jzero.layers import gather, linen_scan_layers, remat, scan_layers  # noqa: E402

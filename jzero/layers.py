@@ -150,12 +150,13 @@ def engine_context(policy: LayerPolicy) -> Iterator[TraceLog]:
 def gather(tree: Any) -> Any:
   """Replaces every :class:`~jzero.collectives.ZeroParam` in ``tree`` by the full parameter
   (identity on arrays)."""
-  zero_params = [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, ZeroParam))
-                 if isinstance(x, ZeroParam)]
   log = _LOG.get()
-  gathered = sum(math.prod(x.shape) for x in zero_params if x.full is None)
-  if log is not None and gathered:
-    log.gathered.append(gathered)
+  if log is not None:  # the engine is tracing: record the group's size (stage-3 partitions)
+    gathered = sum(math.prod(x.shape) for x in jax.tree.leaves(
+        tree, is_leaf=lambda x: isinstance(x, ZeroParam))
+                   if isinstance(x, ZeroParam) and x.full is None)
+    if gathered:
+      log.gathered.append(gathered)
   return jax.tree.map(lambda x: x.gather() if isinstance(x, ZeroParam) else x, tree,
                       is_leaf=lambda x: isinstance(x, ZeroParam))
 

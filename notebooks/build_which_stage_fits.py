@@ -1,13 +1,9 @@
 """Writes notebooks/which_stage_fits.ipynb (run it, then execute the notebook to store its outputs:
 ``python notebooks/build_which_stage_fits.py``)."""
 
-from pathlib import Path
+from nbformat.v4 import new_code_cell, new_markdown_cell
 
-import nbclient
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
-
-HERE = Path(__file__).parent
+from notebook_build import execute_and_write
 
 CELLS = [
     new_markdown_cell("""# Which ZeRO stage fits?
@@ -97,13 +93,5 @@ without a GPU"). It is not run here: that compile takes minutes."""),
 ]
 
 
-def main() -> None:
-  notebook = new_notebook(cells=CELLS, metadata={
-      "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-  nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
-                          resources={"metadata": {"path": str(HERE)}}).execute()
-  nbformat.write(notebook, HERE / "which_stage_fits.ipynb")
-
-
 if __name__ == "__main__":
-  main()
+  execute_and_write(CELLS, "which_stage_fits")

@@ -1,0 +1,18 @@
+"""What every ``build_<name>.py`` here does with its cells: execute them top to bottom in a fresh
+kernel (nbclient, from the notebooks folder) and write ``<name>.ipynb`` with the outputs."""
+
+from pathlib import Path
+
+import nbclient
+import nbformat
+from nbformat.v4 import new_notebook
+
+HERE = Path(__file__).parent
+
+
+def execute_and_write(cells: list, name: str) -> None:
+  notebook = new_notebook(cells=cells, metadata={
+      "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+  nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
+                          resources={"metadata": {"path": str(HERE)}}).execute()
+  nbformat.write(notebook, HERE / f"{name}.ipynb")
