@@ -162,6 +162,11 @@ class ZeroParam:
   partition in host memory: ``partition`` is then a zero gradient slot on the device, and
   ``gather()`` moves ``host`` to the device first (its gradient lands in the slot).
 
+  With parameters on NVMe (:mod:`jzero.param_nvme`) it carries the leaf's static ``source`` and a
+  ``layer`` index child (the stack's layer indices; the scan slices them with the rest):
+  ``partition`` is again a zero gradient slot, and ``gather()`` reads the partition through
+  ``source.fetch`` first.
+
   It is a pytree node whose children are the arrays, so ``lax.scan`` over a stack of them slices
   every layer while the static facts (a negative ``dim``, the logical ``size``, the ``axes``) stay
   valid for the sliced layer. It reads like the array it stands for: ``shape``, ``dtype``,
@@ -169,25 +174,28 @@ class ZeroParam:
   """
 
   __slots__ = ("partition", "full", "dim", "size", "axes", "comm_dtype", "scatter", "secondary",
-               "comm", "host")
+               "comm", "host", "source", "layer")
 
   def __init__(self, partition: jax.Array, dim: int, size: int, axes: Axes, comm_dtype: Any = None,
                *, full: jax.Array | None = None, scatter: bool = True,
                secondary: jax.Array | None = None, comm: Any = None,
-               host: jax.Array | None = None):
+               host: jax.Array | None = None, source: Any = None,
+               layer: jax.Array | None = None):
     self.partition, self.full, self.dim, self.size = partition, full, dim, size
     self.axes, self.comm_dtype, self.scatter = axes, comm_dtype, scatter
     self.secondary, self.comm, self.host = secondary, comm, host
+    self.source, self.layer = source, layer
 
   def tree_flatten(self):
-    return (self.partition, self.full, self.secondary, self.host), (
-        self.dim, self.size, self.axes, self.comm_dtype, self.scatter, self.comm)
+    return (self.partition, self.full, self.secondary, self.host, self.layer), (
+        self.dim, self.size, self.axes, self.comm_dtype, self.scatter, self.comm, self.source)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    dim, size, axes, comm_dtype, scatter, comm = aux
+    dim, size, axes, comm_dtype, scatter, comm, source = aux
     return cls(children[0], dim, size, axes, comm_dtype, full=children[1], scatter=scatter,
-               secondary=children[2], comm=comm, host=children[3])
+               secondary=children[2], comm=comm, host=children[3], source=source,
+               layer=children[4])
 
   @property
   def partitioned(self) -> bool:
@@ -213,6 +221,8 @@ class ZeroParam:
   def gather(self) -> jax.Array:
     """The full parameter (see the class docstring for what its backward does)."""
     partition = self.partition
+    if self.source is not None:  # parameters on NVMe: read the partition first
+      partition = self.source.fetch(self.partition, self.layer)
     if self.host is not None:  # parameter offload: the partition comes from the host first
       from jzero.param_offload import fetch  # noqa: PLC0415
       partition = fetch(self.host, self.partition)

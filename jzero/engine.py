@@ -267,9 +267,12 @@ class Engine(StepBuilder):
       full = state_layout
       if plan.has_nvme:  # placeholders; the real master goes to the store (jzero.nvme)
         state_layout = nvme.shrink(plan, state_layout)
+      params = plan.map(lambda l, x: to_layout(l, x, l.param_partitioned).astype(compute), p32)
+      if plan.params_on_nvme:  # placeholders; the params are the store's masters (jzero.param_nvme)
+        params = nvme.shrink(plan, params, "param_tier")
       state = TrainState(
           step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32),
-          params=plan.map(lambda l, x: to_layout(l, x, l.param_partitioned).astype(compute), p32),
+          params=params,
           master=state_layout if plan.has_master else None,
           opt_state=self.tx.init(state_layout), loss_scale=self.scaler.init(),
           rng=jax.random.key_data(train_key),
@@ -596,7 +599,8 @@ class Engine(StepBuilder):
     """
     plan = self._require_plan()
     self.check_live(state, "logical_params")
-    source = nvme.full_state(self, state).master if plan.has_master else state.params
+    full = nvme.full_state(self, state)  # the NVMe tier's arrays, read from its store
+    source = full.master if plan.has_master else full.params
     # Host-tier arrays (offload) are read on the device: a copy of the partitions, then gathered.
     source = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device"))
                           if x.sharding.memory_kind not in (None, "device") else x, source)

@@ -90,6 +90,7 @@ import shutil
 import socket
 import tempfile
 import uuid
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,8 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jzero.errors import ConfigError, JZeroError
+from jzero.errors import ConfigError, JZeroError, JZeroWarning
+from jzero.param_nvme import ParamReader
 
 __all__ = ["NVME", "NvmeSettings", "NvmeStoreError", "NvmeStore", "settings_from_config",
            "check_directory", "open_committed", "shrink", "placeholder_shape", "full_state",
@@ -130,6 +132,13 @@ class NvmeSettings:
   sub_group_size: int = 1_000_000_000
   queue_depth: int = 8
   intra_op_parallelism: int = 1
+  # parameters on the tier (offload_param.device: nvme, jzero.param_nvme)
+  params: bool = False
+  param_buffer_count: int = 5
+  param_buffer_size: int = 100_000_000
+  max_in_cpu: int = 1_000_000_000
+  prefetch: bool = True
+  key: str = "zero_optimization.offload_optimizer.nvme_path"
 
 
 #: tensorstore's ``file_io_mode`` for the store's files (bench/nvme.py measures the modes side by
@@ -150,14 +159,15 @@ def _int(value: Any, default: int) -> int:
   return default if value == "auto" else int(value)
 
 
-def check_directory(path: str | os.PathLike) -> Path:
-  """``path`` as an absolute directory jzero can write and fsync in; ConfigError otherwise."""
+def check_directory(path: str | os.PathLike, key: str = _KEY) -> Path:
+  """``path`` as an absolute directory jzero can write and fsync in; ConfigError (naming the
+  config ``key``) otherwise."""
   path = Path(path).expanduser().absolute()
   if not path.exists():
-    raise ConfigError(f"{_KEY}={path}: no such directory. Create it (mkdir -p {path}), ideally on "
+    raise ConfigError(f"{key}={path}: no such directory. Create it (mkdir -p {path}), ideally on "
                       f"a local NVMe drive, or point nvme_path at an existing directory.")
   if not path.is_dir():
-    raise ConfigError(f"{_KEY}={path} is not a directory; point nvme_path at a directory on the "
+    raise ConfigError(f"{key}={path} is not a directory; point nvme_path at a directory on the "
                       f"NVMe drive.")
   try:
     fd, probe = tempfile.mkstemp(prefix=".jzero-nvme-probe-", dir=path)
@@ -168,35 +178,44 @@ def check_directory(path: str | os.PathLike) -> Path:
       os.close(fd)
       os.unlink(probe)
   except OSError as e:
-    raise ConfigError(f"{_KEY}={path} is not writable ({e.strerror or e}): jzero keeps the "
-                      f"optimizer state there. Make it writable for this user (chmod / chown, or "
+    raise ConfigError(f"{key}={path} is not writable ({e.strerror or e}): jzero keeps the "
+                      f"NVMe tier there. Make it writable for this user (chmod / chown, or "
                       f"remount it read-write) or point nvme_path at a writable directory.") from None
   return path
 
 
 def settings_from_config(config: Any, *, client_optimizer: bool = False) -> NvmeSettings | None:
-  """The NVMe settings of a resolved config (None without ``device: nvme``); checks the path.
+  """The NVMe settings of a resolved config (None when neither ``offload_optimizer`` nor
+  ``offload_param`` has ``device: nvme``); checks the path.
+
+  One store holds both: with both blocks on NVMe it lives at ``offload_optimizer.nvme_path``.
 
   Raises:
-    ConfigError: no ``nvme_path``, a path that is not a writable directory, or a client optimizer.
+    ConfigError: no ``nvme_path``, a path that is not a writable directory, a client optimizer,
+      or a non-positive count.
   """
   zero = config.zero_optimization
-  block = zero.offload_optimizer
-  if block is None or block.device != NVME:
+  block, param_block = zero.offload_optimizer, zero.offload_param
+  on_nvme = block is not None and block.device == NVME
+  params = param_block is not None and param_block.device == NVME
+  if not on_nvme and not params:
     return None
-  if not block.nvme_path:
-    raise ConfigError(f"zero_optimization.offload_optimizer.device=nvme needs {_KEY}: the "
-                      f"directory (on an NVMe drive) where the optimizer state is kept. Add "
-                      f'"nvme_path": "/local_nvme" to offload_optimizer, or use device: cpu.')
+  owner = "offload_optimizer" if on_nvme else "offload_param"
+  key = f"zero_optimization.{owner}.nvme_path"
+  path = (block if on_nvme else param_block).nvme_path
+  if not path:
+    raise ConfigError(f"zero_optimization.{owner}.device=nvme needs {key}: the directory (on an "
+                      f"NVMe drive) where the {'optimizer state' if on_nvme else 'parameters'} "
+                      f'are kept. Add "nvme_path": "/local_nvme" to {owner}, or use device: cpu.')
   if client_optimizer:
-    raise ConfigError("zero_optimization.offload_optimizer.device=nvme updates the state in "
+    raise ConfigError(f"zero_optimization.{owner}.device=nvme updates the state in "
                       "sub-groups of leaves, which needs the config's elementwise optimizer "
                       "(Adam, AdamW, Lion, SGD); a client optax optimizer "
                       "(initialize(optimizer=...)) may couple leaves. Use the config's optimizer "
                       "block, or device: cpu.")
-  path = check_directory(block.nvme_path)
+  path = check_directory(path, key)
   aio = config.aio
-  buffers = _int(block.buffer_count, 4)
+  buffers = _int(block.buffer_count, 4) if on_nvme else 4
   if buffers < 1:
     raise ConfigError(f"zero_optimization.offload_optimizer.buffer_count={buffers}: give at least "
                       f"1 (groups of the optimizer state in flight at once).")
@@ -204,11 +223,33 @@ def settings_from_config(config: Any, *, client_optimizer: bool = False) -> Nvme
   if sub_group < 1:
     raise ConfigError(f"zero_optimization.sub_group_size={sub_group}: give a positive number of "
                       f"elements per optimizer sub-group.")
+  extra = {}
+  if params:
+    extra = dict(params=True, param_buffer_count=_int(param_block.buffer_count, 5),
+                 param_buffer_size=_int(param_block.buffer_size, 100_000_000),
+                 max_in_cpu=_int(param_block.max_in_cpu, 1_000_000_000),
+                 prefetch=_int(zero.prefetch_bucket_size, 1) > 0)
+    for name in ("buffer_count", "buffer_size"):
+      if extra[f"param_{name}"] < 1:
+        raise ConfigError(f"zero_optimization.offload_param.{name}={extra[f'param_{name}']}: give "
+                          f"a positive number (staging buffers between the NVMe tier and the "
+                          f"device, and elements per buffer).")
+    if extra["max_in_cpu"] < 0:
+      raise ConfigError(f"zero_optimization.offload_param.max_in_cpu={extra['max_in_cpu']}: give "
+                        f"0 or more parameter elements to keep in host memory.")
+    if on_nvme and param_block.nvme_path and (
+        Path(param_block.nvme_path).expanduser().absolute() != path):
+      warnings.warn(
+          f"zero_optimization.offload_param.nvme_path={param_block.nvme_path} differs from "
+          f"offload_optimizer.nvme_path={block.nvme_path}: jzero keeps one store per process, "
+          f"at offload_optimizer.nvme_path ({path}), for both.", JZeroWarning, stacklevel=2)
   return NvmeSettings(path=path, buffer_count=buffers,
-                      pipeline_read=block.pipeline_read is True,
-                      pipeline_write=block.pipeline_write is True, sub_group_size=sub_group,
+                      pipeline_read=on_nvme and block.pipeline_read is True,
+                      pipeline_write=on_nvme and block.pipeline_write is True,
+                      sub_group_size=sub_group,
                       queue_depth=max(1, int(aio.queue_depth)),
-                      intra_op_parallelism=max(1, int(aio.intra_op_parallelism)))
+                      intra_op_parallelism=max(1, int(aio.intra_op_parallelism)), key=key,
+                      **extra)
 
 
 # -- placeholders (inside and outside the jitted step) --------------------------------------------
@@ -219,10 +260,11 @@ def placeholder_shape(leaf: Any) -> tuple[int, ...]:
   return tuple(shape)
 
 
-def shrink(plan: Any, tree: PyTree) -> PyTree:
-  """``tree`` (params structure) with NVMe leaves cut to size 0 along their shard dimension."""
+def shrink(plan: Any, tree: PyTree, tier: str = "state_tier") -> PyTree:
+  """``tree`` (params structure) with NVMe leaves cut to size 0 along their shard dimension;
+  ``tier="param_tier"``: the leaves whose compute param is on the tier (jzero.param_nvme)."""
   def cut(leaf, x):
-    if leaf.state_tier != NVME or x is None:
+    if getattr(leaf, tier) != NVME or x is None:
       return x
     return lax.slice_in_dim(x, 0, 0, axis=leaf.shard_dim % x.ndim)
   return plan.map(cut, tree)
@@ -237,17 +279,21 @@ def _params_def(plan: Any):
   return jax.tree.structure(plan.map(lambda _: 0))
 
 
-def step_outputs(engine: Any, state: Any, grads: PyTree) -> dict:
+def step_outputs(engine: Any, state: Any, grads: PyTree, factor: jax.Array | None) -> dict:
   """Inside the step's ``shard_map``: what :meth:`NvmeStore.update` needs from the device (module
-  docstring): the NVMe leaves' fp32 gradients, fp32 training's master partitions, and the
-  optimizer state's non-parameter leaves before the update."""
+  docstring): the NVMe leaves' fp32 gradients before clipping and the clipping ``factor`` (the
+  update multiplies, as the device path does inside its fused update: the same rounding), fp32
+  training's master partitions, and the optimizer state's non-parameter leaves before the
+  update."""
   plan = engine.plan
   nvme = [l for l in plan.leaf_list() if l.state_tier == NVME]
   flat_g = dict(zip([l.path for l in plan.leaf_list()], jax.tree.leaves(grads)))
-  out = {"grads": {l.path: flat_g[l.path] for l in nvme}}
-  if not plan.has_master:
+  out = {"grads": {l.path: flat_g[l.path] for l in nvme},
+         "factor": jnp.ones((), jnp.float32) if factor is None else factor}
+  if not plan.has_master:  # (a param on the NVMe tier has its master in the store)
     flat_p = dict(zip([l.path for l in plan.leaf_list()], jax.tree.leaves(state.params)))
-    out["master"] = {l.path: engine._local_master(l, flat_p[l.path]) for l in nvme}
+    out["master"] = {l.path: engine._local_master(l, flat_p[l.path]) for l in nvme
+                     if l.param_tier != NVME}
   _, nodes, flags = _split(state.opt_state, _params_def(plan))
   out["nodes"] = [n for n, f in zip(nodes, flags) if not f]
   return out
@@ -257,9 +303,9 @@ def step_output_specs(engine: Any) -> dict:
   """Partition specs of :func:`step_outputs`."""
   plan = engine.plan
   nvme = [l for l in plan.leaf_list() if l.state_tier == NVME]
-  specs = {"grads": {l.path: plan.state_spec(l) for l in nvme}}
+  specs = {"grads": {l.path: plan.state_spec(l) for l in nvme}, "factor": P()}
   if not plan.has_master:
-    specs["master"] = {l.path: plan.state_spec(l) for l in nvme}
+    specs["master"] = {l.path: plan.state_spec(l) for l in nvme if l.param_tier != NVME}
   abstract = jax.eval_shape(engine.tx.init, plan.abstract_master())
   _, nodes, flags = _split(abstract, _params_def(plan))
   specs["nodes"] = [P() for f in flags if not f]
@@ -352,18 +398,22 @@ class NvmeStore:
       for i in group:
         l = self.leaves[i]
         pos, numel = self._position[l.path], math.prod(self._shard_shape[l.path])
-        names = ([(f"{pos:05d}.master", "master", -1)] if plan.has_master else []) + [
+        stores_master = plan.has_master or l.param_tier == NVME
+        names = ([(f"{pos:05d}.master", "master", -1)] if stores_master else []) + [
             (f"{pos:05d}.state{j}", f"state{j}", j) for j in range(len(self._param_nodes))]
         for name, what, node in names:
           stored.append(_Stored(name, l, what, node, g, offset, numel))
           offset += numel
       self.group_numel.append(offset)
     self.stored = stored
+    # the parameters on the tier (jzero.param_nvme), read inside the step by this reader; it
+    # checks its buffers against the largest layer before anything is written
+    self.reader = ParamReader(self) if plan.params_on_nvme else None
     self.bytes_per_slot = len(self.devices) * sum(self.group_numel) * 4
     free = shutil.disk_usage(settings.path).free
     if 2 * self.bytes_per_slot > free:
       raise ConfigError(
-          f"{_KEY}={settings.path}: the NVMe tier needs {2 * self.bytes_per_slot:,} bytes in this "
+          f"{settings.key}={settings.path}: the NVMe tier needs {2 * self.bytes_per_slot:,} bytes in this "
           f"process (two slots of {self.bytes_per_slot:,}: fp32 master and optimizer state of "
           f"{len(self.leaves)} leaves), and the file system has {free:,} free. Free space there, "
           f"point nvme_path at a larger drive, or lower offload_optimizer.ratio.")
@@ -407,6 +457,26 @@ class NvmeStore:
             "store_data_equal_to_fill_value": True}
     return self._ts.open(spec, create=True, delete_existing=True, context=self._context).result()
 
+  def chunk_file(self, slot: str, g: int, row: int) -> Path:
+    """The file of device row ``row`` of group ``g`` in a slot (zarr3's chunk key ``c/<row>/0``;
+    uncompressed little-endian fp32, the row's elements in order)."""
+    return self.directory / f"slot_{slot}" / f"group_{g}" / "c" / str(row) / "0"
+
+  def partition_rows(self) -> dict[int, int]:
+    """Partition index along the ZeRO axes -> the row of a local device holding that partition."""
+    leaf = self.leaves[0]
+    d = leaf.shard_dim % len(leaf.padded_shape)
+    length = self._shard_shape[leaf.path][d]
+    index_map = self._sharding[leaf.path].devices_indices_map(leaf.padded_shape)
+    out: dict[int, int] = {}
+    for row, device in enumerate(self.devices):
+      out.setdefault((index_map[device][d].start or 0) // length, row)
+    return out
+
+  def _pending_rows(self, g: int, rows: np.ndarray) -> None:
+    if self.reader is not None:
+      self.reader.stage(g, rows)
+
   def _members(self, g: int) -> list[_Stored]:
     return [s for s in self.stored if s.group == g]
 
@@ -444,6 +514,8 @@ class NvmeStore:
                       for g in range(len(self.groups))]}
     _write_manifest(self.directory, doc)
     self.step, self.slot = int(step), slot
+    if self.reader is not None:
+      self.reader.committed()
 
   @property
   def _other(self) -> str:
@@ -466,7 +538,9 @@ class NvmeStore:
       index = {self.leaves[i].path: j for j, i in enumerate(group)}
       values = {s.name: ms[index[s.leaf.path]] if s.node < 0 else states[s.node][index[s.leaf.path]]
                 for s in self._members(g)}
-      futures.append(self._write(slot, g, self._pack(g, values)))
+      rows = self._pack(g, values)
+      futures.append(self._write(slot, g, rows))
+      self._pending_rows(g, rows)
     for f in futures:
       f.result()
     self._commit(step, slot)
@@ -474,15 +548,18 @@ class NvmeStore:
   def write_state(self, engine: Any, state: Any) -> None:
     """Writes a TrainState whose NVMe leaves hold real arrays (a restore) and commits its step."""
     slot = self._other if self.slot is not None else SLOTS[0]
-    flat_m = dict(zip([l.path for l in self.plan.leaf_list()], jax.tree.leaves(state.master))) \
-        if self.plan.has_master else {}
+    # the masters: fp32 training's are the params (stored here for the NVMe-tier params only)
+    source = state.master if self.plan.has_master else state.params
+    flat_m = dict(zip([l.path for l in self.plan.leaf_list()], jax.tree.leaves(source)))
     _, nodes, _ = _split(state.opt_state, self._params_def)
     futures = []
     for g in range(len(self.groups)):
       values = {s.name: flat_m[s.leaf.path] if s.node < 0
                 else nodes[self._param_nodes[s.node]][self._position[s.leaf.path]]
                 for s in self._members(g)}
-      futures.append(self._write(slot, g, self._pack(g, values)))
+      rows = self._pack(g, values)
+      futures.append(self._write(slot, g, rows))
+      self._pending_rows(g, rows)
     for f in futures:
       f.result()
     self._commit(int(state.step), slot)
@@ -508,18 +585,22 @@ class NvmeStore:
     n_nodes = len(self._param_nodes)
     n_other = len(flags) - n_nodes
 
-    def body(g_list, m_list, s_lists, others):
+    in_state = [l.param_tier != NVME for l in leaves]  # (the store keeps the others' params)
+
+    def body(g_list, factor, m_list, s_lists, others):
+      g_list = [g * factor for g in g_list]
       it_s, it_o = iter(s_lists), iter(others)
       state = jax.tree.unflatten(node_def, [next(it_s) if f else next(it_o) for f in flags])
       updates, state = engine.tx.update(g_list, state, m_list)
       new_m = optax.apply_updates(m_list, updates)
       out = node_def.flatten_up_to(state)
-      params = [engine._compute_param(l, x) for l, x in zip(leaves, new_m)]
+      params = [engine._compute_param(l, x) for l, x, keep in zip(leaves, new_m, in_state) if keep]
       return new_m, [n for n, f in zip(out, flags) if f], params
 
-    fn = jax.jit(plan.shard_map(body, (sspec, sspec, [sspec] * n_nodes, [P()] * n_other),
+    pspec = [s for s, keep in zip(pspec, in_state) if keep]
+    fn = jax.jit(plan.shard_map(body, (sspec, P(), sspec, [sspec] * n_nodes, [P()] * n_other),
                                 (sspec, [sspec] * n_nodes, pspec)),
-                 donate_argnums=(0, 1, 2), compiler_options=plan.xla_options() or None)
+                 donate_argnums=(0, 2, 3), compiler_options=plan.xla_options() or None)
     self._fns[g] = fn
     return fn
 
@@ -547,15 +628,19 @@ class NvmeStore:
       leaves = [self.leaves[i] for i in group]
       pos = [self._position[l.path] for l in leaves]
       g_list = [io["grads"][l.path] for l in leaves]
-      m_list = ([data[f"{p:05d}.master"] for p in pos] if plan.has_master
-                else [io["master"][l.path] for l in leaves])
+      m_list = [data[f"{p:05d}.master"] if f"{p:05d}.master" in data else io["master"][l.path]
+                for p, l in zip(pos, leaves)]
       s_lists = [[data[f"{p:05d}.state{j}"] for p in pos] for j in range(len(self._param_nodes))]
-      new_m, new_s, params = self._group_fn(engine, g)(g_list, m_list, s_lists, io["nodes"])
+      new_m, new_s, params = self._group_fn(engine, g)(g_list, io["factor"], m_list, s_lists,
+                                                         io["nodes"])
       index = {l.path: j for j, l in enumerate(leaves)}
       values = {s.name: new_m[index[s.leaf.path]] if s.node < 0
                 else new_s[s.node][index[s.leaf.path]] for s in self._members(g)}
-      writes.append(self._write(dst, g, self._pack(g, values)))
-      new_params.update({l.path: p for l, p in zip(leaves, params)})
+      rows = self._pack(g, values)
+      writes.append(self._write(dst, g, rows))
+      self._pending_rows(g, rows)
+      new_params.update({l.path: p for l, p in zip(
+          [l for l in leaves if l.param_tier != NVME], params)})
       while len(writes) > limit:
         writes.popleft().result()
     while writes:
@@ -592,12 +677,15 @@ class NvmeStore:
 
   def close(self) -> None:
     """Removes the run's directory now (it is removed at exit or garbage collection anyway)."""
+    if self.reader is not None:
+      self.reader.close()
     self._cleanup()
 
 
 # -- the TrainState with the store's arrays in it (checkpoints, logical params) --------------------
-def _replace_nvme(engine: Any, state: Any, get) -> Any:
-  """``state`` with each NVMe leaf's master / optimizer node replaced by ``get(stored, leaf)``."""
+def _replace_nvme(engine: Any, state: Any, get, get_param) -> Any:
+  """``state`` with each NVMe leaf's master / optimizer node replaced by ``get(stored)``, and
+  each NVMe-tier param by ``get_param(its stored master)``."""
   store, plan = engine.nvme_store, engine.plan
   by_leaf = collections.defaultdict(dict)
   for s in store.stored:
@@ -605,6 +693,9 @@ def _replace_nvme(engine: Any, state: Any, get) -> Any:
   master = state.master
   if plan.has_master:
     master = plan.map(lambda l, x: get(by_leaf[l.path][-1]) if l.path in by_leaf else x, master)
+  # params on the tier (jzero.param_nvme): the master in the compute dtype (the step's own cast)
+  params = plan.map(lambda l, x: get_param(by_leaf[l.path][-1]) if l.param_tier == NVME else x,
+                    state.params)
   node_def, nodes, flags = _split(state.opt_state, store._params_def)
   new_nodes = []
   for k, (node, f) in enumerate(zip(nodes, flags)):
@@ -614,7 +705,8 @@ def _replace_nvme(engine: Any, state: Any, get) -> Any:
               for l, x in zip(plan.leaf_list(), node)]
       node = jax.tree.unflatten(store._params_def, node)
     new_nodes.append(node)
-  return state._replace(master=master, opt_state=jax.tree.unflatten(node_def, new_nodes))
+  return state._replace(params=params, master=master,
+                        opt_state=jax.tree.unflatten(node_def, new_nodes))
 
 
 def full_state(engine: Any, state: Any) -> Any:
@@ -623,15 +715,19 @@ def full_state(engine: Any, state: Any) -> Any:
   if getattr(engine, "nvme_store", None) is None:
     return state
   arrays = engine.nvme_store.read()
-  return _replace_nvme(engine, state, lambda s: arrays[s.name])
+  dtype = engine.plan.compute_dtype
+  cast = jax.jit(lambda x: x.astype(dtype))
+  return _replace_nvme(engine, state, lambda s: arrays[s.name], lambda s: cast(arrays[s.name]))
 
 
 def expand_abstract(engine: Any, abstract: Any) -> Any:
   """An abstract TrainState (``eval_shape(engine.init)``) with the NVMe leaves' real shapes."""
   if getattr(engine, "nvme_store", None) is None:
     return abstract
+  dtype = engine.plan.compute_dtype
   return _replace_nvme(engine, abstract,
-                       lambda s: jax.ShapeDtypeStruct(s.leaf.padded_shape, jnp.float32))
+                       lambda s: jax.ShapeDtypeStruct(s.leaf.padded_shape, jnp.float32),
+                       lambda s: jax.ShapeDtypeStruct(s.leaf.padded_shape, dtype))
 
 
 def absorb(engine: Any, state: Any) -> Any:
@@ -641,8 +737,10 @@ def absorb(engine: Any, state: Any) -> Any:
   if store is None:
     return state
   store.write_state(engine, state)
-  return _replace_nvme(engine, state, lambda s: jax.device_put(
-      np.zeros(placeholder_shape(s.leaf), np.float32), store._sharding[s.leaf.path]))
+  placeholder = lambda dtype: lambda s: jax.device_put(
+      np.zeros(placeholder_shape(s.leaf), dtype), store._sharding[s.leaf.path])
+  return _replace_nvme(engine, state, placeholder(np.float32),
+                       placeholder(engine.plan.compute_dtype))
 
 
 # -- reading a store back after a crash ------------------------------------------------------------

@@ -31,19 +31,20 @@ end of the step (:func:`to_host`). So the values are the no-offload step's: the 
 host leaf every input and output of the step carries an explicit memory kind and each host
 partition's output is again on the host, so every buffer keeps its kind and all are donated.
 
-**Not here.** ``device: "nvme"`` (the NVMe tier) is refused by :mod:`jzero.support`;
-``buffer_count``, ``buffer_size`` and ``max_in_cpu`` size DeepSpeed's NVMe swap buffers and have no
-effect with ``device: cpu`` (a warning). ZeRO++'s hpZ keeps a device copy of every partition,
+**Not here.** ``device: "nvme"`` (the NVMe tier) is :mod:`jzero.param_nvme`;
+``buffer_count``, ``buffer_size`` and ``max_in_cpu`` size its staging buffers and host cache and
+have no effect with ``device: cpu`` (a warning). ZeRO++'s hpZ keeps a device copy of every partition,
 which defeats parameter offload: the combination is refused.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
 
-from jzero.errors import ConfigError, NotSupportedError
+from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
 from jzero.offload import to_device
 
 __all__ = ["ParamOffloadSettings", "settings_from_config", "fetch"]
@@ -54,13 +55,19 @@ class ParamOffloadSettings:
 
   Attributes:
     memory_kind: "pinned_host" or "unpinned_host" (``pin_memory``).
+    device: "cpu" (this module) or "nvme" (:mod:`jzero.param_nvme`).
   """
 
-  def __init__(self, memory_kind: str = "pinned_host"):
-    self.memory_kind = memory_kind
+  def __init__(self, memory_kind: str = "pinned_host", device: str = "cpu"):
+    self.memory_kind, self.device = memory_kind, device
+
+  @property
+  def tier(self) -> str:
+    """The plan's ``param_tier`` of a partitioned leaf: "host" or "nvme"."""
+    return "nvme" if self.device == "nvme" else "host"
 
   def __repr__(self) -> str:
-    return f"ParamOffloadSettings(memory_kind={self.memory_kind!r})"
+    return f"ParamOffloadSettings(memory_kind={self.memory_kind!r}, device={self.device!r})"
 
 
 def settings_from_config(zero: Any) -> ParamOffloadSettings | None:
@@ -86,13 +93,23 @@ def settings_from_config(zero: Any) -> ParamOffloadSettings | None:
         f"a device copy of every parameter partition, which defeats parameter offload; remove "
         f"one of the two.")
   optimizer = zero.offload_optimizer
+  if block.device == "nvme":
+    if optimizer is not None and optimizer.device == "cpu":
+      warnings.warn(
+          "zero_optimization.offload_param.device=nvme with offload_optimizer.device=cpu: the "
+          "fp32 master and optimizer state of the parameters on NVMe are kept in the NVMe store "
+          "beside them (read and written with them by the update), not in host memory; "
+          "offload_optimizer.device: cpu applies to the leaves that stay on the device "
+          "(persistent ones). See jzero.param_nvme.", JZeroWarning, stacklevel=2)
+    return ParamOffloadSettings(device="nvme")
   if optimizer is not None and optimizer.device == "nvme":
     raise NotSupportedError(
         "zero_optimization.offload_param.device=cpu with offload_optimizer.device=nvme: parameter "
         "offload is not implemented together with the NVMe tier yet. Use offload_optimizer.device: "
         "cpu with parameter offload, or the NVMe tier without offload_param.")
   pinned = block.pin_memory in (True, "auto")
-  return ParamOffloadSettings(memory_kind="pinned_host" if pinned else "unpinned_host")
+  return ParamOffloadSettings(memory_kind="pinned_host" if pinned else "unpinned_host",
+                              device="cpu")
 
 
 @jax.custom_jvp

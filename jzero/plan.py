@@ -59,7 +59,9 @@ A host leaf keeps its partitioning; its shardings carry ``host_memory_kind``
 (:meth:`Plan.memory_kind`), and with any host leaf every other array gets an explicit "device".
 Each stage-3 partitioned compute param has a tier too, ``param_tier``: "host" under parameter
 offload (``offload_param``, :mod:`jzero.param_offload`; memory kind ``param_host_memory_kind``),
-else "device"; persistent and 0-d leaves always stay on the device.
+"nvme" on the NVMe tier (``offload_param.device: nvme``, :mod:`jzero.param_nvme`: the leaf's
+state tier is then "nvme" too, its master is the store's, and the TrainState's param is a
+placeholder), else "device"; persistent and 0-d leaves always stay on the device.
 
 **Precision.** fp32 training keeps no separate master: the optimizer updates the fp32 params (for a
 replicated param in stage 1/2 each device updates its own slice, then all-gathers). bf16 / fp16
@@ -131,8 +133,8 @@ class LeafPlan:
     gather_group, reduce_group: block sizes (elements) of the int8 gather and int4 reduction.
     state_tier: where the fp32 master and optimizer state live: "device", "host"
       (ZeRO-Offload, :mod:`jzero.offload`) or "nvme" (:mod:`jzero.nvme`).
-    param_tier: where the (partitioned) compute param lives between steps: "device" or "host"
-      (parameter offload, :mod:`jzero.param_offload`).
+    param_tier: where the (partitioned) compute param lives between steps: "device", "host"
+      (parameter offload, :mod:`jzero.param_offload`) or "nvme" (:mod:`jzero.param_nvme`).
   """
 
   path: str
@@ -281,6 +283,11 @@ class Plan:
   def param_offloads(self) -> bool:
     """Some leaf's compute param lives on the host (:mod:`jzero.param_offload`)."""
     return any(l.param_tier == "host" for l in self.leaf_list())
+
+  @property
+  def params_on_nvme(self) -> bool:
+    """Some leaf's compute param lives in the NVMe store (:mod:`jzero.param_nvme`)."""
+    return any(l.param_tier == "nvme" for l in self.leaf_list())
 
   @property
   def uses_host(self) -> bool:
@@ -545,6 +552,9 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
   for p, shape, is_stacked, dim, padded in drafts:
     splittable = dim is not None and stage >= 1
     param_partitioned = splittable and stage == 3 and p not in persistent
+    # a partition on the NVMe tier keeps its master and optimizer state in the store beside it
+    # (jzero.param_nvme)
+    param_tier = offload_param.tier if param_partitioned and offload_param is not None else "device"
     leaf = LeafPlan(
         path=p, shape=shape, stacked=is_stacked, shard_dim=dim if splittable else None,
         padded=padded if splittable else 0,
@@ -552,8 +562,9 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
         state_partitioned=splittable,
         grad_partitioned=splittable and stage >= 2,
         unit=(units or {}).get(p),
-        state_tier=getattr(offload, "tier", "host") if p in host else "device",
-        param_tier="host" if param_partitioned and offload_param is not None else "device")
+        state_tier=("nvme" if param_tier == "nvme"
+                    else getattr(offload, "tier", "host") if p in host else "device"),
+        param_tier=param_tier)
     leaves.append(_zeropp_leaf(leaf, zeropp, n) if zeropp.enabled else leaf)
   return Plan(stage=stage, mesh=mesh, leaves=jax.tree_util.tree_unflatten(treedef, leaves),
               compute_dtype=jnp.dtype(compute_dtype), grad_accum_dtype=jnp.dtype(grad_accum_dtype),

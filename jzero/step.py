@@ -51,6 +51,7 @@ from jzero import collectives, delayed, nvme, offload
 from jzero.collectives import ZeroParam
 from jzero.errors import JZeroError, JZeroWarning
 from jzero.layers import LayerPolicy, engine_context
+from jzero.param_nvme import ParamSource
 from jzero.plan import LeafPlan
 from jzero.precision import LossScaleState, has_overflow
 
@@ -171,6 +172,10 @@ class StepBuilder:
     def target(leaf: LeafPlan, p: jax.Array) -> jax.Array:
       if leaf.param_tier == "host":
         return jnp.zeros(p.shape, p.dtype)
+      if leaf.param_tier == "nvme":  # p is a 0-byte placeholder (jzero.param_nvme)
+        shape = list(leaf.padded_shape)
+        shape[leaf.shard_dim] //= n
+        return jnp.zeros(shape, p.dtype)
       if leaf.grad_partitioned and not leaf.param_partitioned:
         shape = list(leaf.padded_shape)
         shape[leaf.shard_dim] //= n
@@ -199,8 +204,13 @@ class StepBuilder:
       size = leaf.shape[leaf.shard_dim]
       comm = plan.comm(leaf)
       if leaf.param_partitioned:
+        source = layer = None
+        if leaf.param_tier == "nvme":  # read from the store in gather() (jzero.param_nvme)
+          source = ParamSource(self.nvme_store.reader, leaf.path, axes.zero_axes)
+          layer = jnp.arange(leaf.shape[0]) if leaf.stacked else jnp.zeros((), jnp.int32)
         zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, plan.comm_dtype,
-                       secondary=sec, comm=comm, host=p if leaf.param_tier == "host" else None)
+                       secondary=sec, comm=comm, host=p if leaf.param_tier == "host" else None,
+                       source=source, layer=layer)
         keep = leaf.stacked or leaf.unit is not None
       else:
         zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, full=p,
@@ -314,13 +324,14 @@ class StepBuilder:
     elif not checks:  # bf16 without check_grad_overflow; the delayed update (jzero.delayed)
       overflow = jnp.zeros((), bool)
     clip = self.config.gradient_clipping
-    if clip > 0:
-      factor = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
-      grads = jax.tree.map(lambda g: g * factor, grads)
+    factor = jnp.minimum(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else None
     nvme_out = None
-    if plan.has_nvme:  # NVMe leaves: updated after this jit, from the store (jzero.nvme)
-      nvme_out = nvme.step_outputs(self, state, grads)
+    if plan.has_nvme:  # NVMe leaves: updated after this jit, from the store (jzero.nvme); the
+      # clipping factor is applied there, inside the update, as it is here (the same rounding)
+      nvme_out = nvme.step_outputs(self, state, grads, factor)
       grads = nvme.shrink(plan, grads)
+    if factor is not None:
+      grads = jax.tree.map(lambda g: g * factor, grads)
     if state.delayed is not None:  # DPU: update with the carried g_{t-1}, carry g_t
       grads, skip_update, carried = delayed.swap(state.delayed, grads, overflow, ready)
     else:

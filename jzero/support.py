@@ -40,9 +40,26 @@ def _not_nvme(config: Config) -> bool:
   return not _nvme(config)
 
 
+def _param_nvme(config: Config) -> bool:
+  """The stage-3 parameter partitions go to the NVMe tier (jzero.param_nvme)."""
+  block = config.zero_optimization.offload_param
+  return block is not None and block.device == "nvme"
+
+
+def _not_param_nvme(config: Config) -> bool:
+  return not _param_nvme(config)
+
+
+def _any_nvme(config: Config) -> bool:
+  return _nvme(config) or _param_nvme(config)
+
+
+def _no_nvme(config: Config) -> bool:
+  return not _any_nvme(config)
+
+
 _NVME_ONLY = "an NVMe-swapping setting, read only with offload_optimizer.device: nvme"
-_PARAM_NVME_ONLY = ("a parameter NVMe-swapping setting; parameters go to host memory "
-                    "(offload_param.device: cpu), never to NVMe")
+_PARAM_NVME_ONLY = "a parameter NVMe-swapping setting, read only with offload_param.device: nvme"
 _LIBAIO = ("it tunes libaio requests; tensorstore writes each device's partition of an array as one "
            "file in one request (jzero.nvme maps aio.queue_depth and intra_op_parallelism)")
 _MICS = "MiCS is not implemented"
@@ -74,13 +91,16 @@ SUPPORT_TABLE: tuple[_Rule, ...] = (
     _Rule("zero_optimization.offload_optimizer.nvme_path", NO_EFFECT,
           "nvme_path is only read with device: nvme", bool, when=_not_nvme),
     # --- parameter offload (jzero.param_offload): device "cpu" at stage 3 is honoured ---------
-    _Rule("zero_optimization.offload_param.device", REFUSED,
-          "parameters on the NVMe tier are not implemented, only the optimizer state's "
-          "(offload_optimizer.device: nvme); use offload_param.device: cpu",
-          lambda d: d == "nvme"),
-    _Rule("zero_optimization.offload_param.buffer_count", NO_EFFECT, _PARAM_NVME_ONLY),
-    _Rule("zero_optimization.offload_param.buffer_size", NO_EFFECT, _PARAM_NVME_ONLY),
-    _Rule("zero_optimization.offload_param.max_in_cpu", NO_EFFECT, _PARAM_NVME_ONLY),
+    # --- parameter offload (jzero.param_offload, jzero.param_nvme): "cpu" and "nvme", stage 3 --
+    _Rule("zero_optimization.offload_param.buffer_count", NO_EFFECT, _PARAM_NVME_ONLY,
+          when=_not_param_nvme),
+    _Rule("zero_optimization.offload_param.buffer_size", NO_EFFECT, _PARAM_NVME_ONLY,
+          when=_not_param_nvme),
+    _Rule("zero_optimization.offload_param.max_in_cpu", NO_EFFECT, _PARAM_NVME_ONLY,
+          when=_not_param_nvme),
+    _Rule("zero_optimization.offload_param.nvme_path", NO_EFFECT,
+          "offload_param.nvme_path is only read with offload_param.device: nvme", bool,
+          when=_not_param_nvme),
     _Rule("zero_optimization.zero_quantized_nontrainable_weights", REFUSED,
           "keeping frozen weights' partitions as int8 is not implemented yet; ZeRO++'s qwZ, hpZ "
           "and qgZ are (zero_quantized_weights, zero_hpz_partition_size, "
@@ -155,16 +175,16 @@ SUPPORT_TABLE: tuple[_Rule, ...] = (
     _Rule("memory_breakdown", NO_EFFECT,
           "jzero reports memory from XLA's own accounting instead"),
     _Rule("dump_state", NO_EFFECT, "a DeepSpeed debugging printout"),
-    _Rule("aio", NO_EFFECT, "it tunes NVMe I/O, and no offload_optimizer.device is nvme",
-          when=_not_nvme),
-    _Rule("aio.block_size", NO_EFFECT, _LIBAIO, when=_nvme),
-    _Rule("aio.single_submit", NO_EFFECT, _LIBAIO, when=_nvme),
+    _Rule("aio", NO_EFFECT, "it tunes NVMe I/O, and neither offload_optimizer.device nor "
+          "offload_param.device is nvme", when=_no_nvme),
+    _Rule("aio.block_size", NO_EFFECT, _LIBAIO, when=_any_nvme),
+    _Rule("aio.single_submit", NO_EFFECT, _LIBAIO, when=_any_nvme),
     _Rule("aio.overlap_events", NO_EFFECT,
           "tensorstore completes requests as futures; jzero overlaps reads and writes with the "
-          "update by offload_optimizer.pipeline_read / pipeline_write", when=_nvme),
+          "update by offload_optimizer.pipeline_read / pipeline_write", when=_any_nvme),
     _Rule("aio.use_gds", REFUSED,
           "GPUDirect Storage is not implemented: the NVMe tier reads into host memory and "
-          "copies to the device", when=_nvme),
+          "copies to the device", when=_any_nvme),
 )
 
 

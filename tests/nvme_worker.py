@@ -1,7 +1,7 @@
 """A tiny model for the NVMe-tier tests, and a script run as a subprocess by tests/test_nvme.py.
 
-``python tests/nvme_worker.py NVME_PATH OUT.npz``: train 2 steps with the optimizer state on the
-NVMe tier, save what the store has committed (``jzero.nvme.open_committed``) to ``OUT.npz``, print
+``python tests/nvme_worker.py NVME_PATH OUT.npz [optimizer|params]``: train 2 steps with the
+optimizer state on the NVMe tier (stage 2; ``params``: stage 3 with the params there too), save what the store has committed (``jzero.nvme.open_committed``) to ``OUT.npz``, print
 the store directory as JSON, then SIGKILL this process from inside the third step's writes (after
 two of its three groups have landed): the store must still hold step 2.
 """
@@ -61,11 +61,17 @@ def config(stage: int, nvme_path=None, precision: str = "fp32", **offload) -> di
   return cfg
 
 
-def main(nvme_path: str, out: str) -> None:
+def main(nvme_path: str, out: str, tier: str = "optimizer") -> None:
   import jax
   import jzero
   from jzero import nvme
-  engine = jzero.initialize(model_factory(), loss_fn, config(2, nvme_path))
+  if tier == "params":  # stage 3 with the params on the tier too (jzero.param_nvme)
+    cfg = config(3, nvme_path)
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_path,
+                                                 "max_in_cpu": 0}
+  else:
+    cfg = config(2, nvme_path)
+  engine = jzero.initialize(model_factory(), loss_fn, cfg)
   state = engine.init(jax.random.key(0))
   for i in range(2):
     state, _ = engine.train_step(state, engine.shard_batch(batch(i)))

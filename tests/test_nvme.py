@@ -177,12 +177,14 @@ def test_nvme_settings_map_to_tensorstore_or_are_refused(tmp_path):
 
 def test_killed_during_a_step_the_store_holds_the_last_completed_step(tmp_path):
   """Two processes train on one nvme_path at once and are SIGKILLed inside their third step's
-  writes: their directories differ, and each store reads back as exactly step 2's state; a store
-  missing a committed file, or its manifest, is refused clearly."""
+  writes -- the second with the parameters on the tier too (jzero.param_nvme): their directories
+  differ, and each store reads back as exactly step 2's state (the second's with every param's
+  master); a store missing a committed file, or its manifest, is refused clearly."""
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)]),
          "JAX_PLATFORMS": "cpu"}
+  tiers = ("optimizer", "params")
   procs = [subprocess.Popen([sys.executable, str(TESTS / "nvme_worker.py"), str(tmp_path),
-                             str(tmp_path / f"committed{i}.npz")], env=env,
+                             str(tmp_path / f"committed{i}.npz"), tiers[i]], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
            for i in range(2)]
   outs = [p.communicate(timeout=300) for p in procs]
@@ -198,6 +200,9 @@ def test_killed_during_a_step_the_store_holds_the_last_completed_step(tmp_path):
     assert set(saved.files) == set(arrays)
     for name in arrays:
       np.testing.assert_array_equal(arrays[name], saved[name])
+    masters = {m["leaf"] for g in doc["groups"] for m in g["members"].values()
+               if m["what"] == "master"}
+    assert len(masters) == (6 if tiers[i] == "params" else 0)  # fp32: the params' own masters
     other = directory / f"slot_{'a' if doc['slot'] == 'b' else 'b'}"
     assert (other / "group_0" / "c" / "0" / "0").is_file()  # the interrupted step wrote there
     dirs.append(directory)

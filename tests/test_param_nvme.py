@@ -1,0 +1,158 @@
+"""Parameters on the NVMe tier (jzero.param_nvme): stage-3 partitions read layer by layer from the
+store inside the step.
+
+Exactness against stage 3 without offload (8 simulated devices, 20 steps: losses and parameters to
+SAME_MATH) with the params alone on NVMe (every read from the disk: max_in_cpu 0, with gradient
+accumulation 2), with the issue's ZeRO-Infinity blocks (optimizer on cpu, max_in_cpu large: every
+read from the host cache) and all on NVMe in bf16; 0 device bytes of the params between steps; the
+reader's counters (disk reads, prefetch hits, cache hits) and its host bytes against the configured
+bound; checkpoints from the NVMe tier into no offload and back; the settings checked before any
+device work. The small GPT (2 scanned layers) with a persistence threshold of 1,000 elements:
+matrices and embeddings go to NVMe, biases and norms persist on the device. A process killed during
+a step with params on NVMe is tests/test_nvme.py's kill test (its second process).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import numpy as np
+import pytest
+
+import jzero
+from jzero import param_nvme
+from jzero.errors import ConfigError
+from jzero.models import lm_loss
+from zero_testing import SAME_MATH, SMALL, batches, ds_config, gpt_factory, max_relative_diff
+
+N = 8
+STEPS = 20
+THRESHOLD = 1000
+
+
+def _zero(variant: str, path) -> dict:
+  """The zero_optimization blocks of a variant; ``path``: the NVMe directory."""
+  params = {"device": "nvme", "nvme_path": str(path), "buffer_count": 2, "buffer_size": 10**6}
+  return {
+      "none": {},
+      # every read from the disk, through the staging buffers
+      "param": {"offload_param": {**params, "max_in_cpu": 0}},
+      # the issue's ZeRO-Infinity blocks: params on NVMe behind a host cache, optimizer on cpu
+      "infinity": {"offload_param": {**params, "pin_memory": True, "max_in_cpu": 10**9},
+                   "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+      "all-nvme": {"offload_param": {**params, "max_in_cpu": 0},
+                   "offload_optimizer": {"device": "nvme", "nvme_path": str(path)}},
+  }[variant]
+
+
+@functools.lru_cache(maxsize=None)
+def _data(gas: int = 1):
+  return tuple(batches(SMALL.seq_len, gas * N, STEPS))
+
+
+def _engine(variant: str, path=None, precision: str = "fp32", gas: int = 1):
+  return jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(
+      3, gas=gas, precision=precision, stage3_param_persistence_threshold=THRESHOLD,
+      **_zero(variant, path)))
+
+
+def _train(engine, steps: int = STEPS):
+  state = engine.init(jax.random.key(0))
+  losses = []
+  for batch in _data(engine.gas)[:steps]:
+    state, metrics = engine.train_step(state, engine.shard_batch(batch))
+    losses.append(float(metrics["loss"]))
+  return state, jax.tree.map(np.asarray, engine.logical_params(state)), np.array(losses)
+
+
+@functools.lru_cache(maxsize=None)
+def _baseline(precision: str = "fp32", gas: int = 1):
+  _, params, losses = _train(_engine("none", precision=precision, gas=gas))
+  return params, losses
+
+
+@pytest.mark.parametrize("variant,precision,gas", [("param", "fp32", 2), ("infinity", "fp32", 1),
+                                                   ("all-nvme", "bf16", 1)])
+def test_params_on_nvme_equal_stage3_without_offload(variant, precision, gas, tmp_path):
+  """20 steps: the losses and parameters of stage 3 without offload; the state holds 0 bytes of
+  every NVMe-tier param (the persistent ones stay on the device); the reader served every layer
+  from where the settings say."""
+  engine = _engine(variant, tmp_path, precision, gas)
+  state, params, losses = _train(engine)
+  ref_params, ref_losses = _baseline(precision, gas)
+  assert np.max(np.abs(losses - ref_losses) / np.abs(ref_losses)) <= SAME_MATH
+  assert max_relative_diff(params, ref_params) <= SAME_MATH
+  plan = engine.plan
+  on_nvme = [l for l in plan.leaf_list() if l.param_tier == "nvme"]
+  assert on_nvme and all(l.state_tier == "nvme" for l in on_nvme)
+  assert {l.path for l in on_nvme} == {l.path for l in plan.leaf_list() if l.param_partitioned}
+  stored = dict(zip([l.path for l in plan.leaf_list()], jax.tree.leaves(state.params)))
+  assert all(stored[l.path].nbytes == 0 for l in on_nvme)  # 0 device bytes between steps
+  assert all(stored[l.path].nbytes > 0 for l in plan.leaf_list() if l.param_tier == "device")
+  reader = engine.nvme_store.reader
+  stacked = [l for l in on_nvme if l.stacked]
+  # per step and device: each stacked leaf's layers in forward and again in backward, per
+  # micro-batch, and each other leaf once per micro-batch's forward and backward at most
+  per_step = gas * (4 * SMALL.n_layers * len(stacked) + 2 * (len(on_nvme) - len(stacked)))
+  served = reader.disk_reads + reader.prefetch_hits + reader.cache_hits
+  assert stacked and 0 < served <= STEPS * N * per_step
+  if variant == "infinity":  # everything fits max_in_cpu: no read reached the disk
+    assert reader.cached == {l.path for l in on_nvme}
+    assert reader.disk_reads == reader.prefetch_hits == 0
+    held = sum(l.numel for l in on_nvme)  # padded to the devices: at most one row more per leaf
+    assert held * 4 <= reader.cache_bytes() <= (held + N * len(on_nvme)) * 4
+    assert reader.cache_bytes() <= param_nvme.host_bytes_bound(engine.nvme_settings, N)
+  else:  # nothing cached: the disk, the next layer prefetched during the current one
+    assert reader.cache_hits == 0 and reader.cache_bytes() == 0
+    assert reader.disk_reads > 0 and reader.prefetch_hits > 0
+
+
+def test_checkpoints_move_between_the_nvme_tier_and_no_offload(tmp_path):
+  """A checkpoint saved with the params on NVMe restores into stage 3 without offload with the
+  same params, and back into the NVMe tier, where training goes on exactly as without offload."""
+  (tmp_path / "nvme_a").mkdir()
+  (tmp_path / "nvme_b").mkdir()
+  nvme = _engine("param", tmp_path / "nvme_a")
+  state, params, _ = _train(nvme, steps=3)
+  nvme.save_checkpoint(state, tmp_path / "ckpt", tag="t3")
+  nvme.wait_for_checkpoints()
+  plain = _engine("none")
+  restored = plain.load_checkpoint(tmp_path / "ckpt", tag="t3")
+  assert max_relative_diff(jax.tree.map(np.asarray, plain.logical_params(restored)), params) == 0
+  back = _engine("param", tmp_path / "nvme_b")
+  again = back.load_checkpoint(tmp_path / "ckpt", tag="t3")
+  assert all(x.nbytes == 0 for l, x in zip(back.plan.leaf_list(), jax.tree.leaves(again.params))
+             if l.param_tier == "nvme")
+  batch = _data()[3]
+  restored, m_plain = plain.train_step(restored, plain.shard_batch(batch))
+  again, m_back = back.train_step(again, back.shard_batch(batch))
+  assert abs(float(m_back["loss"]) - float(m_plain["loss"])) <= SAME_MATH * abs(float(m_plain["loss"]))
+  assert max_relative_diff(jax.tree.map(np.asarray, back.logical_params(again)),
+                           jax.tree.map(np.asarray, plain.logical_params(restored))) <= SAME_MATH
+
+
+def test_param_nvme_settings_are_checked_before_any_device_work(tmp_path):
+  config = lambda **block: ds_config(3, stage3_param_persistence_threshold=THRESHOLD,
+                                     offload_param={"device": "nvme", **block})
+  with pytest.raises(ConfigError, match=r"offload_param\.device=nvme needs "
+                                        r"zero_optimization\.offload_param\.nvme_path"):
+    jzero.initialize(gpt_factory(SMALL), lm_loss, config())
+  with pytest.raises(ConfigError, match=r"zero_optimization\.offload_param\.nvme_path=.*no such "
+                                        r"directory"):
+    jzero.initialize(gpt_factory(SMALL), lm_loss, config(nvme_path=str(tmp_path / "missing")))
+  engine = jzero.initialize(gpt_factory(SMALL), lm_loss,
+                            config(nvme_path=str(tmp_path), buffer_size=100))
+  with pytest.raises(ConfigError, match=r"offload_param\.buffer_size=100: the parameter .* has "
+                                        r"([0-9,]+) elements per device and layer") as info:
+    engine.init(jax.random.key(0))
+  largest = max(math.prod(l.padded_shape) // N // (l.shape[0] if l.stacked else 1)
+                for l in engine.plan.leaf_list() if l.param_tier == "nvme")
+  assert f" {largest:,} elements per device and layer" in str(info.value)
+  assert not list(tmp_path.rglob("*.json"))  # refused before the store was written
+  with pytest.warns(jzero.JZeroWarning, match=r"offload_param\.device=nvme with "
+                                              r"offload_optimizer\.device=cpu: the fp32 master"):
+    jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(
+        3, offload_param={"device": "nvme", "nvme_path": str(tmp_path)},
+        offload_optimizer={"device": "cpu"}))
