@@ -15,7 +15,8 @@ its step time next to no offload, measured in one run.
    ``default`` (buffered) and ``direct`` (O_DIRECT, as DeepSpeed's aio), interleaved,
    ``--repeats`` times, best of each; before
    each read the store's files are dropped from the page cache (``posix_fadvise(DONTNEED)`` after
-   an fsync), so the reads come from the disk. Raw: the same number of bytes written to one plain
+   an fsync), so the reads come from the disk; then the store's own reader (``os.preadv`` of
+   each row file, the rows in parallel: the update's and the parameter tier's reads). Raw: the same number of bytes written to one plain
    file with ``write`` + ``fsync``, dropped from the page cache, and read back with ``read``, in
    the same directory, interleaved with the store's repeats. Ratio = store / raw (target >= 0.7).
 
@@ -158,7 +159,7 @@ def main() -> int:
   by_mode = {mode: [ts.open(a.spec(), open=True, context=ts.Context(
                         nvme.io_context(store.settings, mode))).result()
                     for a in store._arrays[slot]] for mode in modes}
-  results = {k: [] for k in ("raw_write", "raw_read", "raw_files_read",
+  results = {k: [] for k in ("raw_write", "raw_read", "raw_files_read", "rows_read",
                               *(f"{m}_{io}" for m in modes
                                                           for io in ("write", "read")))}
   for _ in range(args.repeats):
@@ -174,6 +175,11 @@ def main() -> int:
       for f in reads:
         f.result()
       results[f"{mode}_read"].append(time.perf_counter() - t0)
+    _drop_cache(_files(store.directory / f"slot_{slot}"))
+    t0 = time.perf_counter()  # the store's own read path (update, checkpoints): preadv per row
+    for f in [store._read_rows(slot, g) for g in range(len(store.groups))]:
+      f.result()
+    results["rows_read"].append(time.perf_counter() - t0)
     w, r = _raw(store.directory, nbytes)
     results["raw_write"].append(w)
     results["raw_read"].append(r)
@@ -188,6 +194,10 @@ def main() -> int:
                store_MBps=mbps[f"{mode}_{io}"], raw_MBps=mbps[f"raw_{io}"],
                ratio=mbps[f"{mode}_{io}"] / mbps[f"raw_{io}"])
           for io in ("write", "read") for mode in modes]
+  rows.append(dict(what="read (page cache dropped), the store's reader: preadv per row file, "
+                        "rows in parallel (the update's, checkpoints', the parameter tier's)",
+                   store_MBps=mbps["rows_read"], raw_MBps=mbps["raw_read"],
+                   ratio=mbps["rows_read"] / mbps["raw_read"]))
   lines = [f"NVMe tier, ZeRO-{args.stage}, fp32, GPT ({model.n_layers} layers, d "
            f"{model.d_model}), {args.devices} simulated devices; store: {format_bytes(nbytes)} per "
            f"slot in {files} files (one per sub-group and device), aio threads {args.threads}; "
@@ -198,8 +208,9 @@ def main() -> int:
                  f"{r['ratio']:.2f} |")
   same = mbps["raw_files_read"]
   lines.append(f"\nThe store's own {files} files read raw (one thread per file, page cache dropped): "
-               f"{same:.0f} MB/s; the store's read ({nvme.IO_MODE}) is "
-               f"{mbps[nvme.IO_MODE + '_read'] / same:.2f} of it.")
+               f"{same:.0f} MB/s; tensorstore's read ({nvme.IO_MODE}) is "
+               f"{mbps[nvme.IO_MODE + '_read'] / same:.2f} of it, the store's reader "
+               f"{mbps['rows_read'] / same:.2f}.")
   lines += ["", "| run | step (ms, median) | vs no offload | max loss rel. diff |",
             "|---|---|---|---|",
             f"| no offload | {base_ms:.1f} | 1.00 | 0 |",

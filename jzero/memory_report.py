@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from jzero.memory import TIERS, CATEGORIES, Estimate, estimate
+from jzero.param_nvme import host_bytes_bound
 from jzero.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
 
 __all__ = ["REPORT_CATEGORIES", "live_bytes", "state_report", "CompiledMemory", "MemoryReport",
@@ -75,6 +76,8 @@ def state_report(engine: Any, state: Any) -> dict[str, dict[str, int]]:
     for category, nbytes in store.measured_per_device().items():
       if nbytes:
         report[category]["nvme"] = nbytes
+    if store.reader is not None and store.reader.cache_bytes():  # params' host cache (numpy)
+      report["params"]["unpinned_host"] = store.reader.cache_bytes() // len(store.devices)
   if getattr(state, "delayed", None) is not None:  # the carried gradient (jzero.delayed)
     report["delayed_grads"] = live_bytes(state.delayed.grads, device)
   return report
@@ -218,10 +221,20 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
   leaves = plan.leaf_list()
   host = sum(l.numel for l in leaves if l.state_tier == "host")
   on_nvme = sum(l.numel for l in leaves if l.state_tier == "nvme")
-  est = estimate(leaves, plan.stage, engine.mesh.zero_size,
-                 offload_optimizer="cpu" if host else "nvme" if on_nvme else None,
-                 offload_param="cpu" if plan.param_offloads else None,
-                 offload_ratio=(host or on_nvme) / sum(l.numel for l in leaves),
+  store = getattr(engine, "nvme_store", None)
+  reader = store.reader if store is not None else None
+  # params on NVMe (jzero.param_nvme): the store's fp32 master is the param there (no second
+  # copy: counted in master), the host cache holds max_in_cpu of them in fp32
+  cached = (sum(e.numel for p, e in reader.entries.items() if p in reader.cached)
+            if reader is not None else 0)
+  optimizer_tier = ("nvme" if on_nvme and (plan.params_on_nvme or not host)
+                    else "cpu" if host else None)
+  est = estimate(leaves, plan.stage, engine.mesh.zero_size, offload_optimizer=optimizer_tier,
+                 offload_param=("nvme" if plan.params_on_nvme else
+                                "cpu" if plan.param_offloads else None),
+                 param_cache_elements=cached,
+                 offload_ratio=(on_nvme if optimizer_tier == "nvme" else host)
+                 / sum(l.numel for l in leaves),
                  param_bytes=jnp.dtype(plan.compute_dtype).itemsize,
                  optimizer_bytes=master_k + opt_k,
                  persistence_threshold=zero.param_persistence_threshold,
@@ -233,6 +246,8 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
   # buffer is a temporary of the step on the device; the estimator's host share of it (DeepSpeed
   # copies the gradient partition to the host) is counted as the device's here.
   total = {c: sum(est.bytes[t][c] for t in est.bytes) for c in CATEGORIES}
+  if reader is not None:  # the cache in fp32, nothing on NVMe beyond the master (see above)
+    total["params"] = est.bytes["device"]["params"] + 4 * cached
   per_k = total["optimizer"] / (master_k + opt_k) if master_k + opt_k else 0.0
   predicted = {"params": total["params"], "grads": total["grads"], "master": per_k * master_k,
                "optimizer": per_k * opt_k}
@@ -240,9 +255,17 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
     predicted["secondary"] = est.bytes["device"]["secondary"]
   if "delayed_grads" in est.bytes["device"]:
     predicted["delayed_grads"] = est.bytes["device"]["delayed_grads"]
-  store, notes = getattr(engine, "nvme_store", None), ()
+  notes = ()
+  if reader is not None:
+    notes += (f"params on NVMe: read layer by layer from the store's fp32 master (counted in "
+              f"master); host cache {format_bytes(reader.cache_bytes())} in this process "
+              f"({len(reader.cached)} of {len(reader.entries)} leaves), host bound "
+              f"{format_bytes(host_bytes_bound(store.settings, len(store.devices)))} (max_in_cpu "
+              f"+ buffer_count x buffer_size per device, fp32); reads so far: "
+              f"{reader.disk_reads} from disk, {reader.prefetch_hits} prefetched, "
+              f"{reader.cache_hits} from the cache",)
   if store is not None:
-    notes = (f"NVMe store of process {jax.process_index()}: {store.directory} -- "
+    notes += (f"NVMe store of process {jax.process_index()}: {store.directory} -- "
              f"{format_bytes(store.bytes_per_slot)} per slot ({len(store.devices)} devices), "
              f"{format_bytes(store.disk_bytes())} on disk (two slots and metadata), step "
              f"{store.step} committed in slot {store.slot}",)

@@ -34,9 +34,10 @@ step one program; the reader overlaps the disk with compute by prefetching (belo
 cache* -- leaves chosen in plan order while their partitions on this process's devices total at
 most ``max_in_cpu`` elements, kept in host memory as fp32 rows, refreshed from the update's own
 writes (write-through) so that they are never read from the disk --; a *staging buffer* filled by
-a prefetch; else a read of the committed slot's file (``os.pread`` of the byte range of the group
-file's chunk: the store's zarr3 chunks are uncompressed little-endian rows, so one layer's
-partition is one contiguous range; tensorstore would read the whole chunk). After serving layer
+a prefetch; else a read of the committed slot's file (``os.preadv`` of the byte range in the
+group file's chunk, :meth:`jzero.nvme.NvmeStore.read_into`: the store's zarr3 chunks are
+uncompressed little-endian rows, so one layer's partition is one contiguous range; tensorstore
+would read the whole chunk). After serving layer
 ``l`` of a stacked leaf it prefetches layer ``l + 1`` (or ``l - 1``, the direction of the last two
 requests: the backward scan runs in reverse) into one of ``buffer_count`` staging buffers of at
 most ``buffer_size`` elements, per device (a layer's partition larger than ``buffer_size`` is refused
@@ -58,7 +59,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import os
 import threading
 from typing import Any
 
@@ -198,20 +198,8 @@ class ParamReader:
   # -- serving a request ----------------------------------------------------------------------------
   def _pread(self, slot: str, path: str, layer: int, row: int) -> np.ndarray:
     e = self.entries[path]
-    count = e.layer_numel
-    start = (e.offset + layer * count) * 4
-    out = np.empty(count, np.float32)
-    fd = os.open(self.store.chunk_file(slot, e.group, row), os.O_RDONLY)
-    try:
-      view, done = memoryview(out).cast("B"), 0
-      while done < count * 4:
-        n = os.preadv(fd, [view[done:]], start + done)
-        if n <= 0:
-          raise OSError(f"short read of {path} layer {layer} from the NVMe tier")
-        done += n
-    finally:
-      os.close(fd)
-    return out
+    out = np.empty(e.layer_numel, np.float32)
+    return self.store.read_into(slot, e.group, row, e.offset + layer * e.layer_numel, out)
 
   def _one(self, slot: str, path: str, layer: int, row: int) -> np.ndarray:
     e = self.entries[path]
