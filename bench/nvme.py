@@ -109,6 +109,7 @@ def _raw_files(paths: list[str]) -> float:
 def main() -> int:
   args = _parse()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import jzero  # noqa: F401  (first: its quiet start keeps the CUDA plugin's no-driver lines out)
   import jax
   jax.config.update("jax_num_cpu_devices", args.devices)
   import numpy as np

@@ -197,6 +197,12 @@ class ZeroParam:
                secondary=children[2], comm=comm, host=children[3], source=source,
                layer=children[4])
 
+  def with_partition(self, partition: jax.Array) -> "ZeroParam":
+    """This parameter with ``partition`` as its partition, read already (no ``source``)."""
+    return ZeroParam(partition, self.dim, self.size, self.axes, self.comm_dtype, full=self.full,
+                     scatter=self.scatter, secondary=self.secondary, comm=self.comm,
+                     host=self.host)
+
   @property
   def partitioned(self) -> bool:
     """True for a stage-3 partition, False for a replicated parameter with a gradient slot."""

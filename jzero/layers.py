@@ -66,6 +66,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jzero.collectives import ZeroParam
+from jzero.param_nvme import read_together
 
 __all__ = ["gather", "remat", "scan_layers", "linen_scan_layers", "engine_context", "TraceLog",
            "LayerPolicy", "current_layer_policy", "current_policy", "name_layer_inputs", "LAYER_INPUT"]
@@ -157,8 +158,12 @@ def gather(tree: Any) -> Any:
                    if isinstance(x, ZeroParam) and x.full is None)
     if gathered:
       log.gathered.append(gathered)
-  return jax.tree.map(lambda x: x.gather() if isinstance(x, ZeroParam) else x, tree,
-                      is_leaf=lambda x: isinstance(x, ZeroParam))
+  is_param = lambda x: isinstance(x, ZeroParam)
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_param)
+  on_nvme = [i for i, x in enumerate(leaves) if is_param(x) and x.source is not None]
+  for i, x in zip(on_nvme, read_together([leaves[i] for i in on_nvme])):  # one host callback
+    leaves[i] = x
+  return jax.tree.unflatten(treedef, [x.gather() if is_param(x) else x for x in leaves])
 
 
 def current_layer_policy() -> LayerPolicy:

@@ -34,7 +34,7 @@ their fp32 gradient partitions, (fp32 training) their master partitions -- the p
 -- and the optimizer state's non-parameter leaves (Adam's count) *before* the step. Then
 :meth:`NvmeStore.update` walks the NVMe leaves in sub-groups of at most ``sub_group_size``
 elements per device (whole leaves; a larger leaf is a group of its own): the group's arrays are read
-from the committed slot (tensorstore futures), updated by a jitted ``shard_map`` running the same
+from the committed slot (futures of parallel row reads), updated by a jitted ``shard_map`` running the same
 optax ``tx.update`` on the same partitions as the device path (so fp32 results equal the
 non-offloaded step; tests: 1e-6), which also casts (and in stages 1/2 all-gathers) the group's new
 compute params, and written to the other slot. With ``pipeline_read`` the reads of the next
@@ -57,18 +57,20 @@ it back (or refuses clearly: no manifest -- killed before the first commit --, o
 missing files). Resuming training goes through checkpoints (below), as in DeepSpeed, whose swap files
 are scratch space too.
 
-**Settings** (DeepSpeed's names -> tensorstore): ``aio.queue_depth`` -> the context's
-``file_io_concurrency`` limit (concurrent file operations) and the reading threads, ``aio.intra_op_parallelism`` ->
-``data_copy_concurrency`` (threads copying / encoding chunks); ``buffer_count``, ``pipeline_read``,
-``pipeline_write`` and ``sub_group_size`` as above; the cache pool is 0 bytes (every read goes to
-the disk, nothing is held twice in host memory); tensorstore's ``file_io_mode`` stays ``default``
-(:data:`IO_MODE`: O_DIRECT and memmap measured no better, bench/nvme.py, README). ``aio.block_size``, ``single_submit`` and
-``overlap_events`` tune libaio requests that tensorstore does not make (each file is written in one
-request): a warning each. DeepSpeed's default ``intra_op_parallelism`` of 1 leaves one thread to
-copy the chunks; the disk's bandwidth needs several (bench/nvme.py sets 8). ``aio.use_gds`` (GPUDirect Storage) is refused.
-``offload_param.device: nvme`` (and its ``buffer_size``, ``max_in_cpu``) is refused: parameter
-offload is not built here. A client optax optimizer (``initialize(optimizer=...)``) is refused: the
-group update needs an elementwise optimizer (jzero's Adam, AdamW, Lion, SGD).
+**Settings** (:mod:`jzero.nvme_settings`; DeepSpeed's names -> tensorstore): ``aio.queue_depth`` ->
+the context's ``file_io_concurrency`` limit (concurrent file operations) and the reading threads,
+``aio.intra_op_parallelism`` -> ``data_copy_concurrency`` (threads copying / encoding chunks);
+``buffer_count``, ``pipeline_read``, ``pipeline_write`` and ``sub_group_size`` as above; the
+cache pool is 0 bytes (every read goes to the disk, nothing is held twice in host memory);
+tensorstore's ``file_io_mode`` stays ``default`` (:data:`IO_MODE`: O_DIRECT and memmap measured no
+better for writes, bench/nvme.py, README). ``aio.block_size``, ``single_submit`` and
+``overlap_events`` tune libaio requests that tensorstore does not make (each file is written in
+one request): a warning each. DeepSpeed's default ``intra_op_parallelism`` of 1 leaves one thread
+to copy the chunks; the disk's bandwidth needs several (bench/nvme.py sets 8). ``aio.use_gds``
+(GPUDirect Storage) is refused. ``offload_param.device: nvme`` puts the stage-3 parameters in this
+store too (:mod:`jzero.param_nvme`: their masters are stored even in fp32, and the update writes
+no compute param for them). A client optax optimizer (``initialize(optimizer=...)``) is refused:
+the group update needs an elementwise optimizer (jzero's Adam, AdamW, Lion, SGD).
 
 **Checkpoints and reports** read the store: ``save_checkpoint`` reads the committed slot into
 arrays laid out by the plan and saves them with Orbax like the rest (:func:`full_state`);
@@ -91,9 +93,7 @@ import math
 import os
 import shutil
 import socket
-import tempfile
 import uuid
-import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -105,154 +105,24 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jzero.errors import ConfigError, JZeroError, JZeroWarning
+from jzero.errors import ConfigError, JZeroError
+from jzero.nvme_settings import (IO_MODE, NVME, NvmeSettings, check_directory, io_context,
+                                 settings_from_config)
 from jzero.param_nvme import ParamReader
 
 __all__ = ["NVME", "NvmeSettings", "NvmeStoreError", "NvmeStore", "settings_from_config",
            "check_directory", "open_committed", "shrink", "placeholder_shape", "full_state",
-           "expand_abstract", "absorb", "IO_MODE", "io_context", "MANIFEST", "SLOTS"]
+           "expand_abstract", "absorb", "IO_MODE", "io_context", "MANIFEST", "SLOTS",
+           "read_file_into"]
 
 PyTree = Any
-NVME = "nvme"
 MANIFEST = "manifest.json"
 SLOTS = ("a", "b")
 FORMAT = "jzero-nvme"
-_KEY = "zero_optimization.offload_optimizer.nvme_path"
 
 
 class NvmeStoreError(JZeroError):
   """An NVMe store cannot be read back (no committed step, or a committed slot is incomplete)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class NvmeSettings:
-  """What the config asks of the NVMe tier (read once, before any device work)."""
-
-  path: Path
-  buffer_count: int = 4
-  pipeline_read: bool = False
-  pipeline_write: bool = False
-  sub_group_size: int = 1_000_000_000
-  queue_depth: int = 8
-  intra_op_parallelism: int = 1
-  # parameters on the tier (offload_param.device: nvme, jzero.param_nvme)
-  params: bool = False
-  param_buffer_count: int = 5
-  param_buffer_size: int = 100_000_000
-  max_in_cpu: int = 1_000_000_000
-  prefetch: bool = True
-  key: str = "zero_optimization.offload_optimizer.nvme_path"
-
-
-#: tensorstore's ``file_io_mode`` for the store's files (bench/nvme.py measures the modes side by
-#: side; README "NVMe tier").
-IO_MODE = "default"
-
-
-def io_context(settings: NvmeSettings, io_mode: str = IO_MODE) -> dict:
-  """The tensorstore context of the store's I/O: concurrency from ``aio``, no cache (every read
-  goes to the disk, nothing is held twice in host memory), fsync'ed writes."""
-  return {"file_io_concurrency": {"limit": settings.queue_depth},
-          "data_copy_concurrency": {"limit": settings.intra_op_parallelism},
-          "cache_pool": {"total_bytes_limit": 0}, "file_io_sync": True,
-          "file_io_mode": {"mode": io_mode}}
-
-
-def _int(value: Any, default: int) -> int:
-  return default if value == "auto" else int(value)
-
-
-def check_directory(path: str | os.PathLike, key: str = _KEY) -> Path:
-  """``path`` as an absolute directory jzero can write and fsync in; ConfigError (naming the
-  config ``key``) otherwise."""
-  path = Path(path).expanduser().absolute()
-  if not path.exists():
-    raise ConfigError(f"{key}={path}: no such directory. Create it (mkdir -p {path}), ideally on "
-                      f"a local NVMe drive, or point nvme_path at an existing directory.")
-  if not path.is_dir():
-    raise ConfigError(f"{key}={path} is not a directory; point nvme_path at a directory on the "
-                      f"NVMe drive.")
-  try:
-    fd, probe = tempfile.mkstemp(prefix=".jzero-nvme-probe-", dir=path)
-    try:
-      os.write(fd, b"\0" * 4096)
-      os.fsync(fd)
-    finally:
-      os.close(fd)
-      os.unlink(probe)
-  except OSError as e:
-    raise ConfigError(f"{key}={path} is not writable ({e.strerror or e}): jzero keeps the "
-                      f"NVMe tier there. Make it writable for this user (chmod / chown, or "
-                      f"remount it read-write) or point nvme_path at a writable directory.") from None
-  return path
-
-
-def settings_from_config(config: Any, *, client_optimizer: bool = False) -> NvmeSettings | None:
-  """The NVMe settings of a resolved config (None when neither ``offload_optimizer`` nor
-  ``offload_param`` has ``device: nvme``); checks the path.
-
-  One store holds both: with both blocks on NVMe it lives at ``offload_optimizer.nvme_path``.
-
-  Raises:
-    ConfigError: no ``nvme_path``, a path that is not a writable directory, a client optimizer,
-      or a non-positive count.
-  """
-  zero = config.zero_optimization
-  block, param_block = zero.offload_optimizer, zero.offload_param
-  on_nvme = block is not None and block.device == NVME
-  params = param_block is not None and param_block.device == NVME
-  if not on_nvme and not params:
-    return None
-  owner = "offload_optimizer" if on_nvme else "offload_param"
-  key = f"zero_optimization.{owner}.nvme_path"
-  path = (block if on_nvme else param_block).nvme_path
-  if not path:
-    raise ConfigError(f"zero_optimization.{owner}.device=nvme needs {key}: the directory (on an "
-                      f"NVMe drive) where the {'optimizer state' if on_nvme else 'parameters'} "
-                      f'are kept. Add "nvme_path": "/local_nvme" to {owner}, or use device: cpu.')
-  if client_optimizer:
-    raise ConfigError(f"zero_optimization.{owner}.device=nvme updates the state in "
-                      "sub-groups of leaves, which needs the config's elementwise optimizer "
-                      "(Adam, AdamW, Lion, SGD); a client optax optimizer "
-                      "(initialize(optimizer=...)) may couple leaves. Use the config's optimizer "
-                      "block, or device: cpu.")
-  path = check_directory(path, key)
-  aio = config.aio
-  buffers = _int(block.buffer_count, 4) if on_nvme else 4
-  if buffers < 1:
-    raise ConfigError(f"zero_optimization.offload_optimizer.buffer_count={buffers}: give at least "
-                      f"1 (groups of the optimizer state in flight at once).")
-  sub_group = _int(zero.sub_group_size, 1_000_000_000)
-  if sub_group < 1:
-    raise ConfigError(f"zero_optimization.sub_group_size={sub_group}: give a positive number of "
-                      f"elements per optimizer sub-group.")
-  extra = {}
-  if params:
-    extra = dict(params=True, param_buffer_count=_int(param_block.buffer_count, 5),
-                 param_buffer_size=_int(param_block.buffer_size, 100_000_000),
-                 max_in_cpu=_int(param_block.max_in_cpu, 1_000_000_000),
-                 prefetch=_int(zero.prefetch_bucket_size, 1) > 0)
-    for name in ("buffer_count", "buffer_size"):
-      if extra[f"param_{name}"] < 1:
-        raise ConfigError(f"zero_optimization.offload_param.{name}={extra[f'param_{name}']}: give "
-                          f"a positive number (staging buffers between the NVMe tier and the "
-                          f"device, and elements per buffer).")
-    if extra["max_in_cpu"] < 0:
-      raise ConfigError(f"zero_optimization.offload_param.max_in_cpu={extra['max_in_cpu']}: give "
-                        f"0 or more parameter elements to keep in host memory.")
-    if on_nvme and param_block.nvme_path and (
-        Path(param_block.nvme_path).expanduser().absolute() != path):
-      warnings.warn(
-          f"zero_optimization.offload_param.nvme_path={param_block.nvme_path} differs from "
-          f"offload_optimizer.nvme_path={block.nvme_path}: jzero keeps one store per process, "
-          f"at offload_optimizer.nvme_path ({path}), for both.", JZeroWarning, stacklevel=2)
-  return NvmeSettings(path=path, buffer_count=buffers,
-                      pipeline_read=on_nvme and block.pipeline_read is True,
-                      pipeline_write=on_nvme and block.pipeline_write is True,
-                      sub_group_size=sub_group,
-                      queue_depth=max(1, int(aio.queue_depth)),
-                      intra_op_parallelism=max(1, int(aio.intra_op_parallelism)), key=key,
-                      **extra)
 
 
 def read_file_into(path: str | os.PathLike, out: np.ndarray, offset: int = 0) -> np.ndarray:

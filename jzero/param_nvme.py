@@ -4,7 +4,9 @@
 *partitioned* param the plan's ``param_tier == "nvme"`` (persistent and 0-d leaves stay on the
 device, as with ``device: cpu``). Such a leaf lives in the NVMe store of :mod:`jzero.nvme`, with
 its fp32 master and its optimizer state beside it (``state_tier == "nvme"``: the update reads and
-writes all three in one request per sub-group, and the store's two slots and manifest make the
+writes all three in one request per sub-group -- reads, updates and writes of the sub-groups
+overlapped (``pipeline_read`` / ``pipeline_write`` on; with ``offload_optimizer.device: nvme`` too,
+its flags decide) --, and the store's two slots and manifest make the
 parameters crash-safe exactly as the optimizer state). The TrainState keeps a 0-byte placeholder
 for the param (as for the NVMe master), so between steps the device holds none of its bytes.
 
@@ -69,7 +71,8 @@ from jax import lax
 
 from jzero.errors import ConfigError
 
-__all__ = ["ParamSource", "ParamReader", "fetch", "host_bytes_bound", "NVME"]
+__all__ = ["ParamSource", "ParamReader", "fetch", "fetch_group", "read_together",
+           "host_bytes_bound", "NVME"]
 
 NVME = "nvme"
 
@@ -103,11 +106,42 @@ def _fetch_jvp(source, primals, tangents):
 
 
 def _read(source: ParamSource, slot: jax.Array, layer: jax.Array) -> jax.Array:
-  part = lax.axis_index(source.axes)
-  out = jax.ShapeDtypeStruct(slot.shape, jnp.float32)
-  reader, path = source.reader, source.path
-  value = jax.pure_callback(lambda l, p: reader.read(path, l, p, slot.shape), out, layer, part)
-  return value.astype(slot.dtype)
+  return _read_group((source,), (slot,), (layer,))[0]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def fetch_group(sources: tuple[ParamSource, ...], slots: tuple, layers: tuple) -> tuple:
+  """:func:`fetch` for several leaves in one host callback (a scanned layer's, a unit's)."""
+  return _read_group(sources, slots, layers)
+
+
+@fetch_group.defjvp
+def _fetch_group_jvp(sources, primals, tangents):
+  slots, layers = primals
+  return _read_group(sources, slots, layers), tangents[0]
+
+
+def _read_group(sources: tuple, slots: tuple, layers: tuple) -> tuple:
+  part = lax.axis_index(sources[0].axes)
+  out = tuple(jax.ShapeDtypeStruct(s.shape, jnp.float32) for s in slots)
+  reader = sources[0].reader
+  requests = tuple((s.path, tuple(slot.shape)) for s, slot in zip(sources, slots))
+
+  def read(layers, part):
+    return tuple(reader.read(path, l, part, shape) for (path, shape), l in zip(requests, layers))
+  values = jax.pure_callback(read, out, layers, part)
+  return tuple(v.astype(s.dtype) for v, s in zip(values, slots))
+
+
+def read_together(params: list) -> list:
+  """ZeroParams on the NVMe tier (``source`` set) -> the same ones with their partitions read in
+  one host callback (``source`` cleared): the gather of a group (:func:`jzero.layers.gather`)
+  pays one callback, not one per leaf. Each read value's gradient still goes to its slot."""
+  if len(params) < 2:
+    return params
+  values = fetch_group(tuple(p.source for p in params), tuple(p.partition for p in params),
+                       tuple(p.layer for p in params))
+  return [p.with_partition(v) for p, v in zip(params, values)]
 
 
 @dataclasses.dataclass(frozen=True)
