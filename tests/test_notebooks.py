@@ -11,7 +11,8 @@ import pytest
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-@pytest.mark.parametrize("name", ["which_stage_fits", "same_loss"])
+@pytest.mark.parametrize("name", ["which_stage_fits", "same_loss", "what_zeropp_saves",
+                                  "where_everything_lives"])
 def test_notebook_executes_and_is_committed_with_its_plots(name):
   import nbclient
   import nbformat
