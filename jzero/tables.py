@@ -2,16 +2,18 @@
 
 The reports (:class:`jzero.memory.EstimateTable`, :class:`jzero.memory_report.MemoryReport`, the
 AOT report) build one ``(header, rows)`` pair of strings and render it with :func:`text_table`
-or :func:`html_table`, so a notebook shows the numbers the CLI prints. :func:`require_pyplot`
+or :func:`html_table`, so a notebook shows the numbers the CLI prints; :class:`Table` is such a
+pair that shows itself (a notebook's own tables). :func:`require_pyplot`
 gives their ``.plot()`` methods matplotlib, or says how to install it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import html
 from typing import Any, Sequence
 
-__all__ = ["format_bytes", "byte_cell", "text_table", "html_table", "require_pyplot"]
+__all__ = ["Table", "format_bytes", "byte_cell", "text_table", "html_table", "require_pyplot"]
 
 
 def format_bytes(n: float) -> str:
@@ -52,6 +54,24 @@ def html_table(header: Sequence[str], rows: Sequence[Sequence[str]],
   parts.append("</tbody></table>")
   parts.extend(f"<div>{html.escape(note)}</div>" for note in notes)
   return "".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  """Rows of strings that show themselves: HTML in a notebook, text in a terminal or a log."""
+
+  header: Sequence[str]
+  rows: Sequence[Sequence[str]]
+  caption: str = ""
+
+  def _repr_html_(self) -> str:
+    return html_table(self.header, self.rows, caption=self.caption or None)
+
+  def __str__(self) -> str:
+    table = text_table(self.header, self.rows)
+    return f"{self.caption}\n{table}" if self.caption else table
+
+  __repr__ = __str__
 
 
 def require_pyplot() -> Any:
