@@ -13,7 +13,9 @@ a matmul in flight), and the XLA compile time. ``--knobs`` adds a second table: 
 overlap_comm off, without prefetch, and with other buckets, to show what each knob does to the
 scheduled program.
 
-Writes ``aot_7b.json`` and ``aot_7b.md`` to ``--out`` and prints the markdown.
+Writes ``aot_7b.json`` and ``aot_7b.md`` to ``--out`` and prints the markdown. ``--record PATH``
+also writes the stages' per-device figures alone (a small JSON; the committed
+``notebooks/data/aot_7b_h100.json`` that notebooks/which_stage_fits.ipynb plots is this file).
 """
 
 from __future__ import annotations
@@ -45,7 +47,19 @@ def _parse() -> argparse.Namespace:
   p.add_argument("--stages", default="0,1,2,3")
   p.add_argument("--knobs", action="store_true", help="also the ZeRO-3 knob table")
   p.add_argument("--out", default="bench/out")
+  p.add_argument("--record", help="also write the stages' per-device bytes to this JSON file")
   return p.parse_args()
+
+
+def _record(head: str, reports: list) -> dict:
+  """The stages' per-device figures (bytes) and where they come from: what a notebook plots."""
+  first = reports[0][2]
+  return {"source": head, "gpu": first.gpu, "devices": first.devices, "model": first.model,
+          "num_params": first.num_params, "precision": first.precision,
+          "usable_memory": first.usable_memory,
+          "stages": [{"stage": r.stage, "model_states": r.model_states, "argument": r.argument,
+                      "temp": r.temp, "peak": r.peak, "fits": r.fits}
+                     for table, _, r in reports if table == "stages"]}
 
 
 def _config(stage: int, **zero) -> dict:
@@ -129,6 +143,8 @@ def main() -> int:
   (out / "aot_7b.md").write_text(text + "\n")
   (out / "aot_7b.json").write_text(json.dumps(
       [{"table": table, "row": label, **r.to_json()} for table, label, r in reports], indent=1))
+  if args.record:
+    Path(args.record).write_text(json.dumps(_record(head, reports), indent=1) + "\n")
   print(text)
   return 0
 
