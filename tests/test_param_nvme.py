@@ -7,7 +7,8 @@ accumulation 2), with the issue's ZeRO-Infinity blocks (optimizer on cpu, max_in
 read from the host cache) and all on NVMe in bf16; 0 device bytes of the params between steps; the
 reader's counters (disk reads, prefetch hits, cache hits) and its host bytes against the configured
 bound; checkpoints from the NVMe tier into no offload and back; the settings checked before any
-device work. The small GPT (2 scanned layers) with a persistence threshold of 1,000 elements:
+device work; two processes over gloo (every partition read by the process that holds its
+devices) against one process without offload. The small GPT (2 scanned layers) with a persistence threshold of 1,000 elements:
 matrices and embeddings go to NVMe, biases and norms persist on the device. A process killed during
 a step with params on NVMe is tests/test_nvme.py's kill test (its second process).
 """
@@ -156,3 +157,39 @@ def test_param_nvme_settings_are_checked_before_any_device_work(tmp_path):
     jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(
         3, offload_param={"device": "nvme", "nvme_path": str(tmp_path)},
         offload_optimizer={"device": "cpu"}))
+
+
+def test_two_processes_with_params_on_nvme_match_one_process_without_offload(tmp_path):
+  """2 processes x 4 CPU devices over gloo (tests/multiprocess_worker.py ``param-nvme``): every
+  partition read from the disk by the process that holds its devices, a checkpoint saved and
+  restored half-way; the losses and parameters of one process on 8 devices without offload, and
+  each process's store holds its own 4 devices' rows."""
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  from jzero.plan import flatten_paths
+  from multiprocess_worker import BATCH as MP_BATCH, STAGE3, STEPS as MP_STEPS
+  from zero_testing import engine_run, free_port, subprocess_env
+  worker = Path(__file__).with_name("multiprocess_worker.py")
+  (tmp_path / "nvme").mkdir()
+  port = free_port()
+  procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", str(port), "4",
+                             str(tmp_path), "param-nvme"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=subprocess_env())
+           for i in range(2)]
+  logs = [p.communicate(timeout=400)[0] for p in procs]
+  for i, (p, log) in enumerate(zip(procs, logs)):
+    assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{log[-3000:]}"
+  with np.load(tmp_path / "result.npz") as f:
+    losses, params = f["losses"], {k: f[k] for k in f.files if k != "losses"}
+  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **STAGE3))
+  _, single, single_losses = engine_run(engine, batches(SMALL.seq_len, MP_BATCH, MP_STEPS))
+  assert len(losses) == MP_STEPS
+  np.testing.assert_allclose(losses, single_losses, rtol=SAME_MATH)
+  assert max_relative_diff(params, flatten_paths(single)) <= SAME_MATH
+  import json
+  stores = [json.loads((tmp_path / f"shards_{i}.json").read_text())["nvme"] for i in range(2)]
+  assert [Path(s["directory"]).name for s in stores] == ["process_0", "process_1"]
+  assert not set(stores[0]["devices"]) & set(stores[1]["devices"])  # each its own devices' rows
+  assert all(len(s["devices"]) == 4 and s["disk_reads"] > 0 for s in stores)
