@@ -8,8 +8,9 @@ read from the host cache) and all on NVMe in bf16; 0 device bytes of the params 
 reader's counters (disk reads, prefetch hits, cache hits) and its host bytes against the configured
 bound; checkpoints from the NVMe tier into no offload and back; the settings checked before any
 device work; two processes over gloo (every partition read by the process that holds its
-devices) against one process without offload. The small GPT (2 scanned layers) with a persistence threshold of 1,000 elements:
-matrices and embeddings go to NVMe, biases and norms persist on the device. A process killed during
+devices) against one process without offload. The small GPT (2 scanned layers) with a persistence
+threshold of 1,000 elements: matrices and embeddings go to NVMe, biases and norms persist on the
+device. A process killed during
 a step with params on NVMe is tests/test_nvme.py's kill test (its second process).
 """
 
