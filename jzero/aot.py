@@ -466,6 +466,13 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
                       "batch (a pytree of jax.ShapeDtypeStruct, or train_batch_size -> pytree).")
   mesh_spec = MeshSpec.load(mesh) if mesh is not None else MeshSpec.default()
   zero = data.get("zero_optimization") or {}
+  if (zero.get("offload_param") or {}).get("device") == "nvme":
+    raise ConfigError(
+        "zero_optimization.offload_param.device=nvme: the step reads those parameters through "
+        "host callbacks (jzero.param_nvme), and XLA lowers a host callback only for a backend that "
+        "is present, so it cannot be compiled for a GPU this machine lacks. Compile the plan with "
+        "offload_param.device: cpu here (the same device-side step: a layer's partition arrives "
+        "before its gather), or run jzero aot on the GPU machine.")
   if mesh is None and nodes > 1 and (zero.get("zero_hpz_partition_size", 1) not in (1, "auto")
                                      or zero.get("zero_quantized_gradients") is True):
     # ZeRO++'s hpZ / qgZ need the node x local split: the topology's own

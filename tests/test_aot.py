@@ -213,6 +213,17 @@ def test_bad_device_counts_are_refused(devices, nodes, flag):
     aot.gpu_devices("h100", devices, nodes)
 
 
+def test_params_on_nvme_are_refused_with_the_reason(tmp_path):
+  """The parameter NVMe tier's host callbacks lower only for a present backend: a clear error
+  before anything is built (no store directory is created)."""
+  config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+      "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+  with pytest.raises(ConfigError, match=r"offload_param\.device=nvme.*host callbacks.*"
+                                        r"offload_param\.device: cpu"):
+    aot.compile_for(config, "h100", 8, model="default")
+  assert not any(tmp_path.iterdir())
+
+
 def test_unknown_gpu_names_the_known_ones():
   with pytest.raises(ConfigError, match=r"--gpu.*'a100'.*'h100'"):
     aot.gpu_spec("h200")
