@@ -50,6 +50,11 @@ def _not_param_nvme(config: Config) -> bool:
   return not _param_nvme(config)
 
 
+def _pinned_on_nvme(block: BaseModel | None) -> bool:
+  """An offload block on the NVMe tier whose config asks for pin_memory itself."""
+  return (block is not None and block.device == "nvme" and "pin_memory" in block.model_fields_set)
+
+
 def _any_nvme(config: Config) -> bool:
   return _nvme(config) or _param_nvme(config)
 
@@ -90,8 +95,16 @@ SUPPORT_TABLE: tuple[_Rule, ...] = (
           "DeepSpeedCPUAdam thread pool to size"),
     _Rule("zero_optimization.offload_optimizer.nvme_path", NO_EFFECT,
           "nvme_path is only read with device: nvme", bool, when=_not_nvme),
-    # --- parameter offload (jzero.param_offload): device "cpu" at stage 3 is honoured ---------
+    _Rule("zero_optimization.offload_optimizer.pin_memory", NO_EFFECT,
+          "with device: nvme the store's reads land in ordinary host buffers that are copied to "
+          "the devices (pin_memory places the state in pinned_host with device: cpu)", bool,
+          when=lambda config: _pinned_on_nvme(config.zero_optimization.offload_optimizer)),
     # --- parameter offload (jzero.param_offload, jzero.param_nvme): "cpu" and "nvme", stage 3 --
+    _Rule("zero_optimization.offload_param.pin_memory", NO_EFFECT,
+          "with device: nvme the host cache and staging buffers are ordinary host memory that "
+          "host callbacks hand to the devices (pin_memory places the partitions in pinned_host "
+          "with device: cpu)", bool,
+          when=lambda config: _pinned_on_nvme(config.zero_optimization.offload_param)),
     _Rule("zero_optimization.offload_param.buffer_count", NO_EFFECT, _PARAM_NVME_ONLY,
           when=_not_param_nvme),
     _Rule("zero_optimization.offload_param.buffer_size", NO_EFFECT, _PARAM_NVME_ONLY,

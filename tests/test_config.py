@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -111,16 +112,21 @@ def test_ms_swift_zero3_resolves_like_hugging_face():
   assert '"auto"' not in json.dumps(resolved.to_dict())
 
 
-def test_nvme_param_config_is_supported_and_warns_for_libaio_only_keys():
+def test_nvme_param_config_is_supported_and_warns_for_the_keys_it_does_not_honour():
   """ZeRO-Infinity's parameter tier (jzero.param_nvme) reads offload_param's NVMe keys and aio's
-  concurrency; the libaio request size alone has no effect (a warning)."""
+  concurrency; the libaio request size and pinning the tier's host buffers have no effect (a
+  warning each)."""
   config = load_quietly(DATA / NVME)
   assert config.zero_optimization.offload_param.buffer_size == "auto"
   assert config.aio.intra_op_parallelism == 8
-  with pytest.warns(JZeroWarning, match=r"aio\.block_size=8388608 has no effect under XLA: it "
-                    r"tunes libaio requests") as record:
+  with pytest.warns(JZeroWarning) as record:
     config.check_supported()
-  assert len(record) == 1, [str(w.message) for w in record]
+  messages = sorted(str(w.message) for w in record)
+  assert len(messages) == 2, messages
+  assert re.match(r"aio\.block_size=8388608 has no effect under XLA: it tunes libaio requests",
+                  messages[0]), messages
+  assert re.match(r"zero_optimization\.offload_param\.pin_memory=true has no effect.*host "
+                  r"callbacks", messages[1]), messages
 
 
 def test_ds_batch_config_passes_on_two_ranks():

@@ -174,8 +174,8 @@ def test_choose_offloaded_takes_the_largest_leaves_within_the_ratio():
     ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, ConfigError, "stage 1, 2 or 3"),
     ({"stage": 3, "offload_optimizer": {"device": "nvme"}}, ConfigError, "needs zero_optimization"
      r"\.offload_optimizer\.nvme_path"),
-    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "."}}, NotSupportedError,
-     "parameters on the NVMe tier"),
+    ({"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "."}}, ConfigError,
+     "needs ZeRO stage 3"),
     ({"stage": 2, "offload_param": {"device": "cpu"}}, ConfigError, "needs ZeRO stage 3"),
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": True}},
      NotSupportedError, "SuperOffload"),
