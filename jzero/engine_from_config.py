@@ -92,8 +92,10 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
   init_distributed()  # joins the other processes when launched as one of several (jzero launch, SLURM...)
   given = config if isinstance(config, Config) else Config.load(config)
   given.check_supported()
-  offload.settings_from_config(given.zero_optimization)  # offload the stage cannot have: refused
-  param_offload.settings_from_config(given.zero_optimization)
+  with warnings.catch_warnings():  # refusals only: the engine's plan warns once, when it is built
+    warnings.simplefilter("ignore", JZeroWarning)
+    offload.settings_from_config(given.zero_optimization)  # offload the stage cannot have: refused
+    param_offload.settings_from_config(given.zero_optimization)
   delayed.enabled(given.zero_optimization)  # delayed update without cpu offload: refused
   zmesh = _as_mesh(mesh)
   adapter = as_model(model, init_inputs)
