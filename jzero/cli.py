@@ -130,13 +130,16 @@ def _train(args: argparse.Namespace) -> int:
     start = int(state.step)
     say(f"jzero: resumed from {args.checkpoint_dir} at step {start}")
   plan = engine.plan
-  if plan.uses_host or plan.has_nvme:  # offload: what this process will hold, before training
+  if plan.uses_host or plan.uses_nvme_store:  # offload: what this process holds, before training
     from jzero.memory import format_bytes
     est, local = engine.memory_report(state).estimate, jax.local_device_count()
-    tiers = ", ".join(f"{tier} {format_bytes(est.tier_total(tier) * local)}"
-                      for tier in ("host", "nvme") if est.tier_total(tier))
-    say(f"jzero: offload: predicted model states per process ({local} devices): {tiers}; "
-        f"device {format_bytes(est.device_total)} per device")
+    tiers = [f"{tier} {format_bytes(est.tier_total(tier) * local)}"
+             for tier in ("host", "nvme") if est.tier_total(tier)]
+    if engine.nvme_store is not None:  # what the store holds (params, masters, state), measured
+      tiers.append(f"NVMe store {format_bytes(engine.nvme_store.bytes_per_slot)} per slot "
+                   f"(two slots on disk)")
+    say(f"jzero: offload: predicted model states per process ({local} devices): "
+        f"{', '.join(tiers)}; device {format_bytes(est.device_total)} per device")
   n_params = sum(l.numel for l in plan.leaf_list())
   say(f"jzero: model GPT {model_cfg.n_layers} layers x d {model_cfg.d_model}, {n_params / 1e6:.2f}M "
       f"parameters")

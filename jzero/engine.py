@@ -252,8 +252,10 @@ class Engine(StepBuilder):
     if self.plan is None:
       self.plan = self._make_plan(rng, sample_batch)
     plan, compute = self.plan, self.compute_dtype
-    if plan.has_nvme and self.nvme_store is None:  # checks the free space before device work
+    if plan.uses_nvme_store and self.nvme_store is None:  # checks the free space first
       self.nvme_store = nvme.NvmeStore(self, self.nvme_settings)
+
+    in_store = lambda l: l.state_tier == "nvme" or l.param_tier == "nvme"
 
     def to_layout(leaf: LeafPlan, x: jax.Array, partitioned: bool) -> jax.Array:
       return leaf.to_padded(x) if partitioned else x
@@ -268,7 +270,7 @@ class Engine(StepBuilder):
       if plan.has_nvme:  # placeholders; the real master goes to the store (jzero.nvme)
         state_layout = nvme.shrink(plan, state_layout)
       params = plan.map(lambda l, x: to_layout(l, x, l.param_partitioned).astype(compute), p32)
-      if plan.params_on_nvme:  # placeholders; the params are the store's masters (jzero.param_nvme)
+      if plan.params_on_nvme:  # placeholders: the store holds the params (jzero.param_nvme)
         params = nvme.shrink(plan, params, "param_tier")
       state = TrainState(
           step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32),
@@ -277,24 +279,24 @@ class Engine(StepBuilder):
           opt_state=self.tx.init(state_layout), loss_scale=self.scaler.init(),
           rng=jax.random.key_data(train_key),
           delayed=delayed.initial(state_layout) if self._delays_update() else None)
-      if plan.has_nvme:
+      if plan.uses_nvme_store:  # the store's masters (and copies of params) start from these
         return state, {l.path: x for l, x in zip(plan.leaf_list(), jax.tree.leaves(full))
-                       if l.state_tier == "nvme"}
+                       if in_store(l)}
       return state
 
     shardings = self.state_shardings()
     if params is None:
       params = self.model.initial_params
     shardings = shardings._replace(secondary=None)
-    if plan.has_nvme:
+    if plan.uses_nvme_store:
       shardings = (shardings, {l.path: plan.sharding(plan.state_spec(l))
-                               for l in plan.leaf_list() if l.state_tier == "nvme"})
+                               for l in plan.leaf_list() if in_store(l)})
     if params is not None:
       self._check_params(params)
       state = jax.jit(make_state, out_shardings=shardings)(rng, params)
     else:
       state = jax.jit(lambda r: make_state(r, None), out_shardings=shardings)(rng)
-    if plan.has_nvme:
+    if plan.uses_nvme_store:
       state, masters = state
       if not isinstance(state.step, jax.core.Tracer):  # not under eval_shape (a restore's shapes)
         self.nvme_store.write_masters(self, 0, masters)
@@ -393,6 +395,16 @@ class Engine(StepBuilder):
             f"vocabulary to the model's vocab size, or set engine.check_input_ids = False if "
             f"this leaf does not index an embedding.")
 
+  def _store_step(self, state: TrainState, metrics: dict, io: list) -> TrainState:
+    """The NVMe store's part of a step, committed before the step ends: the NVMe leaves' update
+    (``io``: what the step gave it, :mod:`jzero.nvme`), or the new copies of params whose state
+    lives elsewhere (:mod:`jzero.param_nvme`)."""
+    if io:
+      return self.nvme_store.update(self, state, metrics, io[0])
+    if self.nvme_store is not None and self.nvme_store.copies:
+      self.nvme_store.write_copies(self, state, metrics)
+    return state
+
   def train_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch (leading dim ``train_batch_size``). Donates ``state``.
 
@@ -416,15 +428,13 @@ class Engine(StepBuilder):
       grads = jax.block_until_ready(grads_fn(state, batch))
       t1 = time.perf_counter()
       state, metrics, *io = jax.block_until_ready(update_fn(state, *grads))
-      if io:  # the NVMe leaves' update, committed before the step ends (jzero.nvme)
-        state = self.nvme_store.update(self, state, metrics, io[0])
+      state = self._store_step(state, metrics, io)
       self.timings.append(StepTiming(step=self._host_step + 1, forward_backward_s=t1 - t0,
                                      optimizer_s=time.perf_counter() - t1))
     else:
       step_fn = self._warmup_step(batch) if warmup else self._fused_step(batch, state)
       state, metrics, *io = step_fn(state, batch)
-      if io:
-        state = self.nvme_store.update(self, state, metrics, io[0])
+      state = self._store_step(state, metrics, io)
       delayed.seen(self, state, warmup)
     self._host_step += 1
     self._last_lr = metrics["lr"]

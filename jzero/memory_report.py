@@ -248,6 +248,10 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
   total = {c: sum(est.bytes[t][c] for t in est.bytes) for c in CATEGORIES}
   if reader is not None:  # the cache in fp32, nothing on NVMe beyond the master (see above)
     total["params"] = est.bytes["device"]["params"] + 4 * cached
+    # params whose master is on the host or the device: the store holds an fp32 copy of each
+    # (counted as params), and fp32 training's state holds the param itself (its master)
+    copies = 4 * sum(plan.local_numel(l, True) for l in leaves if l.param_copy_on_nvme)
+    total["params"] += copies * (1 if plan.has_master else 2)
   per_k = total["optimizer"] / (master_k + opt_k) if master_k + opt_k else 0.0
   predicted = {"params": total["params"], "grads": total["grads"], "master": per_k * master_k,
                "optimizer": per_k * opt_k}
@@ -257,8 +261,10 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
     predicted["delayed_grads"] = est.bytes["device"]["delayed_grads"]
   notes = ()
   if reader is not None:
-    notes += (f"params on NVMe: read layer by layer from the store's fp32 master (counted in "
-              f"master); host cache {format_bytes(reader.cache_bytes())} in this process "
+    held = ("fp32 copy, written after each update (counted in params; the master and "
+            "optimizer state are on the host or the device)" if store.copies
+            else "fp32 master (counted in master)")
+    notes += (f"params on NVMe: read layer by layer from the store's {held}; host cache {format_bytes(reader.cache_bytes())} in this process "
               f"({len(reader.cached)} of {len(reader.entries)} leaves), host bound "
               f"{format_bytes(host_bytes_bound(store.settings, len(store.devices)))} (max_in_cpu "
               f"+ buffer_count x buffer_size per device, fp32); reads so far: "

@@ -151,9 +151,13 @@ def placeholder_shape(leaf: Any) -> tuple[int, ...]:
 
 def shrink(plan: Any, tree: PyTree, tier: str = "state_tier") -> PyTree:
   """``tree`` (params structure) with NVMe leaves cut to size 0 along their shard dimension;
-  ``tier="param_tier"``: the leaves whose compute param is on the tier (jzero.param_nvme)."""
+  ``tier="param_tier"``: the params the state holds as placeholders (``plan.param_placeholder``,
+  jzero.param_nvme)."""
+  on_tier = (plan.param_placeholder if tier == "param_tier"
+             else lambda leaf: leaf.state_tier == NVME)
+
   def cut(leaf, x):
-    if getattr(leaf, tier) != NVME or x is None:
+    if not on_tier(leaf) or x is None:
       return x
     return lax.slice_in_dim(x, 0, 0, axis=leaf.shard_dim % x.ndim)
   return plan.map(cut, tree)
@@ -268,7 +272,10 @@ class NvmeStore:
     self._ts = ts
     plan = engine.plan
     self.settings, self.plan = settings, plan
-    self.leaves = [l for l in plan.leaf_list() if l.state_tier == NVME]
+    # the leaves whose state is here, and the params here (their state here too, or a copy of
+    # the param whose master and state live on the host or the device: jzero.param_nvme)
+    self.leaves = [l for l in plan.leaf_list() if l.state_tier == NVME or l.param_tier == NVME]
+    self.copies = any(l.param_copy_on_nvme for l in self.leaves)
     self._position = {l.path: i for i, l in enumerate(plan.leaf_list())}
     abstract = jax.eval_shape(engine.tx.init, plan.abstract_master())
     self._params_def = _params_def(plan)
@@ -288,8 +295,10 @@ class NvmeStore:
         l = self.leaves[i]
         pos, numel = self._position[l.path], math.prod(self._shard_shape[l.path])
         stores_master = plan.has_master or l.param_tier == NVME
+        stores_state = l.state_tier == NVME
         names = ([(f"{pos:05d}.master", "master", -1)] if stores_master else []) + [
-            (f"{pos:05d}.state{j}", f"state{j}", j) for j in range(len(self._param_nodes))]
+            (f"{pos:05d}.state{j}", f"state{j}", j)
+            for j in range(len(self._param_nodes) if stores_state else 0)]
         for name, what, node in names:
           stored.append(_Stored(name, l, what, node, g, offset, numel))
           offset += numel
@@ -451,7 +460,8 @@ class NvmeStore:
           return [n for n, f in zip(nodes, self._flags) if f]
         self._init_fns[g] = jax.jit(init)
       ms = [masters[self.leaves[i].path] for i in group]
-      states = self._init_fns[g](ms)
+      stores_state = any(s.node >= 0 for s in self._members(g))
+      states = self._init_fns[g](ms) if stores_state else None  # (copies of params: no state)
       index = {self.leaves[i].path: j for j, i in enumerate(group)}
       values = {s.name: ms[index[s.leaf.path]] if s.node < 0 else states[s.node][index[s.leaf.path]]
                 for s in self._members(g)}
@@ -480,6 +490,15 @@ class NvmeStore:
     for f in futures:
       f.result()
     self._commit(int(state.step), slot)
+
+  def write_copies(self, engine: Any, state: Any, metrics: dict) -> None:
+    """After a step whose params are copies on the tier (``LeafPlan.param_copy_on_nvme``): their
+    new values, the state's masters, written to the other slot and committed as the step (a
+    skipped step commits the unchanged slot under the new step)."""
+    if bool(metrics["overflow"]):
+      self._commit(int(state.step), self.slot)
+    else:
+      self.write_state(engine, state)
 
   def read(self) -> dict[str, jax.Array]:
     """The committed slot's arrays as global arrays laid out by the plan: name -> array."""
@@ -570,22 +589,22 @@ class NvmeStore:
   def measured_per_device(self) -> dict[str, int]:
     """Bytes of one device's partitions in the committed slot, from the group files' sizes (each
     file holds one row per local device), split by category along the layout: category
-    ("master", "optimizer") -> bytes."""
-    out = {"master": 0, "optimizer": 0}
+    ("master", "optimizer", "params": copies of params whose master lives elsewhere) -> bytes."""
+    out = {"master": 0, "optimizer": 0, "params": 0}
     if self.slot is None:
       return out
     for g in range(len(self.groups)):
       per_device = _dir_bytes(self.directory / f"slot_{self.slot}" / f"group_{g}",
                               data_only=True) / len(self.devices)
       for s in self._members(g):
-        out["master" if s.node < 0 else "optimizer"] += per_device * s.numel / self.group_numel[g]
+        out[_category(s)] += per_device * s.numel / self.group_numel[g]
     return {k: int(round(v)) for k, v in out.items()}
 
   def logical_bytes(self) -> dict[str, int]:
     """Global bytes of the stored arrays (all devices, as the TrainState's arrays count them)."""
-    out = {"master": 0, "optimizer": 0}
+    out = {"master": 0, "optimizer": 0, "params": 0}
     for s in self.stored:
-      out["master" if s.node < 0 else "optimizer"] += math.prod(s.leaf.padded_shape) * 4
+      out[_category(s)] += math.prod(s.leaf.padded_shape) * 4
     return out
 
   def disk_bytes(self) -> int:
@@ -600,6 +619,13 @@ class NvmeStore:
     self._cleanup()
 
 
+def _category(s: _Stored) -> str:
+  """The model-state category of a stored array (what the memory report counts it as)."""
+  if s.leaf.param_copy_on_nvme:
+    return "params"
+  return "master" if s.node < 0 else "optimizer"
+
+
 # -- the TrainState with the store's arrays in it (checkpoints, logical params) --------------------
 def _replace_nvme(engine: Any, state: Any, get, get_param) -> Any:
   """``state`` with each NVMe leaf's master / optimizer node replaced by ``get(stored)``, and
@@ -608,18 +634,19 @@ def _replace_nvme(engine: Any, state: Any, get, get_param) -> Any:
   by_leaf = collections.defaultdict(dict)
   for s in store.stored:
     by_leaf[s.leaf.path][s.node] = s
+  in_store = lambda l: l.state_tier == NVME  # (a param's copy: its master is in the state)
   master = state.master
   if plan.has_master:
-    master = plan.map(lambda l, x: get(by_leaf[l.path][-1]) if l.path in by_leaf else x, master)
-  # params on the tier (jzero.param_nvme): the master in the compute dtype (the step's own cast)
-  params = plan.map(lambda l, x: get_param(by_leaf[l.path][-1]) if l.param_tier == NVME else x,
-                    state.params)
+    master = plan.map(lambda l, x: get(by_leaf[l.path][-1]) if in_store(l) else x, master)
+  # params on the tier (jzero.param_nvme): the stored value in the compute dtype (the step's cast)
+  params = plan.map(lambda l, x: get_param(by_leaf[l.path][-1]) if plan.param_placeholder(l)
+                    else x, state.params)
   node_def, nodes, flags = _split(state.opt_state, store._params_def)
   new_nodes = []
   for k, (node, f) in enumerate(zip(nodes, flags)):
     if f:
       j = store._param_nodes.index(k)
-      node = [get(by_leaf[l.path][j]) if l.path in by_leaf else x
+      node = [get(by_leaf[l.path][j]) if in_store(l) else x
               for l, x in zip(plan.leaf_list(), node)]
       node = jax.tree.unflatten(store._params_def, node)
     new_nodes.append(node)

@@ -10,6 +10,15 @@ its flags decide) --, and the store's two slots and manifest make the
 parameters crash-safe exactly as the optimizer state). The TrainState keeps a 0-byte placeholder
 for the param (as for the NVMe master), so between steps the device holds none of its bytes.
 
+**With the optimizer state on the host** (``offload_optimizer.device: cpu``, the ZeRO-Infinity
+paper's headline config: "CPU: optimizer states; NVMe: parameters"), the leaf's fp32 master and
+optimizer state live in pinned host memory (``state_tier == "host"``) and are updated by the host
+tier's update inside the step (:mod:`jzero.offload`); the store then holds a *copy* of the param
+(:attr:`jzero.plan.LeafPlan.param_copy_on_nvme`, fp32), which the engine writes from the new
+masters after the step and commits as the step (:meth:`jzero.nvme.NvmeStore.write_copies`). In
+fp32 the state's param is the master, so it stays in the TrainState -- in host memory --; in
+mixed precision the param is a placeholder and the master is the state's. Reads are the same.
+
 **Forward and backward.** The leaf reaches the model as a :class:`~jzero.collectives.ZeroParam`
 whose ``partition`` is a zero *gradient slot* on the device and whose ``source`` is this leaf's
 :class:`ParamSource`. ``gather()`` first reads the partition with :func:`fetch`: a
@@ -49,11 +58,8 @@ buffer_size * 4`` per local device (fp32: the store keeps the master; the comput
 device) plus the rows of one sub-group while it is updated, which the optimizer tier's update
 holds anyway (:func:`host_bytes_bound`).
 
-**What it does not do.** ``offload_optimizer.device: cpu`` with ``offload_param.device: nvme``
-(the ZeRO-Infinity paper's headline config) keeps the optimizer state of the NVMe-tier params in
-the store beside them rather than in host memory (a warning says so); the other leaves' state
-follows ``offload_optimizer``. The store keeps the fp32 master, not a second 16-bit copy, so in
-bf16 a layer read moves 4 bytes per element where DeepSpeed moves 2.
+**What it does not do.** The store keeps fp32 values (the master, or the copy of it), not a
+16-bit copy, so in bf16 a layer read moves 4 bytes per element where DeepSpeed moves 2.
 """
 
 from __future__ import annotations

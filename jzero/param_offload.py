@@ -39,12 +39,11 @@ which defeats parameter offload: the combination is refused.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
 
-from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
+from jzero.errors import ConfigError, NotSupportedError
 from jzero.offload import to_device
 
 __all__ = ["ParamOffloadSettings", "settings_from_config", "fetch"]
@@ -94,13 +93,6 @@ def settings_from_config(zero: Any) -> ParamOffloadSettings | None:
         f"one of the two.")
   optimizer = zero.offload_optimizer
   if block.device == "nvme":
-    if optimizer is not None and optimizer.device == "cpu":
-      warnings.warn(
-          "zero_optimization.offload_param.device=nvme with offload_optimizer.device=cpu: the "
-          "fp32 master and optimizer state of the parameters on NVMe are kept in the NVMe store "
-          "beside them (read and written with them by the update), not in host memory; "
-          "offload_optimizer.device: cpu applies to the leaves that stay on the device "
-          "(persistent ones). See jzero.param_nvme.", JZeroWarning, stacklevel=2)
     return ParamOffloadSettings(device="nvme")
   if optimizer is not None and optimizer.device == "nvme":
     raise NotSupportedError(

@@ -60,8 +60,10 @@ A host leaf keeps its partitioning; its shardings carry ``host_memory_kind``
 Each stage-3 partitioned compute param has a tier too, ``param_tier``: "host" under parameter
 offload (``offload_param``, :mod:`jzero.param_offload`; memory kind ``param_host_memory_kind``),
 "nvme" on the NVMe tier (``offload_param.device: nvme``, :mod:`jzero.param_nvme`: the leaf's
-state tier is then "nvme" too, its master is the store's, and the TrainState's param is a
-placeholder), else "device"; persistent and 0-d leaves always stay on the device.
+state tier is then "nvme" too, its master is the store's and the TrainState's param a
+placeholder -- unless ``offload_optimizer.device: cpu`` puts the state on the host, where the
+store holds a copy of the param, :attr:`LeafPlan.param_copy_on_nvme`), else "device"; persistent
+and 0-d leaves always stay on the device.
 
 **Precision.** fp32 training keeps no separate master: the optimizer updates the fp32 params (for a
 replicated param in stage 1/2 each device updates its own slice, then all-gathers). bf16 / fp16
@@ -157,6 +159,12 @@ class LeafPlan:
   @property
   def numel(self) -> int:
     return math.prod(self.shape)
+
+  @property
+  def param_copy_on_nvme(self) -> bool:
+    """The param is read from the NVMe store, which holds a copy of it written after each update;
+    its master and optimizer state live on the host or the device (:mod:`jzero.param_nvme`)."""
+    return self.param_tier == "nvme" and self.state_tier != "nvme"
 
   @property
   def layer_numel(self) -> int:
@@ -299,6 +307,17 @@ class Plan:
     """Some leaf's master / optimizer state lives in the NVMe store (:mod:`jzero.nvme`)."""
     return any(l.state_tier == "nvme" for l in self.leaf_list())
 
+  @property
+  def uses_nvme_store(self) -> bool:
+    """The engine has an NVMe store: for optimizer state, or for params (:mod:`jzero.param_nvme`)."""
+    return self.has_nvme or self.params_on_nvme
+
+  def param_placeholder(self, leaf: LeafPlan) -> bool:
+    """The TrainState holds a 0-byte placeholder for the leaf's param: it is on the NVMe tier, and
+    no array of the state holds it (fp32 training's param *is* the master, so a param whose master
+    lives on the host or the device stays in the state there)."""
+    return leaf.param_tier == "nvme" and (leaf.state_tier == "nvme" or self.has_master)
+
   def memory_kind(self, tier: str = "device") -> str | None:
     """The memory kind of a tier; None (JAX's default) for the device when nothing is offloaded,
     so plans without offload compile exactly as before. With offload every array gets an
@@ -308,8 +327,13 @@ class Plan:
     return "device" if self.uses_host else None
 
   def param_memory_kind(self, leaf: LeafPlan) -> str | None:
-    """The memory kind of a leaf's stored compute param."""
-    return self.param_host_memory_kind if leaf.param_tier == "host" else self.memory_kind()
+    """The memory kind of a leaf's stored compute param (fp32 training's param whose copy is on
+    the NVMe tier is its master: in the state's tier)."""
+    if leaf.param_tier == "host":
+      return self.param_host_memory_kind
+    if leaf.param_copy_on_nvme and not self.has_master:
+      return self.memory_kind(leaf.state_tier)
+    return self.memory_kind()
 
   def state_memory_kind(self, leaf: LeafPlan) -> str | None:
     return self.memory_kind(leaf.state_tier)
@@ -552,9 +576,15 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
   for p, shape, is_stacked, dim, padded in drafts:
     splittable = dim is not None and stage >= 1
     param_partitioned = splittable and stage == 3 and p not in persistent
-    # a partition on the NVMe tier keeps its master and optimizer state in the store beside it
-    # (jzero.param_nvme)
     param_tier = offload_param.tier if param_partitioned and offload_param is not None else "device"
+    # a partition on the NVMe tier keeps its master and optimizer state in the store beside it,
+    # unless offload_optimizer puts them in host memory (the store then holds a copy of the
+    # param: jzero.param_nvme)
+    if param_tier == "nvme" and not (offload is not None and offload.ratio > 0
+                                     and offload.tier == "host"):
+      state_tier = "nvme"
+    else:
+      state_tier = getattr(offload, "tier", "host") if p in host else "device"
     leaf = LeafPlan(
         path=p, shape=shape, stacked=is_stacked, shard_dim=dim if splittable else None,
         padded=padded if splittable else 0,
@@ -562,9 +592,7 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
         state_partitioned=splittable,
         grad_partitioned=splittable and stage >= 2,
         unit=(units or {}).get(p),
-        state_tier=("nvme" if param_tier == "nvme"
-                    else getattr(offload, "tier", "host") if p in host else "device"),
-        param_tier=param_tier)
+        state_tier=state_tier, param_tier=param_tier)
     leaves.append(_zeropp_leaf(leaf, zeropp, n) if zeropp.enabled else leaf)
   return Plan(stage=stage, mesh=mesh, leaves=jax.tree_util.tree_unflatten(treedef, leaves),
               compute_dtype=jnp.dtype(compute_dtype), grad_accum_dtype=jnp.dtype(grad_accum_dtype),

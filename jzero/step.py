@@ -226,6 +226,12 @@ class StepBuilder:
                       if l.param_partitioned and l.unit is not None)
     return self.model.bind(self._model_params(targets, params, secondary), units)
 
+  def _param_on_host(self, leaf: LeafPlan) -> bool:
+    """The state's param of ``leaf`` lives in host memory: parameter offload, or fp32 training's
+    param (its master) with the state on the host and a copy on the NVMe tier."""
+    return leaf.param_tier == "host" or (leaf.param_copy_on_nvme and not self.plan.has_master
+                                         and leaf.state_tier == "host")
+
   def _local_master(self, leaf: LeafPlan, p: jax.Array) -> jax.Array:
     """fp32 training: this device's partition of a param, as the optimizer's master."""
     if leaf.state_partitioned and not leaf.param_partitioned:
@@ -347,7 +353,7 @@ class StepBuilder:
         # Which masters arrive (and go back) in host memory: the separate fp32 master follows the
         # state's tier; in fp32 training the master is the param partition, in the param's tier.
         master_on_host = (plan.map(lambda l: l.state_tier == "host") if plan.has_master
-                          else plan.map(lambda l: l.param_tier == "host"))
+                          else plan.map(lambda l: self._param_on_host(l)))
         master, compute_from, opt_state = offload.apply_update(
             self.tx, grads, state.opt_state, master,
             plan.map(lambda l: l.state_tier == "host"), mode=plan.offload_update,
@@ -359,9 +365,14 @@ class StepBuilder:
           new_master, opt_state = jax.tree.map(lambda old, new: jnp.where(keep, old, new),
                                                (master, state.opt_state), (new_master, opt_state))
         master = compute_from = new_master
-      # NVMe leaves keep their params here: the store's update makes the new ones (jzero.nvme)
-      params = plan.map(lambda l, m, old: old if l.state_tier == "nvme"
-                        else self._compute_param(l, m), compute_from, state.params)
+      # NVMe leaves keep their params here: the store's update makes the new ones (jzero.nvme);
+      # a param copied to the NVMe tier is written there after the step from the new master,
+      # which in fp32 training is the state's param itself (jzero.param_nvme)
+      def new_param(l: LeafPlan, m_dev: jax.Array, m: jax.Array, old: jax.Array) -> jax.Array:
+        if l.state_tier == "nvme" or plan.param_placeholder(l):
+          return old
+        return m if l.param_copy_on_nvme else self._compute_param(l, m_dev)
+      params = plan.map(new_param, compute_from, master, state.params)
       secondary = plan.map(self._secondary, params) if plan.zeropp.hpz > 1 else None
       if plan.param_offloads:  # the new partitions go back to the host tier (jzero.param_offload)
         params = plan.map(lambda l, p, m: p if l.param_tier != "host" else
@@ -373,7 +384,7 @@ class StepBuilder:
         master, opt_state = offload.keep_tiers(
             state.opt_state, state.master, plan.map(lambda l: l.state_tier == "host"),
             master_on_host=plan.has_master)
-        params = plan.map(lambda l, p: offload.to_host(p) if l.param_tier == "host" else p,
+        params = plan.map(lambda l, p: offload.to_host(p) if self._param_on_host(l) else p,
                           state.params)
         return params, master, opt_state, state.secondary
       return state.params, state.master, state.opt_state, state.secondary

@@ -4,7 +4,8 @@ store inside the step.
 Exactness against stage 3 without offload (8 simulated devices, 20 steps: losses and parameters to
 SAME_MATH) with the params alone on NVMe (every read from the disk: max_in_cpu 0, with gradient
 accumulation 2), with the issue's ZeRO-Infinity blocks (optimizer on cpu, max_in_cpu large: every
-read from the host cache) and all on NVMe in bf16; 0 device bytes of the params between steps; the
+read from the host cache; fp32 and bf16: the master and optimizer state in host memory, a copy of
+each param in the store) and all on NVMe in bf16; 0 device bytes of the params between steps; the
 reader's counters (disk reads, prefetch hits, cache hits) and its host bytes against the configured
 bound; checkpoints from the NVMe tier into no offload and back; the settings checked before any
 device work; two processes over gloo (every partition read by the process that holds its
@@ -76,7 +77,7 @@ def _baseline(precision: str = "fp32", gas: int = 1):
 
 
 @pytest.mark.parametrize("variant,precision,gas", [("param", "fp32", 2), ("infinity", "fp32", 1),
-                                                   ("all-nvme", "bf16", 1)])
+                                                   ("infinity", "bf16", 1), ("all-nvme", "bf16", 1)])
 def test_params_on_nvme_equal_stage3_without_offload(variant, precision, gas, tmp_path):
   """20 steps: the losses and parameters of stage 3 without offload; the state holds 0 bytes of
   every NVMe-tier param (the persistent ones stay on the device); the reader served every layer
@@ -88,11 +89,24 @@ def test_params_on_nvme_equal_stage3_without_offload(variant, precision, gas, tm
   assert max_relative_diff(params, ref_params) <= SAME_MATH
   plan = engine.plan
   on_nvme = [l for l in plan.leaf_list() if l.param_tier == "nvme"]
-  assert on_nvme and all(l.state_tier == "nvme" for l in on_nvme)
+  # with the optimizer on cpu the master and state of those params live in host memory, and the
+  # store holds a copy of each param; else the store holds all three
+  state_tier = "host" if variant == "infinity" else "nvme"
+  assert on_nvme and all(l.state_tier == state_tier for l in on_nvme)
   assert {l.path for l in on_nvme} == {l.path for l in plan.leaf_list() if l.param_partitioned}
   stored = dict(zip([l.path for l in plan.leaf_list()], jax.tree.leaves(state.params)))
-  assert all(stored[l.path].nbytes == 0 for l in on_nvme)  # 0 device bytes between steps
+  for l in on_nvme:  # 0 device bytes between steps: a placeholder, or fp32's master on the host
+    x = stored[l.path]
+    assert x.nbytes == 0 or (state_tier == "host" and precision == "fp32"
+                             and x.sharding.memory_kind == "pinned_host"), l.path
+  if state_tier == "host":
+    masters = state.master if precision != "fp32" else state.params
+    for l, x in zip(plan.leaf_list(), jax.tree.leaves(masters)):
+      if l in on_nvme:
+        assert x.nbytes > 0 and x.sharding.memory_kind == "pinned_host", l.path
   assert all(stored[l.path].nbytes > 0 for l in plan.leaf_list() if l.param_tier == "device")
+  report = engine.memory_report(state)  # measured (live arrays, store files, cache) vs predicted
+  assert abs(report.ratio("params") - 1) < 1e-3, report.measured["params"]
   reader = engine.nvme_store.reader
   stacked = [l for l in on_nvme if l.stacked]
   # per step and device: each stacked leaf's layers in forward and again in backward, per
@@ -111,28 +125,45 @@ def test_params_on_nvme_equal_stage3_without_offload(variant, precision, gas, tm
     assert reader.disk_reads > 0 and reader.prefetch_hits > 0
 
 
-def test_checkpoints_move_between_the_nvme_tier_and_no_offload(tmp_path):
-  """A checkpoint saved with the params on NVMe restores into stage 3 without offload with the
-  same params, and back into the NVMe tier, where training goes on exactly as without offload."""
+@pytest.mark.parametrize("variant,precision", [("param", "fp32"), ("infinity", "bf16")])
+def test_checkpoints_move_between_the_nvme_tier_and_no_offload(variant, precision, tmp_path):
+  """A checkpoint saved with the params on NVMe (their state in the store, or on the host with a
+  copy of each param in the store) restores into stage 3 without offload with the same params,
+  and back into the NVMe tier, where training goes on exactly as without offload."""
   (tmp_path / "nvme_a").mkdir()
   (tmp_path / "nvme_b").mkdir()
-  nvme = _engine("param", tmp_path / "nvme_a")
+  nvme = _engine(variant, tmp_path / "nvme_a", precision)
   state, params, _ = _train(nvme, steps=3)
   nvme.save_checkpoint(state, tmp_path / "ckpt", tag="t3")
   nvme.wait_for_checkpoints()
-  plain = _engine("none")
+  plain = _engine("none", precision=precision)
   restored = plain.load_checkpoint(tmp_path / "ckpt", tag="t3")
   assert max_relative_diff(jax.tree.map(np.asarray, plain.logical_params(restored)), params) == 0
-  back = _engine("param", tmp_path / "nvme_b")
+  back = _engine(variant, tmp_path / "nvme_b", precision)
   again = back.load_checkpoint(tmp_path / "ckpt", tag="t3")
   assert all(x.nbytes == 0 for l, x in zip(back.plan.leaf_list(), jax.tree.leaves(again.params))
-             if l.param_tier == "nvme")
+             if l.param_tier == "nvme")  # placeholders: the params are in the store
   batch = _data()[3]
   restored, m_plain = plain.train_step(restored, plain.shard_batch(batch))
   again, m_back = back.train_step(again, back.shard_batch(batch))
   assert abs(float(m_back["loss"]) - float(m_plain["loss"])) <= SAME_MATH * abs(float(m_plain["loss"]))
   assert max_relative_diff(jax.tree.map(np.asarray, back.logical_params(again)),
                            jax.tree.map(np.asarray, plain.logical_params(restored))) <= SAME_MATH
+
+
+def test_delayed_update_with_params_on_nvme_equals_it_without(tmp_path):
+  """The delayed parameter update (optimizer on cpu) with the params on NVMe: the store's copies
+  are written from the delayed masters, and 6 steps give the losses and parameters of the delayed
+  update with the params on the device."""
+  def run(**offload_param):
+    engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(
+        3, stage3_param_persistence_threshold=THRESHOLD,
+        offload_optimizer={"device": "cpu", "delayed_update": True}, **offload_param))
+    return _train(engine, steps=6)
+  _, params, losses = run(offload_param={"device": "nvme", "nvme_path": str(tmp_path)})
+  _, ref_params, ref_losses = run()
+  assert np.max(np.abs(losses - ref_losses) / np.abs(ref_losses)) <= SAME_MATH
+  assert max_relative_diff(params, ref_params) <= SAME_MATH
 
 
 def test_param_nvme_settings_are_checked_before_any_device_work(tmp_path):
@@ -153,11 +184,6 @@ def test_param_nvme_settings_are_checked_before_any_device_work(tmp_path):
                 for l in engine.plan.leaf_list() if l.param_tier == "nvme")
   assert f" {largest:,} elements per device and layer" in str(info.value)
   assert not list(tmp_path.rglob("*.json"))  # refused before the store was written
-  with pytest.warns(jzero.JZeroWarning, match=r"offload_param\.device=nvme with "
-                                              r"offload_optimizer\.device=cpu: the fp32 master"):
-    jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(
-        3, offload_param={"device": "nvme", "nvme_path": str(tmp_path)},
-        offload_optimizer={"device": "cpu"}))
 
 
 def test_two_processes_with_params_on_nvme_match_one_process_without_offload(tmp_path):
