@@ -7,8 +7,9 @@ device and in host memory, prefetch on and off, and the tier's host memory (RSS)
 1. Step time, ZeRO-3, fp32, the default GPT (micro-batch 1 per device, persistence threshold 0 so
    every matrix is partitioned), one process: no offload; ``offload_param: cpu``; the optimizer
    state alone on NVMe (pipelined; what the parameter tier's update costs too); ``offload_param:
-   nvme`` with ``max_in_cpu`` large (every layer served from the host cache); with ``max_in_cpu:
-   0`` (every layer read from the disk) with the prefetch on and off
+   nvme`` with ``max_in_cpu`` large (every layer served from the host cache), alone and with the
+   optimizer state on the host (``offload_optimizer: cpu``: ZeRO-Infinity's headline config); with
+   ``max_in_cpu: 0`` (every layer read from the disk) with the prefetch on and off
    (``stage3_prefetch_bucket_size: 0``). Two warm-up steps each, then the runs' steps timed
    round-robin (bench/round_robin.py: the same load for all), median, ratio to no offload, the
    largest loss difference from no offload (exactness), and the reader's counters of the timed
@@ -61,6 +62,8 @@ def _modes(path: str) -> dict[str, dict]:
       "optimizer -> nvme (params on the device)": {"offload_optimizer": {
           "device": "nvme", "nvme_path": path, "pipeline_read": True, "pipeline_write": True}},
       "params -> nvme, all in the host cache": {"offload_param": {**nvme, "max_in_cpu": 10**9}},
+      "params -> nvme (cached) + optimizer -> cpu": {
+          "offload_param": {**nvme, "max_in_cpu": 10**9}, "offload_optimizer": {"device": "cpu"}},
       "params -> nvme, max_in_cpu 0, prefetch": {"offload_param": {**nvme, "max_in_cpu": 0}},
       "params -> nvme, max_in_cpu 0, no prefetch": {"offload_param": {**nvme, "max_in_cpu": 0},
                                                     "stage3_prefetch_bucket_size": 0},
