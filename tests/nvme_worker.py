@@ -1,7 +1,9 @@
 """A tiny model for the NVMe-tier tests, and a script run as a subprocess by tests/test_nvme.py.
 
-``python tests/nvme_worker.py NVME_PATH OUT.npz [optimizer|params]``: train 2 steps with the
-optimizer state on the NVMe tier (stage 2; ``params``: stage 3 with the params there too), save what the store has committed (``jzero.nvme.open_committed``) to ``OUT.npz``, print
+``python tests/nvme_worker.py NVME_PATH OUT.npz [optimizer|params|infinity]``: train 2 steps with
+the optimizer state on the NVMe tier (stage 2; ``params``: stage 3 with the params there too;
+``infinity``: stage 3, the params' copies there and their state in host memory), save what the
+store has committed (``jzero.nvme.open_committed``) to ``OUT.npz``, print
 the store directory as JSON, then SIGKILL this process from inside the third step's writes (after
 two of its three groups have landed): the store must still hold step 2.
 """
@@ -69,6 +71,11 @@ def main(nvme_path: str, out: str, tier: str = "optimizer") -> None:
     cfg = config(3, nvme_path)
     cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_path,
                                                  "max_in_cpu": 0}
+  elif tier == "infinity":  # the params' copies on the tier, their state in host memory
+    cfg = config(3)
+    cfg["zero_optimization"].update(
+        offload_optimizer={"device": "cpu"}, sub_group_size=60,
+        offload_param={"device": "nvme", "nvme_path": nvme_path, "max_in_cpu": 0})
   else:
     cfg = config(2, nvme_path)
   engine = jzero.initialize(model_factory(), loss_fn, cfg)
