@@ -18,7 +18,9 @@ ZeRO-Offload and ZeRO-Infinity move model states off the accelerator. Three swit
 * `offload_optimizer: {"device": "nvme", "nvme_path": ...}` puts master and moments in files on a
   disk (the NVMe tier), and `offload_param: {"device": "nvme", ...}` (stage 3, ZeRO-Infinity) the
   partitioned parameters too: each layer's partitions are read from the files inside the step,
-  through a host cache of `max_in_cpu` elements.
+  through a host cache of `max_in_cpu` elements. With `offload_optimizer: {"device": "cpu"}`
+  beside it (ZeRO-Infinity's headline config) master and moments stay in host memory and the
+  files hold a copy of each parameter.
 
 This notebook answers the question for a small MLP in bf16 with ZeRO stage 3 on 8 simulated CPU
 devices. It shows where each leaf lives (the engine's plan, next to the memory kind of the live
@@ -62,9 +64,9 @@ rng = np.random.default_rng(0)
 data = [{"x": rng.normal(size=(32, 64)).astype(np.float32),
          "y": rng.normal(size=(32, 8)).astype(np.float32)} for _ in range(7)]
 nvme_dir = tempfile.TemporaryDirectory()  # stands in for an NVMe drive's mount point"""),
-    new_markdown_cell("""## Five engines
+    new_markdown_cell("""## Six engines
 
-The same model and config five ways. `stage3_param_persistence_threshold: 1000` keeps the leaves
+The same model and config six ways. `stage3_param_persistence_threshold: 1000` keeps the leaves
 under 1,000 elements (the biases and the 64 x 8 head) whole on every device, as DeepSpeed does,
 so stage 3 partitions only the two 64 x 256 matrices over the 8 devices. Each engine trains two
 steps (the first one compiles), then five timed steps."""),
@@ -74,6 +76,10 @@ steps (the first one compiles), then five timed steps."""),
     "params + optimizer -> cpu": {"offload_optimizer": {"device": "cpu"},
                                   "offload_param": {"device": "cpu"}},
     "optimizer -> nvme": {"offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir.name}},
+    # ZeRO-Infinity's headline config: optimizer state on the host, parameters on NVMe (the
+    # store holds an fp32 copy of each, written after every step)
+    "params -> nvme, optimizer -> cpu": {"offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "nvme", "nvme_path": nvme_dir.name, "max_in_cpu": 0}},
     # max_in_cpu 0: no host cache, every layer read from the files
     "params + optimizer -> nvme": {
         "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir.name},
@@ -97,7 +103,7 @@ for name, offload in MODES.items():
         jax.block_until_ready(state)
         times.append(time.perf_counter() - start)
     engines[name], states[name], step_times[name] = engine, state, times
-    print(f"{name:26s} loss {float(metrics['loss']):.4f}")"""),
+    print(f"{name:32s} loss {float(metrics['loss']):.4f}")"""),
     new_markdown_cell("""## Each leaf's tier
 
 The plan gives every leaf a `param_tier` (where its compute parameter lives between steps) and a
@@ -124,7 +130,7 @@ under two names. On a GPU they are HBM and the host's DRAM, across PCIe."""),
     return out
 
 rows = []
-SHOWN = ("params + optimizer -> cpu", "params + optimizer -> nvme")
+SHOWN = ("params + optimizer -> cpu", "params -> nvme, optimizer -> cpu", "params + optimizer -> nvme")
 kinds = {name: live_kinds(engines[name], states[name]) for name in MODES}
 for leaf in engines["no offload"].plan.leaf_list():
     row = [leaf.path, "x".join(map(str, leaf.shape)),
@@ -137,6 +143,7 @@ for leaf in engines["no offload"].plan.leaf_list():
     rows.append(row)
 display(Table(["leaf", "shape", "stage 3",
                "params+opt->cpu: param", "params+opt->cpu: master, moments",
+               "params->nvme: param", "params->nvme: master, moments",
                "params+opt->nvme: param", "params+opt->nvme: master, moments"], rows,
               caption="plan tier (live memory kind), per leaf"))
 
@@ -144,14 +151,15 @@ display(Table(["leaf", "shape", "stage 3",
 for name in MODES:
     for leaf in engines[name].plan.leaf_list():
         param_kind, state_kind = kinds[name][leaf.path]
-        param_tier = {"params + optimizer -> cpu": "host", "params + optimizer -> nvme": "nvme"
-                      }.get(name, "device") if leaf.param_partitioned else "device"
+        param_tier = {"params + optimizer -> cpu": "host", "params + optimizer -> nvme": "nvme",
+                      "params -> nvme, optimizer -> cpu": "nvme"}.get(name, "device") if leaf.param_partitioned else "device"
         assert leaf.param_tier == param_tier
         assert param_kind == {"host": "pinned_host", "nvme": "0-byte placeholder"
                               }.get(param_tier, "device")
         expected_state = {"no offload": ("device", "device"),
                           "optimizer -> cpu": ("host", "pinned_host"),
-                          "params + optimizer -> cpu": ("host", "pinned_host")
+                          "params + optimizer -> cpu": ("host", "pinned_host"),
+                          "params -> nvme, optimizer -> cpu": ("host", "pinned_host")
                           }.get(name, ("nvme", "0-byte placeholder"))
         assert (leaf.state_tier, state_kind) == (expected_state[0], {expected_state[1]})
 print("every leaf is where its plan says, in every mode")"""),
@@ -183,11 +191,14 @@ print(f"N = {n} devices, Psi = {psi:,} parameters: {partitioned:,} partitioned, 
 def expected(name):
     \"\"\"Bytes per device by category and memory kind, from the arithmetic above.\"\"\"
     state_kind = {"no offload": "device", "optimizer -> cpu": "pinned_host",
-                  "params + optimizer -> cpu": "pinned_host"}.get(name, "nvme")
+                  "params + optimizer -> cpu": "pinned_host", "params -> nvme, optimizer -> cpu": "pinned_host"
+                  }.get(name, "nvme")
     params = {"params + optimizer -> cpu": {"device": 2 * persistent,
                                             "pinned_host": 2 * partitioned // n},
-              # on NVMe the parameter is its fp32 master (counted there); no host cache here
-              "params + optimizer -> nvme": {"device": 2 * persistent}
+              # on NVMe beside its state the parameter is its fp32 master (counted there); with
+              # the state on the host the store holds an fp32 copy of it; no host cache here
+              "params + optimizer -> nvme": {"device": 2 * persistent},
+              "params -> nvme, optimizer -> cpu": {"device": 2 * persistent, "nvme": 4 * partitioned // n}
               }.get(name, {"device": 2 * persistent + 2 * partitioned // n})
     counts = sum(x.nbytes for x in jax.tree.leaves(states[name].opt_state) if x.ndim == 0)
     optimizer = {state_kind: 8 * psi // n}
@@ -200,10 +211,12 @@ def nonzero(measured):  # drops the NVMe placeholders' 0 bytes on the device
 
 for name, report in reports.items():
     assert nonzero(report.measured) == expected(name), (name, report.measured, expected(name))
-    saved = 2 * partitioned // n if name == "params + optimizer -> nvme" else 0
-    assert report.measured_bytes() == reports["no offload"].measured_bytes() - saved
+    # the partitioned bf16 params: none with their NVMe masters, an fp32 copy with the state on
+    # the host
+    extra = {"params + optimizer -> nvme": -2, "params -> nvme, optimizer -> cpu": 2}.get(name, 0) * partitioned // n
+    assert report.measured_bytes() == reports["no offload"].measured_bytes() + extra
 print("bytes per category and tier as the arithmetic says, in every mode; the same total in all "
-      "but the last, whose partitioned parameters are their NVMe masters")
+      "but the two with parameters on NVMe (no bf16 copy beside the masters, or an fp32 copy)")
 
 tiers = [("device", "device", "tab:blue"), ("pinned_host", "pinned host", "tab:orange"),
          ("nvme", "NVMe (files)", "tab:green")]
@@ -227,15 +240,19 @@ bytes within one memory. The NVMe tier reads and writes real files on the local 
 them at every step. On a GPU the costs are different: host offload pays PCIe transfers and a CPU
 optimizer step, and the NVMe tier pays the drive's bandwidth. `bench/offload.py`,
 `bench/nvme.py` and `bench/param_nvme.py` measure those."""),
-    new_code_cell("""fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.8))
+    new_code_cell("""fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
 bottom = np.zeros(len(reports))
 for kind, label, color in tiers:
     values = np.array([sum(r.measured[c].get(kind, 0) for c in r.categories)
                        for r in reports.values()]) / 1e3
     left.bar(range(len(reports)), values, bottom=bottom, label=label, color=color)
     bottom += values
-left.set_xticks(range(len(reports)), [m.replace(" + ", " +\\n") for m in reports],
-                fontsize="small")
+
+def tick(mode):  # a mode's name over two lines
+    return mode.replace(" + ", " +\\n").replace(", ", ",\\n")
+
+left.set_xticks(range(len(reports)), [tick(m) for m in reports], fontsize="small",
+                rotation=30, ha="right", rotation_mode="anchor")
 left.set(ylabel="kB per device", title="model states per device, by tier")
 left.set_ylim(0, 1.3 * bottom.max())  # room for the legend
 left.legend(fontsize="small", ncol=3, loc="upper center")
@@ -244,14 +261,14 @@ medians = [statistics.median(t) * 1e3 for t in step_times.values()]
 low = [m - min(t) * 1e3 for m, t in zip(medians, step_times.values())]
 high = [max(t) * 1e3 - m for m, t in zip(medians, step_times.values())]
 right.bar(range(len(step_times)), medians, yerr=[low, high], capsize=4, color="tab:gray")
-right.set_xticks(range(len(step_times)), [m.replace(" + ", " +\\n") for m in step_times],
-                 fontsize="small")
+right.set_xticks(range(len(step_times)), [tick(m) for m in step_times], fontsize="small",
+                 rotation=30, ha="right", rotation_mode="anchor")
 right.set(ylabel="ms per step (median of 5)",
           title="step time: this machine's wall clock (CPU, 8 simulated devices)")
 plt.tight_layout()
 plt.show()
 for name, t in step_times.items():
-    print(f"{name:26s} {statistics.median(t) * 1e3:7.1f} ms per step (median of {len(t)})")"""),
+    print(f"{name:32s} {statistics.median(t) * 1e3:7.1f} ms per step (median of {len(t)})")"""),
     new_code_cell("""nvme_dir.cleanup()  # removes the NVMe tier's files"""),
 ]
 
