@@ -25,7 +25,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jzero import delayed, distributed, nvme, offload, param_offload
+from jzero import delayed, distributed, nvme, nvme_state, offload, param_offload
 from jzero.config import Config
 from jzero.data import DataLoader
 from jzero.errors import ConfigError, DataError, JZeroError, JZeroWarning
@@ -609,7 +609,7 @@ class Engine(StepBuilder):
     """
     plan = self._require_plan()
     self.check_live(state, "logical_params")
-    full = nvme.full_state(self, state)  # the NVMe tier's arrays, read from its store
+    full = nvme_state.full_state(self, state)  # the NVMe tier's arrays, read from its store
     source = full.master if plan.has_master else full.params
     # Host-tier arrays (offload) are read on the device: a copy of the partitions, then gathered.
     source = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device"))

@@ -52,7 +52,8 @@ is committed (tensorstore's ``file`` kvstore writes each chunk to a temporary fi
 with ``file_io_sync``, fsyncs); reads go to the committed chunk files directly (``os.preadv`` of
 each row, the rows in parallel, :func:`read_file_into`): zarr3 chunks with only the ``bytes``
 codec are the raw rows, and this measured faster than tensorstore's read of them. A process killed during a step therefore leaves a store whose
-manifest names the last completed step and a slot nobody was writing. :func:`open_committed` reads
+manifest names the last completed step and a slot nobody was writing.
+:func:`jzero.nvme_state.open_committed` reads
 it back (or refuses clearly: no manifest -- killed before the first commit --, or a slot with
 missing files). Resuming training goes through checkpoints (below), as in DeepSpeed, whose swap files
 are scratch space too.
@@ -73,9 +74,10 @@ no compute param for them). A client optax optimizer (``initialize(optimizer=...
 the group update needs an elementwise optimizer (jzero's Adam, AdamW, Lion, SGD).
 
 **Checkpoints and reports** read the store: ``save_checkpoint`` reads the committed slot into
-arrays laid out by the plan and saves them with Orbax like the rest (:func:`full_state`);
-``load_checkpoint`` restores them in their real shapes (:func:`expand_abstract`) and writes them
-into the store (:func:`absorb`), so a checkpoint moves between tiers (nvme <-> device / host)
+arrays laid out by the plan and saves them with Orbax like the rest
+(:func:`jzero.nvme_state.full_state`); ``load_checkpoint`` restores them in their real shapes
+(:func:`~jzero.nvme_state.expand_abstract`) and writes them into the store
+(:func:`~jzero.nvme_state.absorb`), so a checkpoint moves between tiers (nvme <-> device / host)
 exactly. ``logical_params`` reads the master from the store. The memory report measures the NVMe
 bytes from the committed slot's files (per device: a file's size over its rows, split into master
 and optimizer by the layout) next to the estimator's ``nvme`` tier, and prints the process's store
@@ -111,9 +113,8 @@ from jzero.nvme_settings import (IO_MODE, NVME, NvmeSettings, check_directory, i
 from jzero.param_nvme import ParamReader
 
 __all__ = ["NVME", "NvmeSettings", "NvmeStoreError", "NvmeStore", "settings_from_config",
-           "check_directory", "open_committed", "shrink", "placeholder_shape", "full_state",
-           "expand_abstract", "absorb", "IO_MODE", "io_context", "MANIFEST", "SLOTS",
-           "read_file_into"]
+           "check_directory", "shrink", "placeholder_shape", "IO_MODE", "io_context", "MANIFEST",
+           "SLOTS", "FORMAT", "read_file_into"]
 
 PyTree = Any
 MANIFEST = "manifest.json"
@@ -585,6 +586,37 @@ class NvmeStore:
     params = plan.map(lambda l, p: new_params.get(l.path, p), state.params)
     return engine.with_secondary(state._replace(params=params))
 
+  # -- the store's arrays in a TrainState (checkpoints, logical params: jzero.nvme_state) ----------
+  def with_arrays(self, state: Any, get, get_param) -> Any:
+    """``state`` with each NVMe leaf's master / optimizer node replaced by ``get(stored)``, and
+    each param the state holds as a placeholder by ``get_param(its stored master or copy)``."""
+    plan = self.plan
+    by_leaf = collections.defaultdict(dict)
+    for s in self.stored:
+      by_leaf[s.leaf.path][s.node] = s
+    in_store = lambda l: l.state_tier == NVME  # (a param's copy: its master is in the state)
+    master = state.master
+    if plan.has_master:
+      master = plan.map(lambda l, x: get(by_leaf[l.path][-1]) if in_store(l) else x, master)
+    # params on the tier (jzero.param_nvme): the stored value in the compute dtype (the step's cast)
+    params = plan.map(lambda l, x: get_param(by_leaf[l.path][-1]) if plan.param_placeholder(l)
+                      else x, state.params)
+    node_def, nodes, flags = _split(state.opt_state, self._params_def)
+    new_nodes = []
+    for k, (node, f) in enumerate(zip(nodes, flags)):
+      if f:
+        j = self._param_nodes.index(k)
+        node = [get(by_leaf[l.path][j]) if in_store(l) else x
+                for l, x in zip(plan.leaf_list(), node)]
+        node = jax.tree.unflatten(self._params_def, node)
+      new_nodes.append(node)
+    return state._replace(params=params, master=master,
+                          opt_state=jax.tree.unflatten(node_def, new_nodes))
+
+  def placeholder(self, s: _Stored, dtype: Any) -> jax.Array:
+    """A 0-byte placeholder for the stored array ``s`` (its leaf's layout, shard dim 0)."""
+    return jax.device_put(np.zeros(placeholder_shape(s.leaf), dtype), self._sharding[s.leaf.path])
+
   # -- accounting -----------------------------------------------------------------------------------
   def measured_per_device(self) -> dict[str, int]:
     """Bytes of one device's partitions in the committed slot, from the group files' sizes (each
@@ -624,103 +656,3 @@ def _category(s: _Stored) -> str:
   if s.leaf.param_copy_on_nvme:
     return "params"
   return "master" if s.node < 0 else "optimizer"
-
-
-# -- the TrainState with the store's arrays in it (checkpoints, logical params) --------------------
-def _replace_nvme(engine: Any, state: Any, get, get_param) -> Any:
-  """``state`` with each NVMe leaf's master / optimizer node replaced by ``get(stored)``, and
-  each NVMe-tier param by ``get_param(its stored master)``."""
-  store, plan = engine.nvme_store, engine.plan
-  by_leaf = collections.defaultdict(dict)
-  for s in store.stored:
-    by_leaf[s.leaf.path][s.node] = s
-  in_store = lambda l: l.state_tier == NVME  # (a param's copy: its master is in the state)
-  master = state.master
-  if plan.has_master:
-    master = plan.map(lambda l, x: get(by_leaf[l.path][-1]) if in_store(l) else x, master)
-  # params on the tier (jzero.param_nvme): the stored value in the compute dtype (the step's cast)
-  params = plan.map(lambda l, x: get_param(by_leaf[l.path][-1]) if plan.param_placeholder(l)
-                    else x, state.params)
-  node_def, nodes, flags = _split(state.opt_state, store._params_def)
-  new_nodes = []
-  for k, (node, f) in enumerate(zip(nodes, flags)):
-    if f:
-      j = store._param_nodes.index(k)
-      node = [get(by_leaf[l.path][j]) if in_store(l) else x
-              for l, x in zip(plan.leaf_list(), node)]
-      node = jax.tree.unflatten(store._params_def, node)
-    new_nodes.append(node)
-  return state._replace(params=params, master=master,
-                        opt_state=jax.tree.unflatten(node_def, new_nodes))
-
-
-def full_state(engine: Any, state: Any) -> Any:
-  """``state`` with the NVMe leaves' master and optimizer state read from the committed slot
-  (laid out by the plan); ``state`` itself without an NVMe tier."""
-  if getattr(engine, "nvme_store", None) is None:
-    return state
-  arrays = engine.nvme_store.read()
-  dtype = engine.plan.compute_dtype
-  cast = jax.jit(lambda x: x.astype(dtype))
-  return _replace_nvme(engine, state, lambda s: arrays[s.name], lambda s: cast(arrays[s.name]))
-
-
-def expand_abstract(engine: Any, abstract: Any) -> Any:
-  """An abstract TrainState (``eval_shape(engine.init)``) with the NVMe leaves' real shapes."""
-  if getattr(engine, "nvme_store", None) is None:
-    return abstract
-  dtype = engine.plan.compute_dtype
-  return _replace_nvme(engine, abstract,
-                       lambda s: jax.ShapeDtypeStruct(s.leaf.padded_shape, jnp.float32),
-                       lambda s: jax.ShapeDtypeStruct(s.leaf.padded_shape, dtype))
-
-
-def absorb(engine: Any, state: Any) -> Any:
-  """A TrainState with real NVMe-leaf arrays (a restore) -> written to the store (committed as
-  its step) and replaced by placeholders."""
-  store = getattr(engine, "nvme_store", None)
-  if store is None:
-    return state
-  store.write_state(engine, state)
-  placeholder = lambda dtype: lambda s: jax.device_put(
-      np.zeros(placeholder_shape(s.leaf), dtype), store._sharding[s.leaf.path])
-  return _replace_nvme(engine, state, placeholder(np.float32),
-                       placeholder(engine.plan.compute_dtype))
-
-
-# -- reading a store back after a crash ------------------------------------------------------------
-def open_committed(directory: str | os.PathLike) -> tuple[int, dict[str, np.ndarray], dict]:
-  """(committed step, stored name -> array of shape (local devices, *partition), manifest) of one
-  process's store directory (``.../process_<i>``), read without an engine.
-
-  Raises:
-    NvmeStoreError: no manifest (the process stopped before its first step was committed), or
-      the slot it names lacks a file.
-  """
-  import tensorstore as ts  # pylint: disable=import-outside-toplevel
-  directory = Path(directory)
-  manifest = directory / MANIFEST
-  if not manifest.exists():
-    raise NvmeStoreError(
-        f"{directory} has no {MANIFEST}: the process stopped before its first step was committed, "
-        f"so this store holds no consistent optimizer state. Nothing to resume from here; restore "
-        f"the last checkpoint (engine.load_checkpoint) instead.")
-  doc = json.loads(manifest.read_text())
-  if doc.get("format") != FORMAT:
-    raise NvmeStoreError(f"{manifest} is not a jzero NVMe manifest.")
-  slot = directory / f"slot_{doc['slot']}"
-  out = {}
-  for group in doc["groups"]:
-    path = slot / group["name"]
-    missing = [r for r in range(group["shape"][0]) if not (path / "c" / str(r) / "0").is_file()]
-    if missing:
-      raise NvmeStoreError(
-          f"{path}: the files of device rows {missing} are missing, though {MANIFEST} names step "
-          f"{doc['step']} in slot {doc['slot']} as committed; the store is damaged. Restore the "
-          f"last checkpoint (engine.load_checkpoint) instead of resuming from it.")
-    rows = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}},
-                   open=True).result().read().result()
-    for name, m in group["members"].items():
-      part = rows[:, m["offset"]:m["offset"] + m["numel"]]
-      out[name] = part.reshape((rows.shape[0], *m["partition"]))
-  return int(doc["step"]), out, doc

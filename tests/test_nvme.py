@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero import nvme
+from jzero import nvme, nvme_state
 from jzero.errors import ConfigError, NotSupportedError
 from nvme_worker import batch, config, loss_fn, model_factory
 from zero_testing import SAME_MATH, max_relative_diff
@@ -100,7 +100,7 @@ def test_bf16_partial_nvme_and_checkpoints_across_tiers(tmp_path):
   plain = _engine(3, precision="bf16")
   restored = plain.load_checkpoint(tmp_path / "ckpt")
   assert max_relative_diff(jax.tree.map(np.asarray, plain.logical_params(restored)), params) == 0
-  full = nvme.full_state(engine, state)
+  full = nvme_state.full_state(engine, state)
   for a, b in zip(jax.tree.leaves(full.opt_state), jax.tree.leaves(restored.opt_state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   plain.save_checkpoint(restored, tmp_path / "plain")
@@ -109,7 +109,7 @@ def test_bf16_partial_nvme_and_checkpoints_across_tiers(tmp_path):
   again = back.load_checkpoint(tmp_path / "plain")
   assert back.nvme_store.step == STEPS and back.nvme_store.directory != engine.nvme_store.directory
   assert max_relative_diff(jax.tree.map(np.asarray, back.logical_params(again)), params) == 0
-  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(nvme.full_state(back, again))):
+  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(nvme_state.full_state(back, again))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   again, metrics = back.train_step(again, back.shard_batch(batch(STEPS)))
   assert np.isfinite(float(metrics["loss"])) and back.nvme_store.step == STEPS + 1
@@ -195,7 +195,7 @@ def test_killed_during_a_step_the_store_holds_the_last_completed_step(tmp_path):
     info = json.loads(out.splitlines()[0])
     assert info["step"] == 2 and info["groups"] >= 3
     directory = Path(info["directory"])
-    step, arrays, doc = nvme.open_committed(directory)
+    step, arrays, doc = nvme_state.open_committed(directory)
     assert step == 2
     saved = np.load(tmp_path / f"committed{i}.npz")
     assert set(saved.files) == set(arrays)
@@ -217,7 +217,7 @@ def test_killed_during_a_step_the_store_holds_the_last_completed_step(tmp_path):
   (slot / "group_1" / "c" / "5" / "0").unlink()
   with pytest.raises(nvme.NvmeStoreError, match=r"group_1: the files of device rows \[5\] are "
                                                 r"missing.*damaged"):
-    nvme.open_committed(dirs[0])
+    nvme_state.open_committed(dirs[0])
   (dirs[1] / nvme.MANIFEST).unlink()
   with pytest.raises(nvme.NvmeStoreError, match="before its first step was committed"):
-    nvme.open_committed(dirs[1])
+    nvme_state.open_committed(dirs[1])

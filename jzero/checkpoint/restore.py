@@ -200,8 +200,8 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
       work.
   """
   step_dir, meta = layout.open_checkpoint(directory, tag)
-  from jzero import nvme  # pylint: disable=import-outside-toplevel
-  abstract = nvme.expand_abstract(engine, abstract_state(engine, sample_batch))  # real shapes
+  from jzero import nvme_state  # pylint: disable=import-outside-toplevel
+  abstract = nvme_state.expand_abstract(engine, abstract_state(engine, sample_batch))  # real shapes
   plan = engine.plan
   _check_model(meta, plan, step_dir)
   shardings = broadcast(engine.state_shardings(), abstract)
@@ -256,6 +256,6 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
                            loss_scale=loss_scale, rng=restored["rng"],
                            delayed=delayed.restored(abstract, shardings, restored, stored, False,
                                                     step_dir))
-  state = nvme.absorb(engine, state)  # NVMe tier: into the store, placeholders in the state
+  state = nvme_state.absorb(engine, state)  # NVMe tier: into the store, placeholders in the state
   state = engine.with_secondary(state)  # hpZ: from the restored params, as the step makes it
   return (state, meta["client_state"]) if with_client_state else state

@@ -186,8 +186,8 @@ class Checkpointer:
     except (TypeError, ValueError) as e:
       raise CheckpointError(f"client_state must be JSON-serialisable (it is stored in "
                             f"{META_FILE}): {e}.") from None
-    from jzero import nvme  # pylint: disable=import-outside-toplevel
-    state = nvme.full_state(engine, state)  # the NVMe tier's arrays, read from its store
+    from jzero import nvme_state  # pylint: disable=import-outside-toplevel
+    state = nvme_state.full_state(engine, state)  # the NVMe tier's arrays, read from its store
     arrays = flatten_paths(state._replace(secondary=None))  # hpZ's copy: recomputed on restore
     dtype16 = _weights16_dtype(engine)
     items = {"state": ocp.args.PyTreeSave(layout.nest(arrays)),
