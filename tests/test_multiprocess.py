@@ -9,9 +9,6 @@ must restore in a single process.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -22,25 +19,16 @@ import jzero
 from jzero.models import lm_loss
 from jzero.plan import flatten_paths
 from multiprocess_worker import BATCH, STAGE3, STEPS
-from zero_testing import (SAME_MATH, SMALL, batches, ds_config, engine_run, free_port,
-                          gpt_factory, max_relative_diff, subprocess_env)
+from zero_testing import (SAME_MATH, SMALL, batches, ds_config, engine_run, gpt_factory,
+                          max_relative_diff, multiprocess_job)
 
 PROCESSES, DEVICES_PER_PROCESS = 2, 4
-WORKER = Path(__file__).with_name("multiprocess_worker.py")
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
   out = tmp_path_factory.mktemp("multiprocess")
-  port = free_port()
-  env = subprocess_env()
-  procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(PROCESSES), str(port),
-                             str(DEVICES_PER_PROCESS), str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-           for i in range(PROCESSES)]
-  logs = [p.communicate(timeout=400)[0] for p in procs]
-  for i, (p, log) in enumerate(zip(procs, logs)):
-    assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{log[-3000:]}"
+  multiprocess_job(out, "stage3", PROCESSES, DEVICES_PER_PROCESS)
   return out
 
 

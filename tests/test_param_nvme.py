@@ -191,31 +191,19 @@ def test_two_processes_with_params_on_nvme_match_one_process_without_offload(tmp
   partition read from the disk by the process that holds its devices, a checkpoint saved and
   restored half-way; the losses and parameters of one process on 8 devices without offload, and
   each process's store holds its own 4 devices' rows."""
-  import subprocess
-  import sys
+  import json
   from pathlib import Path
 
   from jzero.plan import flatten_paths
   from multiprocess_worker import BATCH as MP_BATCH, STAGE3, STEPS as MP_STEPS
-  from zero_testing import engine_run, free_port, subprocess_env
-  worker = Path(__file__).with_name("multiprocess_worker.py")
+  from zero_testing import engine_run, multiprocess_job
   (tmp_path / "nvme").mkdir()
-  port = free_port()
-  procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", str(port), "4",
-                             str(tmp_path), "param-nvme"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=subprocess_env())
-           for i in range(2)]
-  logs = [p.communicate(timeout=400)[0] for p in procs]
-  for i, (p, log) in enumerate(zip(procs, logs)):
-    assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{log[-3000:]}"
-  with np.load(tmp_path / "result.npz") as f:
-    losses, params = f["losses"], {k: f[k] for k in f.files if k != "losses"}
+  losses, params = multiprocess_job(tmp_path, "param-nvme")
   engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **STAGE3))
   _, single, single_losses = engine_run(engine, batches(SMALL.seq_len, MP_BATCH, MP_STEPS))
   assert len(losses) == MP_STEPS
   np.testing.assert_allclose(losses, single_losses, rtol=SAME_MATH)
   assert max_relative_diff(params, flatten_paths(single)) <= SAME_MATH
-  import json
   stores = [json.loads((tmp_path / f"shards_{i}.json").read_text())["nvme"] for i in range(2)]
   assert [Path(s["directory"]).name for s in stores] == ["process_0", "process_1"]
   assert not set(stores[0]["devices"]) & set(stores[1]["devices"])  # each its own devices' rows

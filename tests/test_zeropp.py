@@ -10,9 +10,6 @@ the training runs the 2-layer d_model=64 GPT (tests/zero_testing.SMALL) for :dat
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -24,8 +21,8 @@ from jzero.errors import ConfigError, JZeroWarning
 from jzero.models import GPTConfig, lm_loss
 from jzero.plan import flatten_paths
 from jzero.profile import comm_volume
-from zero_testing import (SAME_MATH, SMALL, batches, ds_config, engine_run, free_port,
-                          gpt_factory, max_relative_diff, subprocess_env)
+from zero_testing import (SAME_MATH, SMALL, batches, ds_config, engine_run, gpt_factory,
+                          max_relative_diff, multiprocess_job)
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE2X4 = str(ROOT / "configs" / "mesh" / "node2x4.yaml")
@@ -258,18 +255,7 @@ def test_two_processes_match_one_process(tmp_path):
   first step, before any quantized gradient was applied, agrees to float32 rounding (1e-6).
   Measured on an AMD EPYC: 4.6e-5 between the layouts."""
   from multiprocess_worker import BATCH as MP_BATCH, STAGE3, STEPS as MP_STEPS, ZEROPP
-  worker = Path(__file__).with_name("multiprocess_worker.py")
-  port = free_port()
-  env = subprocess_env()
-  procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", str(port), "4",
-                             str(tmp_path), "zeropp"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-           for i in range(2)]
-  logs = [p.communicate(timeout=400)[0] for p in procs]
-  for i, (p, log) in enumerate(zip(procs, logs)):
-    assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{log[-3000:]}"
-  with np.load(tmp_path / "result.npz") as f:
-    losses, params = f["losses"], {k: f[k] for k in f.files if k != "losses"}
+  losses, params = multiprocess_job(tmp_path, "zeropp")
   engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **ZEROPP))
   assert engine.zeropp.hierarchy.nodes == 2
   data = batches(SMALL.seq_len, MP_BATCH, MP_STEPS)

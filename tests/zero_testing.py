@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -96,6 +99,25 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def multiprocess_job(out, mode: str = "stage3", processes: int = 2,
+                     devices: int = 4) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+  """Runs tests/multiprocess_worker.py (``mode``: stage3, zeropp or param-nvme) as ``processes``
+  processes of ``devices`` CPU devices each, joined over gloo, writing into the directory ``out``;
+  fails with a process's log if one exits non-zero. Returns process 0's losses and final logical
+  params (``out/result.npz``)."""
+  worker = Path(__file__).with_name("multiprocess_worker.py")
+  port = free_port()
+  procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(processes), str(port),
+                             str(devices), str(out), mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=subprocess_env())
+           for i in range(processes)]
+  logs = [p.communicate(timeout=400)[0] for p in procs]
+  for i, (p, log) in enumerate(zip(procs, logs)):
+    assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{log[-3000:]}"
+  with np.load(Path(out) / "result.npz") as f:
+    return f["losses"], {k: f[k] for k in f.files if k != "losses"}
 
 
 def loss_of_params(factory, loss_fn=lm_loss):
