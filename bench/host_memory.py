@@ -43,7 +43,13 @@ STATE_CATEGORIES = ("params", "master", "optimizer")
 MMAP_THRESHOLD = 4096
 
 
-def _rss() -> int:
+def child_env() -> dict[str, str]:
+  """The environment of a measuring child process: glibc's mmap threshold lowered (above)."""
+  return dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+
+
+def rss() -> int:
+  """This process's resident set size in bytes (Linux VmRSS)."""
   with open("/proc/self/status") as f:
     for line in f:
       if line.startswith("VmRSS:"):
@@ -83,10 +89,10 @@ def _child(mode: str, devices: int) -> dict:
   predicted_host = report.estimate.tier_total("host") * local
   grads_host = report.estimate.bytes["host"].get("grads", 0.0) * local
   gc.collect()
-  before = _rss()
+  before = rss()
   del state, metrics
   gc.collect()
-  freed = before - _rss()
+  freed = before - rss()
   return {"mode": mode, "local_devices": local, "predicted_state_bytes": predicted,
           "predicted_host_bytes": predicted_host - grads_host,
           "measured_state_bytes": sum(measured_by_kind.values()),
@@ -112,7 +118,7 @@ def main() -> int:
     print(f"-- {mode}", file=sys.stderr, flush=True)
     done = subprocess.run([sys.executable, __file__, "--child", mode, "--devices",
                            str(args.devices)], capture_output=True, text=True, check=False,
-                          env=dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD)))
+                          env=child_env())
     if done.returncode:
       sys.stderr.write(done.stderr[-3000:])
       return done.returncode

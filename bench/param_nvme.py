@@ -35,9 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from host_memory import child_env, rss  # RSS as bench/host_memory.py measures it
 from round_robin import time_round_robin
 
-MMAP_THRESHOLD = 4096
 BUFFERS = {"buffer_count": 2, "buffer_size": 1_000_000}
 
 
@@ -80,14 +80,6 @@ def _engine(args, zero: dict):
   return jzero.initialize(lambda rngs: GPT(model, rngs=rngs), lm_loss, config), model
 
 
-def _rss() -> int:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith("VmRSS:"):
-        return int(line.split()[1]) * 1024
-  raise RuntimeError("no VmRSS in /proc/self/status (this benchmark needs Linux)")
-
-
 def _child(args) -> dict:
   """One process: train 2 steps with the params on NVMe (``max_in_cpu`` = args.child), then free
   the reader's host memory and measure what RSS gives back."""
@@ -110,11 +102,11 @@ def _child(args) -> dict:
   reader = store.reader
   held = reader.cache_bytes()
   gc.collect()
-  before = _rss()
+  before = rss()
   reader._cache.clear()  # the host cache and any staging buffer still filled
   reader.committed()
   gc.collect()
-  freed = before - _rss()
+  freed = before - rss()
   store.close()
   return {"max_in_cpu": max_in_cpu, "cached_leaves": len(reader.cached),
           "leaves": len(reader.entries), "held_bytes": held, "rss_freed_bytes": freed,
@@ -172,7 +164,7 @@ def main() -> int:
                            str(args.devices), "--layers", str(args.layers), "--d-model",
                            str(args.d_model)] + (["--nvme-path", str(base)]),
                           capture_output=True, text=True, check=False,
-                          env=dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD)))
+                          env=child_env())
     if done.returncode:
       sys.stderr.write(done.stderr[-3000:])
       return done.returncode
