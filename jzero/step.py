@@ -353,7 +353,7 @@ class StepBuilder:
         # Which masters arrive (and go back) in host memory: the separate fp32 master follows the
         # state's tier; in fp32 training the master is the param partition, in the param's tier.
         master_on_host = (plan.map(lambda l: l.state_tier == "host") if plan.has_master
-                          else plan.map(lambda l: self._param_on_host(l)))
+                          else plan.map(self._param_on_host))
         master, compute_from, opt_state = offload.apply_update(
             self.tx, grads, state.opt_state, master,
             plan.map(lambda l: l.state_tier == "host"), mode=plan.offload_update,
