@@ -151,15 +151,13 @@ def engine_context(policy: LayerPolicy) -> Iterator[TraceLog]:
 def gather(tree: Any) -> Any:
   """Replaces every :class:`~jzero.collectives.ZeroParam` in ``tree`` by the full parameter
   (identity on arrays)."""
-  log = _LOG.get()
-  if log is not None:  # the engine is tracing: record the group's size (stage-3 partitions)
-    gathered = sum(math.prod(x.shape) for x in jax.tree.leaves(
-        tree, is_leaf=lambda x: isinstance(x, ZeroParam))
-                   if isinstance(x, ZeroParam) and x.full is None)
-    if gathered:
-      log.gathered.append(gathered)
   is_param = lambda x: isinstance(x, ZeroParam)
   leaves, treedef = jax.tree.flatten(tree, is_leaf=is_param)
+  log = _LOG.get()
+  if log is not None:  # the engine is tracing: record the group's size (stage-3 partitions)
+    gathered = sum(math.prod(x.shape) for x in leaves if is_param(x) and x.full is None)
+    if gathered:
+      log.gathered.append(gathered)
   on_nvme = [i for i, x in enumerate(leaves) if is_param(x) and x.source is not None]
   for i, x in zip(on_nvme, read_together([leaves[i] for i in on_nvme])):  # one host callback
     leaves[i] = x
