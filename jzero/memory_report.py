@@ -223,8 +223,9 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
   on_nvme = sum(l.numel for l in leaves if l.state_tier == "nvme")
   store = getattr(engine, "nvme_store", None)
   reader = store.reader if store is not None else None
-  # params on NVMe (jzero.param_nvme): the store's fp32 master is the param there (no second
-  # copy: counted in master), the host cache holds max_in_cpu of them in fp32
+  # params on NVMe (jzero.param_nvme): the store holds their fp32 master (counted in master) or,
+  # with their state on the host, an fp32 copy (counted in params, below); the host cache holds
+  # max_in_cpu of them in fp32
   cached = (sum(e.numel for p, e in reader.entries.items() if p in reader.cached)
             if reader is not None else 0)
   optimizer_tier = ("nvme" if on_nvme and (plan.params_on_nvme or not host)
@@ -246,7 +247,7 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
   # buffer is a temporary of the step on the device; the estimator's host share of it (DeepSpeed
   # copies the gradient partition to the host) is counted as the device's here.
   total = {c: sum(est.bytes[t][c] for t in est.bytes) for c in CATEGORIES}
-  if reader is not None:  # the cache in fp32, nothing on NVMe beyond the master (see above)
+  if reader is not None:  # the cache in fp32 (see above)
     total["params"] = est.bytes["device"]["params"] + 4 * cached
     # params whose master is on the host or the device: the store holds an fp32 copy of each
     # (counted as params), and fp32 training's state holds the param itself (its master)
@@ -264,8 +265,8 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
     held = ("fp32 copy, written after each update (counted in params; the master and "
             "optimizer state are on the host or the device)" if store.copies
             else "fp32 master (counted in master)")
-    notes += (f"params on NVMe: read layer by layer from the store's {held}; host cache {format_bytes(reader.cache_bytes())} in this process "
-              f"({len(reader.cached)} of {len(reader.entries)} leaves), host bound "
+    notes += (f"params on NVMe: read layer by layer from the store's {held}; host cache "
+              f"{format_bytes(reader.cache_bytes())} in this process ({len(reader.cached)} of {len(reader.entries)} leaves), host bound "
               f"{format_bytes(host_bytes_bound(store.settings, len(store.devices)))} (max_in_cpu "
               f"+ buffer_count x buffer_size per device, fp32); reads so far: "
               f"{reader.disk_reads} from disk, {reader.prefetch_hits} prefetched, "
