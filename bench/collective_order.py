@@ -3,7 +3,7 @@
   python bench/collective_order.py [--layouts 2x1,2x4] [--steps 6]
 
 For each layout (processes x devices per process) it launches that many processes on 127.0.0.1;
-each trains ZeRO stages 0-3 twice side by side -- with :mod:`jzero.collective_order`'s chain and
+each trains ZeRO stages 0-3 twice side by side -- with :mod:`jzero.comm.collective_order`'s chain and
 without it -- timing one step of each run in turn (round robin, so both see the same load). The
 runs use gradient clipping 1.0: its global-norm ``psum`` happens to serialise the update's
 collectives, so the unchained step survives long enough to be timed (without clipping it may
@@ -43,8 +43,8 @@ def _worker(process_id: int, processes: int, port: int, devices: int, steps: int
                              initialization_timeout=120)
   sys.path.insert(0, str(Path(__file__).parent))
   import jzero
-  from jzero import collective_order
-  from jzero.data import ByteCorpus
+  from jzero.comm import collective_order
+  from jzero.runtime.data import ByteCorpus
   from jzero.models import GPT, GPTConfig, lm_loss
   from round_robin import time_round_robin
 

@@ -64,7 +64,7 @@ def _child(mode: str, devices: int) -> dict:
   import jax
   jax.config.update("jax_num_cpu_devices", devices)
   import jzero
-  from jzero.data import ByteCorpus
+  from jzero.runtime.data import ByteCorpus
   from jzero.models import GPT, GPTConfig, lm_loss
 
   stage, zero = MODES[mode]

@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jzero.memory_report import format_memory_report  # noqa: E402
+from jzero.analysis.memory_report import format_memory_report  # noqa: E402
 
 WIDTH = 512
 

@@ -114,8 +114,8 @@ def main() -> int:
   jax.config.update("jax_num_cpu_devices", args.devices)
   import numpy as np
   import jzero
-  from jzero.data import ByteCorpus
-  from jzero.memory import format_bytes
+  from jzero.runtime.data import ByteCorpus
+  from jzero.analysis.estimate import format_bytes
   from jzero.models import GPT, GPTConfig, lm_loss
 
   base_dir = Path(args.nvme_path or tempfile.mkdtemp(prefix="jzero-bench-nvme-"))
@@ -151,14 +151,14 @@ def main() -> int:
 
   # -- throughput: the store's own arrays in each file_io_mode, and raw sequential I/O ----------
   import tensorstore as ts
-  from jzero import nvme
+  from jzero.tiers import nvme_store
   arrays = store.read()  # the committed slot, as the step reads it
   buffers = [store._pack(g, arrays) for g in range(len(store.groups))]  # each group's file rows
   nbytes = store.bytes_per_slot
   slot = store._other
   modes = ("default", "direct", "memmap")
   by_mode = {mode: [ts.open(a.spec(), open=True, context=ts.Context(
-                        nvme.io_context(store.settings, mode))).result()
+                        nvme_store.io_context(store.settings, mode))).result()
                     for a in store._arrays[slot]] for mode in modes}
   results = {k: [] for k in ("raw_write", "raw_read", "raw_files_read", "rows_read",
                               *(f"{m}_{io}" for m in modes
@@ -191,7 +191,7 @@ def main() -> int:
   files = len(store.groups) * len(store.devices)
   how = {"write": "write (fsync)", "read": "read (page cache dropped)"}
   rows = [dict(what=f"{how[io]}, file_io_mode {mode}"
-                    + (" (the store's)" if mode == nvme.IO_MODE else ""),
+                    + (" (the store's)" if mode == nvme_store.IO_MODE else ""),
                store_MBps=mbps[f"{mode}_{io}"], raw_MBps=mbps[f"raw_{io}"],
                ratio=mbps[f"{mode}_{io}"] / mbps[f"raw_{io}"])
           for io in ("write", "read") for mode in modes]
@@ -209,8 +209,8 @@ def main() -> int:
                  f"{r['ratio']:.2f} |")
   same = mbps["raw_files_read"]
   lines.append(f"\nThe store's own {files} files read raw (one thread per file, page cache dropped): "
-               f"{same:.0f} MB/s; tensorstore's read ({nvme.IO_MODE}) is "
-               f"{mbps[nvme.IO_MODE + '_read'] / same:.2f} of it, the store's reader "
+               f"{same:.0f} MB/s; tensorstore's read ({nvme_store.IO_MODE}) is "
+               f"{mbps[nvme_store.IO_MODE + '_read'] / same:.2f} of it, the store's reader "
                f"{mbps['rows_read'] / same:.2f}.")
   lines += ["", "| run | step (ms, median) | vs no offload | max loss rel. diff |",
             "|---|---|---|---|",

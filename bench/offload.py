@@ -4,7 +4,7 @@
 
 The default job (jzero.models.GPT's default 6.4M-parameter model, micro-batch 1 per device) with
 ``offload_optimizer`` off, ``update: stream`` and ``update: host``, and each update mode with
-``delayed_update: true`` (ZeRO-Offload's delayed parameter update, :mod:`jzero.delayed`: the
+``delayed_update: true`` (ZeRO-Offload's delayed parameter update, :mod:`jzero.tiers.delayed`: the
 update of step t-1's gradient runs in the same step as step t's forward and backward, which XLA
 may overlap; the first, prime step is a warm-up step, so the timed steps are the steady ones). Each mode is compiled, warmed
 up for two steps, then the modes' steps are timed round-robin (one step of each in turn, each
@@ -61,9 +61,9 @@ def main() -> int:
   import jax
   jax.config.update("jax_num_cpu_devices", args.devices)
   import jzero
-  from jzero.data import ByteCorpus
-  from jzero.memory import format_bytes
-  from jzero.memory_report import CompiledMemory, live_bytes
+  from jzero.runtime.data import ByteCorpus
+  from jzero.analysis.estimate import format_bytes
+  from jzero.analysis.memory_report import CompiledMemory, live_bytes
   from jzero.models import GPT, GPTConfig, lm_loss
 
   model = GPTConfig()

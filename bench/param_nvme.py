@@ -1,4 +1,4 @@
-"""Benchmark: parameters on the NVMe tier (jzero.param_nvme) -- step time next to the params on the
+"""Benchmark: parameters on the NVMe tier (jzero.tiers.nvme_params) -- step time next to the params on the
 device and in host memory, prefetch on and off, and the tier's host memory (RSS) next to its bound.
 
   python bench/param_nvme.py [--nvme-path DIR] [--devices 8] [--layers 8] [--d-model 256]
@@ -86,8 +86,8 @@ def _child(args) -> dict:
   import gc
 
   import jax
-  from jzero.data import ByteCorpus
-  from jzero.param_nvme import host_bytes_bound
+  from jzero.runtime.data import ByteCorpus
+  from jzero.tiers.nvme_params import host_bytes_bound
   max_in_cpu = int(args.child)
   path = tempfile.mkdtemp(prefix="jzero-bench-param-nvme-", dir=args.nvme_path)
   engine, model = _engine(args, {"offload_param": {"device": "nvme", "nvme_path": path,
@@ -122,7 +122,7 @@ def main() -> int:
   if args.child:
     print(json.dumps(_child(args)))
     return 0
-  from jzero.data import ByteCorpus
+  from jzero.runtime.data import ByteCorpus
 
   base = Path(args.nvme_path or tempfile.mkdtemp(prefix="jzero-bench-param-nvme-"))
   runs = {}

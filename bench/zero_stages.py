@@ -46,10 +46,10 @@ def main() -> int:
   jzero.simulate_cpu_devices(max([args.devices, *scaling]))
   import jax
 
-  from jzero.data import ByteCorpus
-  from jzero.mesh import MeshSpec
+  from jzero.runtime.data import ByteCorpus
+  from jzero.sharding.mesh import MeshSpec
   from jzero.models import GPT, GPTConfig, lm_loss
-  from jzero.profile import comm_volume, zero_theory
+  from jzero.analysis.hlo import comm_volume, zero_theory
 
   model_cfg = GPTConfig()
   factory = lambda rngs: GPT(model_cfg, rngs=rngs)

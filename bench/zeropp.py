@@ -6,7 +6,7 @@ For plain ZeRO-3, each ZeRO++ switch alone and all three together it compiles th
 default GPT (jzero.models.GPT, 6.4M parameters; ``--small``: a 2-layer d_model=128 one) on a
 ``node x local`` mesh of simulated CPU devices and prints one row: the bytes each device sends
 per step over collectives that cross the node axis (from the compiled HLO, as
-:meth:`jzero.profile.CommVolume.crossing` counts them), their ratio to ZeRO-3's, the bytes of
+:meth:`jzero.analysis.hlo.CommVolume.crossing` counts them), their ratio to ZeRO-3's, the bytes of
 every collective, and the median step time with its ratio to ZeRO-3's. Steps are timed
 round-robin (one step of each configuration in turn) so that the ratios compare runs under the
 same machine load. Every configuration partitions every leaf
@@ -55,10 +55,10 @@ def main() -> int:
   jzero.simulate_cpu_devices(args.nodes * args.local)
   import jax
 
-  from jzero.data import ByteCorpus
-  from jzero.mesh import MeshSpec
+  from jzero.runtime.data import ByteCorpus
+  from jzero.sharding.mesh import MeshSpec
   from jzero.models import GPT, GPTConfig, lm_loss
-  from jzero.profile import comm_volume
+  from jzero.analysis.hlo import comm_volume
 
   cfg = GPTConfig(d_model=128, n_layers=2, n_heads=4, seq_len=32) if args.small else GPTConfig()
   corpus = ByteCorpus.load(None, seq_len=cfg.seq_len, max_bytes=1 << 20)

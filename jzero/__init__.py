@@ -14,21 +14,31 @@ joins them (:func:`jzero.init_distributed`).
 import logging as _logging
 import sys as _sys
 
-from jzero import quiet_start as _quiet_start
-
+from jzero.runtime import quiet_start as _quiet_start
 _quiet_start.import_jax()  # before anything imports JAX: no CUDA-plugin noise without a driver
 
 from jzero.config import Config  # noqa: E402
-from jzero.distributed import init_distributed  # noqa: E402
-from jzero.engine import Engine, TrainState  # noqa: E402
-from jzero.engine_from_config import initialize  # noqa: E402
+from jzero.runtime.distributed import init_distributed  # noqa: E402
+from jzero.train.engine import Engine  # noqa: E402
+from jzero.train.state import TrainState  # noqa: E402
+from jzero.train.initialize import initialize  # noqa: E402
 from jzero.errors import (CheckpointError, ConfigError, DataError, JZeroError,  # noqa: E402
                           JZeroWarning, MeshError, NotSupportedError)
-from jzero.layers import gather, linen_scan_layers, remat, scan_layers  # noqa: E402
-from jzero.mesh import MeshSpec, ZeroMesh, simulate_cpu_devices  # noqa: E402
-from jzero.plan import Plan, make_plan  # noqa: E402
+from jzero.sharding.layer_scan import gather, linen_scan_layers, remat, scan_layers  # noqa: E402
+from jzero.sharding.mesh import MeshSpec, ZeroMesh, simulate_cpu_devices  # noqa: E402
+from jzero.sharding.plan import Plan, make_plan  # noqa: E402
+from jzero.version import __version__  # noqa: E402
+from jzero import moved as _moved  # noqa: E402
 
-__version__ = "0.1.0"
+_moved.install()  # jzero 0.1's module paths (jzero.memory, jzero.offload, ...) for one release
+
+
+def __getattr__(name: str):
+  """``jzero.memory`` and the other 0.1 module names, as attributes (:mod:`jzero.moved`)."""
+  if _moved.new_path(f"jzero.{name}") is None:
+    raise AttributeError(f"module 'jzero' has no attribute {name!r}")
+  import importlib  # noqa: PLC0415
+  return importlib.import_module(f"jzero.{name}")
 
 # Like DeepSpeed's logger: step reports (every steps_per_print) go to stdout unless the user
 # configures the "jzero" logger themselves.

@@ -7,6 +7,9 @@ work starts, so a user never sees a traceback from inside JAX for a mistake in t
 
 from __future__ import annotations
 
+__all__ = ["JZeroError", "ConfigError", "NotSupportedError", "MeshError", "CheckpointError",
+           "DataError", "JZeroWarning"]
+
 
 class JZeroError(Exception):
   """Base class of all jzero errors."""

@@ -26,7 +26,7 @@ import jax
 import matplotlib.pyplot as plt
 import numpy as np
 
-from jzero.data import ByteCorpus
+from jzero.runtime.data import ByteCorpus
 from jzero.models import GPT, GPTConfig, lm_loss
 
 %matplotlib inline

@@ -42,12 +42,12 @@ from flax import nnx
 from IPython.display import HTML, display
 
 from jzero import kernels
-from jzero.data import ByteCorpus
+from jzero.runtime.data import ByteCorpus
 from jzero.models import GPT, GPTConfig, lm_loss
-from jzero.plan import flatten_paths
-from jzero.profile import comm_volume
-from jzero.tables import html_table
-from jzero.zeropp import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL
+from jzero.sharding.plan import flatten_paths
+from jzero.analysis.hlo import comm_volume
+from jzero.analysis.tables import html_table
+from jzero.comm.zeropp import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL
 
 %matplotlib inline
 
@@ -58,7 +58,7 @@ corpus = ByteCorpus.load(None, seq_len=MODEL.seq_len, max_bytes=1 << 18)"""),
     new_markdown_cell("""## The compiled step, five ways
 
 For each configuration the engine traces and compiles its training step without running it: the
-train state is only a shape (`jax.eval_shape`), and `jzero.profile.comm_volume` walks the
+train state is only a shape (`jax.eval_shape`), and `jzero.analysis.hlo.comm_volume` walks the
 optimized HLO for every collective, with the bytes one device sends per step (ring algorithm),
 how many times it runs (loop trip counts included), the mesh axes its replica groups span and
 the element types it moves. A collective whose group spans the `node` axis counts as crossing

@@ -24,7 +24,7 @@ from flax import nnx
 
 import jzero
 from jzero import checkpoint
-from jzero.plan import path_str
+from jzero.sharding.plan import path_str
 from zero_testing import SMALL, batches, ds_config, gpt_factory
 from jzero.models import lm_loss
 

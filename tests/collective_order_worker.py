@@ -38,9 +38,9 @@ def main(process_id: int, num_processes: int, port: int, devices: int, out: str)
                                process_id=process_id, initialization_timeout=120)
   import numpy as np
   import jzero
-  from jzero import collective_order
+  from jzero.comm import collective_order
   from jzero.models import lm_loss
-  from jzero.plan import flatten_paths
+  from jzero.sharding.plan import flatten_paths
   from zero_testing import batches, ds_config, gpt_factory
 
   cfg = model_config()

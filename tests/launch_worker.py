@@ -5,7 +5,7 @@ Usage: python launch_worker.py STEPS [--no-poll] [--save-dir DIR]
 Joins the job through ``jzero.initialize`` alone (no arguments: the ``jzero launch`` or SLURM
 environment says where the others are), prints ``joined via SOURCE as I/N pid PID``, then trains a
 tiny model under ZeRO stage 3 for STEPS steps, printing ``process I step S loss L`` after each and
-stopping early, at the same step on every process, when ``jzero.distributed.should_stop`` says a
+stopping early, at the same step on every process, when ``jzero.runtime.distributed.should_stop`` says a
 process got SIGTERM (``preempted at step S``). With ``--no-poll`` it never asks (the engine's
 own preemption check must stop it); with ``--save-dir DIR`` it saves step 2 there.
 """
@@ -22,9 +22,7 @@ import numpy as np
 from flax import nnx
 
 import jzero
-from jzero import distributed
-
-
+from jzero.runtime import distributed
 class Tiny(nnx.Module):
   def __init__(self, rngs: nnx.Rngs):
     self.w = nnx.Param(jax.random.normal(rngs.params(), (8, 4)))

@@ -47,7 +47,7 @@ def main(process_id: int, num_processes: int, port: int, devices: int, out: str,
   import numpy as np
   import jzero
   from jzero.models import lm_loss
-  from jzero.plan import flatten_paths
+  from jzero.sharding.plan import flatten_paths
   from zero_testing import SMALL, batches, ds_config, gpt_factory
 
   data = batches(SMALL.seq_len, BATCH, STEPS)

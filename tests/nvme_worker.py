@@ -3,7 +3,7 @@
 ``python tests/nvme_worker.py NVME_PATH OUT.npz [optimizer|params|infinity]``: train 2 steps with
 the optimizer state on the NVMe tier (stage 2; ``params``: stage 3 with the params there too;
 ``infinity``: stage 3, the params' copies there and their state in host memory), save what the
-store has committed (``jzero.nvme_state.open_committed``) to ``OUT.npz``, print
+store has committed (``jzero.tiers.nvme_state.open_committed``) to ``OUT.npz``, print
 the store directory as JSON, then SIGKILL this process from inside the third step's writes (after
 two of its three groups have landed): the store must still hold step 2.
 """
@@ -66,8 +66,8 @@ def config(stage: int, nvme_path=None, precision: str = "fp32", **offload) -> di
 def main(nvme_path: str, out: str, tier: str = "optimizer") -> None:
   import jax
   import jzero
-  from jzero import nvme_state
-  if tier == "params":  # stage 3 with the params on the tier too (jzero.param_nvme)
+  from jzero.tiers import nvme_state
+  if tier == "params":  # stage 3 with the params on the tier too (jzero.tiers.nvme_params)
     cfg = config(3, nvme_path)
     cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_path,
                                                  "max_in_cpu": 0}

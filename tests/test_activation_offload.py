@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero.layers import LayerPolicy
+from jzero.sharding.layer_scan import LayerPolicy
 from jzero.models import lm_loss
 from test_engine import _LinenScanned, _linen_engine
 from test_units import LoopNet, _regression_batch, mse

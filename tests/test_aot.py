@@ -20,11 +20,11 @@ import jax
 import pytest
 from flax import nnx
 
-from jzero import aot
+from jzero.analysis import aot
 from jzero.errors import ConfigError, JZeroError
 from jzero.models import GPT, GPTConfig
 from jzero.models.gpt import PRESETS
-from jzero.profile import collectives
+from jzero.analysis.hlo import collectives
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 try:

@@ -26,9 +26,9 @@ def _jzero(*args: str) -> subprocess.CompletedProcess:
 def test_a_quiet_start_without_a_gpu():
   """`import jzero` and `jzero estimate --help` write nothing to stderr on a machine without an
   NVIDIA driver, whether or not JAX's CUDA plugin (the gpu-aot extra) is installed: its
-  cudart_stub / absl lines and its plugin traceback are filtered (jzero.quiet_start). With the
+  cudart_stub / absl lines and its plugin traceback are filtered (jzero.runtime.quiet_start). With the
   plugin and no driver, a plain `import jax; jax.devices()` shows what is being hidden."""
-  from jzero.quiet_start import driver_present
+  from jzero.runtime.quiet_start import driver_present
   if driver_present():
     pytest.skip("an NVIDIA driver is present: the plugin's lines are not noise here")
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # the plugin initialises

@@ -1,4 +1,4 @@
-"""One order of collectives on every process (jzero.collective_order).
+"""One order of collectives on every process (jzero.comm.collective_order).
 
 Statically: in the compiled step of every stage, ZeRO++, the offload tiers, fp16's skip branch and
 accumulation 1 and 2, each computation's collective-bearing instructions (collectives, and loops /
@@ -19,11 +19,11 @@ import pytest
 
 import jzero
 from collective_order_worker import BATCH, RUNS, STAGES, STEPS, model_config
-from jzero import collective_order
-from jzero.mesh import MeshSpec
+from jzero.comm import collective_order
+from jzero.sharding.mesh import MeshSpec
 from jzero.models import lm_loss
-from jzero.plan import flatten_paths
-from jzero.profile import collectives, unordered_collectives
+from jzero.sharding.plan import flatten_paths
+from jzero.analysis.hlo import collectives, unordered_collectives
 from zero_testing import (SMALL, batches, ds_config, engine_run, free_port, gpt_factory,
                           subprocess_env)
 

@@ -1,4 +1,4 @@
-"""Tests of jzero.config: DeepSpeed's config format, its defaults, "auto" and what jzero honours."""
+"""Tests of jzero.config.schema: DeepSpeed's config format, its defaults, "auto" and what jzero honours."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jzero.config import Config
-from jzero.support import SUPPORT_TABLE
+from jzero.config.support import SUPPORT_TABLE
 from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
 
 DATA = Path(__file__).parent / "data" / "ds_configs"
@@ -37,7 +37,7 @@ REAL_CONFIGS = {
     MEGATRON: "ok",
     "huggingface_accelerate__examples_deepspeed_config_templates_zero_stage2_offload_config.json":
         "ok",
-    # offload to the cpu is honoured: optimizer (jzero.offload) and params (jzero.param_offload)
+    # offload to the cpu is honoured: optimizer (jzero.tiers.host_optimizer) and params (jzero.tiers.host_params)
     "huggingface_accelerate__tests_deepspeed_ds_config_zero3.json": "ok",
     HF_ZERO2: "ok",
     HF_ZERO3: "ok",
@@ -113,7 +113,7 @@ def test_ms_swift_zero3_resolves_like_hugging_face():
 
 
 def test_nvme_param_config_is_supported_and_warns_for_the_keys_it_does_not_honour():
-  """ZeRO-Infinity's parameter tier (jzero.param_nvme) reads offload_param's NVMe keys and aio's
+  """ZeRO-Infinity's parameter tier (jzero.tiers.nvme_params) reads offload_param's NVMe keys and aio's
   concurrency; the libaio request size and pinning the tier's host buffers have no effect (a
   warning each)."""
   config = load_quietly(DATA / NVME)

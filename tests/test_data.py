@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jzero.data import ByteCorpus, stdlib_files
+from jzero.runtime.data import ByteCorpus, stdlib_files
 from jzero.errors import DataError
 
 

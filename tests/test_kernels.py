@@ -466,8 +466,8 @@ def test_kernel_exports_for_cuda(name):
 
 
 def _h100_spec() -> Path | None:
-  import jzero  # noqa: PLC0415
-  spec = Path(jzero.__file__).parent / "gpu_specs" / "h100_sxm.txtpb"
+  from jzero.analysis.aot import SPEC_DIR  # noqa: PLC0415
+  spec = SPEC_DIR / "h100_sxm.txtpb"
   return spec if spec.is_file() else None
 
 
@@ -478,7 +478,7 @@ def test_kernels_compile_to_ptx_for_h100():
                 "pip install 'jax[cuda12-local]' (the test extra)")
   spec = _h100_spec()
   if spec is None:
-    pytest.skip("needs XLA's H100 target config at jzero/gpu_specs/h100_sxm.txtpb")
+    pytest.skip("needs XLA's H100 target config at jzero/analysis/gpu_specs/h100_sxm.txtpb")
   from jax.experimental import topologies  # noqa: PLC0415
   device = topologies.get_topology_desc(platform="cuda", topology="1 x 1 x 1",
                                         target_config=spec.read_text()).devices[0]

@@ -1,4 +1,4 @@
-"""``jzero launch`` and jzero.distributed: hostfiles, ssh commands, SLURM, failures, preemption,
+"""``jzero launch`` and jzero.runtime.distributed: hostfiles, ssh commands, SLURM, failures, preemption,
 elastic resume. Several processes on 127.0.0.1 over gloo.
 
 The training tests share one story (module fixtures): the default job (``jzero train`` with
@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero import cli, launch
+from jzero import cli
+from jzero.runtime import launch
 from jzero.errors import JZeroError
 from launch_worker import Tiny, loss_fn
 from zero_testing import SAME_MATH, free_port, subprocess_env
@@ -83,7 +84,7 @@ class _Reader:
 
 
 def _launch(args: list[str], **env: str) -> tuple[subprocess.Popen, _Reader]:
-  p = subprocess.Popen([sys.executable, "-m", "jzero.launch", *args], stdout=subprocess.PIPE,
+  p = subprocess.Popen([sys.executable, "-m", "jzero.runtime.launch", *args], stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True, env=_env(**env), cwd=ROOT)
   return p, _Reader(p.stdout)
 
@@ -219,7 +220,7 @@ def test_sigterm_stops_a_script_that_never_polls(tmp_path, saves):
   else:
     assert code == 143, out.text[-3000:]
     assert len(set(stops)) == 1  # both processes, at the same step
-    assert "nothing saved: the script neither calls jzero.distributed.should_stop" in out.text
+    assert "nothing saved: the script neither calls jzero.runtime.distributed.should_stop" in out.text
     assert "exited with status 143 after SIGTERM, without saving a checkpoint" in out.text
 
 
@@ -334,7 +335,7 @@ def test_preempted_job_resumes_in_one_process_on_4_devices(uninterrupted, preemp
   """Elastic: dp 8 -> 4. With train_batch_size pinned the global batch is kept (micro 4 -> 8) and
   the losses continue; with the config's micro batch kept instead, the warning says what changed."""
   from jzero.config import Config
-  from jzero.data import ByteCorpus
+  from jzero.runtime.data import ByteCorpus
   from jzero.models import GPT, GPTConfig, lm_loss
 
   ckpt, _, _ = preempted
@@ -387,7 +388,7 @@ def test_stage3_across_processes_is_bitwise_reproducible(tmp_path):
   and within 1e-6 of one process on 2 devices. (2 x 4 devices against one process on 8:
   tests/test_multiprocess.py.)"""
   from jzero.models import lm_loss
-  from jzero.plan import flatten_paths
+  from jzero.sharding.plan import flatten_paths
   from multiprocess_worker import BATCH, STAGE3, STEPS as WORKER_STEPS
   from zero_testing import SMALL, batches, ds_config, engine_run, gpt_factory, max_relative_diff
 

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero import memory, memory_report
+from jzero.analysis import estimate as estimator
+from jzero.analysis import memory_report
 from jzero.errors import ConfigError
-from jzero.memory import ParamShape, estimate
-from jzero.mesh import MeshSpec
-from jzero.model import as_model
+from jzero.analysis.estimate import ParamShape, estimate
+from jzero.sharding.mesh import MeshSpec
+from jzero.train.model_adapter import as_model
 from jzero.models import GPT, GPTConfig, lm_loss
-from jzero.plan import make_plan
+from jzero.sharding.plan import make_plan
 
 GB = 1e9
 SMALL = GPTConfig(d_model=64, n_layers=2, n_heads=4, seq_len=32)
@@ -118,9 +119,9 @@ def test_offload_the_stage_does_not_have_is_refused(stage, opt, param, message):
 def test_persistence_by_hand():
   leaves = [ParamShape((1000,)), ParamShape((4, 300), stacked=True), ParamShape((50_000,)),
             ParamShape(())]
-  assert memory.persistent_numel(leaves, 500) == 1200 + 1  # per layer 300 < 500; 0-d: unsplittable
-  assert memory.persistent_numel(leaves, 500, model_threshold=1000) == 1  # 1200 > the cap
-  assert memory.persistent_numel(leaves, 2000) == 1000 + 1200 + 1
+  assert estimator.persistent_numel(leaves, 500) == 1200 + 1  # per layer 300 < 500; 0-d: unsplittable
+  assert estimator.persistent_numel(leaves, 500, model_threshold=1000) == 1  # 1200 > the cap
+  assert estimator.persistent_numel(leaves, 2000) == 1000 + 1200 + 1
   est = estimate(leaves, 3, 8, param_bytes=2, persistence_threshold=500)
   psi = 1000 + 1200 + 50_000 + 1
   assert est.num_params == psi and est.persistent_params == 1201
@@ -137,22 +138,22 @@ def test_persistence_matches_the_plan(threshold, cap):
                    stacked=lambda p: p.startswith("blocks/"), persistence_threshold=threshold,
                    model_persistence_threshold=cap)
   in_plan = sum(l.numel for l in plan.leaf_list() if not l.param_partitioned)
-  shapes = memory.param_shapes(abstract, adapter.stacked_layers)
+  shapes = estimator.param_shapes(abstract, adapter.stacked_layers)
   assert [(s.shape, s.stacked) for s in shapes] == [(l.shape, l.stacked) for l in plan.leaf_list()]
-  assert memory.persistent_numel(shapes, threshold, cap) == in_plan
-  assert memory.persistent_numel(plan.leaf_list(), threshold, cap) == in_plan
+  assert estimator.persistent_numel(shapes, threshold, cap) == in_plan
+  assert estimator.persistent_numel(plan.leaf_list(), threshold, cap) == in_plan
   if threshold == 5000:
     assert 0 < in_plan < sum(l.numel for l in plan.leaf_list())
   if cap is None:  # the estimator's gathered layer is the plan's
-    assert memory.largest_gathered_numel(shapes, threshold) == plan.gathered_working_set()[0]
+    assert estimator.largest_gathered_numel(shapes, threshold) == plan.gathered_working_set()[0]
 
 
 # -- activations -----------------------------------------------------------------------------------
 def test_activation_formula():
   # s = 2048, b = 1, h = 4096, a = 32: s·b·h = 8,388,608; 34 + 5·32·2048/4096 = 114.
-  assert memory.activation_bytes(1, 2048, 4096, 1, 32) == 8_388_608 * 114
-  assert memory.activation_bytes(1, 2048, 4096, 1, 32, checkpointing=True) == 2 * 8_388_608
-  assert memory.activation_bytes(2, 2048, 4096, 3, 32, bytes_per_element=4) == (
+  assert estimator.activation_bytes(1, 2048, 4096, 1, 32) == 8_388_608 * 114
+  assert estimator.activation_bytes(1, 2048, 4096, 1, 32, checkpointing=True) == 2 * 8_388_608
+  assert estimator.activation_bytes(2, 2048, 4096, 3, 32, bytes_per_element=4) == (
       3 * 2 * 2 * 8_388_608 * 114)
   est = estimate(7e9, 3, 8, activations=1e9)
   assert est.device_total == 15 * GB and est.model_states == 14 * GB
@@ -163,25 +164,25 @@ def test_activation_formula():
     (200, "DDP (stage 0)"), (80, "ZeRO-1"), (40, "ZeRO-2"), (16, "ZeRO-3"),
     (12, "ZeRO-3 + optimizer->cpu")])
 def test_recommend_smallest_stage_that_fits_with_headroom(budget, name):
-  rec = memory.recommend(7e9, budget * GB, 8)
+  rec = estimator.recommend(7e9, budget * GB, 8)
   assert rec.choice.name == name
   assert str(rec).startswith(f"{name} fits")
 
 
 def test_recommend_headroom_and_host_budget():
-  assert memory.recommend(7e9, 15 * GB, 8, headroom=0).choice.name == "ZeRO-3"  # 14 GB
-  assert memory.recommend(7e9, 15 * GB, 8).choice.name == "ZeRO-3 + optimizer->cpu"  # 13.5 usable
+  assert estimator.recommend(7e9, 15 * GB, 8, headroom=0).choice.name == "ZeRO-3"  # 14 GB
+  assert estimator.recommend(7e9, 15 * GB, 8).choice.name == "ZeRO-3 + optimizer->cpu"  # 13.5 usable
   # ZeRO-3 + optimizer->cpu needs 98 GB of host per node, params too 112 GB; the optimizer on NVMe
   # with the params on the host leaves (2 + 2)Ψ/N x 8 = 28 GB there.
-  rec = memory.recommend(7e9, 12 * GB, 8, host_budget=100 * GB)
+  rec = estimator.recommend(7e9, 12 * GB, 8, host_budget=100 * GB)
   assert rec.choice.name == "ZeRO-3 + optimizer->nvme, params->cpu"
 
 
 def test_recommend_when_nothing_fits():
-  rec = memory.recommend(7e9, 10 * GB, 8, host_budget=1)  # no host memory: no offload
+  rec = estimator.recommend(7e9, 10 * GB, 8, host_budget=1)  # no host memory: no offload
   assert rec.choice is None and rec.devices_needed == 13  # 112 GB / 9 GB usable = 12.4
   assert "does not fit: needs 13 devices" in str(rec)
-  rec = memory.recommend(7e9, 10 * GB, 8, activations=9.5 * GB)
+  rec = estimator.recommend(7e9, 10 * GB, 8, activations=9.5 * GB)
   assert rec.devices_needed is None and "at any device count" in str(rec)
 
 
@@ -211,10 +212,10 @@ def test_reports_show_themselves_in_a_notebook():
   import html
   import matplotlib
   matplotlib.use("Agg")
-  table = memory.EstimateTable(estimate(7e9, s, 8) for s in range(4))
-  assert str(table) == memory.format_estimates(table)
+  table = estimator.EstimateTable(estimate(7e9, s, 8) for s in range(4))
+  assert str(table) == estimator.format_estimates(table)
   page = table._repr_html_()
-  for row in memory.estimate_rows(table)[1]:
+  for row in estimator.estimate_rows(table)[1]:
     assert all(f">{html.escape(cell)}<" in page for cell in row)
   records = table.to_records()
   assert [r["configuration"] for r in records] == ["DDP (stage 0)", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
@@ -250,8 +251,8 @@ def test_compiled_step_memory_analysis():
 # -- `jzero estimate` ------------------------------------------------------------------------------
 def _run(argv: str, capsys) -> str:
   parser = argparse.ArgumentParser()
-  memory.add_estimate_arguments(parser)
-  assert memory.run_estimate(parser.parse_args(argv.split())) == 0
+  estimator.add_estimate_arguments(parser)
+  assert estimator.run_estimate(parser.parse_args(argv.split())) == 0
   return capsys.readouterr().out
 
 
@@ -284,8 +285,8 @@ def test_cli_zero3_with_both_offloads_counts_the_gathered_layer(capsys):
   layer = 12 * 4096**2 + 13 * 4096
   assert f"largest layer ({layer:,} params)" in out
   row = next(line for line in out.splitlines() if line.startswith("ZeRO-3 + optimizer->cpu"))
-  assert memory.format_bytes(2 * 2 * layer) in row and " 0 B" not in row
-  assert memory.format_bytes(2 * 2 * 5 * 10**8) in _run(
+  assert estimator.format_bytes(2 * 2 * layer) in row and " 0 B" not in row
+  assert estimator.format_bytes(2 * 2 * 5 * 10**8) in _run(
       f"--params 7e9 {both} --largest-layer 5e8", capsys)
   assert "leaves out the gathered working set" in _run(f"--params 7e9 {both}", capsys)
   assert "largest layer (" in _run(f"--model default {both}", capsys)  # its layer scan's layer
@@ -303,4 +304,4 @@ def test_cli_bad_flags(capsys):
     _run("--params 7e9 --micro-batch 1", capsys)
   with pytest.raises(SystemExit):
     _run("--params 7e9 --budget 16parsecs", capsys)
-  assert memory._parse_bytes("80GiB") == 80 * 2**30 and memory._parse_bytes("16GB") == 16e9
+  assert estimator._parse_bytes("80GiB") == 80 * 2**30 and estimator._parse_bytes("16GB") == 16e9

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from jzero.errors import MeshError
-from jzero.mesh import MeshSpec, simulate_cpu_devices
+from jzero.sharding.mesh import MeshSpec, simulate_cpu_devices
 
 MESHES = Path(__file__).parents[1] / "configs" / "mesh"
 

@@ -17,7 +17,7 @@ import pytest
 
 import jzero
 from jzero.models import lm_loss
-from jzero.plan import flatten_paths
+from jzero.sharding.plan import flatten_paths
 from multiprocess_worker import BATCH, STAGE3, STEPS
 from zero_testing import (SAME_MATH, SMALL, batches, ds_config, engine_run, gpt_factory,
                           max_relative_diff, multiprocess_job)

@@ -1,4 +1,4 @@
-"""The NVMe tier (jzero.nvme): optimizer state and fp32 master in a tensorstore store.
+"""The NVMe tier (jzero.tiers.nvme_store): optimizer state and fp32 master in a tensorstore store.
 
 Exactness against the same stage without offload (fp32, 8 simulated devices, stages 1-3: losses
 and parameters within 1e-6), the store's files and the state's 0-byte placeholders, the memory
@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero import nvme, nvme_state
+from jzero.tiers import nvme_store
+from jzero.tiers import nvme_state
 from jzero.errors import ConfigError, NotSupportedError
 from nvme_worker import batch, config, loss_fn, model_factory
 from zero_testing import SAME_MATH, max_relative_diff
@@ -80,7 +81,7 @@ def test_fp32_nvme_equals_no_offload_and_lives_in_the_store(stage, sub_group_siz
   assert report.measured["optimizer"]["nvme"] == pytest.approx(
       report.estimate.bytes["nvme"]["optimizer"], rel=0.05)  # padding: a few elements more
   assert report.measured["optimizer"].get("device", 0) <= 8  # Adam's step count
-  assert "NVMe store of process 0" in jzero.memory_report.format_memory_report(report)
+  assert "NVMe store of process 0" in jzero.analysis.memory_report.format_memory_report(report)
 
 
 def test_bf16_partial_nvme_and_checkpoints_across_tiers(tmp_path):
@@ -93,7 +94,7 @@ def test_bf16_partial_nvme_and_checkpoints_across_tiers(tmp_path):
   _assert_same(params, losses, 3, "bf16")
   tiers = {l.path: l.state_tier for l in engine.plan.leaf_list()}
   assert set(tiers.values()) == {"nvme", "device"}
-  master = jzero.plan.flatten_paths(state.master)
+  master = jzero.sharding.plan.flatten_paths(state.master)
   assert all((master[p].size == 0) == (t == "nvme") for p, t in tiers.items())
   engine.save_checkpoint(state, tmp_path / "ckpt")
   engine.wait_for_checkpoints()
@@ -152,7 +153,7 @@ def test_bad_nvme_paths_fail_before_the_first_step(tmp_path, monkeypatch):
   with pytest.raises(ConfigError, match=rf"nvme_path={ro} is not writable .*Make it writable"):
     _engine(2, ro)
   engine = _engine(2, tmp_path)
-  monkeypatch.setattr(nvme.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
+  monkeypatch.setattr(nvme_store.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
   with pytest.raises(ConfigError, match=rf"nvme_path={tmp_path}: the NVMe tier needs .* has "
                                         r"1,000 free\. Free space there"):
     engine.init(jax.random.key(0))
@@ -177,7 +178,7 @@ def test_nvme_settings_map_to_tensorstore_or_are_refused(tmp_path):
 
 def test_killed_during_a_step_the_store_holds_the_last_completed_step(tmp_path):
   """Three processes train on one nvme_path at once and are SIGKILLed inside their third step's
-  writes -- the second with the parameters on the tier too (jzero.param_nvme), the third with the
+  writes -- the second with the parameters on the tier too (jzero.tiers.nvme_params), the third with the
   params' copies there and their state on the host: their directories differ, and each store
   reads back as exactly step 2's state (the second's and third's with every param); a store
   missing a committed file, or its manifest, is refused clearly."""
@@ -213,11 +214,11 @@ def test_killed_during_a_step_the_store_holds_the_last_completed_step(tmp_path):
   assert len(set(dirs)) == len(tiers)
   files = [{f.relative_to(tmp_path) for f in d.rglob("*")} for d in dirs]
   assert not files[0] & files[1] and not files[0] & files[2] and not files[1] & files[2]
-  slot = dirs[0] / f"slot_{json.loads((dirs[0] / nvme.MANIFEST).read_text())['slot']}"
+  slot = dirs[0] / f"slot_{json.loads((dirs[0] / nvme_store.MANIFEST).read_text())['slot']}"
   (slot / "group_1" / "c" / "5" / "0").unlink()
-  with pytest.raises(nvme.NvmeStoreError, match=r"group_1: the files of device rows \[5\] are "
+  with pytest.raises(nvme_store.NvmeStoreError, match=r"group_1: the files of device rows \[5\] are "
                                                 r"missing.*damaged"):
     nvme_state.open_committed(dirs[0])
-  (dirs[1] / nvme.MANIFEST).unlink()
-  with pytest.raises(nvme.NvmeStoreError, match="before its first step was committed"):
+  (dirs[1] / nvme_store.MANIFEST).unlink()
+  with pytest.raises(nvme_store.NvmeStoreError, match="before its first step was committed"):
     nvme_state.open_committed(dirs[1])

@@ -1,4 +1,4 @@
-"""ZeRO-Offload (jzero.offload): optimizer state and fp32 master in host memory.
+"""ZeRO-Offload (jzero.tiers.host_optimizer): optimizer state and fp32 master in host memory.
 
 Exactness against the same stage without offload (fp32: <= 1e-6 relative), placement from the live
 arrays' memory kinds, donation (the donated state's buffers are deleted), the CUDA export's host
@@ -16,10 +16,10 @@ import optax
 import pytest
 
 import jzero
-from jzero import offload
+from jzero.tiers import host_optimizer
 from jzero.errors import ConfigError, NotSupportedError
 from jzero.models import lm_loss
-from jzero.plan import flatten_paths
+from jzero.sharding.plan import flatten_paths
 from zero_testing import SAME_MATH, SMALL, batches, ds_config, gpt_factory, max_relative_diff
 
 N = 8
@@ -162,12 +162,12 @@ def test_offloaded_state_checkpoints_restore_across_tiers(tmp_path):
 
 def test_choose_offloaded_takes_the_largest_leaves_within_the_ratio():
   sizes = {"a": 100, "b": 60, "c": 30, "d": 10}
-  assert offload.choose_offloaded(sizes, 1.0) == {"a", "b", "c", "d"}
-  assert offload.choose_offloaded(sizes, 0.5) == {"a"}
-  assert offload.choose_offloaded(sizes, 0.8) == {"a", "b"}  # 160 of 200
-  assert offload.choose_offloaded(sizes, 0.7) == {"a", "c", "d"}  # b would overshoot 140
-  assert offload.choose_offloaded(sizes, 0.6) == {"a", "d"}  # so would b, then c: 120
-  assert offload.choose_offloaded(sizes, 0.0) == set()
+  assert host_optimizer.choose_offloaded(sizes, 1.0) == {"a", "b", "c", "d"}
+  assert host_optimizer.choose_offloaded(sizes, 0.5) == {"a"}
+  assert host_optimizer.choose_offloaded(sizes, 0.8) == {"a", "b"}  # 160 of 200
+  assert host_optimizer.choose_offloaded(sizes, 0.7) == {"a", "c", "d"}  # b would overshoot 140
+  assert host_optimizer.choose_offloaded(sizes, 0.6) == {"a", "d"}  # so would b, then c: 120
+  assert host_optimizer.choose_offloaded(sizes, 0.0) == set()
 
 
 @pytest.mark.parametrize("zero,error,match", [

@@ -1,4 +1,4 @@
-"""jzero.optim against pure-Python transcriptions of DeepSpeed's schedules and optimizers.
+"""jzero.train.optim against pure-Python transcriptions of DeepSpeed's schedules and optimizers.
 
 The ``_DS*`` classes below transcribe ``deepspeed/runtime/lr_schedules.py`` (master): constructor at
 ``last_batch_iteration=-1`` writing ``get_lr()`` into the optimizer, ``step()`` incrementing it. The
@@ -20,7 +20,7 @@ import optax
 import pytest
 
 from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
-from jzero.optim import build_optimizer, build_schedule
+from jzero.train.optim import build_optimizer, build_schedule
 
 # The schedules in fp32 against DeepSpeed's formulas in float64: a few fp32 operations on values
 # <= 1 (a product, a quotient, a cos or log), each rounding within u = 6e-8: <= 8u = 4.8e-7.

@@ -1,4 +1,4 @@
-"""Parameters on the NVMe tier (jzero.param_nvme): stage-3 partitions read layer by layer from the
+"""Parameters on the NVMe tier (jzero.tiers.nvme_params): stage-3 partitions read layer by layer from the
 store inside the step.
 
 Exactness against stage 3 without offload (8 simulated devices, 20 steps: losses and parameters to
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero import param_nvme
+from jzero.tiers import nvme_params
 from jzero.errors import ConfigError
 from jzero.models import lm_loss
 from zero_testing import SAME_MATH, SMALL, batches, ds_config, gpt_factory, max_relative_diff
@@ -119,7 +119,7 @@ def test_params_on_nvme_equal_stage3_without_offload(variant, precision, gas, tm
     assert reader.disk_reads == reader.prefetch_hits == 0
     held = sum(l.numel for l in on_nvme)  # padded to the devices: at most one row more per leaf
     assert held * 4 <= reader.cache_bytes() <= (held + N * len(on_nvme)) * 4
-    assert reader.cache_bytes() <= param_nvme.host_bytes_bound(engine.nvme_settings, N)
+    assert reader.cache_bytes() <= nvme_params.host_bytes_bound(engine.nvme_settings, N)
   else:  # nothing cached: the disk, the next layer prefetched during the current one
     assert reader.cache_hits == 0 and reader.cache_bytes() == 0
     assert reader.disk_reads > 0 and reader.prefetch_hits > 0
@@ -194,7 +194,7 @@ def test_two_processes_with_params_on_nvme_match_one_process_without_offload(tmp
   import json
   from pathlib import Path
 
-  from jzero.plan import flatten_paths
+  from jzero.sharding.plan import flatten_paths
   from multiprocess_worker import BATCH as MP_BATCH, STAGE3, STEPS as MP_STEPS
   from zero_testing import engine_run, multiprocess_job
   (tmp_path / "nvme").mkdir()

@@ -1,4 +1,4 @@
-"""Parameter offload (jzero.param_offload): stage-3 parameter partitions in host memory.
+"""Parameter offload (jzero.tiers.host_params): stage-3 parameter partitions in host memory.
 
 Exactness against stage 3 without offload (fp32, 20 steps, 8 simulated devices: losses and
 parameters to 1e-6 relative), with parameter offload alone and with configs/ds_zero3_offload.json's
@@ -25,7 +25,7 @@ import pytest
 import jzero
 from jzero.errors import ConfigError, NotSupportedError
 from jzero.models import lm_loss
-from jzero.plan import flatten_paths
+from jzero.sharding.plan import flatten_paths
 from zero_testing import SAME_MATH, SMALL, batches, ds_config, gpt_factory, max_relative_diff
 
 N = 8

@@ -8,8 +8,8 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jzero.mesh import MeshSpec
-from jzero.plan import CPU_OPTIONS, make_plan
+from jzero.sharding.mesh import MeshSpec
+from jzero.sharding.plan import CPU_OPTIONS, make_plan
 
 
 def _abstract(**shapes):

@@ -1,4 +1,4 @@
-"""jzero.precision against a transcription of DeepSpeed's DynamicLossScaler and its unit tests.
+"""jzero.train.precision against a transcription of DeepSpeed's DynamicLossScaler and its unit tests.
 
 ``DeepSpeedDynamicLossScaler`` is ``DynamicLossScaler.update_scale`` of
 ``deepspeed/runtime/fp16/loss_scaler.py`` without its logging. The hand-checked numbers come from
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jzero.errors import ConfigError
-from jzero.precision import LossScaler, LossScaleState, has_overflow
+from jzero.train.precision import LossScaler, LossScaleState, has_overflow
 
 from deepspeed_reference import DeepSpeedDynamicLossScaler
 

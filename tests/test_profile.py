@@ -9,7 +9,7 @@ import pytest
 
 import jzero
 from jzero.models import GPTConfig, lm_loss
-from jzero.profile import collectives, comm_volume, zero_theory
+from jzero.analysis.hlo import collectives, comm_volume, zero_theory
 from zero_testing import SMALL, batches, ds_config, gpt_factory
 
 

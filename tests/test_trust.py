@@ -19,7 +19,7 @@ from jzero import checkpoint
 from jzero.cli import main as cli_main
 from jzero.errors import CheckpointError, DataError, JZeroWarning
 from jzero.models import lm_loss
-from jzero.plan import flatten_paths
+from jzero.sharding.plan import flatten_paths
 
 from zero_testing import SMALL, batches, ds_config, gpt_factory
 

@@ -17,10 +17,10 @@ from flax import linen as nn
 from flax import nnx
 
 import jzero
-from jzero import profile
-from jzero.memory_report import memory_report
+from jzero.analysis import hlo
+from jzero.analysis.memory_report import memory_report
 from jzero.models import GPTConfig, lm_loss
-from jzero.units import ModuleInfo, UnitRules, choose_units
+from jzero.sharding.gather_units import ModuleInfo, UnitRules, choose_units
 from zero_testing import (SAME_MATH, VS_ONE_DEVICE, batches, ds_config, engine_run, gpt_factory,
                           loss_of_params, max_relative_diff, reference_optimizer)
 
@@ -236,8 +236,8 @@ def test_loop_model_moves_zero3_volume():
   since the input needs no gradient, and biases are never re-gathered)."""
   engine, _, compiled = _compiled("nnx", 8)
   psi = sum(l.numel for l in engine.plan.leaf_list())
-  volume = profile.comm_volume(compiled, engine.mesh, num_params=psi, bytes_per_param=4)
-  theory = profile.zero_theory(3, N)
+  volume = hlo.comm_volume(compiled, engine.mesh, num_params=psi, bytes_per_param=4)
+  theory = hlo.zero_theory(3, N)
   print(volume.table())
   assert abs(volume.total_psi - theory) <= 0.05 * theory, (volume.total_psi, theory)
 

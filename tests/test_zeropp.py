@@ -19,8 +19,8 @@ import pytest
 import jzero
 from jzero.errors import ConfigError, JZeroWarning
 from jzero.models import GPTConfig, lm_loss
-from jzero.plan import flatten_paths
-from jzero.profile import comm_volume
+from jzero.sharding.plan import flatten_paths
+from jzero.analysis.hlo import comm_volume
 from zero_testing import (SAME_MATH, SMALL, batches, ds_config, engine_run, gpt_factory,
                           max_relative_diff, multiprocess_job)
 

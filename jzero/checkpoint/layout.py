@@ -50,7 +50,13 @@ import orbax.checkpoint as ocp
 import xxhash
 
 from jzero.errors import CheckpointError, JZeroWarning
-from jzero.plan import LeafPlan, path_str
+from jzero.sharding.plan import LeafPlan, path_str
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "META_FILE", "FILES_FILE", "LATEST_FILE",
+           "WEIGHTS16", "DELETING", "ORBAX_TMP", "CHECKSUM", "nest", "opt_leaves", "array_leaves",
+           "array_handler", "check_tag", "is_complete", "latest_tag", "all_tags", "incomplete_tags",
+           "resume_tag", "latest_step", "checkpoint_dir", "write_atomic", "record_files",
+           "recorded_files", "verify_files", "read_metadata", "optimizer_name", "open_checkpoint"]
 
 PyTree = Any
 FORMAT = "jzero-checkpoint"
@@ -97,7 +103,7 @@ def array_leaves(engine: Any, state: Any) -> dict[str, LeafPlan | None]:
     leaves[f"params/{leaf.path}"] = leaf
     if state.master is not None:
       leaves[f"master/{leaf.path}"] = leaf
-    if getattr(state, "delayed", None) is not None:  # the carried gradient (jzero.delayed)
+    if getattr(state, "delayed", None) is not None:  # the carried gradient (jzero.tiers.delayed)
       leaves[f"delayed/grads/{leaf.path}"] = leaf
   leaves.update(opt_leaves(engine, state.opt_state))
   return leaves

@@ -13,7 +13,7 @@ size and checksum, and shapes, leaf paths and the optimizer-state structure agai
 before any device work. ``params_only=True`` restores weights alone, with a fresh optimizer state.
 ZeRO++ hpZ's secondary partitions are not in a checkpoint: they are a function of the compute
 params, recomputed after the restore by the code the step refreshes them with, so a resumed run
-is bit-exact. The delayed update's carried gradient (:mod:`jzero.delayed`) is restored like the
+is bit-exact. The delayed update's carried gradient (:mod:`jzero.tiers.delayed`) is restored like the
 master when both the checkpoint and the engine have it; otherwise nothing is carried.
 """
 
@@ -30,10 +30,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jzero import delayed
+from jzero.tiers import delayed
 from jzero.checkpoint import layout
 from jzero.errors import CheckpointError, JZeroWarning
-from jzero.plan import LeafPlan, Plan, flatten_paths
+from jzero.sharding.plan import LeafPlan, Plan, flatten_paths
 
 __all__ = ["load_checkpoint", "abstract_state", "broadcast"]
 
@@ -143,7 +143,7 @@ def _restore_arrays(step_dir: Path, requests: dict[str, tuple[str, jax.ShapeDtyp
     raise CheckpointError(f"checkpoint {step_dir}: its arrays cannot be read: "
                           f"{_root_cause(e)}") from e
   # Orbax may hand back device arrays for a host-memory target (marin#8441): move those leaf by
-  # leaf into the target's memory kind (ZeRO-Offload's host tier, jzero.offload).
+  # leaf into the target's memory kind (ZeRO-Offload's host tier, jzero.tiers.host_optimizer).
   def placed(x: jax.Array, want: jax.sharding.Sharding) -> jax.Array:
     same = getattr(x.sharding, "memory_kind", None) == getattr(want, "memory_kind", None)
     return x if same or want.memory_kind is None else jax.device_put(x, want)
@@ -200,8 +200,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
       work.
   """
   step_dir, meta = layout.open_checkpoint(directory, tag)
-  from jzero import nvme_state  # pylint: disable=import-outside-toplevel
-  abstract = nvme_state.expand_abstract(engine, abstract_state(engine, sample_batch))  # real shapes
+  abstract = engine.expand_abstract(abstract_state(engine, sample_batch))  # tiers' real shapes
   plan = engine.plan
   _check_model(meta, plan, step_dir)
   shardings = broadcast(engine.state_shardings(), abstract)
@@ -256,6 +255,6 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
                            loss_scale=loss_scale, rng=restored["rng"],
                            delayed=delayed.restored(abstract, shardings, restored, stored, False,
                                                     step_dir))
-  state = nvme_state.absorb(engine, state)  # NVMe tier: into the store, placeholders in the state
+  state = engine.absorb(state)  # e.g. the NVMe tier: into the store, placeholders in the state
   state = engine.with_secondary(state)  # hpZ: from the restored params, as the step makes it
   return (state, meta["client_state"]) if with_client_state else state

@@ -1,6 +1,6 @@
 """Saving: the train state as it lies, asynchronously, committed atomically, never lost at exit.
 
-:class:`Checkpointer` writes the complete :class:`~jzero.engine.TrainState` with Orbax's
+:class:`Checkpointer` writes the complete :class:`~jzero.train.state.TrainState` with Orbax's
 ``AsyncCheckpointer``: each process writes only the shards it holds (one replica of each); the call
 returns once they are copied to host memory and the files are written by a background thread while
 training goes on. Orbax writes a checkpoint into ``<tag>.orbax-checkpoint-tmp-*`` and renames it on
@@ -19,7 +19,7 @@ prints one line naming the checkpoint and exits with status 1.
 
 Beside the arrays goes one JSON document: format version, jzero / JAX / Orbax versions, the tag,
 the step and the data position (the number of optimizer steps taken: batches are a pure function
-of the step, see :mod:`jzero.data`), the stage, precision, mesh, the resolved DeepSpeed config,
+of the step, see :mod:`jzero.runtime.data`), the stage, precision, mesh, the resolved DeepSpeed config,
 every plan leaf (path, logical shape, how it was laid out), every stored array (name, stored shape,
 dtype, plan leaf) and the user's JSON ``client_state``. Nothing in a checkpoint is executable.
 """
@@ -45,7 +45,8 @@ from jzero.checkpoint import layout
 from jzero.checkpoint.layout import (DELETING, FORMAT, FORMAT_VERSION, LATEST_FILE, META_FILE,
                                      ORBAX_TMP, WEIGHTS16)
 from jzero.errors import CheckpointError, JZeroWarning
-from jzero.plan import LeafPlan, Plan, flatten_paths
+from jzero.version import __version__
+from jzero.sharding.plan import LeafPlan, Plan, flatten_paths
 
 __all__ = ["Checkpointer", "save_checkpoint", "wait_until_finished", "weights_json"]
 
@@ -69,8 +70,7 @@ def _mesh_json(engine: Any) -> dict:
 
 
 def _versions() -> dict:
-  import jzero  # at call time: jzero/__init__.py imports this package
-  return {"jzero": jzero.__version__, "jax": jax.__version__, "orbax_checkpoint": ocp.__version__}
+  return {"jzero": __version__, "jax": jax.__version__, "orbax_checkpoint": ocp.__version__}
 
 
 def _metadata(engine: Any, state: Any, tag: str, arrays: dict[str, jax.Array],
@@ -186,8 +186,7 @@ class Checkpointer:
     except (TypeError, ValueError) as e:
       raise CheckpointError(f"client_state must be JSON-serialisable (it is stored in "
                             f"{META_FILE}): {e}.") from None
-    from jzero import nvme_state  # pylint: disable=import-outside-toplevel
-    state = nvme_state.full_state(engine, state)  # the NVMe tier's arrays, read from its store
+    state = engine.full_state(state)  # what the tiers hold outside it, e.g. the NVMe store's
     arrays = flatten_paths(state._replace(secondary=None))  # hpZ's copy: recomputed on restore
     dtype16 = _weights16_dtype(engine)
     items = {"state": ocp.args.PyTreeSave(layout.nest(arrays)),

@@ -32,8 +32,8 @@ from jzero.checkpoint import layout
 from jzero.checkpoint.restore import _root_cause
 from jzero.checkpoint.save import weights_json
 from jzero.errors import CheckpointError
-from jzero.plan import flatten_paths
-from jzero.precision import DTYPES
+from jzero.sharding.plan import flatten_paths
+from jzero.train.precision import DTYPES
 
 __all__ = ["ConsolidateReport", "consolidate", "read_weights", "load_weights"]
 

@@ -1,0 +1,12 @@
+"""Memory and communication you can see: the estimator, the measured report, the compiled HLO,
+GPU plans compiled without a GPU.
+
+* :mod:`jzero.analysis.estimate` -- ZeRO's arithmetic per stage and tier (``jzero estimate``).
+* :mod:`jzero.analysis.memory_report` -- live bytes per device and tier next to the estimate.
+* :mod:`jzero.analysis.hlo` -- collectives and bytes read from the compiled HLO; step timings.
+* :mod:`jzero.analysis.aot` -- the step compiled for a GPU topology that is not present
+  (``jzero aot``; GPU target configs in ``gpu_specs/``).
+* :mod:`jzero.analysis.tables` -- text / HTML tables and plots the reports share.
+"""
+
+__all__: list[str] = []

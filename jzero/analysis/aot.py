@@ -1,0 +1,664 @@
+"""A GPU plan checked without a GPU: jzero's real train step compiled for an H100 / A100 topology.
+
+XLA can compile for a GPU that is not present. With the CUDA compiler plugin installed (the
+``gpu-aot`` extra: ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` matching the installed jax; no
+GPU and no CUDA libraries needed), ``jax.experimental.topologies.get_topology_desc(platform="cuda",
+topology="NODES x 1 x PER_NODE", target_config=<GPU spec>)`` gives compile-only devices of that
+part, and ``jit(...).trace(abstract args).lower().compile()`` runs XLA's whole GPU pipeline for
+them: SPMD partitioning, fusion, the collective combiners, async collectives and the
+latency-hiding scheduler. :func:`compile_for` does that for jzero's own train step:
+
+1. the mesh: a :class:`~jzero.sharding.mesh.ZeroMesh` over the topology's devices (the default one-axis
+   mesh, or a mesh file), so the plan, the shardings and :meth:`Plan.xla_options` (the bucket and
+   overlap knobs, passed only when the platform is ``gpu``, which compile-only CUDA devices report)
+   are the ones a real run gets;
+2. the engine: :func:`jzero.initialize` with the config, the model (an embedded GPT shape or any
+   model with its loss and an abstract batch);
+3. the state, abstractly: ``jax.eval_shape(engine.init, key)`` -- nothing is allocated, and no
+   device work is done on the compile-only devices;
+4. the step: ``engine.jitted_step(batch).trace(state, batch).lower().compile()`` with the batch as
+   a ``ShapeDtypeStruct`` carrying its sharding.
+
+The answer (:class:`AotReport`) puts side by side, per device: the model-state bytes by kind as the
+plan lays them out (params, grads, fp32 master, optimizer state), the estimator's prediction
+(:func:`jzero.analysis.estimate.estimate`, activations by Korthikanti et al. for the GPT shapes), XLA's
+``memory_analysis()`` (arguments, outputs, temporaries, peak), whether the peak fits the part's
+memory (the spec's ``device_memory_size`` times the fraction JAX preallocates, 75% by default),
+the compile times, and every collective of the scheduled program (read by
+:func:`jzero.analysis.hlo.collectives`): runs per step, buffers combined, bytes, whether it is async and
+whether compute is scheduled while it is in flight. ``overlap_fraction`` is the share of the bytes
+sent per step that overlap compute, ``matmul_overlap_fraction`` the share with a matrix
+multiplication in flight (a LayerNorm beside a 90 MB gather hides little of it).
+
+Limits: memory kinds are dropped on compile-only devices, so host offload cannot be checked here
+(``jax.export`` for CUDA shows it instead); the schedule and the overlap are XLA's cost model's
+decisions, not a measurement of a run.
+
+``GPU_SPECS`` are XLA's own GPU target configs (``jzero/analysis/gpu_specs/``; source and licence in the
+README there). ``jzero aot`` is the command line (:func:`add_aot_arguments`, :func:`run_aot`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import html
+import importlib
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from jzero.errors import ConfigError, JZeroError
+from jzero.analysis.hlo import Collective
+from jzero.analysis.tables import format_bytes, html_table, require_pyplot, text_table
+
+__all__ = ["GPU_SPECS", "GpuSpec", "gpu_spec", "gpu_devices", "AotReport", "compile_for",
+           "report_parts", "format_report", "add_aot_arguments", "run_aot", "INSTALL_HINT"]
+
+SPEC_DIR = Path(__file__).parent / "gpu_specs"
+GPU_SPECS = {  # --gpu name -> XLA GPU target config in jzero/analysis/gpu_specs
+    "h100": "h100_sxm.txtpb",
+    "h100-sxm": "h100_sxm.txtpb",
+    "h100-pcie": "h100_pcie.txtpb",
+    "a100": "a100_sxm_80.txtpb",
+    "a100-80gb": "a100_sxm_80.txtpb",
+    "a100-40gb": "a100_sxm_40.txtpb",
+}
+INSTALL_HINT = ('pip install -e ".[gpu-aot]" (or pip install "jzero[gpu-aot]"): the CUDA compiler '
+                'plugin, jax-cuda12-plugin and jax-cuda12-pjrt matching your jax; no GPU and no '
+                'CUDA libraries are needed')
+TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"  # the custom call a Pallas GPU kernel lowers to
+DEFAULT_MEMORY_FRACTION = 0.75  # what JAX preallocates on a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION)
+STATE_KINDS = ("params", "grads", "master", "optimizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+  """One GPU part: XLA's target config text and what jzero reads from it."""
+
+  name: str  # the --gpu name, or the file's path
+  text: str  # GpuTargetConfigProto as text: what get_topology_desc takes
+  description: str  # device_description_str, e.g. "NVIDIA H100 80GB HBM3"
+  memory_bytes: int  # device_memory_size
+
+
+def gpu_spec(gpu: str) -> GpuSpec:
+  """A GPU by its name in :data:`GPU_SPECS` or the path of a target-config text proto."""
+  if gpu in GPU_SPECS:
+    path = SPEC_DIR / GPU_SPECS[gpu]
+  elif gpu.endswith((".txtpb", ".pbtxt")) and Path(gpu).is_file():
+    path = Path(gpu)
+  else:
+    raise ConfigError(f"unknown GPU {gpu!r} (--gpu): give one of {sorted(GPU_SPECS)} or the path "
+                      f"of an XLA GPU target config (.txtpb, as in XLA's "
+                      f"xla/tools/hlo_opt/gpu_specs).")
+  text = path.read_text()
+  memory = re.search(r"device_memory_size:\s*(\d+)", text)
+  if memory is None:
+    raise ConfigError(f"GPU spec {str(path)!r} has no gpu_device_info.device_memory_size: not an "
+                      f"XLA GPU target config.")
+  described = re.search(r'device_description_str:\s*"([^"]*)"', text)
+  return GpuSpec(name=gpu, text=text, description=described.group(1) if described else path.stem,
+                 memory_bytes=int(memory.group(1)))
+
+
+def _require_cuda_plugin() -> None:
+  """The CUDA compiler plugin, importable and able to register its compile-only topology.
+
+  The plugin registers itself (and its topology factory) only after checking the CUDA runtime's
+  version, which fails on a machine without CUDA libraries unless ``JAX_PLATFORMS`` leaves CUDA
+  out. Before JAX has discovered its plugins, jzero skips that check for the discovery
+  (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``): compiling needs no runtime, and on a machine with a GPU
+  the CUDA backend still checks its driver when it starts.
+  """
+  try:
+    importlib.import_module("jax_plugins.xla_cuda12")
+  except ImportError as e:
+    raise JZeroError(f"compiling for a GPU topology needs the CUDA compiler plugin, which is not "
+                     f"installed ({e}). Install the gpu-aot extra: {INSTALL_HINT}.") from None
+  from jax._src import xla_bridge  # backends_are_initialized has no public home in jax 0.10
+
+  if not xla_bridge.backends_are_initialized():
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+def gpu_devices(gpu: str | GpuSpec, devices: int, nodes: int = 1) -> list[Any]:
+  """Compile-only devices of ``nodes`` x ``devices / nodes`` GPUs of one part (no GPU needed).
+
+  Raises:
+    ConfigError: a device count that is not a positive multiple of ``nodes``, or an unknown GPU.
+    JZeroError: the CUDA compiler plugin is not installed (the message names the extra).
+  """
+  if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+    raise ConfigError(f"--devices {devices!r}: a GPU topology needs a positive device count, e.g. "
+                      f"--devices 8.")
+  if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or devices % nodes:
+    raise ConfigError(f"--devices {devices} over --nodes {nodes}: the devices must split evenly "
+                      f"over a positive number of nodes (devices per node = devices / nodes).")
+  spec = gpu if isinstance(gpu, GpuSpec) else gpu_spec(gpu)
+  _require_cuda_plugin()
+  from jax.experimental import topologies  # noqa: PLC0415
+
+  try:
+    topology = topologies.get_topology_desc(platform="cuda", topology=f"{nodes} x 1 x "
+                                            f"{devices // nodes}", target_config=spec.text)
+  except NotImplementedError:
+    raise JZeroError("the CUDA compiler plugin did not register its topology: JAX started its "
+                     "backends before jzero.analysis.aot on a machine without CUDA libraries. Call "
+                     "jzero.analysis.aot first in this interpreter, or set JAX_PLATFORMS=cpu before "
+                     "starting Python.") from None
+  return list(topology.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class AotReport:
+  """What :func:`compile_for` found; per-device bytes throughout (see the module docstring).
+
+  Attributes:
+    gpu: the part's description; gpu_name: the --gpu name.
+    devices, nodes: the topology; mesh: the mesh, described.
+    stage, precision: from the config.
+    model: the model, described; num_params: Ψ.
+    micro_batch, gradient_accumulation_steps, checkpoint_activations: the step's shape.
+    state: kind (params, grads, master, optimizer) -> bytes as the plan lays them out (grads in the
+      compute dtype, as ZeRO counts them; they live only inside the step).
+    estimate: kind -> bytes the estimator predicts, plus "activations" when it can estimate them.
+    argument, output, temp, alias: XLA's ``memory_analysis()``.
+    device_memory: the part's memory; memory_fraction: the part of it JAX may use.
+    trace_s, lower_s, compile_s: wall times of tracing, lowering and XLA's GPU compile.
+    collectives: every collective of the scheduled program.
+    pallas_kernels: the Pallas (Triton) kernel calls in the compiled program -- ZeRO++'s int8 /
+      int4 block kernels (``kernels/``); 0 without qwZ / qgZ.
+    xla_options: the compile options the plan passed (bucket and overlap knobs).
+  """
+
+  gpu: str
+  gpu_name: str
+  devices: int
+  nodes: int
+  mesh: str
+  stage: int
+  precision: str
+  model: str
+  num_params: int
+  micro_batch: int
+  gradient_accumulation_steps: int
+  checkpoint_activations: bool
+  state: dict[str, int]
+  estimate: dict[str, float]
+  argument: int
+  output: int
+  temp: int
+  alias: int
+  device_memory: int
+  memory_fraction: float
+  trace_s: float
+  lower_s: float
+  compile_s: float
+  collectives: list[Collective]
+  xla_options: dict[str, Any]
+  pallas_kernels: int = 0
+
+  @property
+  def kinds(self) -> tuple[str, ...]:
+    """:data:`STATE_KINDS`, plus "secondary" with ZeRO++ hpZ."""
+    return STATE_KINDS + (("secondary",) if "secondary" in self.state else ())
+
+  @property
+  def persistent_state(self) -> int:
+    """Bytes of the state that lives across steps: params, fp32 master, optimizer state (and
+    hpZ's secondary copy)."""
+    return (self.state["params"] + self.state["master"] + self.state["optimizer"]
+            + self.state.get("secondary", 0))
+
+  @property
+  def model_states(self) -> int:
+    """ZeRO's model states: params, grads, master and optimizer state (and hpZ's secondary)."""
+    return sum(self.state[k] for k in self.kinds)
+
+  @property
+  def peak(self) -> int:
+    """argument + output + temp - alias (donated buffers reused for outputs count once)."""
+    return self.argument + self.output + self.temp - self.alias
+
+  @property
+  def usable_memory(self) -> float:
+    return self.device_memory * self.memory_fraction
+
+  @property
+  def fits(self) -> bool:
+    return self.peak <= self.usable_memory
+
+  @property
+  def sent_bytes(self) -> float:
+    """Bytes one device sends per step (ring algorithm, run counts through the loops)."""
+    return sum(c.step_bytes for c in self.collectives)
+
+  @property
+  def overlapped_bytes(self) -> float:
+    return sum(c.step_bytes for c in self.collectives if c.overlapped)
+
+  @property
+  def overlap_fraction(self) -> float:
+    """Share of the bytes sent per step by collectives with compute in flight (nan: none sent)."""
+    return self.overlapped_bytes / self.sent_bytes if self.sent_bytes else math.nan
+
+  @property
+  def matmul_overlap_fraction(self) -> float:
+    """Share of the bytes sent per step by collectives with a matmul in flight (nan: none sent)."""
+    hidden = sum(c.step_bytes for c in self.collectives if c.overlapped and c.overlapped_matmuls)
+    return hidden / self.sent_bytes if self.sent_bytes else math.nan
+
+  def __str__(self) -> str:
+    return format_report(self)
+
+  def _repr_html_(self) -> str:
+    out = []
+    for part in report_parts(self):
+      if isinstance(part, str):
+        out.append(f"<div>{html.escape(part)}</div>" if part else "")
+      else:
+        out.append(html_table(part[1], part[2], caption=part[0]))
+    return "".join(out)
+
+  def plot(self, ax: Any = None) -> Any:
+    """Bars of the model state per kind (plan and estimator, GB) and lines for XLA's peak and the
+    usable device memory. Returns the Axes."""
+    plt = require_pyplot()
+    if ax is None:
+      _, ax = plt.subplots(figsize=(6, 3.2))
+    kinds = list(self.kinds)
+    xs = range(len(kinds))
+    ax.bar([x - 0.2 for x in xs], [self.state[k] / 1e9 for k in kinds], 0.4, label="plan")
+    ax.bar([x + 0.2 for x in xs], [self.estimate[k] / 1e9 for k in kinds], 0.4, label="estimator")
+    ax.axhline(self.peak / 1e9, color="r", label="XLA peak")
+    ax.axhline(self.usable_memory / 1e9, color="k", linestyle="--", label="usable memory")
+    ax.set_xticks(list(xs), kinds)
+    ax.set_ylabel("GB per device")
+    ax.set_title(f"{self.devices} x {self.gpu_name}, ZeRO-{self.stage}, {self.model}",
+                 fontsize="medium")
+    ax.legend(fontsize="small")
+    return ax
+
+  def to_json(self) -> dict[str, Any]:
+    """A JSON-serialisable dict: the fields, the derived figures, and each collective."""
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    out["collectives"] = [dict(dataclasses.asdict(c), sent_bytes=c.sent_bytes,
+                               step_bytes=c.step_bytes, overlapped=c.overlapped)
+                          for c in self.collectives]
+    for name in ("persistent_state", "model_states", "peak", "usable_memory", "fits",
+                 "sent_bytes", "overlapped_bytes"):
+      out[name] = getattr(self, name)
+    for name in ("overlap_fraction", "matmul_overlap_fraction"):
+      fraction = getattr(self, name)
+      out[name] = None if math.isnan(fraction) else fraction
+    return out
+
+
+def _config_dict(config: Any, precision: str | None, checkpoint_activations: bool | None,
+                 micro_batch: int | None) -> dict[str, Any]:
+  """The config as a dict with the overrides applied (each names the CLI flag that sets it)."""
+  from jzero.config import Config  # noqa: PLC0415
+
+  data = (config if isinstance(config, Config) else Config.load(config)).to_dict()
+  if precision is not None:
+    if precision not in ("fp32", "bf16", "fp16"):
+      raise ConfigError(f"--precision {precision!r}: give fp32, bf16 or fp16.")
+    data["fp16"] = dict(data.get("fp16") or {}, enabled=precision == "fp16")
+    data["bf16"] = dict(data.get("bf16") or {}, enabled=precision == "bf16")
+  if checkpoint_activations is True and data.get("activation_checkpointing") is None:
+    data["activation_checkpointing"] = {}
+  elif checkpoint_activations is False:
+    data["activation_checkpointing"] = None
+  if micro_batch is not None:
+    if micro_batch < 1:
+      raise ConfigError(f"--micro-batch {micro_batch}: give a positive number of sequences.")
+    data["train_micro_batch_size_per_gpu"] = micro_batch
+    data["train_batch_size"] = None  # derived again from micro-batch x accumulation x devices
+  return data
+
+
+def _model(model: Any) -> tuple[Any, Any, str]:
+  """(model factory or module, GPTConfig or None, description) of compile_for's ``model``."""
+  from jzero.models import GPT, GPTConfig  # noqa: PLC0415
+  from jzero.models.gpt import PRESETS, preset  # noqa: PLC0415
+
+  if isinstance(model, str):
+    model = preset(model)
+  if isinstance(model, GPTConfig):
+    names = [n for n, c in PRESETS.items() if c == model]
+    what = (f"GPT {names[0]}" if names else "GPT") + (
+        f" ({model.n_layers} layers x d {model.d_model}, MLP {model.mlp_width}"
+        f"{' gated' if model.gated_mlp else ''}, vocab {model.vocab_size}, seq {model.seq_len})")
+    cfg = model
+    return (lambda rngs: GPT(cfg, rngs=rngs)), cfg, what
+  return model, None, type(model).__name__
+
+
+def _leaf_bytes(sharding: Any, tree: Any) -> int:
+  """Bytes one device holds of the leaves of ``tree`` laid out by ``sharding``."""
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  return sum(math.prod(sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def _state_bytes(engine: Any, state: Any) -> dict[str, int]:
+  """Per-device bytes of each kind of model state, from the plan's shardings."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jax.sharding import NamedSharding  # noqa: PLC0415
+
+  plan = engine.plan
+  shardings = engine.state_shardings()
+  is_sharding = lambda x: isinstance(x, NamedSharding)  # noqa: E731
+
+  def kind_bytes(shard_tree, tree):
+    if tree is None:
+      return 0
+    per_leaf = jax.tree.map(_leaf_bytes, shard_tree, tree, is_leaf=is_sharding)
+    return int(sum(jax.tree.leaves(per_leaf)))
+
+  grads = sum(plan.local_numel(l, l.grad_partitioned) for l in plan.leaf_list())
+  out = {"params": kind_bytes(shardings.params, state.params),
+         "grads": grads * jnp.dtype(plan.compute_dtype).itemsize,
+         "master": kind_bytes(shardings.master, state.master),
+         "optimizer": kind_bytes(shardings.opt_state, state.opt_state)}
+  if state.secondary is not None:
+    out["secondary"] = kind_bytes(shardings.secondary, state.secondary)
+  return out
+
+
+def _estimate(engine: Any, state: Any, gpt: Any) -> dict[str, float]:
+  """The estimator's per-device prediction for the same model, by kind (+ activations)."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  import optax  # noqa: PLC0415
+
+  from jzero.analysis import estimate  # noqa: PLC0415
+
+  plan, zero = engine.plan, engine.config.zero_optimization
+  numel = sum(math.prod(plan.state_shape(l)) for l in plan.leaf_list())
+  nbytes = lambda x: math.prod(x.shape) * np.dtype(x.dtype).itemsize  # noqa: E731
+  master_k = sum(nbytes(x) for x in jax.tree.leaves(state.master)) / numel
+  param_like = optax.tree_utils.tree_map_params(engine.tx, nbytes, state.opt_state,
+                                                transform_non_params=lambda _: 0)
+  opt_k = sum(jax.tree.leaves(param_like)) / numel
+  itemsize = jnp.dtype(plan.compute_dtype).itemsize
+  activations = 0.0
+  checkpointing = engine.config.activation_checkpointing
+  if gpt is not None and not (checkpointing is not None and checkpointing.cpu_checkpointing):
+    # (cpu_checkpointing keeps the checkpointed layer inputs on the host, none on the device)
+    activations = estimate.activation_bytes(
+        engine.micro_batch_size, gpt.seq_len, gpt.d_model, gpt.n_layers, gpt.n_heads,
+        bytes_per_element=itemsize, checkpointing=checkpointing is not None)
+  est = estimate.estimate(plan.leaf_list(), plan.stage, engine.mesh.zero_size, param_bytes=itemsize,
+                        optimizer_bytes=master_k + opt_k,
+                        persistence_threshold=zero.param_persistence_threshold,
+                        model_persistence_threshold=zero.model_persistence_threshold,
+                        hpz_partition_size=plan.zeropp.hpz)
+  device = est.bytes["device"]
+  per_k = device["optimizer"] / (master_k + opt_k) if master_k + opt_k else 0.0
+  out = {"params": device["params"], "grads": device["grads"], "master": per_k * master_k,
+         "optimizer": per_k * opt_k}
+  if est.hpz > 1:
+    out["secondary"] = device["secondary"]
+  if activations:
+    out["activations"] = activations
+  return out
+
+
+def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int = 1,
+                mesh: str | Path | None = None, model: Any = "default",
+                loss_fn: Callable[..., Any] | None = None, batch: Any = None,
+                micro_batch: int | None = None, precision: str | None = None,
+                checkpoint_activations: bool | None = None,
+                memory_fraction: float = DEFAULT_MEMORY_FRACTION, total_num_steps: int = 1000,
+                progress: Callable[[str], None] | None = None) -> AotReport:
+  """Compiles one train step for ``devices`` GPUs of one part without a GPU; see the module doc.
+
+  Args:
+    config: a DeepSpeed config (path, dict or :class:`jzero.Config`).
+    gpu: a :data:`GPU_SPECS` name ("h100", "a100", ...) or the path of an XLA GPU target config.
+    devices: GPUs in all; nodes: over how many nodes (the topology is nodes x 1 x devices/nodes).
+    mesh: a mesh file (default: all devices on one data axis; node x local over ``nodes`` when
+      the config asks for ZeRO++'s hpZ or qgZ).
+    model: a :data:`jzero.models.gpt.PRESETS` name, a ``GPTConfig``, or any model
+      :func:`jzero.initialize` takes (then give ``loss_fn`` and ``batch``).
+    loss_fn: the loss (default: :func:`jzero.models.lm_loss` for the GPT shapes).
+    batch: the global batch as a pytree of ``jax.ShapeDtypeStruct``, or a function
+      ``train_batch_size -> pytree`` (default for the GPT: int32 tokens [batch, seq_len + 1]).
+    micro_batch: overrides the config's ``train_micro_batch_size_per_gpu``.
+    precision: overrides the config's precision ("fp32", "bf16", "fp16").
+    checkpoint_activations: adds (True) or removes (False) the config's
+      ``activation_checkpointing`` block; None keeps it as it is.
+    memory_fraction: the part of the GPU's memory the step may use (JAX preallocates 75%).
+    total_num_steps: fills a scheduler's "auto" total (the LR values, not the program's shape).
+    progress: called with one line per phase (the CLI prints them to stderr).
+
+  Raises:
+    ConfigError: bad config, GPU name, device count or mesh file (before any compile).
+    JZeroError: the CUDA compiler plugin is missing (the message names the extra to install).
+  """
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from jzero.train.initialize import initialize  # noqa: PLC0415
+  from jzero.sharding.mesh import MeshSpec  # noqa: PLC0415
+  from jzero.models import lm_loss  # noqa: PLC0415
+
+  say = progress or (lambda _: None)
+  if not 0 < memory_fraction <= 1:
+    raise ConfigError(f"--mem-fraction {memory_fraction}: give the fraction of GPU memory the "
+                      f"step may use, in (0, 1] (JAX preallocates 0.75 by default).")
+  spec = gpu_spec(gpu)
+  data = _config_dict(config, precision, checkpoint_activations, micro_batch)
+  factory, gpt, what = _model(model)
+  if gpt is None and (loss_fn is None or batch is None):
+    raise ConfigError("compile_for with a model of your own needs its loss_fn and an abstract "
+                      "batch (a pytree of jax.ShapeDtypeStruct, or train_batch_size -> pytree).")
+  mesh_spec = MeshSpec.load(mesh) if mesh is not None else MeshSpec.default()
+  zero = data.get("zero_optimization") or {}
+  if (zero.get("offload_param") or {}).get("device") == "nvme":
+    raise ConfigError(
+        "zero_optimization.offload_param.device=nvme: the step reads those parameters through "
+        "host callbacks (jzero.tiers.nvme_params), and XLA lowers a host callback only for a backend that "
+        "is present, so it cannot be compiled for a GPU this machine lacks. Compile the plan with "
+        "offload_param.device: cpu here (the same device-side step: a layer's partition arrives "
+        "before its gather), or run jzero aot on the GPU machine.")
+  if mesh is None and nodes > 1 and (zero.get("zero_hpz_partition_size", 1) not in (1, "auto")
+                                     or zero.get("zero_quantized_gradients") is True):
+    # ZeRO++'s hpZ / qgZ need the node x local split: the topology's own
+    mesh_spec = MeshSpec(axes=(("node", nodes), ("local", devices // nodes)),
+                         zero_axes=("node", "local"), batch_axes=("node", "local"))
+  gpus = gpu_devices(spec, devices, nodes)
+  zmesh = mesh_spec.build(gpus)
+  say(f"{devices} x {spec.description} ({nodes} node{'s' * (nodes > 1)}), compile-only; mesh "
+      f"{zmesh.describe()}")
+  engine = initialize(model=factory, loss_fn=loss_fn or lm_loss, config=data, mesh=zmesh,
+                            total_num_steps=total_num_steps)
+  t0 = time.perf_counter()
+  state = jax.eval_shape(engine.init, jax.random.key(0))  # abstract: nothing is allocated
+  global_batch = engine.global_batch_size
+  if gpt is not None and batch is None:
+    batch = {"tokens": jax.ShapeDtypeStruct((global_batch, gpt.seq_len + 1), jnp.int32)}
+  elif callable(batch):
+    batch = batch(global_batch)
+  sharding = engine.batch_sharding()
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch)
+  num_params = sum(l.numel for l in engine.plan.leaf_list())
+  cfg = engine.config
+  say(f"model {what}: {num_params / 1e9:.3f}B params; ZeRO-{cfg.zero_optimization.stage}, "
+      f"{cfg.precision}, micro-batch {cfg.train_micro_batch_size_per_gpu} x gas "
+      f"{cfg.gradient_accumulation_steps} x dp {zmesh.dp_size}")
+  traced = engine.jitted_step(batch).trace(state, batch)
+  t1 = time.perf_counter()
+  say(f"traced in {t1 - t0:.1f} s; lowering")
+  lowered = traced.lower()
+  t2 = time.perf_counter()
+  say(f"lowered in {t2 - t1:.1f} s; XLA GPU compile (fusion, combiners, scheduling)")
+  compiled = lowered.compile()
+  t3 = time.perf_counter()
+  say(f"compiled in {t3 - t2:.1f} s")
+  from jzero.analysis.hlo import collectives  # noqa: PLC0415
+
+  analysis = compiled.memory_analysis()
+  hlo = compiled.as_text()
+  return AotReport(
+      gpu=spec.description, gpu_name=spec.name, devices=devices, nodes=nodes,
+      mesh=zmesh.describe(), stage=cfg.zero_optimization.stage, precision=cfg.precision,
+      model=what, num_params=num_params, micro_batch=cfg.train_micro_batch_size_per_gpu,
+      gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+      checkpoint_activations=cfg.activation_checkpointing is not None,
+      state=_state_bytes(engine, state), estimate=_estimate(engine, state, gpt),
+      argument=analysis.argument_size_in_bytes, output=analysis.output_size_in_bytes,
+      temp=analysis.temp_size_in_bytes, alias=analysis.alias_size_in_bytes,
+      device_memory=spec.memory_bytes, memory_fraction=memory_fraction, trace_s=t1 - t0,
+      lower_s=t2 - t1, compile_s=t3 - t2, collectives=collectives(hlo, zmesh),
+      xla_options=engine.plan.xla_options(), pallas_kernels=pallas_calls(hlo))
+
+
+def pallas_calls(hlo_text: str) -> int:
+  """The Pallas kernels a compiled GPU program calls: its Triton custom calls."""
+  return sum(1 for line in hlo_text.splitlines()
+             if "custom-call(" in line and TRITON_CALL_TARGET in line)
+
+
+# -- the readable table ----------------------------------------------------------------------------
+def _where(c: Collective) -> str:
+  return "step" if c.count == 1 else f"loop x{c.count}"
+
+
+def report_parts(r: AotReport) -> list[Any]:
+  """The report as a list of parts: a line (str), or a table (caption, header, rows) -- what
+  :func:`format_report` prints and a notebook renders (``AotReport._repr_html_``)."""
+  gib = r.device_memory / 2**30
+  parts: list[Any] = [
+      f"jzero aot: {r.devices} x {r.gpu} ({gib:.2f} GiB each), ZeRO-{r.stage}, {r.precision}, "
+      f"{r.model}, {r.num_params / 1e9:.3f}B params",
+      f"  mesh {r.mesh}; micro-batch {r.micro_batch} x gas {r.gradient_accumulation_steps}, "
+      f"activation checkpointing {'on' if r.checkpoint_activations else 'off'}",
+      f"  compile: trace {r.trace_s:.1f} s, lower {r.lower_s:.1f} s, XLA GPU compile "
+      f"{r.compile_s:.1f} s", ""]
+  rows = [[k, format_bytes(r.state[k]), format_bytes(r.estimate[k])] for k in r.kinds]
+  rows.append(["total", format_bytes(r.model_states),
+               format_bytes(sum(r.estimate[k] for k in r.kinds))])
+  if "activations" in r.estimate:
+    rows.append(["activations", "-", format_bytes(r.estimate["activations"])])
+  parts.append(("model state per device (grads: in the compute dtype, inside the step)",
+                ["kind", "plan", "estimator"], rows))
+  ratio = r.argument / r.persistent_state if r.persistent_state else math.nan
+  parts += ["", f"XLA memory_analysis per device: arguments {format_bytes(r.argument)} (plan's "
+                f"params + master + optimizer {format_bytes(r.persistent_state)}, ratio "
+                f"{ratio:.4f}), outputs {format_bytes(r.output)}, temp {format_bytes(r.temp)}, "
+                f"aliased {format_bytes(r.alias)}; peak {format_bytes(r.peak)}",
+            f"fits: {'yes' if r.fits else 'NO'} -- peak {format_bytes(r.peak)} of "
+            f"{format_bytes(r.usable_memory)} usable ({r.memory_fraction:.0%} of "
+            f"{format_bytes(r.device_memory)})", ""]
+  rows = []
+  for c in r.collectives:
+    rows.append([c.kind, "x".join(c.axes) or "-", _where(c), str(c.buffers),
+                 format_bytes(c.full_bytes), format_bytes(c.step_bytes),
+                 "async" if c.is_async else "sync",
+                 f"{c.overlapped_ops} ({c.overlapped_matmuls} matmuls)" if c.overlapped else "no"])
+  parts.append(("collectives of the scheduled program (bytes: full buffer per run, sent per "
+                "device per step; overlapped: compute instructions in flight, of which matmuls)",
+                ["collective", "axes", "runs", "buffers", "bytes/run", "sent/step", "mode",
+                 "overlapped"], rows))
+  pct = lambda x: "-" if math.isnan(x) else f"{x:.1%}"  # noqa: E731
+  parts.append(f"overlapped with compute: {pct(r.overlap_fraction)} of "
+               f"{format_bytes(r.sent_bytes)} sent per device per step "
+               f"({pct(r.matmul_overlap_fraction)} with a matmul in flight)")
+  parts.append(f"Pallas kernels (ZeRO++ block quantization, Triton): {r.pallas_kernels} calls")
+  return parts
+
+
+def format_report(r: AotReport) -> str:
+  """The report as text: memory by kind (plan vs estimator), XLA's analysis, fit, collectives."""
+  lines = []
+  for part in report_parts(r):
+    if isinstance(part, str):
+      lines.append(part)
+      continue
+    caption, header, rows = part
+    lines += [caption, text_table(header, rows, indent="  ") if rows else "  none"]
+  return "\n".join(lines)
+
+
+# -- `jzero aot` -----------------------------------------------------------------------------------
+def add_aot_arguments(parser: argparse.ArgumentParser) -> None:
+  """Adds the ``jzero aot`` flags to ``parser`` (see :func:`run_aot`)."""
+  from jzero.models.gpt import PRESETS  # noqa: PLC0415
+
+  parser.add_argument("--config", required=True, help="DeepSpeed-style JSON or YAML config")
+  parser.add_argument("--gpu", default="h100",
+                      help=f"GPU part: {', '.join(sorted(GPU_SPECS))}, or the path of an XLA GPU "
+                           f"target config (.txtpb); default h100 (SXM, 80 GB)")
+  parser.add_argument("--devices", type=int, default=8, help="GPUs in all (default 8)")
+  parser.add_argument("--nodes", type=int, default=1,
+                      help="nodes the GPUs are spread over (default 1)")
+  parser.add_argument("--mesh", default=None,
+                      help="mesh file (configs/mesh/*.yaml); default: all GPUs on one data axis")
+  m = parser.add_argument_group("model (the embedded GPT)")
+  m.add_argument("--model", choices=sorted(PRESETS), default="default",
+                 help="shape preset: default (the embedded 6.4M model), 1.3b (GPT-3 XL), 7b "
+                      "(Llama-like); the flags below change single fields")
+  for flag, field in (("--layers", "n_layers"), ("--d-model", "d_model"), ("--heads", "n_heads"),
+                      ("--seq-len", "seq_len"), ("--vocab-size", "vocab_size"),
+                      ("--mlp-dim", "mlp_dim")):
+    m.add_argument(flag, type=int, default=None, dest=field, help=f"GPTConfig.{field}")
+  s = parser.add_argument_group("step")
+  s.add_argument("--micro-batch", type=int, default=None,
+                 help="sequences per GPU per micro-batch (overrides the config's "
+                      "train_micro_batch_size_per_gpu; it fills 'auto' too)")
+  s.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                 help="overrides the config's precision (bf16/fp16 keep an fp32 master)")
+  s.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction, default=None,
+                 help="add / remove the config's activation_checkpointing block (default: as "
+                      "the config says)")
+  parser.add_argument("--mem-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
+                      help="fraction of GPU memory the step may use (default 0.75, what JAX "
+                           "preallocates)")
+  parser.add_argument("--json", action="store_true",
+                      help="print the report as JSON on stdout (progress stays on stderr)")
+
+
+def run_aot(args: argparse.Namespace) -> int:
+  """``jzero aot``: compiles the step for the GPU topology and prints the report."""
+  from jzero.models.gpt import preset  # noqa: PLC0415
+
+  _cpu_host()
+  fields = {f: getattr(args, f) for f in ("n_layers", "d_model", "n_heads", "seq_len",
+                                          "vocab_size", "mlp_dim") if getattr(args, f) is not None}
+  bad = [f"{k}={v}" for k, v in fields.items() if v < 1]
+  if bad:
+    raise ConfigError(f"model shape flags must be positive: {', '.join(bad)}.")
+  model = dataclasses.replace(preset(args.model), **fields)
+  if model.d_model % model.n_heads:
+    raise ConfigError(f"--d-model {model.d_model} is not a multiple of --heads {model.n_heads}.")
+  progress = lambda line: print(f"jzero aot: {line}", file=sys.stderr, flush=True)  # noqa: E731
+  report = compile_for(args.config, args.gpu, args.devices, nodes=args.nodes, mesh=args.mesh,
+                       model=model, micro_batch=args.micro_batch, precision=args.precision,
+                       checkpoint_activations=args.checkpoint_activations,
+                       memory_fraction=args.mem_fraction, progress=progress)
+  if args.json:
+    print(json.dumps(report.to_json(), indent=1))
+  else:
+    print(format_report(report))
+  return 0
+
+
+def _cpu_host() -> None:
+  """The host side runs on CPU: without a GPU, JAX must not try to start the CUDA backend."""
+  import jax  # noqa: PLC0415
+  from jax._src import xla_bridge  # backends_are_initialized has no public home in jax 0.10
+
+  if not xla_bridge.backends_are_initialized():
+    jax.config.update("jax_platforms", "cpu")

@@ -1,0 +1,700 @@
+"""Memory you can see: what ZeRO predicts per device, and what a live engine holds.
+
+**The estimator** (:func:`estimate`) is the ZeRO paper's arithmetic. With Ψ parameters, ``N``
+ZeRO partitions (devices x nodes), ``p`` / ``g`` bytes per parameter of compute params and
+gradients (2 in fp16 / bf16, 4 in fp32) and ``K`` bytes per parameter of optimizer state (Adam
+with an fp32 master: K = 12 = 4 master + 8 moments; jzero's fp32 training keeps no master, K = 8),
+one device holds:
+
+=========  ====================  =========  =========  =========================
+stage      params                grads      optimizer  total (p = g = 2)
+=========  ====================  =========  =========  =========================
+0 (DDP)    pΨ                    gΨ         KΨ         (4 + K)Ψ
+1          pΨ                    gΨ         KΨ/N       4Ψ + KΨ/N
+2          pΨ                    gΨ/N       KΨ/N       2Ψ + (2 + K)Ψ/N
+3          p(Ψ - Ψr)/N + pΨr     gΨ/N       KΨ/N       (4 + K)Ψ/N + 2Ψr(1 - 1/N)
+=========  ====================  =========  =========  =========================
+
+ZeRO++'s hpZ (``zero_hpz_partition_size`` = s) adds a *secondary* copy of the stage-3
+partitioned params, split over the s devices of a node only: p(Ψ - Ψr)/s more on every device
+(its own column, "hpZ secondary"). DeepSpeed's hpZ costs the same (``ds_secondary_tensor``,
+≈ M/s per GPU). qwZ and qgZ change what moves, not what is held.
+
+Ψr is the stage-3 *persistent* parameters (see :mod:`jzero.sharding.plan`): leaves with fewer than
+``persistence_threshold`` elements (per layer for leaves stacked over a layer axis) keep a
+replicated compute param; their gradients and optimizer state stay partitioned. Ψr needs the
+leaves' shapes (pass them instead of a count); padding to a multiple of N is ignored.
+
+Offload moves a category off the device, per process (one process per device):
+
+* ``offload_optimizer`` (stages 1-3; ZeRO-Offload): the optimizer state and fp32 master
+  (KΨ/N) and their update go to ``"cpu"`` (host memory), or to ``"nvme"`` (ZeRO-Infinity;
+  DeepSpeed swaps to NVMe in stage 3 only, jzero's store works in stages 1-3, :mod:`jzero.tiers.nvme_store`). The gradient partition the update reads (gΨ/N) goes to host memory with it, as
+  in ZeRO-Offload, so stage 2 and 3 keep no gradients on the device; stage 1 still accumulates the
+  full local gradient (gΨ) on the device before reducing it.
+* ``offload_param`` (stage 3 only; ZeRO-Infinity): the partitioned compute params,
+  p(Ψ - Ψr)/N, go to ``"cpu"`` or ``"nvme"``; persistent params stay on the device. With
+  ``"nvme"``, ``max_in_cpu`` of those elements stay in host memory (the host cache) and the host
+  also holds the staging buffers (``buffer_count`` x ``buffer_size`` elements) every partition
+  passes through on its way to the device; the rest lives on NVMe only.
+
+Counted are the model states that live across steps. Two temporaries of the step are added when
+given: activations (:func:`activation_bytes`) and stage 3's *gathered working set* -- the full
+parameters alive at once: the largest gather unit or one layer of the layer scan (twice when the
+next one is prefetched) plus the parameters gathered at the start of the forward pass
+(:meth:`jzero.sharding.plan.Plan.gathered_working_set`, :mod:`jzero.sharding.gather_units`; ``jzero estimate`` takes the
+layer from ``--model``, ``--hidden`` or ``--largest-layer``). Not counted: communication
+buckets, allocator slack; :func:`memory_report` shows the compiled step's ``memory_analysis()``
+beside the prediction.
+
+How this relates to DeepSpeed's estimators (``estimate_zero2_model_states_mem_needs`` and
+``estimate_zero3_model_states_mem_needs``), which assume fp16 and Adam:
+
+* GPU, no offload: DeepSpeed's ZeRO-2 2Ψ + 18Ψ/N and ZeRO-3 4·L + 18Ψ/N count an fp32 copy of
+  the gradient partition (18 = 2 fp16 grads + 4 fp32 grads + 12), which jzero forms only inside
+  the step, and 4·L for the largest layer L gathered in stage 3 (a temporary here). jzero:
+  2Ψ + 14Ψ/N and 16Ψ/N + 2Ψr(1 - 1/N).
+* GPU with offload: DeepSpeed's ZeRO-2 2Ψ, ZeRO-3 4·L + 2Ψ/N (optimizer) and 4·L (params too)
+  are jzero's pΨ, p(Ψ - Ψr)/N + pΨr and pΨr without the 4·L.
+* CPU: DeepSpeed gives bytes per node, times an ``additional_buffer_factor`` of 1.5. ZeRO-2
+  offload: Ψ·max(4·N, 16)·1.5, i.e. the whole optimizer state plus fp32 gradients (16Ψ) on every
+  node, or each process's fp32 copy of the model at load time (4Ψ per process). ZeRO-3:
+  16Ψ/nodes·1.5 (optimizer) and 18Ψ/nodes·1.5 (params too). jzero creates the state directly in
+  its placement, so per node it counts devices_per_node x the per-process bytes:
+  (2 + 12)Ψ/nodes and (2 + 2 + 12)Ψ/nodes, with no buffer factor.
+The measured side -- what a live engine holds next to this prediction -- is
+:mod:`jzero.analysis.memory_report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+from typing import Any, NamedTuple, Sequence
+
+import jax
+
+from jzero.errors import ConfigError
+from jzero.sharding.plan import path_str
+from jzero.train.precision import DTYPES
+from jzero.analysis.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
+
+__all__ = [
+    "PRECISION_BYTES", "CATEGORIES", "TIERS", "DEFAULT_PERSISTENCE_THRESHOLD",
+    "ParamShape", "param_shapes", "persistent_numel", "largest_gathered_numel",
+    "transformer_layer_numel", "Estimate", "estimate",
+    "activation_bytes", "Recommendation", "recommend", "format_bytes", "format_estimates",
+    "estimate_rows", "EstimateTable",
+    "add_estimate_arguments", "run_estimate",
+]
+
+PRECISION_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+CATEGORIES = ("params", "grads", "optimizer")
+TIERS = ("device", "host", "nvme")
+_OFFLOAD_TIER = {"cpu": "host", "nvme": "nvme"}
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold
+
+
+# -- model shapes ----------------------------------------------------------------------------------
+class ParamShape(NamedTuple):
+  """Shape of one parameter leaf; ``stacked``: it has a leading layer axis (run under scan).
+
+  A plan's :class:`jzero.sharding.plan.LeafPlan` has the same two fields and can be used in its place.
+  """
+
+  shape: tuple[int, ...]
+  stacked: bool = False
+
+
+def param_shapes(abstract_params: Any, stacked_layers: Sequence[str] = ()) -> list[ParamShape]:
+  """The :class:`ParamShape` of every leaf of a params pytree (arrays or ShapeDtypeStructs).
+
+  Args:
+    abstract_params: the params pytree.
+    stacked_layers: '/'-joined path prefixes of the subtrees stacked over a layer axis.
+  """
+  def is_stacked(path: str) -> bool:
+    return any(path == s or path.startswith(s + "/") for s in stacked_layers)
+
+  flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+  return [ParamShape(tuple(x.shape), is_stacked(path_str(p)) and len(x.shape) >= 1)
+          for p, x in flat]
+
+
+def largest_gathered_numel(leaves: Sequence[ParamShape],
+                           threshold: int = DEFAULT_PERSISTENCE_THRESHOLD) -> int:
+  """Stage 3's largest group gathered at once, from the leaves' shapes alone: one layer of all
+  stacked leaves (the layer scan gathers them together) or the largest other leaf; leaves below
+  the persistence threshold (per layer) are not gathered."""
+  per_layer = [(math.prod(l.shape) // l.shape[0] if l.stacked else math.prod(l.shape), l.stacked)
+               for l in leaves if _splittable(l)]
+  gathered = [(n, stacked) for n, stacked in per_layer if n >= threshold]
+  return max([sum(n for n, stacked in gathered if stacked),
+              *(n for n, stacked in gathered if not stacked)])
+
+
+def transformer_layer_numel(hidden: int) -> int:
+  """Parameters of one GPT layer of width h: attention 4h² + 4h, MLP 8h² + 5h, two LayerNorms 4h."""
+  return 12 * hidden * hidden + 13 * hidden
+
+
+def _splittable(leaf: ParamShape) -> bool:
+  """A leaf can be partitioned: it has a dimension other than its layer axis."""
+  return len(leaf.shape) > (1 if leaf.stacked else 0)
+
+
+def persistent_numel(leaves: Sequence[ParamShape], threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+                     model_threshold: int | None = None) -> int:
+  """Elements of the stage-3 params that stay replicated (Ψr), chosen as :func:`make_plan` does.
+
+  Leaves with fewer than ``threshold`` elements per layer, smallest first, up to
+  ``model_threshold`` elements in all (None: no cap); leaves that cannot be split (0-d) too.
+  """
+  budget = math.inf if model_threshold is None else model_threshold
+  fixed, small = 0, []
+  for leaf in leaves:
+    numel = math.prod(leaf.shape)
+    if not _splittable(leaf):
+      fixed += numel
+    elif (numel // leaf.shape[0] if leaf.stacked else numel) < threshold:
+      small.append(numel)
+  kept = 0
+  for numel in sorted(small):
+    if numel > budget:
+      break
+    kept += numel
+    budget -= numel
+  return fixed + kept
+
+
+# -- the estimator ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  """Bytes one process (one device) needs for one ZeRO configuration; see the module docstring.
+
+  Attributes:
+    stage: ZeRO stage 0..3.
+    offload_optimizer: where the optimizer state went: None, "cpu" or "nvme".
+    offload_param: where the stage-3 partitioned params went: None, "cpu" or "nvme".
+    num_params: Ψ.
+    persistent_params: Ψr, stage-3 params kept replicated (0 in other stages).
+    devices: N, the number of ZeRO partitions (devices per node x nodes).
+    devices_per_node: processes per node (host bytes per node = per process x this).
+    param_bytes: bytes per compute param (p).
+    bytes: tier ("device", "host", "nvme") -> category ("params", "grads", "optimizer") -> bytes.
+    activations: activation bytes per device (0: not estimated).
+    gathered: stage 3's gathered working set: the full parameters alive at once on the device
+      (the largest unit or layer, twice when the next one is prefetched, plus the parameters
+      gathered at the start; DeepSpeed's estimator counts the largest layer the same way). 0:
+      not estimated.
+    hpz: ZeRO++ hpZ's secondary group size (1: off); its copy is ``bytes["device"]["secondary"]``.
+  """
+
+  stage: int
+  offload_optimizer: str | None
+  offload_param: str | None
+  num_params: int
+  persistent_params: int
+  devices: int
+  devices_per_node: int
+  param_bytes: int
+  bytes: dict[str, dict[str, float]]
+  activations: float = 0.0
+  gathered: float = 0.0
+  hpz: int = 1
+
+  @property
+  def secondary(self) -> float:
+    """hpZ's secondary copy on the device (0 without hpZ)."""
+    return self.bytes["device"].get("secondary", 0.0)
+
+  @property
+  def name(self) -> str:
+    """'DDP (stage 0)', 'ZeRO-2', 'ZeRO-3 + optimizer->cpu, params->nvme', ..."""
+    name = "DDP (stage 0)" if self.stage == 0 else f"ZeRO-{self.stage}"
+    if self.hpz > 1:
+      name += f" + hpZ({self.hpz})"
+    moved = [f"{what}->{where}" for what, where in
+             (("optimizer", self.offload_optimizer), ("params", self.offload_param)) if where]
+    return f"{name} + {', '.join(moved)}" if moved else name
+
+  def tier_total(self, tier: str) -> float:
+    """Model-state bytes per process on one tier ("device", "host" or "nvme")."""
+    return sum(self.bytes[tier].values())
+
+  @property
+  def model_states(self) -> float:
+    """Model-state bytes on the device: params + grads + optimizer state."""
+    return self.tier_total("device")
+
+  @property
+  def device_total(self) -> float:
+    """Bytes on the device: model states + the gathered working set + activations."""
+    return self.model_states + self.gathered + self.activations
+
+  @property
+  def host_per_node(self) -> float:
+    return self.tier_total("host") * self.devices_per_node
+
+
+def _offload_problem(stage: int, offload_optimizer: str | None,
+                     offload_param: str | None) -> str | None:
+  """Why a stage cannot have these offload settings (None: it can)."""
+  for key, value in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+    if value is not None and value not in _OFFLOAD_TIER:
+      return f"{key} must be None, 'cpu' or 'nvme', got {value!r}."
+  if offload_optimizer and stage == 0:
+    return ("offload_optimizer needs ZeRO stage 1, 2 or 3 (stage 0 does not partition the "
+            "optimizer state).")
+  if offload_param and stage != 3:
+    return f"offload_param needs ZeRO stage 3, got stage {stage}: only stage 3 partitions params."
+  return None
+
+
+def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1, nodes: int = 1, *,
+             param_bytes: int = 2, grad_bytes: int | None = None, optimizer_bytes: float = 12,
+             offload_optimizer: str | None = None, offload_param: str | None = None,
+             offload_ratio: float = 1.0, persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+             model_persistence_threshold: int | None = None, activations: float = 0.0,
+             gathered: tuple[int, int] = (0, 0), prefetch: bool = False,
+             hpz_partition_size: int = 1, delayed_update: bool = False,
+             param_buffer_elements: float = 0.0, param_cache_elements: float = 0.0) -> Estimate:
+  """Per-device bytes of one ZeRO configuration (formulas and offload rules: module docstring).
+
+  Args:
+    params: the parameter count Ψ, or the leaves' shapes (:func:`param_shapes`, or a plan's
+      ``leaf_list()``), which add stage-3 persistence.
+    stage: ZeRO stage 0..3.
+    devices: devices per node.
+    nodes: nodes; N = devices x nodes.
+    param_bytes: bytes per compute param (p).
+    grad_bytes: bytes per gradient (g; default ``param_bytes``).
+    optimizer_bytes: optimizer-state bytes per param, fp32 master included (K).
+    offload_optimizer: None, "cpu" or "nvme".
+    offload_param: None, "cpu" or "nvme" (stage 3).
+    offload_ratio: the fraction of the optimizer state (and its gradient partition) that
+      ``offload_optimizer`` moves (DeepSpeed's partial offload, ``offload_optimizer.ratio``).
+    persistence_threshold: with shapes: stage-3 leaves with fewer elements per layer stay
+      replicated.
+    model_persistence_threshold: with shapes: cap on the persistent elements (None: no cap).
+    activations: activation bytes per device to add to the device total.
+    gathered: stage 3: (elements of the largest unit or layer gathered at once, elements gathered
+      at the start of the forward pass), as :meth:`jzero.sharding.plan.Plan.gathered_working_set` gives.
+    prefetch: the next unit or layer is gathered while one computes (two alive).
+    hpz_partition_size: ZeRO++ hpZ's group size s (stage 3): a secondary copy of the
+      partitioned params, p(Ψ - Ψr)/s per device.
+    delayed_update: ZeRO-Offload's delayed parameter update (:mod:`jzero.tiers.delayed`): the step
+      carries its fp32 gradient partition to the next step, 4Ψ/N on the device
+      (``bytes["device"]["delayed_grads"]``); needs ``offload_optimizer``.
+    param_buffer_elements: ``offload_param: "nvme"``: the host staging buffers every partition
+      passes through on its way NVMe -> host -> device (DeepSpeed's ``buffer_count`` x
+      ``buffer_size`` elements), counted in host params.
+    param_cache_elements: ``offload_param: "nvme"``: partitioned elements kept in host memory
+      (``max_in_cpu``); the rest of the partition lives on NVMe only.
+
+  Raises:
+    ConfigError: an offload setting the stage does not have, or hpZ outside stage 3.
+  """
+  if stage not in (0, 1, 2, 3):
+    raise ConfigError(f"ZeRO stage must be 0..3, got {stage}.")
+  problem = _offload_problem(stage, offload_optimizer, offload_param)
+  if problem:
+    raise ConfigError(problem)
+  hpz = int(hpz_partition_size)
+  if hpz > 1 and stage != 3:
+    raise ConfigError(f"hpz_partition_size={hpz} needs ZeRO stage 3 (ZeRO++), got stage {stage}.")
+  n, g, k = devices * nodes, param_bytes if grad_bytes is None else grad_bytes, optimizer_bytes
+  if isinstance(params, (int, float)):
+    psi, persistent = int(params), 0
+  else:
+    psi = sum(math.prod(leaf.shape) for leaf in params)
+    persistent = (persistent_numel(params, persistence_threshold, model_persistence_threshold)
+                  if stage == 3 else 0)
+  tiers = {tier: dict.fromkeys(CATEGORIES, 0.0) for tier in TIERS}
+  device = tiers["device"]
+  device["params"] = (param_bytes * (psi - persistent) / n + param_bytes * persistent
+                      if stage == 3 else param_bytes * psi)
+  device["grads"] = g * psi / n if stage >= 2 else g * psi
+  device["optimizer"] = k * psi / n if stage >= 1 else k * psi
+  if offload_optimizer:
+    r = offload_ratio
+    tiers[_OFFLOAD_TIER[offload_optimizer]]["optimizer"] = r * k * psi / n
+    device["optimizer"] = (1 - r) * k * psi / n
+    tiers["host"]["grads"] = r * g * psi / n
+    device["grads"] = g * psi if stage == 1 else (1 - r) * g * psi / n
+  if offload_param:
+    partition = (psi - persistent) / n
+    tiers[_OFFLOAD_TIER[offload_param]]["params"] = param_bytes * partition
+    device["params"] = float(param_bytes * persistent)
+    if offload_param == "nvme":
+      cached = min(param_cache_elements, partition)
+      tiers["nvme"]["params"] = param_bytes * (partition - cached)
+      tiers["host"]["params"] = param_bytes * (cached + param_buffer_elements)
+  if hpz > 1:
+    device["secondary"] = param_bytes * (psi - persistent) / hpz
+  if delayed_update:
+    if not offload_optimizer:
+      raise ConfigError("delayed_update needs offload_optimizer (ZeRO-Offload's delayed "
+                        "parameter update hides the host optimizer step).")
+    device["delayed_grads"] = 4 * psi / n
+  return Estimate(stage=stage, offload_optimizer=offload_optimizer, offload_param=offload_param,
+                  num_params=psi, persistent_params=persistent, devices=n,
+                  devices_per_node=devices, param_bytes=param_bytes, bytes=tiers,
+                  activations=activations, hpz=hpz,
+                  gathered=(param_bytes * (gathered[0] * (1 + prefetch) + gathered[1])
+                            if stage == 3 else 0.0))
+
+
+def activation_bytes(micro_batch: int, seq_len: int, hidden: int, layers: int, heads: int, *,
+                     bytes_per_element: int = 2, checkpointing: bool = False) -> float:
+  """Activation bytes per device of a transformer's layers (Korthikanti et al. 2022, Table 2).
+
+  Without recomputation a layer keeps s·b·h·(34 + 5·a·s/h) bytes in fp16 (the 34 counts 2-byte
+  tensors and 1-byte dropout masks; 5·a·s/h the attention scores, softmax and its dropout); with
+  full activation checkpointing only its 2-byte input, 2·s·b·h. Both scale by
+  ``bytes_per_element / 2``. Not counted: embeddings, the output logits and the one layer being
+  recomputed during the backward pass.
+
+  Args:
+    micro_batch: b, sequences per device per micro-batch.
+    seq_len: s.
+    hidden: h.
+    layers: L.
+    heads: a.
+    bytes_per_element: 2 (fp16 / bf16) or 4 (fp32).
+    checkpointing: full activation checkpointing (keep each layer's input only).
+  """
+  sbh = seq_len * micro_batch * hidden
+  per_layer = 2 * sbh if checkpointing else sbh * (34 + 5 * heads * seq_len / hidden)
+  return layers * per_layer * bytes_per_element / 2
+
+
+_OFFLOAD_VARIANTS = ((2, "cpu", None), (3, "cpu", None), (3, "cpu", "cpu"), (3, "nvme", "cpu"),
+                     (3, "nvme", "nvme"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+  """The answer of :func:`recommend`; ``str()`` says it in one line.
+
+  Attributes:
+    budget: device memory in bytes.
+    headroom: fraction of ``budget`` kept free.
+    choice: the configuration that fits, or None.
+    devices_needed: when none fits, the devices at which plain ZeRO-3 would (None: at no count,
+      since persistent params and activations alone exceed the budget).
+  """
+
+  budget: float
+  headroom: float
+  choice: Estimate | None
+  devices_needed: int | None
+
+  @property
+  def usable(self) -> float:
+    return self.budget * (1 - self.headroom)
+
+  def __str__(self) -> str:
+    limit = (f"{format_bytes(self.usable)} usable per device ({format_bytes(self.budget)} budget, "
+             f"{self.headroom:.0%} headroom)")
+    if self.choice is not None:
+      return f"{self.choice.name} fits: {format_bytes(self.choice.device_total)} of {limit}"
+    if self.devices_needed is None:
+      return (f"does not fit at any device count: persistent params and activations alone exceed "
+              f"{limit}")
+    return f"does not fit: needs {self.devices_needed} devices (ZeRO-3) for {limit}"
+
+
+def recommend(params: float | Sequence[ParamShape], budget: float, devices: int = 1,
+              nodes: int = 1, *, headroom: float = 0.1, host_budget: float | None = None,
+              **kwargs: Any) -> Recommendation:
+  """Which stage? The smallest that fits the device budget, else an offload variant, else how many
+  devices plain ZeRO-3 needs.
+
+  A configuration fits when its device total (model states + activations) is at most
+  ``budget * (1 - headroom)`` and, with ``host_budget``, its host bytes per node at most
+  ``host_budget * (1 - headroom)``. Stages 0-3 are tried in order, then, from the least offload
+  to the most: ZeRO-2 and ZeRO-3 with the optimizer on the host, ZeRO-3 with the params on the
+  host too, then the optimizer on NVMe, then both on NVMe. Like :func:`estimate` it counts model
+  states and activations only: leave room in ``headroom`` for the step's temporaries (the stage-3
+  gathered layer, communication buffers).
+
+  Args:
+    params, devices, nodes: as for :func:`estimate`.
+    budget: device memory in bytes.
+    headroom: fraction of each budget kept free.
+    host_budget: host memory per node in bytes (None: not checked).
+    **kwargs: the other arguments of :func:`estimate` (bytes per param, thresholds, activations).
+  """
+  usable = budget * (1 - headroom)
+  host_usable = math.inf if host_budget is None else host_budget * (1 - headroom)
+  candidates = [(s, None, None) for s in range(4)] + list(_OFFLOAD_VARIANTS)
+  for stage, opt, param in candidates:
+    est = estimate(params, stage, devices, nodes, offload_optimizer=opt, offload_param=param,
+                   **kwargs)
+    if est.device_total <= usable and est.host_per_node <= host_usable:
+      return Recommendation(budget, headroom, est, None)
+  zero3 = estimate(params, 3, devices, nodes, **kwargs)
+  return Recommendation(budget, headroom, None, _devices_needed(zero3, usable))
+
+
+def _devices_needed(zero3: Estimate, usable: float) -> int | None:
+  """Devices at which a plain ZeRO-3 estimate's device total drops to ``usable``: everything but
+  the persistent params and the activations is divided by N."""
+  fixed = zero3.param_bytes * zero3.persistent_params + zero3.activations
+  if fixed >= usable:
+    return None
+  return math.ceil((zero3.device_total - fixed) * zero3.devices / (usable - fixed))
+
+
+# -- tables ----------------------------------------------------------------------------------------
+def estimate_rows(estimates: Sequence[Estimate]) -> tuple[list[str], list[list[str]]]:
+  """(header, rows) of a table of estimates: device bytes by category and in total, offloaded
+  bytes per process (and per node when a node has several processes)."""
+  acts = any(e.activations for e in estimates)
+  gathered = any(e.gathered for e in estimates)
+  secondary = any(e.secondary for e in estimates)
+  per_node = any(e.devices_per_node > 1 and e.tier_total("host") for e in estimates)
+  header = (["configuration", *CATEGORIES] + ["hpZ secondary"] * secondary
+            + ["gathered"] * gathered + ["activations"] * acts
+            + ["device total", "host/process"] + ["host/node"] * per_node + ["nvme/process"])
+  rows = []
+  for e in estimates:
+    rows.append([e.name, *(byte_cell(e.bytes["device"][c]) for c in CATEGORIES)]
+                + [byte_cell(e.secondary)] * secondary
+                + [byte_cell(e.gathered)] * gathered + [byte_cell(e.activations)] * acts
+                + [format_bytes(e.device_total), byte_cell(e.tier_total("host"))]
+                + [byte_cell(e.host_per_node)] * per_node + [byte_cell(e.tier_total("nvme"))])
+  return header, rows
+
+
+def format_estimates(estimates: Sequence[Estimate]) -> str:
+  """A table of estimates as text (see :func:`estimate_rows`)."""
+  return text_table(*estimate_rows(estimates))
+
+
+class EstimateTable(tuple):
+  """Several estimates that show themselves: ``str()`` is ``jzero estimate``'s table, a notebook
+  renders it as HTML, :meth:`to_records` gives plain dicts and :meth:`plot` stacked bars.
+
+  ``EstimateTable(estimate(psi, s, 8) for s in range(4))``
+  """
+
+  def __str__(self) -> str:
+    return format_estimates(self)
+
+  def _repr_html_(self) -> str:
+    return html_table(*estimate_rows(self), caption="bytes per device (host and NVMe: per "
+                      "process; GB = 1e9 bytes)")
+
+  def to_records(self) -> list[dict[str, Any]]:
+    """One dict per estimate: its name, the device bytes by category (params, grads, optimizer,
+    gathered, activations, and hpZ's secondary / the delayed update's gradient when present), the
+    device total and the host and NVMe bytes per process."""
+    return [{"configuration": e.name, **{c: float(v) for c, v in e.bytes["device"].items()},
+             "gathered": float(e.gathered), "activations": float(e.activations),
+             "device_total": float(e.device_total), "host": float(e.tier_total("host")),
+             "nvme": float(e.tier_total("nvme"))} for e in self]
+
+  def plot(self, ax: Any = None, budget: float | None = None) -> Any:
+    """Stacked bars of the device bytes per configuration (GB), by category; ``budget`` (bytes)
+    draws the device's memory as a line. Returns the matplotlib Axes."""
+    plt = require_pyplot()
+    if ax is None:
+      _, ax = plt.subplots(figsize=(1.6 + 1.1 * len(self), 3.6))
+    records = self.to_records()
+    parts = [c for c in (*CATEGORIES, "secondary", "delayed_grads", "gathered", "activations")
+             if any(r.get(c, 0) for r in records)]
+    bottom = [0.0] * len(records)
+    for part in parts:
+      heights = [r.get(part, 0.0) / 1e9 for r in records]
+      ax.bar(range(len(records)), heights, bottom=bottom, label=part)
+      bottom = [b + h for b, h in zip(bottom, heights)]
+    if budget is not None:
+      ax.axhline(budget / 1e9, color="k", linestyle="--", label="device memory")
+    ax.set_xticks(range(len(records)), [r["configuration"] for r in records], rotation=30,
+                  ha="right")
+    ax.set_ylabel("GB per device")
+    ax.legend(fontsize="small")
+    return ax
+
+
+# -- `jzero estimate` ------------------------------------------------------------------------------
+_COUNT_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+_BYTE_UNITS = {"": 1, "B": 1, **{prefix + suffix: base**i for i, prefix in enumerate("KMGT", 1)
+                                  for suffix, base in (("", 1000), ("B", 1000), ("I", 1024),
+                                                       ("IB", 1024))}}
+_NUMBER = r"\s*(\d+(?:\.\d*)?(?:[eE]\+?\d+)?)\s*"
+
+
+def _parse_count(text: str) -> int:
+  """'7e9', '7B', '350M', '6.4M' -> a parameter count."""
+  m = re.fullmatch(_NUMBER + r"([KMBGT]?)\s*", text, re.IGNORECASE)
+  if not m:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count such as 7e9, 7B or 350M")
+  return round(float(m[1]) * _COUNT_SUFFIX[m[2].upper()])
+
+
+def _parse_bytes(text: str) -> float:
+  """'16GB', '80GiB', '512MB', '1e9' -> bytes (kB/MB/GB/TB decimal, KiB/MiB/GiB/TiB binary)."""
+  m = re.fullmatch(_NUMBER + r"([KMGT]?I?B?)\s*", text, re.IGNORECASE)
+  if not m or m[2].upper() not in _BYTE_UNITS:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a memory size such as 16GB or 80GiB")
+  return float(m[1]) * _BYTE_UNITS[m[2].upper()]
+
+
+def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
+  """Adds the ``jzero estimate`` flags to ``parser`` (see :func:`run_estimate`)."""
+  what = parser.add_mutually_exclusive_group(required=True)
+  what.add_argument("--params", type=_parse_count, help="parameter count, e.g. 7e9, 7B or 350M")
+  what.add_argument("--model", choices=["default"],
+                    help="the embedded GPT by its leaf shapes (stage-3 persistence counted); "
+                         "--seq-len/--hidden/--layers/--heads reshape it")
+  parser.add_argument("--devices", type=int, default=8, help="devices per node (default 8)")
+  parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1); N = devices x nodes")
+  parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None,
+                      help="one ZeRO stage (default: all)")
+  parser.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16",
+                      help="dtype of params and grads (default fp16)")
+  parser.add_argument("--optimizer-bytes", type=float, default=None, metavar="K",
+                      help="optimizer-state bytes per param, fp32 master included (default: 12 in "
+                           "fp16/bf16 = master + Adam moments, 8 in fp32 = moments only)")
+  parser.add_argument("--offload-optimizer", choices=("cpu", "nvme"), default=None,
+                      help="also show the stages with the optimizer state offloaded")
+  parser.add_argument("--offload-param", choices=("cpu", "nvme"), default=None,
+                      help="also show ZeRO-3 with the params offloaded")
+  nvme = parser.add_argument_group("parameters on NVMe (--offload-param nvme; DeepSpeed's "
+                                   "offload_param keys and defaults)")
+  nvme.add_argument("--buffer-count", type=int, default=5,
+                    help="host staging buffers for parameters read from NVMe (default 5)")
+  nvme.add_argument("--buffer-size", type=_parse_count, default=100_000_000,
+                    help="elements per staging buffer (default 1e8)")
+  nvme.add_argument("--max-in-cpu", type=_parse_count, default=1_000_000_000,
+                    help="partitioned parameter elements kept in host memory (default 1e9)")
+  parser.add_argument("--hpz", type=int, default=1, metavar="S",
+                      help="ZeRO++ zero_hpz_partition_size: the ZeRO-3 rows add hpZ's secondary "
+                           "copy of the params over S devices (default 1: off)")
+  parser.add_argument("--persistence-threshold", type=_parse_count,
+                      default=DEFAULT_PERSISTENCE_THRESHOLD,
+                      help="stage3_param_persistence_threshold, with --model (default 100000)")
+  acts = parser.add_argument_group("activations (Korthikanti et al. 2022), with --micro-batch")
+  acts.add_argument("--micro-batch", type=int, default=None, help="sequences per device")
+  acts.add_argument("--seq-len", type=int, default=None)
+  acts.add_argument("--hidden", "--d-model", dest="hidden", type=int, default=None)
+  acts.add_argument("--layers", type=int, default=None)
+  acts.add_argument("--heads", type=int, default=None)
+  acts.add_argument("--checkpoint-activations", action="store_true",
+                    help="full activation checkpointing: keep each layer's input only")
+  parser.add_argument("--largest-layer", type=_parse_count, default=None, metavar="N",
+                      help="ZeRO-3's gathered working set: elements of the largest layer gathered "
+                           "at once (DeepSpeed's largest_layer_params), twice for the prefetched "
+                           "next one. Default: with --model its layer; with --hidden a transformer "
+                           "layer, 12H² + 13H; otherwise not counted")
+  fit = parser.add_argument_group("which stage?")
+  fit.add_argument("--budget", type=_parse_bytes, default=None,
+                   help="device memory, e.g. 16GB or 80GiB: the smallest stage that fits")
+  fit.add_argument("--host-budget", type=_parse_bytes, default=None,
+                   help="host memory per node, checked for the offload variants")
+  fit.add_argument("--headroom", type=float, default=0.1,
+                   help="fraction of each budget kept free (default 0.1)")
+
+
+def _estimate_inputs(args: argparse.Namespace):
+  """(Ψ or leaf shapes, activation shape (s, h, L, a) or None, description of the model)."""
+  if args.model:
+    from jzero.train.model_adapter import as_model  # noqa: PLC0415 (only --model needs the model code)
+    from jzero.models import GPT, GPTConfig  # noqa: PLC0415
+
+    d = GPTConfig()
+    cfg = GPTConfig(seq_len=args.seq_len or d.seq_len, d_model=args.hidden or d.d_model,
+                    n_layers=args.layers or d.n_layers, n_heads=args.heads or d.n_heads)
+    adapter = as_model(lambda rngs: GPT(cfg, rngs=rngs))
+    params = param_shapes(adapter.abstract_params(None, None), adapter.stacked_layers)
+    shape = (cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads)
+    what = f"default GPT, {cfg.n_layers} layers x d {cfg.d_model}, seq {cfg.seq_len}"
+  else:
+    params, shape = args.params, (args.seq_len, args.hidden, args.layers, args.heads)
+    what = "given count"
+    missing = [f for f, v in zip(("--seq-len", "--hidden", "--layers", "--heads"), shape)
+               if v is None]
+    if args.micro_batch and missing:
+      raise ConfigError(f"--micro-batch estimates activations and needs the transformer's shape: "
+                        f"give {' '.join(missing)} too (or use --model default).")
+  return params, (shape if args.micro_batch else None), what
+
+
+def _estimate_rows(args: argparse.Namespace) -> list[tuple[int, str | None, str | None]]:
+  """(stage, offload_optimizer, offload_param) of each table row: the stages, then the offload
+  variants of those stages that have them (an explicit --stage must have them)."""
+  stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
+  rows = [(s, None, None) for s in stages]
+  if args.offload_optimizer or args.offload_param:
+    for s in stages:
+      problem = _offload_problem(s, args.offload_optimizer, args.offload_param)
+      if problem and args.stage is not None:
+        raise ConfigError(problem)
+      if not problem:
+        rows.append((s, args.offload_optimizer, args.offload_param))
+  return rows
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+  """``jzero estimate``: prints the per-device table and, with ``--budget``, which stage fits.
+
+  Raises:
+    ConfigError: flags that do not go together (the CLI prints it and exits with status 2).
+  """
+  params, act_shape, what = _estimate_inputs(args)
+  p = PRECISION_BYTES[args.precision]
+  k = args.optimizer_bytes
+  if k is None:
+    k = 8 if args.precision == "fp32" else 12
+  acts = 0.0
+  if act_shape:
+    acts = activation_bytes(args.micro_batch, *act_shape, bytes_per_element=p,
+                            checkpointing=args.checkpoint_activations)
+  largest = args.largest_layer
+  if largest is None and not isinstance(params, int):
+    largest = largest_gathered_numel(params, args.persistence_threshold)
+  elif largest is None and args.hidden:
+    largest = transformer_layer_numel(args.hidden)
+  common = dict(param_bytes=p, optimizer_bytes=k, persistence_threshold=args.persistence_threshold,
+                activations=acts, gathered=(largest or 0, 0), prefetch=True,
+                param_buffer_elements=args.buffer_count * args.buffer_size,
+                param_cache_elements=args.max_in_cpu)
+  if args.hpz < 1 or (args.devices * args.nodes) % args.hpz:
+    raise ConfigError(f"--hpz {args.hpz}: the hpZ group must divide the {args.devices * args.nodes} "
+                      f"devices (usually --hpz {args.devices}, the devices per node).")
+  rows = [estimate(params, s, args.devices, args.nodes, offload_optimizer=o, offload_param=q,
+                   hpz_partition_size=args.hpz if s == 3 else 1, **common)
+          for s, o, q in _estimate_rows(args)]
+  first = rows[0]
+  print(f"jzero estimate: {first.num_params:,} params ({what}); N = {first.devices} devices "
+        f"({args.nodes} x {args.devices} per node); {args.precision} params and grads ({p} B "
+        f"each), optimizer state K = {k:g} B/param")
+  if not isinstance(params, int):
+    print(f"  ZeRO-3 keeps {persistent_numel(params, args.persistence_threshold):,} params "
+          f"replicated (persistence threshold {args.persistence_threshold:,})")
+  if act_shape:
+    s, h, layers, heads = act_shape
+    print(f"  activations: micro-batch {args.micro_batch} x seq {s}, hidden {h}, {layers} layers, "
+          f"{heads} heads, checkpointing {'on' if args.checkpoint_activations else 'off'}: "
+          f"{format_bytes(acts)} per device")
+  if any(e.stage == 3 for e in rows):
+    print(f"  ZeRO-3 gathers the largest layer ({largest:,} params) and prefetches the next: "
+          f"{format_bytes(2 * p * largest)} per device, in the device total" if largest else
+          "  ZeRO-3's device total leaves out the gathered working set (the largest layer, twice "
+          "with prefetch): give --largest-layer N, or --hidden H for a transformer layer")
+  if args.offload_param == "nvme":
+    print(f"  parameters on NVMe: host keeps up to {args.max_in_cpu:,} partitioned elements "
+          f"(max_in_cpu) and {args.buffer_count} x {args.buffer_size:,} elements of staging "
+          f"buffers per process, in host/process; the rest of the partition is on NVMe")
+  print("per device (host and NVMe: per process; GB = 1e9 bytes):")
+  print(format_estimates(rows))
+  if args.budget is not None:
+    choice = recommend(params, args.budget, args.devices, args.nodes, headroom=args.headroom,
+                       host_budget=args.host_budget, **common)
+    print(f"which stage? {choice}")
+  return 0

@@ -1,0 +1,458 @@
+"""Communication you can see: the collectives of a compiled step, read from its HLO.
+
+:func:`collectives` walks the optimized HLO module of a compiled step (``compiled.as_text()``) and
+returns every all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute with
+
+* the bytes of the full (unpartitioned) buffer it moves,
+* how many times it runs per step (collectives inside ``while`` loops -- the layer scan, the
+  micro-batch scan -- run ``known_trip_count`` times; a ``conditional`` branch is counted once,
+  an upper bound),
+* its group size and the mesh axes its replica groups span, so traffic inside a node can be told
+  from traffic across nodes on a ``node x local`` mesh,
+* the bytes one device sends per run under the ring algorithm: all-gather and reduce-scatter
+  ``(n-1)/n * full``, all-reduce ``2 (n-1)/n * full``, all-to-all ``(n-1)/n * full``,
+  collective-permute the whole buffer,
+* how many buffers XLA's combiners merged into it (DeepSpeed's buckets),
+* its payload: the element types it moves (``u16`` for 16-bit parameters, which jzero gathers as
+  their bits; ``s8`` + ``f32`` for ZeRO++'s int8 blocks and scales; ``u8`` for int4 blocks, two
+  per byte -- every type is counted at its own width, so quantized collectives show their real
+  bytes),
+* and, in a scheduled GPU program, whether it runs asynchronously and what is scheduled while it
+  is in flight. The GPU compiler turns every collective into a ``-start`` / ``-done`` pair and
+  marks the ones it runs synchronously (``"is_sync":true`` in the backend config); the text of a
+  scheduled module lists each computation's instructions in schedule order, so the compute
+  instructions (fusions, custom calls such as cuBLAS gemms, convolutions, dots, and loops, calls
+  or conditionals, which hold compute) between a start and its done run while the collective is in
+  flight: the collective is *overlapped* with compute. Any fusion counts, even a LayerNorm; the
+  matrix multiplications among them (gemm fusions, cuBLAS / cuDNN custom calls, dots,
+  convolutions) are counted apart, since hiding a large transfer takes a matmul. A start whose done
+  is not in the same computation (a collective pipelined across loop iterations) counts what
+  follows it to the end of the computation.
+
+:func:`comm_volume` sums them per step and expresses the total in units of Psi (the parameter
+count times the bytes of one element), the unit of the ZeRO paper's communication analysis:
+DDP, ZeRO-1 and ZeRO-2 move ``2 Psi`` per device per step, ZeRO-3 ``3 Psi`` (times ``(n-1)/n`` for
+a ring of ``n`` devices, which the paper rounds to 1). :meth:`CommVolume.crossing` is what
+crosses a mesh axis -- on a ``node x local`` mesh, the bytes over the slow links: every collective
+whose replica groups span that axis, counted whole (a collective over all devices is counted as
+crossing nodes, as the ZeRO++ paper counts ZeRO-3's 3Ψ). An all-to-all over a tuple of buffers
+(XLA's CPU form: one buffer per destination) counts them all.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+from jzero.sharding.mesh import ZeroMesh
+from jzero.analysis.tables import html_table, require_pyplot, text_table
+
+__all__ = ["Collective", "CommVolume", "StepTiming", "collectives", "comm_volume", "zero_theory",
+           "unordered_collectives", "COMPUTE_OPS"]
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
+          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+          "c128": 16}
+_BITS = {"s4": 4, "u4": 4, "s2": 2, "u2": 2, "s1": 1, "u1": 1}  # sub-byte types, packed
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+_ARRAY = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)="
+                    r"%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+# Instructions that run kernels (or hold instructions that do) in a scheduled GPU program.
+COMPUTE_OPS = ("fusion", "custom-call", "convolution", "dot", "while", "conditional", "call")
+_MATMUL = re.compile(r"gemm|matmul|dot|conv", re.IGNORECASE)
+_CALLEE = re.compile(r"(?:calls|custom_call_target)=\"?%?([\w.\-$]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective instruction of a compiled step."""
+
+  kind: str
+  name: str
+  full_bytes: int  # the unpartitioned buffer: AG output, RS input, AR / A2A / CP operand
+  group_size: int
+  axes: tuple[str, ...]  # mesh axes the replica groups span
+  count: int  # runs per step
+  buffers: int = 1  # buffers XLA's combiners merged into this one instruction
+  is_async: bool = False  # a start/done pair XLA runs asynchronously (not marked is_sync)
+  overlapped_ops: int = 0  # compute instructions scheduled between its start and done
+  overlapped_matmuls: int = 0  # of which matrix multiplications (gemms, dots, convolutions)
+  computation: str = ""  # the HLO computation it is in (a loop body, or the entry)
+  payload: tuple[str, ...] = ()  # element types moved, e.g. ("s8", "f32") for int8 blocks
+
+  @property
+  def overlapped(self) -> bool:
+    """Runs asynchronously with compute scheduled while it is in flight."""
+    return self.is_async and self.overlapped_ops > 0
+
+  @property
+  def sent_bytes(self) -> float:
+    """Bytes one device sends per run (ring algorithm)."""
+    n = self.group_size
+    if n <= 1:
+      return 0.0
+    if self.kind == "all-reduce":
+      return 2 * (n - 1) / n * self.full_bytes
+    if self.kind == "collective-permute":
+      return float(self.full_bytes)
+    return (n - 1) / n * self.full_bytes
+
+  @property
+  def step_bytes(self) -> float:
+    return self.sent_bytes * self.count
+
+
+def _type_bytes(type_str: str) -> int:
+  total = 0
+  for dt, dims in _ARRAY.findall(type_str):
+    numel = math.prod(int(d) for d in dims.split(",") if d)
+    total += -(-numel * _BITS[dt] // 8) if dt in _BITS else _BYTES.get(dt, 4) * numel
+  return total
+
+
+def _payload(type_str: str) -> tuple[str, ...]:
+  """The distinct element types of a collective's result buffers, in order of appearance."""
+  return tuple(dict.fromkeys(dt for dt, _ in _ARRAY.findall(type_str)))
+
+
+def _tuple_elements(type_str: str) -> list[str]:
+  """Top-level elements of a tuple type '(a, (b, c), d)'; [type_str] when it is no tuple."""
+  text = re.sub(r"/\*.*?\*/", "", type_str).strip()
+  if not text.startswith("("):
+    return [text]
+  parts, depth, start = [], 0, 1
+  for i, ch in enumerate(text):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+      parts.append(text[start:i].strip())
+      start = i + 1
+  return [p for p in parts if p]
+
+
+def _outputs(op: str, type_str: str) -> str:
+  """The result buffers of a collective. Async all-gather / reduce-scatter / all-to-all /
+  collective-permute starts return (operands, results[, contexts]); all-reduce-start returns its
+  results; a synchronous collective returns its results."""
+  if op.endswith("-start") and op != "all-reduce-start":
+    parts = _tuple_elements(type_str)
+    if len(parts) >= 2:
+      return parts[1]
+  return type_str
+
+
+def _groups(attrs: str, n_devices: int) -> list[list[int]]:
+  m = re.search(r"replica_groups=\{(\{[^=]*?\})\}", attrs)
+  if m:
+    return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([^{}]*)\}", m.group(1))]
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+  if m:
+    g, s = int(m.group(1)), int(m.group(2))
+    ids = np.arange(math.prod(int(d) for d in m.group(3).split(","))).reshape(
+        [int(d) for d in m.group(3).split(",")])
+    if m.group(4):
+      ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+    return ids.reshape(g, s).tolist()
+  m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+  if m:
+    pairs = re.findall(r"\{(\d+),(\d+)\}", m.group(0))
+    return [[int(a), int(b)] for a, b in pairs]
+  return [list(range(n_devices))]  # empty replica_groups: all devices
+
+
+def _axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+  names, sizes = list(mesh_shape), list(mesh_shape.values())
+  spanned = set()
+  for g in groups:
+    coords = np.array(np.unravel_index(np.asarray(g), sizes)).T
+    for i, name in enumerate(names):
+      if len(set(coords[:, i])) > 1:
+        spanned.add(name)
+  return tuple(n for n in names if n in spanned)
+
+
+_Instruction = tuple[str, str, str, str]  # (name, result type, opcode, operands and attributes)
+
+
+def _parse_module(hlo_text: str) -> tuple[dict[str, list[_Instruction]],
+                                          dict[str, list[tuple[str, int]]], str]:
+  """(instructions per computation in text order, (callee, trip count) per computation, entry)."""
+  comps: dict[str, list[_Instruction]] = {}
+  calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = header.group(2)
+      comps[current] = []
+      if header.group(1):
+        entry = current
+      continue
+    inst = _INSTR.match(line)
+    if not inst or current is None:
+      continue
+    name, type_str, op, rest = inst.group(2), inst.group(3), inst.group(4), inst.group(5)
+    comps[current].append((name, type_str, op, rest))
+    trips = 1
+    if op == "while":
+      m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
+      trips = int(m.group(1)) if m else 1
+    for callee in _CALLS.findall(rest):
+      calls[current].append((callee, trips))
+    for branches in _BRANCHES.findall(rest):
+      for callee in branches.split(","):
+        calls[current].append((callee.strip().lstrip("%"), 1))
+  if entry is None:
+    raise ValueError("not an HLO module: no ENTRY computation found")
+  return comps, calls, entry
+
+
+def _operands(rest: str) -> list[str]:
+  """The instruction names an instruction reads (its parenthesised operand list)."""
+  depth = 0
+  for i, ch in enumerate(rest):
+    depth += ch == "("
+    if ch == ")":
+      if depth == 0:
+        return re.findall(r"%([\w.\-]+)", rest[:i])
+      depth -= 1
+  return re.findall(r"%([\w.\-]+)", rest)
+
+
+def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str]]:
+  """Pairs of collective-bearing instructions (a collective, or a loop / branch / call holding
+  one) that no data dependency orders: ``(computation, earlier, later)`` for each pair adjacent in
+  text order where the later does not read the earlier's result, directly or through others.
+
+  Empty when every computation's collectives form one chain -- what
+  :mod:`jzero.comm.collective_order` builds, so that XLA's CPU runtime cannot run two at once."""
+  comps, calls, _ = _parse_module(hlo_text)
+  bearing: dict[str, bool] = {}
+
+  def holds(comp: str) -> bool:
+    if comp not in bearing:
+      bearing[comp] = False
+      bearing[comp] = any(op.removesuffix("-start") in KINDS for _, _, op, _ in comps.get(comp, ())
+                          ) or any(holds(c) for c, _ in calls.get(comp, ()))
+    return bearing[comp]
+
+  found = []
+  for comp, insts in comps.items():
+    ancestors: dict[str, set[str]] = {}
+    elements: dict[str, list[str]] = {}  # a tuple's (or a barrier's) elements, by position
+    previous = None
+    for name, _, op, rest in insts:
+      reads = [o for o in _operands(rest) if o in ancestors]
+      if op == "tuple":
+        elements[name] = reads
+      elif op == "opt-barrier" and reads and reads[0] in elements:
+        elements[name] = elements[reads[0]]  # passes its tuple through, element by element
+      index = re.search(r"index=(\d+)", rest)
+      if op == "get-tuple-element" and reads and reads[0] in elements and index:
+        reads = elements[reads[0]][int(index.group(1)):][:1]
+      ancestors[name] = set(reads).union(*(ancestors[o] for o in reads))
+      if op.endswith("-done"):
+        continue
+      callees = [c.strip().lstrip("%") for c in _CALLS.findall(rest)] + [
+          c.strip().lstrip("%") for b in _BRANCHES.findall(rest) for c in b.split(",")]
+      if op.removesuffix("-start") in KINDS or any(holds(c) for c in callees):
+        if previous is not None and previous not in ancestors[name]:
+          found.append((comp, previous, name))
+        previous = name
+  return found
+
+
+def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]:
+  """Every collective of an optimized HLO module, with its per-step run count.
+
+  Args:
+    hlo_text: ``compiled.as_text()`` of the step (or any optimized HLO module text).
+    mesh: the mesh the step runs on (names the axes groups span); None: axes left empty.
+  """
+  mesh_shape = dict(mesh.mesh.shape) if mesh is not None else {}
+  n_devices = math.prod(mesh_shape.values()) if mesh_shape else 1
+  comps, calls, entry = _parse_module(hlo_text)
+
+  runs: dict[str, int] = collections.defaultdict(int)
+
+  def visit(comp: str, mult: int) -> None:
+    runs[comp] += mult
+    for callee, trips in calls.get(comp, ()):
+      if callee in comps:
+        visit(callee, mult * trips)
+
+  visit(entry, 1)
+  found = []
+  for comp, insts in comps.items():
+    if not runs.get(comp):
+      continue
+    for index, (name, type_str, op, rest) in enumerate(insts):
+      kind = op.removesuffix("-start")
+      if kind not in KINDS or op.endswith("-done"):
+        continue
+      groups = _groups(rest, n_devices)
+      size = len(groups[0]) if kind != "collective-permute" else n_devices
+      outputs = _outputs(op, type_str)
+      out = _type_bytes(outputs)
+      full = out * size if kind == "reduce-scatter" else out
+      is_async, overlapped, matmuls = False, 0, 0
+      if op.endswith("-start"):
+        is_async = '"is_sync":true' not in rest
+        overlapped, matmuls = _compute_in_flight(insts, index, name)
+      found.append(Collective(kind=kind, name=name, full_bytes=full, group_size=size,
+                              axes=_axes(groups, mesh_shape) if mesh_shape else (),
+                              count=runs[comp], buffers=len(_ARRAY.findall(outputs)),
+                              is_async=is_async, overlapped_ops=overlapped,
+                              overlapped_matmuls=matmuls, computation=comp,
+                              payload=_payload(outputs)))
+  return found
+
+
+def _compute_in_flight(insts: list[tuple[str, str, str, str]], start: int,
+                       name: str) -> tuple[int, int]:
+  """(compute instructions, of which matmuls) scheduled after ``insts[start]`` and before the done
+  that consumes it (to the end of the computation when the done is elsewhere)."""
+  count = matmuls = 0
+  for inst, _, op, rest in insts[start + 1:]:
+    if op.endswith("-done") and rest.split(")")[0].strip().lstrip("%") == name:
+      break
+    if op in COMPUTE_OPS:
+      count += 1
+      callee = _CALLEE.search(rest)
+      matmuls += op in ("dot", "convolution") or bool(
+          op in ("fusion", "custom-call") and _MATMUL.search(inst + (callee[1] if callee else "")))
+  return count, matmuls
+
+
+def zero_theory(stage: int, n: int) -> float:
+  """Bytes one device sends per step, in Psi units, for ZeRO ``stage`` over ``n`` devices (ring)."""
+  return (3 if stage == 3 else 2) * (n - 1) / n
+
+
+@dataclasses.dataclass(frozen=True)
+class CommVolume:
+  """Per-step communication of a compiled step."""
+
+  ops: list[Collective]
+  psi_bytes: int  # parameter count x bytes per element
+
+  @property
+  def total_bytes(self) -> float:
+    return sum(c.step_bytes for c in self.ops)
+
+  @property
+  def total_psi(self) -> float:
+    return self.total_bytes / self.psi_bytes
+
+  def by_kind(self) -> dict[str, float]:
+    out: dict[str, float] = collections.defaultdict(float)
+    for c in self.ops:
+      out[c.kind] += c.step_bytes
+    return dict(out)
+
+  @property
+  def overlapped_bytes(self) -> float:
+    """Bytes sent per step by collectives that run asynchronously with compute in flight."""
+    return sum(c.step_bytes for c in self.ops if c.overlapped)
+
+  @property
+  def overlap_fraction(self) -> float:
+    """Fraction of the bytes sent per step that overlap compute (nan when nothing is sent)."""
+    total = self.total_bytes
+    return self.overlapped_bytes / total if total else math.nan
+
+  @property
+  def matmul_overlap_fraction(self) -> float:
+    """Fraction of the bytes sent per step with a matmul in flight (nan when nothing is sent)."""
+    total = self.total_bytes
+    hidden = sum(c.step_bytes for c in self.ops if c.overlapped and c.overlapped_matmuls)
+    return hidden / total if total else math.nan
+
+  def by_axes(self) -> dict[tuple[str, ...], float]:
+    out: dict[tuple[str, ...], float] = collections.defaultdict(float)
+    for c in self.ops:
+      out[c.axes] += c.step_bytes
+    return dict(out)
+
+  def crossing(self, axis: str) -> float:
+    """Bytes sent per device per step by the collectives whose groups span mesh axis ``axis``
+    (``"node"``: what crosses nodes)."""
+    return sum(c.step_bytes for c in self.ops if axis in c.axes)
+
+  def rows(self) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of :meth:`table`: per kind, mesh axes and payload, the runs per step and the
+    MiB each device sends per step (and in Psi units); a total row last."""
+    grouped = collections.defaultdict(lambda: [0, 0.0])
+    for c in self.ops:
+      key = (c.kind, "x".join(c.axes) or "-", "+".join(c.payload) or "-")
+      grouped[key][0] += c.count
+      grouped[key][1] += c.step_bytes
+    header = ["collective", "axes", "payload", "runs/step", "MiB sent/device", "Psi"]
+    rows = [[kind, axes, payload, str(count), f"{sent / 2**20:.3f}",
+             f"{sent / self.psi_bytes:.3f}"]
+            for (kind, axes, payload), (count, sent) in sorted(grouped.items())]
+    rows.append(["total", "", "", "", f"{self.total_bytes / 2**20:.3f}", f"{self.total_psi:.3f}"])
+    return header, rows
+
+  def table(self) -> str:
+    """A per-kind / per-axes / per-payload table of bytes sent per device per step."""
+    return text_table(*self.rows())
+
+  def _repr_html_(self) -> str:
+    return html_table(*self.rows(), caption="collectives of the compiled step, per device")
+
+  def to_records(self) -> list[dict[str, Any]]:
+    """One dict per kind, axes and payload: runs per step, bytes sent per device per step."""
+    header, rows = self.rows()
+    return [{"collective": r[0], "axes": r[1], "payload": r[2], "runs": int(r[3]),
+             "bytes": float(r[4]) * 2**20} for r in rows[:-1]]
+
+  def plot(self, ax: Any = None) -> Any:
+    """Bars of MiB sent per device per step, one per kind and mesh axes. Returns the Axes."""
+    plt = require_pyplot()
+    if ax is None:
+      _, ax = plt.subplots(figsize=(6, 3.2))
+    records = self.to_records()
+    ax.bar(range(len(records)), [r["bytes"] / 2**20 for r in records])
+    ax.set_xticks(range(len(records)), [f"{r['collective']}\n{r['axes']} {r['payload']}"
+                                        for r in records], fontsize="small")
+    ax.set_ylabel("MiB sent per device per step")
+    return ax
+
+
+def comm_volume(compiled: Any, mesh: ZeroMesh, *, num_params: int, bytes_per_param: int
+                ) -> CommVolume:
+  """Collectives of a compiled step and their per-step volume in Psi units.
+
+  Args:
+    compiled: a compiled step (``engine.compile_step(...)``) or its HLO text.
+    mesh: the mesh it runs on.
+    num_params: Psi, the model's parameter count.
+    bytes_per_param: bytes of one communicated element (4 for fp32, 2 for bf16 / fp16).
+  """
+  text = compiled if isinstance(compiled, str) else compiled.as_text()
+  return CommVolume(ops=collectives(text, mesh), psi_bytes=num_params * bytes_per_param)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+  """Wall-clock time of one step run with ``wall_clock_breakdown`` (each part run to completion)."""
+
+  step: int
+  forward_backward_s: float  # forward + backward over all micro-batches + gradient reduction
+  optimizer_s: float  # overflow check, clipping, optimizer update, parameter all-gather
+
+  @property
+  def total_s(self) -> float:
+    return self.forward_backward_s + self.optimizer_s

@@ -1,0 +1,335 @@
+"""Memory a live engine holds, measured, beside the estimator's prediction (:mod:`jzero.analysis.estimate`).
+
+**Measured accounting** (:func:`memory_report`) reads, for the first device of a live engine's
+mesh, the bytes of every shard that device holds of the compute params, the fp32 master and the
+optimizer state (``arr.addressable_shards``), by memory kind (``device``, ``pinned_host``,
+``unpinned_host``; a tier outside JAX's memory kinds, such as NVMe, adds its own key). The
+gradient buffer lives only inside the compiled step, so it is counted from the plan (its layout
+times the compute dtype), as ZeRO's accounting does. Given a batch, the report adds the compiled
+step's ``memory_analysis()``, and it sets the estimator's prediction for the same model beside the
+measurement.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jzero.analysis.estimate import TIERS, CATEGORIES, Estimate, estimate
+from jzero.tiers.nvme_params import host_bytes_bound
+from jzero.analysis.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
+
+__all__ = ["REPORT_CATEGORIES", "live_bytes", "state_report", "CompiledMemory", "MemoryReport",
+           "memory_report", "report_rows", "format_memory_report"]
+
+
+# -- measured accounting ---------------------------------------------------------------------------
+REPORT_CATEGORIES = ("params", "grads", "master", "optimizer")
+_KIND_ORDER = ("device", "pinned_host", "unpinned_host", "nvme")
+
+
+def live_bytes(tree: Any, device: jax.Device | None = None) -> dict[str, int]:
+  """Bytes of the shards of ``tree``'s arrays that live on ``device``, by memory kind.
+
+  Args:
+    tree: a pytree of ``jax.Array`` (other leaves are ignored).
+    device: the device to count (default: the first device of the first array).
+  """
+  out: dict[str, int] = collections.defaultdict(int)
+  for x in jax.tree.leaves(tree):
+    if not isinstance(x, jax.Array):
+      continue
+    device = device or x.addressable_shards[0].device
+    for shard in x.addressable_shards:
+      if shard.device == device:
+        out[x.sharding.memory_kind or "device"] += shard.data.nbytes
+  return dict(out)
+
+
+def state_report(engine: Any, state: Any) -> dict[str, dict[str, int]]:
+  """Bytes the first device of ``engine``'s mesh holds: category -> memory kind -> bytes.
+
+  Categories are :data:`REPORT_CATEGORIES`, plus "secondary" (ZeRO++ hpZ's copy) and
+  "delayed_grads" (the delayed update's carried gradient) when the state has them; params, master, optimizer and secondary are measured from the live arrays, grads
+  counted from the plan (``{}`` where a category has no arrays).
+  """
+  plan = engine.plan
+  device = engine.mesh.mesh.devices.flat[0]
+  itemsize = jnp.dtype(plan.compute_dtype).itemsize
+  grads = sum(plan.local_numel(l, l.grad_partitioned) for l in plan.leaf_list()) * itemsize
+  report = {
+      "params": live_bytes(state.params, device),
+      "grads": {"device": grads},
+      "master": live_bytes(state.master, device),
+      "optimizer": live_bytes(state.opt_state, device),
+  }
+  if getattr(state, "secondary", None) is not None:
+    report["secondary"] = live_bytes(state.secondary, device)
+  store = getattr(engine, "nvme_store", None)
+  if store is not None:  # the NVMe tier: measured from the store's chunk files (jzero.tiers.nvme_store)
+    for category, nbytes in store.measured_per_device().items():
+      if nbytes:
+        report[category]["nvme"] = nbytes
+    if store.reader is not None and store.reader.cache_bytes():  # params' host cache (numpy)
+      report["params"]["unpinned_host"] = store.reader.cache_bytes() // len(store.devices)
+  if getattr(state, "delayed", None) is not None:  # the carried gradient (jzero.tiers.delayed)
+    report["delayed_grads"] = live_bytes(state.delayed.grads, device)
+  return report
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+  """One device's bytes of a compiled step, from XLA's ``memory_analysis()``."""
+
+  argument: int
+  output: int
+  temp: int
+  alias: int
+  generated_code: int
+
+  @classmethod
+  def of(cls, compiled: Any) -> CompiledMemory:
+    """Reads ``compiled.memory_analysis()`` of a ``jax.stages.Compiled``."""
+    a = compiled.memory_analysis()
+    return cls(argument=a.argument_size_in_bytes, output=a.output_size_in_bytes,
+               temp=a.temp_size_in_bytes, alias=a.alias_size_in_bytes,
+               generated_code=a.generated_code_size_in_bytes)
+
+  @property
+  def peak(self) -> int:
+    """argument + output + temp - alias: donated buffers reused for outputs count once."""
+    return self.argument + self.output + self.temp - self.alias
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+  """Measured and predicted model-state bytes of one device of a live engine.
+
+  Attributes:
+    device: the device measured (the first of the mesh).
+    precision: "fp32", "bf16" or "fp16".
+    measured: category (:data:`REPORT_CATEGORIES`) -> memory kind -> bytes.
+    predicted: category -> bytes the estimator puts on the device.
+    estimate: the estimator's answer for this model (Ψ, Ψr, N, stage).
+    optimizer_bytes: K, optimizer-state bytes per param read from the live state (master included).
+    compiled: the compiled step's memory analysis, when a batch was given.
+    prefetch: the plan gathers the next unit while one computes.
+  """
+
+  device: str
+  precision: str
+  measured: dict[str, dict[str, int]]
+  predicted: dict[str, float]
+  estimate: Estimate
+  optimizer_bytes: float
+  compiled: CompiledMemory | None = None
+  prefetch: bool = False
+  notes: tuple[str, ...] = ()
+
+  @property
+  def categories(self) -> tuple[str, ...]:
+    """:data:`REPORT_CATEGORIES`, plus "secondary" with ZeRO++ hpZ and "delayed_grads" with the
+    delayed update."""
+    return REPORT_CATEGORIES + tuple(c for c in ("secondary", "delayed_grads")
+                                     if c in self.measured)
+
+  def measured_bytes(self, category: str | None = None) -> int:
+    """Measured bytes of one category, over all memory kinds (None: all categories)."""
+    names = self.categories if category is None else (category,)
+    return sum(sum(self.measured[c].values()) for c in names)
+
+  def predicted_bytes(self, category: str | None = None) -> float:
+    """Predicted bytes of one category (None: all categories)."""
+    names = self.categories if category is None else (category,)
+    return sum(self.predicted[c] for c in names)
+
+  def __str__(self) -> str:
+    return format_memory_report(self)
+
+  def _repr_html_(self) -> str:
+    title, header, rows, notes = report_rows(self)
+    return html_table(header, rows, caption=title, notes=notes)
+
+  def to_records(self) -> list[dict[str, Any]]:
+    """One dict per category: bytes measured per memory kind, measured, predicted."""
+    return [{"category": c, **{f"measured_{k}": float(v) for k, v in self.measured[c].items()},
+             "measured": float(self.measured_bytes(c)), "predicted": float(self.predicted_bytes(c))}
+            for c in self.categories]
+
+  def plot(self, ax: Any = None) -> Any:
+    """Measured and predicted bytes per category (MB), side by side. Returns the Axes."""
+    plt = require_pyplot()
+    if ax is None:
+      _, ax = plt.subplots(figsize=(6, 3.2))
+    records = self.to_records()
+    x = range(len(records))
+    ax.bar([i - 0.2 for i in x], [r["measured"] / 1e6 for r in records], 0.4, label="measured")
+    ax.bar([i + 0.2 for i in x], [r["predicted"] / 1e6 for r in records], 0.4, label="predicted")
+    ax.set_xticks(list(x), [r["category"] for r in records])
+    ax.set_ylabel("MB per device")
+    ax.set_title(self.estimate.name, fontsize="medium")
+    ax.legend(fontsize="small")
+    return ax
+
+  def ratio(self, category: str | None = None) -> float:
+    """measured / predicted for one category (None: the total); nan where nothing is predicted."""
+    predicted = self.predicted_bytes(category)
+    return self.measured_bytes(category) / predicted if predicted else math.nan
+
+
+def _state_bytes_per_param(engine: Any, state: Any) -> tuple[float, float]:
+  """(fp32 master, optimizer state) bytes per parameter, from the live state's global arrays.
+
+  Optimizer leaves that optax marks as param-like (Adam's moments, not its step count) count.
+  """
+  plan = engine.plan
+  numel = sum(math.prod(plan.state_shape(l)) for l in plan.leaf_list())
+  param_like = optax.tree_utils.tree_map_params(engine.tx, lambda x: x.nbytes, state.opt_state,
+                                                transform_non_params=lambda _: 0)
+  master = sum(x.nbytes for x in jax.tree.leaves(state.master))
+  optimizer = sum(jax.tree.leaves(param_like))
+  store = getattr(engine, "nvme_store", None)
+  if store is not None:  # NVMe leaves hold 0-byte placeholders; their bytes are in the store
+    stored = store.logical_bytes()
+    master, optimizer = master + stored["master"], optimizer + stored["optimizer"]
+  return master / numel, optimizer / numel
+
+
+def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
+  """Measured bytes of the first device of ``engine``'s mesh beside the estimator's prediction.
+
+  The prediction uses the plan's leaves (Ψ, stacked layers), the mesh's ZeRO size as N, the
+  config's stage and persistence thresholds, the compute dtype's bytes for params and grads, and K
+  read from the live state (fp32 master + param-like optimizer leaves per param: 8 for Adam in
+  fp32, 12 in bf16 / fp16).
+
+  Args:
+    engine: an engine after :meth:`Engine.init`.
+    state: its train state.
+    batch: a global batch placed on the mesh; adds the compiled step's memory analysis.
+  """
+  plan, zero = engine.plan, engine.config.zero_optimization
+  # compiled first: tracing the step tells the gathered working set as the model really runs
+  compiled = CompiledMemory.of(engine.compile_step(state, batch)) if batch is not None else None
+  master_k, opt_k = _state_bytes_per_param(engine, state)
+  leaves = plan.leaf_list()
+  host = sum(l.numel for l in leaves if l.state_tier == "host")
+  on_nvme = sum(l.numel for l in leaves if l.state_tier == "nvme")
+  store = getattr(engine, "nvme_store", None)
+  reader = store.reader if store is not None else None
+  # params on NVMe (jzero.tiers.nvme_params): the store holds their fp32 master (counted in master) or,
+  # with their state on the host, an fp32 copy (counted in params, below); the host cache holds
+  # max_in_cpu of them in fp32
+  cached = (sum(e.numel for p, e in reader.entries.items() if p in reader.cached)
+            if reader is not None else 0)
+  optimizer_tier = ("nvme" if on_nvme and (plan.params_on_nvme or not host)
+                    else "cpu" if host else None)
+  est = estimate(leaves, plan.stage, engine.mesh.zero_size, offload_optimizer=optimizer_tier,
+                 offload_param=("nvme" if plan.params_on_nvme else
+                                "cpu" if plan.param_offloads else None),
+                 param_cache_elements=cached,
+                 offload_ratio=(on_nvme if optimizer_tier == "nvme" else host)
+                 / sum(l.numel for l in leaves),
+                 param_bytes=jnp.dtype(plan.compute_dtype).itemsize,
+                 optimizer_bytes=master_k + opt_k,
+                 persistence_threshold=zero.param_persistence_threshold,
+                 model_persistence_threshold=zero.model_persistence_threshold,
+                 gathered=engine.gathered_working_set(), prefetch=plan.prefetches,
+                 hpz_partition_size=plan.zeropp.hpz,
+                 delayed_update=getattr(state, "delayed", None) is not None)
+  # Offload: master + optimizer state are predicted over the tiers they live on. jzero's gradient
+  # buffer is a temporary of the step on the device; the estimator's host share of it (DeepSpeed
+  # copies the gradient partition to the host) is counted as the device's here.
+  total = {c: sum(est.bytes[t][c] for t in est.bytes) for c in CATEGORIES}
+  if reader is not None:  # the cache in fp32 (see above)
+    total["params"] = est.bytes["device"]["params"] + 4 * cached
+    # params whose master is on the host or the device: the store holds an fp32 copy of each
+    # (counted as params), and fp32 training's state holds the param itself (its master)
+    copies = 4 * sum(plan.local_numel(l, True) for l in leaves if l.param_copy_on_nvme)
+    total["params"] += copies * (1 if plan.has_master else 2)
+  per_k = total["optimizer"] / (master_k + opt_k) if master_k + opt_k else 0.0
+  predicted = {"params": total["params"], "grads": total["grads"], "master": per_k * master_k,
+               "optimizer": per_k * opt_k}
+  if est.hpz > 1:
+    predicted["secondary"] = est.bytes["device"]["secondary"]
+  if "delayed_grads" in est.bytes["device"]:
+    predicted["delayed_grads"] = est.bytes["device"]["delayed_grads"]
+  notes = ()
+  if reader is not None:
+    held = ("fp32 copy, written after each update (counted in params; the master and "
+            "optimizer state are on the host or the device)" if store.copies
+            else "fp32 master (counted in master)")
+    notes += (f"params on NVMe: read layer by layer from the store's {held}; host cache "
+              f"{format_bytes(reader.cache_bytes())} in this process ({len(reader.cached)} of {len(reader.entries)} leaves), host bound "
+              f"{format_bytes(host_bytes_bound(store.settings, len(store.devices)))} (max_in_cpu "
+              f"+ buffer_count x buffer_size per device, fp32); reads so far: "
+              f"{reader.disk_reads} from disk, {reader.prefetch_hits} prefetched, "
+              f"{reader.cache_hits} from the cache",)
+  if store is not None:
+    notes += (f"NVMe store of process {jax.process_index()}: {store.directory} -- "
+             f"{format_bytes(store.bytes_per_slot)} per slot ({len(store.devices)} devices), "
+             f"{format_bytes(store.disk_bytes())} on disk (two slots and metadata), step "
+             f"{store.step} committed in slot {store.slot}",)
+  return MemoryReport(device=str(engine.mesh.mesh.devices.flat[0]),
+                      precision=engine.config.precision, measured=state_report(engine, state),
+                      predicted=predicted, estimate=est, optimizer_bytes=master_k + opt_k,
+                      compiled=compiled, prefetch=plan.prefetches, notes=notes)
+
+
+def report_rows(report: MemoryReport) -> tuple[str, list[str], list[list[str]], list[str]]:
+  """(title, header, rows, notes) of :func:`format_memory_report`'s table: per category the
+  measured bytes by memory kind, measured, predicted and their ratio; the notes are the
+  prediction per tier, the gathered working set, the NVMe store and the compiled step's memory
+  analysis."""
+  est = report.estimate
+  present = {k for kinds in report.measured.values() for k in kinds}
+  kinds = [k for k in _KIND_ORDER if k in present] + sorted(present - set(_KIND_ORDER))
+  persistent = f" ({est.persistent_params:,} persistent)" if est.persistent_params else ""
+  title = (f"memory per device ({report.device}): {est.name}, {report.precision}, N = "
+           f"{est.devices}, {est.num_params:,} params{persistent}, optimizer state K = "
+           f"{report.optimizer_bytes:g} B/param")
+  header = ["model states", *kinds, "measured", "predicted", "measured/predicted"]
+  rows = []
+  for name in (*report.categories, None):
+    ratio = report.ratio(name)
+    label = name or "total"
+    label = {"grads": "grads (plan)", "secondary": "hpZ secondary",
+             "delayed_grads": "delayed grads (DPU)"}.get(label, label)
+    rows.append([label]
+                + [byte_cell(report.measured[name].get(k, 0)) if name else "" for k in kinds]
+                + [byte_cell(report.measured_bytes(name)), byte_cell(report.predicted_bytes(name)),
+                   "-" if math.isnan(ratio) else f"{ratio:.4f}"])
+  notes = []
+  if est.offload_optimizer or est.offload_param:
+    notes.append("predicted per tier (estimator): " + ", ".join(
+        f"{tier} {format_bytes(est.tier_total(tier))}" for tier in TIERS
+        if est.tier_total(tier)) + " (per device's share: a process holds the shares of its "
+        "local devices; the host gradient share is the estimator's DeepSpeed-style copy, a "
+        "temporary in jzero)")
+  if est.gathered:
+    source = "traced step" if report.compiled is not None else "plan"
+    notes.append(f"ZeRO-3 gathered working set ({source}): {format_bytes(est.gathered)} -- the "
+                 f"largest unit or layer{' twice (prefetch)' if report.prefetch else ''} plus the "
+                 f"parameters gathered at the start; a temporary of the compiled step")
+  notes.extend(report.notes)
+  c = report.compiled
+  if c is not None:
+    notes.append(f"compiled step (XLA memory_analysis): argument {format_bytes(c.argument)}, "
+                 f"output {format_bytes(c.output)}, temp {format_bytes(c.temp)}, alias "
+                 f"{format_bytes(c.alias)}, generated code {format_bytes(c.generated_code)}; "
+                 f"peak {format_bytes(c.peak)}")
+  return title, header, rows, notes
+
+
+def format_memory_report(report: MemoryReport) -> str:
+  """:func:`report_rows` as text (what ``jzero train`` prints at its end)."""
+  title, header, rows, notes = report_rows(report)
+  compiled = [n for n in notes if n.startswith("compiled step")]
+  return "\n".join([title, text_table(header, rows, indent="  "),
+                    *(f"  {n}" for n in notes if n not in compiled), *compiled])

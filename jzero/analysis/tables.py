@@ -1,0 +1,85 @@
+"""Tables of bytes, as text (terminals, logs) and as HTML (notebooks): one home for both.
+
+The reports (:class:`jzero.analysis.estimate.EstimateTable`, :class:`jzero.analysis.memory_report.MemoryReport`, the
+AOT report) build one ``(header, rows)`` pair of strings and render it with :func:`text_table`
+or :func:`html_table`, so a notebook shows the numbers the CLI prints; :class:`Table` is such a
+pair that shows itself (a notebook's own tables). :func:`require_pyplot`
+gives their ``.plot()`` methods matplotlib, or says how to install it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+from typing import Any, Sequence
+
+__all__ = ["Table", "format_bytes", "byte_cell", "text_table", "html_table", "require_pyplot"]
+
+
+def format_bytes(n: float) -> str:
+  """Decimal units up to GB (GB = 1e9 bytes): '38.50 GB', '2,100.00 GB', '25.58 MB'."""
+  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if abs(n) >= scale:
+      return f"{n / scale:,.2f} {unit}"
+  return f"{n:,.0f} B"
+
+
+def byte_cell(n: float) -> str:
+  """:func:`format_bytes`, or '-' for nothing."""
+  return format_bytes(n) if n else "-"
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "") -> str:
+  """Plain-text table: first column left-aligned, the others right-aligned."""
+  widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+  def line(cells):
+    return indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                              for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+  return "\n".join([line(header), *(line(r) for r in rows)])
+
+
+def html_table(header: Sequence[str], rows: Sequence[Sequence[str]],
+               caption: str | None = None, notes: Sequence[str] = ()) -> str:
+  """The same table as HTML (cells escaped; numbers right-aligned), with an optional caption and
+  lines of notes under it."""
+  def cells(tag: str, row: Sequence[str]) -> str:
+    return "".join(f'<{tag} style="text-align:{"left" if i == 0 else "right"}">'
+                   f"{html.escape(c)}</{tag}>" for i, c in enumerate(row))
+  parts = ["<table>"]
+  if caption:
+    parts.append(f'<caption style="text-align:left">{html.escape(caption)}</caption>')
+  parts.append(f"<thead><tr>{cells('th', header)}</tr></thead><tbody>")
+  parts.extend(f"<tr>{cells('td', row)}</tr>" for row in rows)
+  parts.append("</tbody></table>")
+  parts.extend(f"<div>{html.escape(note)}</div>" for note in notes)
+  return "".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  """Rows of strings that show themselves: HTML in a notebook, text in a terminal or a log."""
+
+  header: Sequence[str]
+  rows: Sequence[Sequence[str]]
+  caption: str = ""
+
+  def _repr_html_(self) -> str:
+    return html_table(self.header, self.rows, caption=self.caption or None)
+
+  def __str__(self) -> str:
+    table = text_table(self.header, self.rows)
+    return f"{self.caption}\n{table}" if self.caption else table
+
+  __repr__ = __str__
+
+
+def require_pyplot() -> Any:
+  """``matplotlib.pyplot``, or an ImportError saying how to install it (it is not a dependency of
+  training; the ``test`` and ``bench`` extras have it)."""
+  try:
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+  except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("plotting needs matplotlib: pip install matplotlib (or the project's "
+                      "'bench' extra)") from e
+  return plt

@@ -1,0 +1,56 @@
+"""The jzero command line: one module per subcommand (``train``, ``launch``, ``estimate``, ``aot``,
+``convert`` / ``inspect`` in :mod:`jzero.cli.checkpoint`); :func:`main` dispatches.
+
+``jzero train --config configs/zero3.json`` trains the embedded GPT on the embedded corpus (the
+Python standard library's source, as bytes) on 8 simulated CPU devices, with a progress bar, the
+loss every ``steps_per_print`` steps, and a summary at the end.
+
+``--checkpoint-dir DIR`` saves sharded checkpoints there and resumes from the latest one.
+``jzero launch --num_processes 2 --num_cpu_devices 4 --module jzero train ...`` runs a script (or
+``jzero train``) as several processes, here or over ssh on a hostfile's hosts (:mod:`jzero.runtime.launch`);
+``jzero train`` joins them, or a SLURM / Open MPI / Kubernetes job, by itself
+(:mod:`jzero.runtime.distributed`), and stops at a step all processes agree on when one gets SIGTERM,
+saving a checkpoint.
+``jzero estimate --params 7e9 --devices 8`` prints ZeRO's per-device memory table.
+``jzero aot --config ... --gpu h100 --devices 8`` compiles the step for a GPU topology that is not
+present (:mod:`jzero.analysis.aot`).
+``jzero convert CKPT --safetensors model.safetensors`` consolidates a sharded training checkpoint
+into plain weights (DeepSpeed's ``zero_to_fp32``); ``jzero inspect CKPT`` describes one.
+
+Bad input (config, mesh, data, checkpoint) is reported as one paragraph on stderr with exit status
+2, before any device work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from jzero.cli import aot, checkpoint, estimate, launch, train
+from jzero.errors import JZeroError
+
+__all__ = ["build_parser", "main"]
+
+#: The subcommands, in ``jzero --help``'s order: each module's ``add_parser(subparsers)``.
+COMMANDS = (train, launch, estimate, aot, checkpoint)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="jzero", description="jzero: DeepSpeed's ZeRO rebuilt for JAX. Train with a DeepSpeed "
+      "config, estimate memory, convert and inspect checkpoints.",
+      epilog="Run 'jzero COMMAND --help' for a command's options.")
+  sub = parser.add_subparsers(dest="command", required=True)
+  for command in COMMANDS:
+    command.add_parser(sub)
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    return args.func(args)
+  except JZeroError as e:
+    print(f"jzero: error: {e}", file=sys.stderr)
+    return 2

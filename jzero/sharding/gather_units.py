@@ -1,0 +1,361 @@
+"""Gather units: which parameters ZeRO-3 gathers together, and where -- for any Flax model.
+
+DeepSpeed's ZeRO-3 works on a PyTorch model as written: a hook gathers a module's parameters just
+before the module runs and frees them after; backward gathers them again. jzero does the same for
+Flax models written the ordinary way (``for block in self.blocks: x = block(x)``), with no change
+to the model's code. A *unit* is a module whose parameters are gathered together:
+
+**How units are chosen** (from the module tree, before any device work; the plan records the unit
+of every leaf, see :class:`jzero.sharding.plan.LeafPlan`):
+
+1. A module named by ``zero_optimization.leaf_module`` -- by class (``classes``: the class name or
+   its dotted path), by path (``names``) or by path suffix (``name_suffixes``) -- is one unit with
+   its whole subtree: DeepSpeed's leaf modules, FSDP2's per-block ``fully_shard``.
+2. With ``stage3_module_granularity_threshold`` > 0, a module whose granularity -- its parameter
+   count / (1 + its number of descendant modules), DeepSpeed's formula -- is below the threshold
+   is one unit with its subtree (many small modules fetched as one).
+3. Otherwise every module that owns parameters and has no descendant owning parameters is a unit
+   (``Linear``, ``Embed``, ``LayerNorm``...): DeepSpeed's default granularity.
+
+Parameters owned directly by a module that also has units below it (a position table read by the
+top-level module, a weight used as ``x @ self.w``) belong to no unit: they are gathered when the
+forward pass starts and kept until backward; :func:`check_units` warns when they are large.
+Leaves smaller than ``stage3_param_persistence_threshold`` are not gathered at all (persistent).
+
+**How a unit gathers.** Every method of the unit's module -- ``__call__`` and the other methods its
+own class defines, such as ``Embed.attend`` for tied embeddings -- runs inside ``jax.checkpoint``
+with the engine's layer policy, and the unit's partitions are gathered at the top of that region.
+So the gathered parameters are never saved for backward: backward gathers the unit again just
+before its own backward, and its gradient is reduce-scattered right after (the gather's
+backward), one unit's full parameters and gradients alive at a time. With ``cpu_checkpointing``
+the region's array inputs are what it keeps in ``pinned_host`` (see :mod:`jzero.sharding.layer_scan`). A unit
+inside another unit, or inside a layer scan that already gathered its layer, finds nothing left
+to gather and runs as is. NNX: the bound model's unit modules get a subclass whose methods do this. Linen: flax's
+``nn.intercept_methods``.
+
+The units' gathers read only the parameter partitions, never the previous unit's output, so XLA is
+free to issue unit i+1's all-gather while unit i computes (``overlap_comm``: the GPU's
+latency-hiding scheduler does; the CPU backend runs collectives in program order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import fnmatch
+import types
+import warnings
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend.core import get_opaque_trace_state
+from flax import linen as nn
+from flax import nnx
+
+from jzero.comm.zero_param import ZeroParam
+from jzero.errors import JZeroWarning
+from jzero.sharding.layer_scan import current_layer_policy, current_policy, gather, name_layer_inputs
+
+__all__ = ["ModuleInfo", "UnitRules", "choose_units", "check_units", "nnx_units", "linen_units",
+           "inside_unit", "holds_partitions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleInfo:
+  """One module of a model: its '/'-joined path ('' for the model) and class."""
+
+  path: str
+  cls: type
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitRules:
+  """What the config says about units (``zero_optimization.leaf_module`` and
+  ``stage3_module_granularity_threshold``)."""
+
+  classes: tuple[str, ...] = ()
+  names: tuple[str, ...] = ()
+  name_suffixes: tuple[str, ...] = ()
+  granularity_threshold: int = 0
+
+  def names_module(self, module: ModuleInfo) -> bool:
+    cls = module.cls
+    dotted = f"{cls.__module__}.{cls.__qualname__}"
+    by_class = any(c in (cls.__name__, cls.__qualname__, dotted) or fnmatch.fnmatchcase(dotted, c)
+                   for c in self.classes)
+    by_name = module.path in self.names or any(fnmatch.fnmatchcase(module.path, n)
+                                               for n in self.names)
+    by_suffix = any(module.path.endswith(s) for s in self.name_suffixes if module.path)
+    return by_class or by_name or by_suffix
+
+
+def _owner(leaf: str, modules: Sequence[str]) -> str:
+  """The deepest module path that is a prefix of ``leaf``."""
+  best = ""
+  for path in modules:
+    if path and (leaf == path or leaf.startswith(path + "/")) and len(path) > len(best):
+      best = path
+  return best
+
+
+def _within(path: str, root: str) -> bool:
+  return root == "" or path == root or path.startswith(root + "/")
+
+
+def choose_units(modules: Sequence[ModuleInfo], leaf_sizes: dict[str, int],
+                 rules: UnitRules = UnitRules()) -> dict[str, str]:
+  """Leaf path -> the path of the module that gathers it (see the module docstring); leaves in
+  no unit are left out.
+
+  Args:
+    modules: every module of the model.
+    leaf_sizes: element count of every parameter leaf, by '/'-joined path.
+    rules: leaf modules and the granularity threshold from the config.
+  """
+  paths = [m.path for m in modules]
+  owner = {leaf: _owner(leaf, paths) for leaf in leaf_sizes}
+  total = {m.path: sum(n for leaf, n in leaf_sizes.items() if _within(owner[leaf], m.path))
+           for m in modules}
+  descendants = {m.path: sum(1 for p in paths if p != m.path and _within(p, m.path))
+                 for m in modules}
+
+  def whole(m: ModuleInfo) -> bool:
+    if rules.names_module(m):
+      return True
+    threshold = rules.granularity_threshold
+    return threshold > 0 and total[m.path] / (1 + descendants[m.path]) < threshold
+
+  units: dict[str, str] = {}
+  # top-down: the shallowest module taken whole wins, then the leaf modules owning parameters
+  for m in sorted(modules, key=lambda m: (m.path.count("/") + bool(m.path), m.path)):
+    if any(_within(m.path, u) for u in set(units.values())):
+      continue
+    owns = [leaf for leaf in leaf_sizes if owner[leaf] == m.path]
+    inner = any(owner[leaf] != m.path and _within(owner[leaf], m.path) for leaf in leaf_sizes)
+    if whole(m) and total[m.path]:
+      units.update({leaf: m.path for leaf in leaf_sizes if _within(owner[leaf], m.path)})
+    elif owns and not inner:
+      units.update({leaf: m.path for leaf in owns})
+  return units
+
+
+_WARN_MIN_NUMEL = 1_000_000  # below this a unit's size is no memory worth warning about
+
+
+def check_units(plan: Any, max_live_parameters: int) -> None:
+  """Warns when the model's structure keeps ZeRO-3 from gathering per unit: a unit or the
+  parameters gathered at the start of the forward pass hold much of the model, or a unit is larger
+  than ``stage3_max_live_parameters``."""
+  leaves = [l for l in plan.leaf_list() if l.param_partitioned]
+  total = sum(l.numel for l in leaves)
+  if not total:
+    return
+  sizes: dict[str, int] = {}
+  for leaf in leaves:
+    if leaf.unit is not None and not leaf.stacked:
+      sizes[leaf.unit] = sizes.get(leaf.unit, 0) + leaf.numel
+  upfront = [l for l in leaves if l.unit is None and not l.stacked]
+  kept = sum(l.numel for l in upfront)
+  if upfront and kept > total / 4 and kept >= _WARN_MIN_NUMEL:
+    names = ", ".join(l.path for l in sorted(upfront, key=lambda l: -l.numel)[:4])
+    warnings.warn(
+        f"ZeRO-3: {kept:,} of the model's {total:,} partitioned parameters ({kept / total:.0%}) are "
+        f"read directly by a module that has submodules of its own ({names}), so they are "
+        f"gathered when the forward pass starts and kept until backward. Put each in a "
+        f"submodule of its own (e.g. nnx.Linear / nn.Dense, or nnx.Param inside a small module) "
+        f"so it is gathered when used, or name the module in zero_optimization.leaf_module to "
+        f"gather it as one unit.", JZeroWarning, stacklevel=3)
+  if sizes:
+    unit, biggest = max(sizes.items(), key=lambda kv: kv[1])
+    if len(sizes) > 1 and biggest > total / 2 and biggest >= _WARN_MIN_NUMEL:
+      warnings.warn(
+          f"ZeRO-3: unit {unit or '<model>'} holds {biggest:,} of {total:,} partitioned parameters "
+          f"({biggest / total:.0%}); it is gathered whole, so the step holds that much at once. "
+          f"Split it into submodules, or choose smaller units (zero_optimization.leaf_module, "
+          f"stage3_module_granularity_threshold).", JZeroWarning, stacklevel=3)
+    if biggest > max_live_parameters:
+      warnings.warn(
+          f"ZeRO-3: unit {unit or '<model>'} holds {biggest:,} parameters, more than "
+          f"stage3_max_live_parameters = {max_live_parameters:,}; a unit is gathered whole, so "
+          f"this cap cannot be kept. Choose smaller units (zero_optimization.leaf_module) or raise "
+          f"the cap.", JZeroWarning, stacklevel=3)
+
+
+# --- running a unit -------------------------------------------------------------------------------
+
+_IN_UNIT: contextvars.ContextVar[bool] = contextvars.ContextVar("jzero_in_unit", default=False)
+
+
+@contextlib.contextmanager
+def inside_unit() -> Iterator[None]:
+  token = _IN_UNIT.set(True)
+  try:
+    yield
+  finally:
+    _IN_UNIT.reset(token)
+
+
+def _is_param(x: Any) -> bool:
+  return isinstance(x, ZeroParam)
+
+
+def holds_partitions(tree: Any) -> bool:
+  """Whether ``tree`` holds a stage-3 partition still to be gathered."""
+  return any(_is_param(x) and x.partitioned for x in jax.tree.leaves(tree, is_leaf=_is_param))
+
+
+def _split_args(args: tuple, kwargs: dict) -> tuple[list, Callable[[list], tuple[tuple, dict]]]:
+  """(array leaves of (args, kwargs), rebuild): arrays become traced inputs of the unit's region,
+  everything else (flags, None, Python numbers) stays static."""
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  dynamic = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
+  arrays = [x for x, d in zip(leaves, dynamic) if d]
+
+  def rebuild(values: list) -> tuple[tuple, dict]:
+    it = iter(values)
+    return jax.tree.unflatten(treedef, [next(it) if d else x for x, d in zip(leaves, dynamic)])
+
+  return arrays, rebuild
+
+
+_PREVIOUS: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar(
+    "jzero_previous_unit", default=None)
+
+
+def _gather_after(arrays: list) -> Any:
+  """What a unit's gather waits for: its own inputs, or -- with prefetch -- the inputs of the unit
+  run before it at the same trace level, so it can proceed while that unit computes."""
+  here = get_opaque_trace_state(convention="nnx")
+  previous = _PREVIOUS.get()
+  _PREVIOUS.set((here, arrays))
+  if current_layer_policy().prefetch and previous is not None and previous[0] == here:
+    return previous[1]
+  return arrays
+
+
+def run_unit(body: Callable[[Any, tuple, dict], Any], params: Any, args: tuple,
+             kwargs: dict) -> Any:
+  """``body(full_params, *args, **kwargs)`` in a rematerialised region whose inputs are the
+  unit's partitions, gathered inside (so never saved for backward).
+
+  The partitions pass through an optimization barrier with what the gather waits for
+  (:func:`_gather_after`), so the all-gather is issued when the unit's inputs exist (or, with
+  prefetch, the previous unit's): a scheduler that issues collectives as early as it can -- XLA's
+  CPU backend does -- still holds one unit's full parameters at a time (two with prefetch). In
+  backward JAX's own barrier ties the re-gather to the incoming gradient.
+  """
+  arrays, rebuild = _split_args(args, kwargs)
+  after = _gather_after(arrays)
+  same = after is arrays
+
+  def region(params, arrays, after):
+    arrays = name_layer_inputs(arrays)  # cpu_checkpointing: kept in pinned_host until backward
+    params, _ = lax.optimization_barrier((params, arrays if same else name_layer_inputs(after)))
+    a, kw = rebuild(arrays)
+    with inside_unit():
+      return body(gather(params), a, kw)
+
+  return jax.checkpoint(region, policy=current_policy(), prevent_cse=True)(params, arrays, after)
+
+
+# --- NNX -----------------------------------------------------------------------------------------
+
+_BASES = tuple(c for c in nnx.Module.__mro__)
+_UNIT_CLASSES: dict[type, type] = {}
+
+
+def _own_methods(cls: type) -> dict[str, Callable]:
+  """The methods a module's classes define themselves (``__call__`` and public ones)."""
+  methods: dict[str, Callable] = {}
+  for klass in reversed(cls.__mro__):
+    if klass in _BASES:
+      continue
+    for name, value in vars(klass).items():
+      if (callable(value) and not isinstance(value, (staticmethod, classmethod, type))
+          and (name == "__call__" or not name.startswith("_"))):
+        methods[name] = value
+  return methods
+
+
+def _unit_class(cls: type) -> type:
+  """A subclass of ``cls`` whose own methods gather the module's partitions in a remat region."""
+  cached = _UNIT_CLASSES.get(cls)
+  if cached is not None:
+    return cached
+
+  def wrap(method: Callable) -> Callable:
+    def gathered(self, *args, **kwargs):
+      if _IN_UNIT.get():
+        return method(self, *args, **kwargs)
+      graphdef, state = nnx.split(self)
+      if not holds_partitions(state):
+        return method(self, *args, **kwargs)
+      return run_unit(lambda s, a, kw: method(nnx.merge(graphdef, s), *a, **kw), state, args,
+                      kwargs)
+    gathered.__name__, gathered.__doc__ = method.__name__, method.__doc__
+    return gathered
+
+  methods = {name: wrap(m) for name, m in _own_methods(cls).items()}
+  sub = types.new_class(cls.__name__, (cls,), exec_body=lambda ns: ns.update(methods))
+  sub.__qualname__, sub.__module__ = cls.__qualname__, cls.__module__
+  sub._jzero_unit_of = cls  # pylint: disable=protected-access
+  _UNIT_CLASSES[cls] = sub
+  return sub
+
+
+def nnx_modules(model: nnx.Module) -> list[ModuleInfo]:
+  """Every module of an NNX model (abstract or concrete)."""
+  return [ModuleInfo("/".join(str(p) for p in path),
+                     getattr(type(m), "_jzero_unit_of", type(m)))
+          for path, m in nnx.iter_modules(model)]
+
+
+def nnx_units(model: nnx.Module, units: set[str]) -> None:
+  """Makes the modules at the ``units`` paths of a bound NNX model gather as units (in place)."""
+  if not units:
+    return
+  for path, module in nnx.iter_modules(model):
+    if "/".join(str(p) for p in path) in units and not hasattr(type(module), "_jzero_unit_of"):
+      object.__setattr__(module, "__class__", _unit_class(type(module)))
+
+
+# --- Linen ---------------------------------------------------------------------------------------
+
+
+def linen_modules(module: nn.Module, rng: jax.Array, *args: Any) -> list[ModuleInfo]:
+  """Every module of a Linen model whose methods run during ``module.init(rng, *args)`` (traced
+  abstractly)."""
+  seen: dict[str, type] = {}
+
+  def record(next_fun, a, kw, context):
+    seen.setdefault("/".join(context.module.path), type(context.module))
+    return next_fun(*a, **kw)
+
+  def init():
+    with nn.intercept_methods(record):
+      return module.init(rng, *args)
+
+  jax.eval_shape(init)
+  return [ModuleInfo(path, cls) for path, cls in seen.items()]
+
+
+def linen_units(units: set[str]) -> Callable[..., Any]:
+  """A ``nn.intercept_methods`` interceptor that runs the methods of the unit modules as units."""
+
+  def interceptor(next_fun, args, kwargs, context):
+    module = context.module
+    if (_IN_UNIT.get() or context.method_name == "setup" or module.scope is None
+        or "/".join(module.path) not in units):
+      return next_fun(*args, **kwargs)
+    params = module.variables.get("params", {})
+    if not holds_partitions(params):
+      return next_fun(*args, **kwargs)
+    detached = module.clone(parent=None)
+    return run_unit(lambda p, a, kw: detached.apply({"params": p}, *a,
+                                                    method=context.method_name, **kw),
+                    params, args, kwargs)
+
+  return interceptor

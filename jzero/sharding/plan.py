@@ -1,0 +1,629 @@
+"""The placement plan: where every leaf's compute param, gradient, fp32 master and optimizer state live.
+
+ZeRO is a placement plan. For each parameter leaf the plan decides, from the stage, the mesh and the
+leaf's shape, how the four things are laid out over the ZeRO axes of the mesh:
+
+==================  =============  ==========  ==========  ==========
+thing               stage 0 (DDP)  stage 1     stage 2     stage 3
+==================  =============  ==========  ==========  ==========
+compute params      replicated     replicated  replicated  partitioned
+gradients           replicated     replicated  partitioned partitioned
+fp32 master         replicated     partitioned partitioned partitioned
+optimizer state     replicated     partitioned partitioned partitioned
+==================  =============  ==========  ==========  ==========
+
+Everything else -- the train step, checkpoints, memory reports -- reads this plan; no other module
+decides where an array lives.
+
+**Layout of a partitioned leaf.** A partitioned leaf keeps its shape (so optimizer masks, checkpoints
+and memory reports see real shapes) and is split along one dimension, its ``shard_dim``, over the
+ZeRO axes. The dimension is the first one divisible by the ZeRO size; when none is, the one that
+needs the least padding, padded with zeros up to a multiple of the ZeRO size. So every device holds
+exactly the same number of elements (per-device bytes stay balanced) and at most ``N - 1`` slices
+of padding per leaf. Padding stays zero through the optimizer (its gradient is zero, so Adam's
+moments and the decayed weight stay zero) and is sliced off whenever a full parameter is rebuilt.
+Leaves stacked over a leading layer axis (layers under ``scan``) are never split along that axis:
+each device holds a slice of *every* layer, so a scan can gather one layer at a time. ``shard_dim``
+is stored as a negative index so that it stays right after ``scan`` drops the layer axis.
+0-d leaves cannot be split and stay replicated at every stage.
+
+**Gradients.** Stage 0 and 1 accumulate each device's full local gradient over the micro-batches
+and reduce once at the end: all-reduce (stage 0) or reduce-scatter into the partition (stage 1;
+all-reduce then keep the own slice when ``reduce_scatter`` is false). Stage 2 reduce-scatters after
+every micro-batch into a partitioned accumulator. Stage 3 partitioned params are gathered by a
+collective whose backward is the reduce-scatter, so their gradients arrive partitioned.
+
+**Gather units.** Stage-3 leaves are gathered where they are used: a stacked leaf one layer at a
+time inside the layer scan, any other leaf by its *unit* -- the module whose calls gather it
+(:mod:`jzero.sharding.gather_units` chooses them from the module tree; ``LeafPlan.unit``). A partitioned leaf in no
+unit is gathered when the forward pass starts and kept until backward.
+
+**Persistence.** In stage 3, leaves smaller than ``stage3_param_persistence_threshold`` elements
+(per layer, for stacked leaves) keep a replicated compute param, as DeepSpeed's persistent params do;
+their gradients, master and optimizer state are still partitioned (stage-2 treatment). Up to
+``stage3_model_persistence_threshold`` elements in all are kept, smallest leaves first.
+
+**ZeRO++** (:mod:`jzero.comm.zeropp`). The plan records, per stage-3 leaf, how its collectives move
+bytes: ``gather`` ("plain" or "int8": qwZ), ``secondary`` (hpZ: a secondary partition split over
+the node's local axes only, which the forward and backward gathers read; refreshed across nodes
+after every update) and ``reduce`` ("plain" or "int4": qgZ's two all-to-all hops), with their
+block sizes; :attr:`Plan.zeropp` holds the node / local split of the ZeRO axes. The step
+(``ZeroParam.comm``), the secondary's placement (:meth:`Plan.secondary_spec`), the memory
+estimator and report read them from here. The primary layout is the same as without ZeRO++.
+
+**Tiers.** Each leaf's master and optimizer state has a tier, ``state_tier``: "device", "host"
+under ZeRO-Offload (``offload_optimizer.device: cpu``; which leaves:
+:func:`jzero.tiers.host_optimizer.choose_offloaded`) or "nvme" (``device: nvme``, ZeRO-Infinity: the state lives
+in a tensorstore store and the TrainState keeps 0-byte placeholders, :mod:`jzero.tiers.nvme_store`).
+A host leaf keeps its partitioning; its shardings carry ``host_memory_kind``
+(:meth:`Plan.memory_kind`), and with any host leaf every other array gets an explicit "device".
+Each stage-3 partitioned compute param has a tier too, ``param_tier``: "host" under parameter
+offload (``offload_param``, :mod:`jzero.tiers.host_params`; memory kind ``param_host_memory_kind``),
+"nvme" on the NVMe tier (``offload_param.device: nvme``, :mod:`jzero.tiers.nvme_params`: the leaf's
+state tier is then "nvme" too, its master is the store's and the TrainState's param a
+placeholder -- unless ``offload_optimizer.device: cpu`` puts the state on the host, where the
+store holds a copy of the param, :attr:`LeafPlan.param_copy_on_nvme`), else "device"; persistent
+and 0-d leaves always stay on the device.
+
+**Precision.** fp32 training keeps no separate master: the optimizer updates the fp32 params (for a
+replicated param in stage 1/2 each device updates its own slice, then all-gathers). bf16 / fp16
+training keeps an fp32 master in the master layout and casts it to the compute dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jzero import kernels
+from jzero.comm import collective_order
+from jzero.comm.collectives import pad_to
+from jzero.sharding.mesh import ZeroMesh
+from jzero.comm.zeropp import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL, Comm, ZeroPP
+
+__all__ = ["LeafPlan", "Plan", "make_plan", "path_str", "flatten_paths"]
+
+PyTree = Any
+
+
+def path_str(path: Sequence[Any]) -> str:
+  """'blocks/attn/kernel' for a jax key path."""
+  parts = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(parts)
+
+
+def flatten_paths(tree: PyTree) -> dict[str, Any]:
+  """{'/'-joined key path: leaf} of a pytree (None subtrees have no leaves)."""
+  return {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+  """The plan of one parameter leaf.
+
+  Attributes:
+    path: '/'-joined key path of the leaf in the params tree.
+    shape: logical shape (the model's), including the leading layer axis when stacked.
+    stacked: the leaf is stacked over a leading layer axis and gathered one layer at a time.
+    shard_dim: negative index of the dimension split over the ZeRO axes; None for 0-d leaves.
+    padded: size of ``shard_dim`` after zero-padding to a multiple of the ZeRO size.
+    param_partitioned: the compute param is partitioned (stage 3, not persistent).
+    state_partitioned: master and optimizer state are partitioned (stage >= 1).
+    grad_partitioned: the gradient accumulator is partitioned (stage >= 2).
+    unit: path of the module whose calls gather this leaf under stage 3 ('' for the model
+      itself; see :mod:`jzero.sharding.gather_units`), or None when no module call gathers it alone.
+    gather: how the partitioned param is gathered: "plain", or "int8" blocks (qwZ).
+    secondary: hpZ: the leaf keeps a secondary partition over the local axes, which its
+      forward and backward gathers read.
+    reduce: how the partitioned gradient is reduced: "plain" reduce-scatter, or "int4" two-hop
+      all-to-all (qgZ).
+    gather_group, reduce_group: block sizes (elements) of the int8 gather and int4 reduction.
+    state_tier: where the fp32 master and optimizer state live: "device", "host"
+      (ZeRO-Offload, :mod:`jzero.tiers.host_optimizer`) or "nvme" (:mod:`jzero.tiers.nvme_store`).
+    param_tier: where the (partitioned) compute param lives between steps: "device", "host"
+      (parameter offload, :mod:`jzero.tiers.host_params`) or "nvme" (:mod:`jzero.tiers.nvme_params`).
+  """
+
+  path: str
+  shape: tuple[int, ...]
+  stacked: bool
+  shard_dim: int | None
+  padded: int
+  param_partitioned: bool
+  state_partitioned: bool
+  grad_partitioned: bool
+  unit: str | None = None
+  gather: str = "plain"
+  secondary: bool = False
+  reduce: str = "plain"
+  gather_group: int = 0
+  reduce_group: int = 0
+  state_tier: str = "device"
+  param_tier: str = "device"
+
+  @property
+  def numel(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def param_copy_on_nvme(self) -> bool:
+    """The param is read from the NVMe store, which holds a copy of it written after each update;
+    its master and optimizer state live on the host or the device (:mod:`jzero.tiers.nvme_params`)."""
+    return self.param_tier == "nvme" and self.state_tier != "nvme"
+
+  @property
+  def layer_numel(self) -> int:
+    """Elements per layer (the unit DeepSpeed thresholds apply to)."""
+    return self.numel // self.shape[0] if self.stacked else self.numel
+
+  @property
+  def padded_shape(self) -> tuple[int, ...]:
+    """Global shape of a partitioned array of this leaf (shard_dim padded)."""
+    if self.shard_dim is None:
+      return self.shape
+    shape = list(self.shape)
+    shape[self.shard_dim] = self.padded
+    return tuple(shape)
+
+  @property
+  def pad(self) -> int:
+    return 0 if self.shard_dim is None else self.padded - self.shape[self.shard_dim]
+
+  def to_padded(self, x: jax.Array) -> jax.Array:
+    """A logical-shape array zero-padded to :attr:`padded_shape`."""
+    return x if self.pad == 0 else pad_to(x, self.shard_dim % x.ndim, self.padded)
+
+  def to_logical(self, x: jax.Array) -> jax.Array:
+    """An array of :attr:`padded_shape` (or the logical shape) cut back to the logical shape."""
+    if self.shard_dim is None or x.shape[self.shard_dim] == self.shape[self.shard_dim]:
+      return x
+    return lax.slice_in_dim(x, 0, self.shape[self.shard_dim], axis=self.shard_dim % x.ndim)
+
+
+# The CPU compiler expands optimization barriers before common-subexpression elimination, which
+# then merges each backward re-gather (rematerialised behind JAX's barrier) with the forward gather
+# it repeats: the gathered parameters stay alive until backward. Keeping the barriers keeps the
+# re-gathers. (Its memory-optimised scheduler, `xla_cpu_scheduler_type`, would order the gathers
+# too, but with it this jaxlib's CPU runtime was seen to run different collectives on different
+# devices at once and deadlock; jzero.sharding.gather_units orders them with data dependencies instead.) The GPU
+# compiler keeps the re-gathers and needs neither.
+CPU_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_options() -> dict[str, Any]:
+  """:data:`CPU_OPTIONS`, or {} where this jaxlib's CPU compiler does not know them."""
+  try:
+    probe = jax.device_put(jnp.zeros(()), jax.devices("cpu")[0])
+    jax.jit(lambda x: x + 1).lower(probe).compile(compiler_options=CPU_OPTIONS)
+  except Exception:  # pylint: disable=broad-except  (unknown option names or values)
+    return {}
+  return dict(CPU_OPTIONS)
+
+
+def _choose_shard_dim(shape: tuple[int, ...], stacked: bool, n: int) -> tuple[int | None, int]:
+  """(negative shard dim, padded size) for a leaf; see the module docstring."""
+  first = 1 if stacked else 0
+  dims = list(range(first, len(shape)))
+  if not dims:
+    return None, 0
+  for d in dims:
+    if shape[d] % n == 0:
+      return d - len(shape), shape[d]
+  def padded_numel(d):
+    return math.ceil(shape[d] / n) * n * (math.prod(shape) // shape[d])
+  d = min(dims, key=padded_numel)
+  return d - len(shape), math.ceil(shape[d] / n) * n
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Per-leaf placement of params, gradients, master and optimizer state (see module docstring).
+
+  Attributes:
+    stage: ZeRO stage 0..3.
+    mesh: the mesh and its ZeRO / batch axes.
+    leaves: a pytree with the structure of the params whose leaves are :class:`LeafPlan`.
+    compute_dtype: dtype of the compute params (float32, bfloat16 or float16).
+    grad_accum_dtype: dtype of the gradient accumulator.
+    comm_dtype: dtype gradients are reduced in.
+    reduce_scatter: stage 1/2 reduce gradients with reduce-scatter (else all-reduce + own slice).
+    reduce_bucket_size: elements per gradient reduction bucket (DeepSpeed's reduce_bucket_size).
+    gather_bucket_size: elements per parameter all-gather bucket (allgather_bucket_size in stage
+      1/2, stage3_prefetch_bucket_size in stage 3).
+    overlap_comm: overlap collectives with compute.
+    zeropp: ZeRO++ settings and the node / local split of the ZeRO axes.
+    host_memory_kind: the memory kind of host-tier leaves ("pinned_host" or "unpinned_host").
+    offload_update: how host-tier state is updated, "stream" or "host" (:mod:`jzero.tiers.host_optimizer`).
+    param_host_memory_kind: the memory kind of host-tier params (:mod:`jzero.tiers.host_params`).
+  """
+
+  stage: int
+  mesh: ZeroMesh
+  leaves: PyTree
+  compute_dtype: Any
+  grad_accum_dtype: Any
+  comm_dtype: Any
+  reduce_scatter: bool = True
+  reduce_bucket_size: int = 500_000_000
+  gather_bucket_size: int = 500_000_000
+  overlap_comm: bool = False
+  zeropp: ZeroPP = ZeroPP()
+  host_memory_kind: str = "pinned_host"
+  offload_update: str = "stream"
+  param_host_memory_kind: str = "pinned_host"
+
+  # -- what exists ----------------------------------------------------------------------------------
+  @property
+  def has_master(self) -> bool:
+    """A separate fp32 master exists only in mixed precision (fp32 updates the params in place)."""
+    return jnp.dtype(self.compute_dtype) != jnp.float32
+
+  def leaf_list(self) -> list[LeafPlan]:
+    return jax.tree.leaves(self.leaves, is_leaf=lambda x: isinstance(x, LeafPlan))
+
+  def map(self, fn: Callable[..., Any], *trees: PyTree) -> PyTree:
+    """tree.map over (LeafPlan, *matching leaves of trees)."""
+    return jax.tree.map(fn, self.leaves, *trees, is_leaf=lambda x: isinstance(x, LeafPlan))
+
+  # -- memory tiers (ZeRO-Offload, jzero.tiers.host_optimizer) ---------------------------------------------------
+  @property
+  def offloads(self) -> bool:
+    """Some leaf's master / optimizer state lives on the host."""
+    return any(l.state_tier == "host" for l in self.leaf_list())
+
+  @property
+  def param_offloads(self) -> bool:
+    """Some leaf's compute param lives on the host (:mod:`jzero.tiers.host_params`)."""
+    return any(l.param_tier == "host" for l in self.leaf_list())
+
+  @property
+  def params_on_nvme(self) -> bool:
+    """Some leaf's compute param lives in the NVMe store (:mod:`jzero.tiers.nvme_params`)."""
+    return any(l.param_tier == "nvme" for l in self.leaf_list())
+
+  @property
+  def uses_host(self) -> bool:
+    """Some array of the train state lives in host memory."""
+    return self.offloads or self.param_offloads
+
+  @property
+  def has_nvme(self) -> bool:
+    """Some leaf's master / optimizer state lives in the NVMe store (:mod:`jzero.tiers.nvme_store`)."""
+    return any(l.state_tier == "nvme" for l in self.leaf_list())
+
+  @property
+  def uses_nvme_store(self) -> bool:
+    """The engine has an NVMe store: for optimizer state, or for params (:mod:`jzero.tiers.nvme_params`)."""
+    return self.has_nvme or self.params_on_nvme
+
+  def param_placeholder(self, leaf: LeafPlan) -> bool:
+    """The TrainState holds a 0-byte placeholder for the leaf's param: it is on the NVMe tier, and
+    no array of the state holds it (fp32 training's param *is* the master, so a param whose master
+    lives on the host or the device stays in the state there)."""
+    return leaf.param_tier == "nvme" and (leaf.state_tier == "nvme" or self.has_master)
+
+  def param_in_host_memory(self, leaf: LeafPlan) -> bool:
+    """The state's param of ``leaf`` lives in host memory: parameter offload, or fp32 training's
+    param (its master) with the state on the host and a copy on the NVMe tier."""
+    return leaf.param_tier == "host" or (leaf.param_copy_on_nvme and not self.has_master
+                                         and leaf.state_tier == "host")
+
+  def memory_kind(self, tier: str = "device") -> str | None:
+    """The memory kind of a tier; None (JAX's default) for the device when nothing is offloaded,
+    so plans without offload compile exactly as before. With offload every array gets an
+    explicit kind (see :mod:`jzero.tiers.host_optimizer`, donation)."""
+    if tier == "host":
+      return self.host_memory_kind
+    return "device" if self.uses_host else None
+
+  def param_memory_kind(self, leaf: LeafPlan) -> str | None:
+    """The memory kind of a leaf's stored compute param (fp32 training's param whose copy is on
+    the NVMe tier is its master: in the state's tier)."""
+    if leaf.param_tier == "host":
+      return self.param_host_memory_kind
+    if leaf.param_copy_on_nvme and not self.has_master:
+      return self.memory_kind(leaf.state_tier)
+    return self.memory_kind()
+
+  def state_memory_kind(self, leaf: LeafPlan) -> str | None:
+    return self.memory_kind(leaf.state_tier)
+
+  def opt_memory_kinds(self, tx: optax.GradientTransformation) -> PyTree:
+    """Memory kind of every leaf of ``tx``'s state: param-like leaves follow their leaf's state
+    tier (0-d leaves stay on the device); the rest (step counts) stay on the device."""
+    abstract_state = jax.eval_shape(tx.init, self.abstract_master())
+    kinds = self.map(self.state_memory_kind)
+    return optax.tree_utils.tree_map_params(
+        tx, lambda _, kind: kind, abstract_state, kinds,
+        transform_non_params=lambda _: self.memory_kind(), is_leaf=lambda x: x is None or
+        isinstance(x, str))
+
+  # -- partition specs ------------------------------------------------------------------------------
+  def _split_spec(self, leaf: LeafPlan) -> P:
+    spec: list[Any] = [None] * len(leaf.shape)
+    axes = self.mesh.zero_axes
+    spec[leaf.shard_dim] = axes[0] if len(axes) == 1 else axes
+    return P(*spec)
+
+  def param_spec(self, leaf: LeafPlan) -> P:
+    return self._split_spec(leaf) if leaf.param_partitioned else P()
+
+  def state_spec(self, leaf: LeafPlan) -> P:
+    return self._split_spec(leaf) if leaf.state_partitioned else P()
+
+  def grad_spec(self, leaf: LeafPlan) -> P:
+    return self._split_spec(leaf) if leaf.grad_partitioned else P()
+
+  def secondary_spec(self, leaf: LeafPlan) -> P | None:
+    """hpZ: the secondary partition's spec -- the padded leaf split along its shard dim over the
+    local axes only (replicated across nodes); its global view is the padded parameter with its
+    chunks in [local][node] order (:mod:`jzero.comm.zeropp`). None for a leaf without one."""
+    if not leaf.secondary:
+      return None
+    spec: list[Any] = [None] * len(leaf.shape)
+    axes = self.zeropp.hierarchy.local_axes
+    spec[leaf.shard_dim] = axes[0] if len(axes) == 1 else axes
+    return P(*spec)
+
+  def secondary_specs(self) -> PyTree | None:
+    """Specs of the train state's secondary partitions (None where a leaf has none), or None
+    without hpZ."""
+    if self.zeropp.hpz <= 1:
+      return None
+    return self.map(self.secondary_spec)
+
+  def comm(self, leaf: LeafPlan) -> Comm | None:
+    """The static ZeRO++ description of a leaf's collectives (None when they are all plain)."""
+    if leaf.gather == "plain" and not leaf.secondary and leaf.reduce == "plain":
+      return None
+    h = self.zeropp.hierarchy
+    return Comm(gather=leaf.gather, secondary=leaf.secondary, reduce=leaf.reduce,
+                gather_group=leaf.gather_group, reduce_group=leaf.reduce_group,
+                zero_axes=self.mesh.zero_axes, node_axes=h.node_axes if h else (),
+                local_axes=h.local_axes if h else (),
+                impl="jnp" if self.mesh.mesh.devices.flat[0].platform == "cpu" else "auto")
+
+  def param_shape(self, leaf: LeafPlan) -> tuple[int, ...]:
+    """Global shape of the stored compute param."""
+    return leaf.padded_shape if leaf.param_partitioned else leaf.shape
+
+  def state_shape(self, leaf: LeafPlan) -> tuple[int, ...]:
+    """Global shape of the master / optimizer-state leaves."""
+    return leaf.padded_shape if leaf.state_partitioned else leaf.shape
+
+  def param_specs(self) -> PyTree:
+    return self.map(self.param_spec)
+
+  def state_specs(self) -> PyTree:
+    return self.map(self.state_spec)
+
+  def abstract_master(self) -> PyTree:
+    """ShapeDtypeStructs (global shapes) of the fp32 params in the master layout."""
+    return self.map(lambda l: jax.ShapeDtypeStruct(self.state_shape(l), jnp.float32))
+
+  def opt_specs(self, tx: optax.GradientTransformation) -> PyTree:
+    """Partition specs of ``tx``'s state: param-like leaves follow the master layout; the rest
+    (step counts, scalars) are replicated."""
+    abstract_state = jax.eval_shape(tx.init, self.abstract_master())
+    return optax.tree_utils.tree_map_params(
+        tx, lambda _, spec: spec, abstract_state, self.state_specs(),
+        transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+
+  def batch_spec(self) -> P:
+    return self.mesh.batch_spec()
+
+  def sharding(self, spec: P, memory_kind: str | None = None) -> NamedSharding:
+    return NamedSharding(self.mesh.mesh, spec, memory_kind=memory_kind or self.memory_kind())
+
+  # -- how collectives are scheduled ----------------------------------------------------------------
+  def shard_map(self, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable[..., Any]:
+    """``jax.shard_map`` of ``fn`` over the plan's mesh; across CPU processes with its collectives chained into
+    one order, so every process pairs the same ones (:mod:`jzero.comm.collective_order`)."""
+    body = collective_order.in_one_order(fn) if collective_order.needed(self.mesh.mesh) else fn
+    return jax.shard_map(body, mesh=self.mesh.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+  def xla_options(self) -> dict[str, Any]:
+    """XLA compile options that carry DeepSpeed's bucket and overlap knobs.
+
+    XLA's collective combiners merge independent collectives up to a byte threshold -- exactly what
+    DeepSpeed's buckets do by hand: ``reduce_bucket_size`` bounds the combined reduce-scatters and
+    all-reduces, the gather bucket the combined all-gathers, all in elements of the full
+    (unpartitioned) buffers, as DeepSpeed counts them. XLA's reduce-scatter threshold bounds the
+    scattered result, so it gets the bucket's bytes divided by the ZeRO size. ``overlap_comm`` on
+    keeps collectives
+    asynchronous (the latency-hiding scheduler places compute between each start and done) and, in
+    stage 3 with a non-zero prefetch bucket, pipelines the layer scan's all-gathers, so the next
+    layer's parameters are gathered while this layer computes (DeepSpeed's prefetch). Off makes
+    every collective synchronous. These passes exist in the GPU compiler; the CPU backend has none
+    of them (and may run independent collectives at once, which :meth:`shard_map` prevents by
+    chaining them), so the options are only passed when compiling for GPU. ``jzero aot`` shows their effect on the scheduled program.
+
+    On CPU the step gets the options that make XLA keep ZeRO's memory promise (see
+    :data:`CPU_OPTIONS`), where this jaxlib knows them.
+    """
+    platform = self.mesh.mesh.devices.flat[0].platform
+    if platform == "cpu":
+      return cpu_options()
+    if platform != "gpu":
+      return {}
+    reduce_bytes = self.reduce_bucket_size * jnp.dtype(self.comm_dtype).itemsize
+    options: dict[str, Any] = {
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": reduce_bytes // self.mesh.zero_size,
+        "xla_gpu_all_reduce_combine_threshold_bytes": reduce_bytes,
+        "xla_gpu_all_gather_combine_threshold_bytes":
+            self.gather_bucket_size * jnp.dtype(self.compute_dtype).itemsize,
+    }
+    if not self.overlap_comm:
+      options["xla_gpu_disable_async_collectives"] = "ALLCOLLECTIVES"
+      return options
+    options["xla_gpu_enable_latency_hiding_scheduler"] = True
+    if self.stage == 3 and self.gather_bucket_size > 0:
+      options["xla_gpu_enable_pipelined_all_gather"] = True
+    return options
+
+  # -- per-device accounting ------------------------------------------------------------------------
+  def gathered_working_set(self) -> tuple[int, int]:
+    """Stage 3: (elements of the largest group gathered at once -- one layer of all stacked leaves,
+    which the layer scan gathers together, or the largest unit --, elements gathered at the start
+    of the forward pass and kept until backward). (0, 0) in other stages."""
+    largest = stacked = upfront = 0
+    units: dict[str, int] = {}
+    for leaf in self.leaf_list():
+      if not leaf.param_partitioned:
+        continue
+      if leaf.stacked:
+        stacked += leaf.layer_numel
+      elif leaf.unit is None:
+        upfront += leaf.numel
+      else:
+        units[leaf.unit] = units.get(leaf.unit, 0) + leaf.numel
+    largest = max([stacked, *units.values()])
+    return largest, upfront
+
+  @property
+  def prefetches(self) -> bool:
+    """XLA gathers the next layer while this one computes (GPU, see :meth:`xla_options`)."""
+    return bool(self.xla_options().get("xla_gpu_enable_pipelined_all_gather"))
+
+  def local_numel(self, leaf: LeafPlan, partitioned: bool) -> int:
+    """Elements one device holds of a leaf laid out partitioned or replicated."""
+    if partitioned:
+      return math.prod(leaf.padded_shape) // self.mesh.zero_size
+    return leaf.numel
+
+  def secondary_numel(self, leaf: LeafPlan) -> int:
+    """Elements one device holds of a leaf's hpZ secondary partition (0 without one)."""
+    return math.prod(leaf.padded_shape) // self.zeropp.hpz if leaf.secondary else 0
+
+
+def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dtype: Any,
+              grad_accum_dtype: Any = jnp.float32, comm_dtype: Any | None = None,
+              stacked: Callable[[str], bool] = lambda path: False,
+              persistence_threshold: int = 100_000, model_persistence_threshold: int | None = None,
+              reduce_scatter: bool = True, reduce_bucket_size: int = 500_000_000,
+              gather_bucket_size: int = 500_000_000, overlap_comm: bool = False,
+              units: dict[str, str] | None = None, zeropp: ZeroPP = ZeroPP(),
+              offload: Any = None, offload_param: Any = None) -> Plan:
+  """Builds the plan for a params pytree.
+
+  Args:
+    abstract_params: params pytree (arrays or ShapeDtypeStructs) in the model's logical shapes.
+    stage: ZeRO stage 0..3.
+    mesh: mesh with its ZeRO / batch axes.
+    compute_dtype: dtype of the compute params.
+    grad_accum_dtype: dtype of the gradient accumulator.
+    comm_dtype: dtype gradients are reduced in (default: the compute dtype).
+    stacked: path -> whether the leaf carries a leading layer axis gathered per layer by a scan.
+    persistence_threshold: stage 3 leaves with fewer elements per layer keep a replicated param.
+    model_persistence_threshold: cap on the total elements of persistent params (None: no cap).
+    reduce_scatter: stage 1/2 reduce with reduce-scatter (False: all-reduce, keep own slice).
+    reduce_bucket_size, gather_bucket_size, overlap_comm: see :meth:`Plan.xla_options`.
+    units: leaf path -> path of the module that gathers it (:func:`jzero.sharding.gather_units.choose_units`).
+    zeropp: ZeRO++ settings resolved against the mesh (:func:`jzero.comm.zeropp.resolve`); stage 3.
+    offload: :class:`jzero.tiers.host_optimizer.OffloadSettings` (None: everything on the device).
+    offload_param: :class:`jzero.tiers.host_params.ParamOffloadSettings` (stage 3; None: the
+      params stay on the device).
+  """
+  if stage not in (0, 1, 2, 3):
+    raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+  n = mesh.zero_size
+  flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+  drafts = []
+  for path, x in flat:
+    p = path_str(path)
+    shape = tuple(x.shape)
+    is_stacked = bool(stacked(p)) and len(shape) >= 1
+    dim, padded = _choose_shard_dim(shape, is_stacked, n)
+    drafts.append((p, shape, is_stacked, dim, padded))
+
+  persistent: set[str] = set()
+  if stage == 3:
+    budget = math.inf if model_persistence_threshold is None else model_persistence_threshold
+    small = []
+    for p, shape, is_stacked, dim, _ in drafts:
+      numel = math.prod(shape)
+      per_layer = numel // shape[0] if is_stacked else numel
+      if dim is not None and per_layer < persistence_threshold:
+        small.append((numel, p))
+    for numel, p in sorted(small):
+      if numel > budget:
+        break
+      persistent.add(p)
+      budget -= numel
+
+  if zeropp.enabled and stage != 3:
+    raise ValueError(f"ZeRO++ needs ZeRO stage 3, got stage {stage}")
+  host: set[str] = set()
+  if offload is not None and offload.ratio > 0 and stage >= 1:
+    from jzero.tiers.host_optimizer import choose_offloaded  # pylint: disable=import-outside-toplevel
+    host = choose_offloaded({p: math.prod(shape) for p, shape, _, dim, _ in drafts
+                             if dim is not None}, offload.ratio)
+
+  if offload_param is not None and stage != 3:
+    raise ValueError(f"parameter offload needs ZeRO stage 3, got stage {stage}")
+  leaves = []
+  for p, shape, is_stacked, dim, padded in drafts:
+    splittable = dim is not None and stage >= 1
+    param_partitioned = splittable and stage == 3 and p not in persistent
+    param_tier = offload_param.tier if param_partitioned and offload_param is not None else "device"
+    # a partition on the NVMe tier keeps its master and optimizer state in the store beside it,
+    # unless offload_optimizer puts them in host memory (the store then holds a copy of the
+    # param: jzero.tiers.nvme_params)
+    if param_tier == "nvme" and not (offload is not None and offload.ratio > 0
+                                     and offload.tier == "host"):
+      state_tier = "nvme"
+    else:
+      state_tier = getattr(offload, "tier", "host") if p in host else "device"
+    leaf = LeafPlan(
+        path=p, shape=shape, stacked=is_stacked, shard_dim=dim if splittable else None,
+        padded=padded if splittable else 0,
+        param_partitioned=param_partitioned,
+        state_partitioned=splittable,
+        grad_partitioned=splittable and stage >= 2,
+        unit=(units or {}).get(p),
+        state_tier=state_tier, param_tier=param_tier)
+    leaves.append(_zeropp_leaf(leaf, zeropp, n) if zeropp.enabled else leaf)
+  return Plan(stage=stage, mesh=mesh, leaves=jax.tree_util.tree_unflatten(treedef, leaves),
+              compute_dtype=jnp.dtype(compute_dtype), grad_accum_dtype=jnp.dtype(grad_accum_dtype),
+              comm_dtype=jnp.dtype(comm_dtype or compute_dtype), reduce_scatter=reduce_scatter,
+              reduce_bucket_size=reduce_bucket_size, gather_bucket_size=gather_bucket_size,
+              overlap_comm=overlap_comm, zeropp=zeropp,
+              host_memory_kind=offload.memory_kind if offload is not None else "pinned_host",
+              offload_update=offload.update if offload is not None else "stream",
+              param_host_memory_kind=(offload_param.memory_kind if offload_param is not None
+                                      else "pinned_host"))
+
+
+def _zeropp_leaf(leaf: LeafPlan, zeropp: ZeroPP, n: int) -> LeafPlan:
+  """A stage-3 leaf with its ZeRO++ collectives chosen (see :mod:`jzero.comm.zeropp`, "What stays
+  plain"): block sizes come from the per-layer partition, the unit a scan or a gather unit
+  moves."""
+  if not leaf.grad_partitioned:
+    return leaf
+  layer_shape = leaf.padded_shape[1:] if leaf.stacked else leaf.padded_shape
+  part = math.prod(layer_shape) // n  # elements per device per layer
+  changes: dict[str, Any] = {}
+  if leaf.param_partitioned:
+    changes["secondary"] = zeropp.hpz > 1
+    if zeropp.quantized_weights and part >= QWZ_MIN_NUMEL:  # blocks of one layer's partition
+      changes["gather"], changes["gather_group"] = "int8", kernels.qwz_group_size(part)
+  if zeropp.quantized_gradients and len(layer_shape) >= 2 and part >= QGZ_MIN_NUMEL:
+    changes["reduce"], changes["reduce_group"] = "int4", QGZ_GROUP
+  return dataclasses.replace(leaf, **changes)

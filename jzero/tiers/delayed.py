@@ -1,0 +1,259 @@
+"""Delayed parameter update (DPU): step t updates with step t-1's gradient (ZeRO-Offload, opt-in).
+
+``zero_optimization.offload_optimizer.delayed_update: true`` is jzero's own key: DeepSpeed's config
+schema has no switch for the one-step delayed parameter update of the ZeRO-Offload paper (Ren et al.,
+2021). It needs ``offload_optimizer.device: cpu`` (refused otherwise, before any device work):
+hiding the host update is its only purpose, and it changes the math.
+
+**The math.** Write p_t for the parameters after step t (p_0: the initial ones), b_t for step t's
+global batch, G(p, b) for the step's gradient -- reduced over the devices, accumulated over the
+micro-batches, unscaled (fp16) and clipped by *its own* global norm -- and U(p, g) for one optax
+update (which also advances the optimizer state). A plain step is p_t = U(p_{t-1}, G(p_{t-1}, b_t)).
+With the delayed update, step t computes g_t = G(p_{t-1}, b_t) with the parameters it is given and
+updates with the gradient the previous step computed::
+
+    p_1 = p_0                               (step 1 only computes and keeps g_1)
+    p_t = U(p_{t-1}, g_{t-1}),  g_{t-1} = G(p_{t-2}, b_{t-1})     for t >= 2
+
+so every gradient is applied exactly once, one step late, and each was computed with parameters one
+update older than a plain run's. The last step's gradient stays carried in the state (and in its
+checkpoint) until a further step applies it.
+
+**The state.** :class:`DelayedGrads` -- the carried gradient and whether it is ready to apply --
+is the train state's ``delayed`` field: fp32, in the plan's *state layout* (partitioned over the
+ZeRO axes like the reduced gradient, padded like the master), in device memory. It costs 4 bytes
+per parameter / N per device, which the estimator (``estimate(..., delayed_update=True)``) and the
+memory report ("delayed_grads") count. Checkpoints save it and restore it (resharded like the
+master), so a resumed run is exact; restoring a checkpoint without it (or ``params_only``) starts
+with nothing carried, so the first step after the restore only computes its gradient.
+
+**Overlap.** Inside one step the optimizer update of g_{t-1} (host state brought in and written
+back, or the host computation) reads nothing the forward and backward of step t produce, so XLA is
+free to run them concurrently -- the overlap DeepSpeed's DPU gets from its CPU thread. Only writing
+the new parameters into the (donated) parameter buffers waits for the forward and backward's reads.
+To keep a ``lax.cond`` (a scheduling barrier) out of the step, the engine compiles two variants when
+no overflow check is on: a *prime* step for when nothing is carried (it applies no update), and the
+*steady* step, which always applies. It knows which one a state needs without reading the device:
+the ``ready`` flag it returned last is known true; any other state's flag is read once.
+
+**Warm-up.** The ZeRO-Offload paper starts the delayed update only after the first training
+steps, whose gradients change fastest. ``offload_optimizer.delayed_update_warmup: W`` (jzero's
+key, default 0) runs steps 1..W as plain steps (p_t = U(p_{t-1}, G(p_{t-1}, b_t)), nothing
+carried); from step W+1 the delayed update runs as above, step W+1 taking the place of step 1
+(it computes and carries g_{W+1} and applies nothing). The engine picks the *warm-up* step
+(a third compiled variant, :data:`WARMUP`) from its host-side step count, so the step has no cond
+on it; a run resumed inside the warm-up continues it.
+
+**fp16 / overflow.** The overflow check, the unscaling and the clipping happen when a gradient is
+computed: if g_t overflows, step t backs the loss scale off (and counts the step as skipped) at
+once, as a plain run does, and carries g_t as not ready, so step t+1 applies no update. The steps'
+``grad_norm`` and ``overflow`` metrics are those of the gradient computed in the step, ``loss`` is
+the loss at p_{t-1}, and ``lr`` is the rate of the update applied in the step (the next one if none).
+Gradient accumulation is unchanged: the carried gradient is the step's accumulated one.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jzero.errors import ConfigError, JZeroWarning
+from jzero.sharding.plan import flatten_paths
+from jzero.tiers.base import EngineView, Tier
+
+__all__ = ["DelayedGrads", "WARMUP", "enabled", "warmup_steps", "specs", "memory_kinds", "initial",
+           "swap", "restore_names", "restored", "DelayedUpdateTier"]
+
+PyTree = Any
+PREFIX = "delayed"  # the train state's field, and the checkpoint's array names' first part
+#: The ``ready`` of a warm-up step: it applies its own gradient and carries nothing.
+WARMUP = "warmup"
+
+
+class DelayedGrads(NamedTuple):
+  """The gradient a delayed-update step carries to the next one.
+
+  Attributes:
+    grads: fp32 gradients in the plan's state layout (unscaled, clipped), on the device.
+    ready: bool scalar: ``grads`` holds a gradient the next step applies (False after init, after
+      a restore without one, and after an fp16 overflow).
+  """
+
+  grads: PyTree
+  ready: jax.Array
+
+
+def enabled(zero: Any) -> bool:
+  """Whether ``zero_optimization`` asks for the delayed update.
+
+  Raises:
+    ConfigError: ``delayed_update`` without ``offload_optimizer.device: cpu``.
+  """
+  block = zero.offload_optimizer
+  if block is not None and block.delayed_update_warmup and not block.delayed_update:
+    raise ConfigError(
+        f"zero_optimization.offload_optimizer.delayed_update_warmup="
+        f"{block.delayed_update_warmup} has no delayed update to warm up: set delayed_update: "
+        f"true, or remove delayed_update_warmup.")
+  if block is None or not block.delayed_update:
+    return False
+  if block.device != "cpu":
+    raise ConfigError(
+        f"zero_optimization.offload_optimizer.delayed_update=true needs "
+        f"offload_optimizer.device: cpu (got {block.device!r}): the delayed parameter update "
+        f"exists to hide the host optimizer step behind the next forward and backward, and it "
+        f"changes the math by one step. Set device: cpu, or remove delayed_update.")
+  return True
+
+
+def warmup_steps(zero: Any) -> int:
+  """Plain steps before the delayed update starts (0 when it is off)."""
+  return zero.offload_optimizer.delayed_update_warmup if enabled(zero) else 0
+
+
+def specs(plan: Any, on: bool) -> DelayedGrads | None:
+  """PartitionSpecs of the carried state (None when off): the gradient in the state layout."""
+  return DelayedGrads(grads=plan.state_specs(), ready=P()) if on else None
+
+
+def memory_kinds(plan: Any, on: bool, device: str | None) -> DelayedGrads | None:
+  """Memory kinds of the carried state: all on the device."""
+  return DelayedGrads(grads=plan.map(lambda _: device), ready=device) if on else None
+
+
+def initial(state_layout: PyTree) -> DelayedGrads:
+  """Nothing carried: zeros shaped like the state layout (traced inside the engine's init)."""
+  return DelayedGrads(grads=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), state_layout),
+                      ready=jnp.zeros((), bool))
+
+
+def swap(carried: DelayedGrads, grads: PyTree, overflow: jax.Array, ready: bool | None):
+  """In the step: the gradient to update with and whether to skip the update, and what to carry.
+
+  Args:
+    carried: the state's carried gradient (g_{t-1}).
+    grads: this step's unscaled, clipped gradient (g_t).
+    overflow: g_t overflowed (fp16): carry it as not ready.
+    ready: what is known statically about ``carried.ready`` (None: read it), or :data:`WARMUP`:
+      a plain step, which applies g_t (unless it overflowed) and carries ``carried`` unchanged.
+
+  Returns:
+    (gradient to apply, skip -- True, False or a bool array --, the new DelayedGrads).
+  """
+  if ready == WARMUP:
+    return grads, overflow, carried
+  new = DelayedGrads(grads=grads, ready=jnp.logical_not(overflow))
+  skip = jnp.logical_not(carried.ready) if ready is None else not ready
+  return carried.grads, skip, new
+
+
+def restore_names(abstract: Any, stored: dict, params_only: bool) -> list[str]:
+  """The carried state's array names a restore reads: all of them when the checkpoint has them
+  and this engine delays (and the restore is not ``params_only``), else none."""
+  if abstract.delayed is None or params_only:
+    return []
+  names = [f"{PREFIX}/{n}" for n in flatten_paths(abstract.delayed)]
+  return names if all(n in stored for n in names) else []
+
+
+def restored(abstract: Any, shardings: Any, read: dict[str, jax.Array], stored: dict,
+             params_only: bool, where: Any) -> DelayedGrads | None:
+  """The carried state of a restore: the checkpoint's (:func:`restore_names`, read into
+  ``read``), else nothing carried -- with a warning when the checkpoint's carried gradient is
+  dropped because this engine does not delay.
+
+  Args:
+    abstract: the engine's abstract TrainState.
+    shardings: its state shardings, expanded to ``abstract``'s leaves.
+    read: the restored arrays by name.
+    stored: the checkpoint's array table (``meta["arrays"]``).
+    params_only: the restore keeps only the weights.
+    where: the checkpoint directory, for messages.
+  """
+  if abstract.delayed is None:
+    if not params_only and any(n.startswith(PREFIX + "/") for n in stored):
+      warnings.warn(
+          f"checkpoint {where} carries a delayed-update gradient (saved with "
+          f"offload_optimizer.delayed_update: true) that this engine does not use: it is dropped, "
+          f"and training continues with plain updates from the saved parameters.",
+          JZeroWarning, stacklevel=4)
+    return None
+  names = restore_names(abstract, stored, params_only)
+  if names:
+    return jax.tree.unflatten(jax.tree.structure(abstract.delayed), [read[n] for n in names])
+  return jax.jit(initial, out_shardings=shardings.delayed)(abstract.delayed.grads)
+
+
+class DelayedUpdateTier(Tier):
+  """The delayed update as a tier (module docstring): three step variants picked on the host
+  (:data:`WARMUP`, the prime step ``False``, the steady step ``True``, or ``None``: read the
+  carried flag in the step), the carried gradient swapped in before the update.
+
+  The steady step may assume a gradient is carried when no overflow check can make one unready;
+  the ``ready`` array of the state the last steady or prime step returned is known true, any
+  other state's flag is read from the device once."""
+
+  name = "delayed"
+
+  def __init__(self, warmup: int, static_ready: bool | None):
+    self.warmup, self.static_ready = warmup, static_ready
+    self._ready_seen: Any = None  # the ready array of the last state a step returned
+
+  @classmethod
+  def check_config(cls, config: Any) -> None:
+    enabled(config.zero_optimization)
+
+  @classmethod
+  def create(cls, engine: EngineView) -> DelayedUpdateTier | None:
+    zero = engine.config.zero_optimization
+    if not enabled(zero):
+      return None
+    return cls(warmup_steps(zero), None if engine.checks_overflow() else True)
+
+  # -- the carried gradient --------------------------------------------------------------------
+  def carries(self) -> bool:
+    return True
+
+  def carried_specs(self, engine: EngineView) -> DelayedGrads:
+    return specs(engine.plan, True)
+
+  def carried_memory_kinds(self, engine: EngineView, device: str | None) -> DelayedGrads:
+    return memory_kinds(engine.plan, True, device)
+
+  def initial_carried(self, state_layout: PyTree) -> DelayedGrads:
+    return initial(state_layout)
+
+  # -- step variants ---------------------------------------------------------------------------
+  def variant(self, engine: EngineView, state: Any, step: int | None, fused: bool):
+    if step is not None and step < self.warmup:
+      return WARMUP
+    if not fused:  # the timed two-jit step reads the carried flag
+      return None
+    if state is not None and self._needs_prime(state):
+      return False
+    return self.static_ready
+
+  def _needs_prime(self, state: Any) -> bool:
+    """The state carries no gradient and the steady step would apply one."""
+    if self.static_ready is None or state.delayed.ready is self._ready_seen:
+      return False
+    return not bool(state.delayed.ready)
+
+  def seen(self, state: Any, variant) -> None:
+    if self.static_ready is not None and variant in (True, False):  # a warm-up carries nothing
+      self._ready_seen = state.delayed.ready
+
+  # -- the update phase ------------------------------------------------------------------------
+  def checks_finite(self, variant) -> bool:
+    return variant == WARMUP  # the steady step always applies (the engine warns)
+
+  def choose_gradient(self, state: Any, grads: PyTree, overflow: jax.Array, skip: Any,
+                      carried: Any, variant) -> tuple[PyTree, Any, Any]:
+    return swap(state.delayed, grads, overflow, variant)  # update with g_{t-1}, carry g_t
+
+  def applied_steps(self, state: Any, applied: jax.Array) -> jax.Array:
+    return applied - state.delayed.ready.astype(applied.dtype)  # the carried one is not applied

@@ -1,0 +1,318 @@
+"""ZeRO-Offload: the fp32 master and optimizer state in host memory, updated leaf by leaf.
+
+``zero_optimization.offload_optimizer.device: "cpu"`` (stages 1-3) gives every chosen leaf's
+optimizer state -- and, in bf16 / fp16 training, its fp32 master -- the *host tier* of the plan
+(:attr:`jzero.sharding.plan.LeafPlan.state_tier`): the arrays keep the plan's partitioning, and their
+sharding carries the memory kind ``pinned_host`` (``pin_memory: false``: ``unpinned_host``).
+Compute params and gradients stay on the device. Scalars that are not per-parameter (Adam's step
+count) stay on the device, as do 0-d parameters' states.
+
+**Which leaves** (:func:`choose_offloaded`). ``offload_optimizer.ratio`` is DeepSpeed's partial
+offload: the fraction of the parameters whose optimizer state goes to the host. The plan takes
+leaves largest first while the offloaded elements stay within ``ratio`` of the total (a leaf that
+would overshoot is skipped and smaller ones are tried), so ``ratio: 1`` moves everything and the
+largest matrices move first.
+
+**The update** (:func:`apply_update`), inside the train step's ``shard_map``, in one of two modes
+(``offload_optimizer.update``, a jzero key; unset is :data:`DEFAULT_UPDATE`, picked from
+``bench/offload.py``'s numbers):
+
+* ``"stream"``: one *group* at a time (one parameter leaf per group), the group's host state is
+  brought to the device (``jax.device_put(x, jax.memory.Space.Device)`` inside the jit), updated
+  there by the same optax code as without offload, and written back to the host. Each group's
+  transfer in waits (``lax.optimization_barrier``) for the previous group's results, so the device
+  holds about one leaf's optimizer state at a time rather than all of it.
+* ``"host"``: the gradient partitions go to the host and the optax update runs there, under
+  ``compute_on("device_host")``; only the updated (fp32-training) parameter comes back.
+
+Both run optax's own update on the same numbers. In bf16 both give the non-offloaded master bit
+for bit (tested: a one-ulp difference there would grow through the bf16 rounding of the compute
+params into a different run). That needs the stream's group barrier to hold only the per-leaf
+arrays: with Adam's step count inside it, XLA compiled the update to other roundings (10% of the
+master one ulp off after one step). In fp32 the stream mode can still differ by an ulp from the
+second step on (XLA fuses the step-count-dependent bias correction differently around the
+transfers); tests bound it by 1e-6. Grouping calls ``tx.update`` once per group
+on a list of that group's leaves; that is valid for the optimizers jzero builds from the config
+(elementwise; their only shared state is the step count, which every group advances the same
+way). A client optax optimizer (``initialize(optimizer=...)``) may depend on the parameter tree's
+structure, so it is updated as one group.
+
+**Donation.** The step donates the whole train state. A donated buffer may only alias an output
+of the same memory kind (openxla/xla#29270), and JAX 0.10 drops every memory kind from its
+aliasing decision when any input or output lacks one; so when a plan offloads, every input and
+output of the step gets an explicit memory kind (:meth:`jzero.sharding.plan.Plan.memory_kind`) and each
+host leaf's output stays on the host: every buffer keeps its kind, and every one is donated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+from jax import lax
+
+from jzero.errors import ConfigError
+from jzero.tiers.base import EngineView, Tier
+
+__all__ = ["DEFAULT_UPDATE", "UPDATE_MODES", "OffloadSettings", "settings_from_config",
+           "choose_offloaded", "apply_update", "host_compute", "to_device", "to_host", "split_state",
+           "HostOptimizerTier"]
+
+PyTree = Any
+UPDATE_MODES = ("stream", "host")
+# Picked from bench/offload.py on the default job (8 simulated CPU devices): see the README.
+DEFAULT_UPDATE = "stream"
+
+
+class OffloadSettings:
+  """What the config asks of the optimizer-state tier (read once, before any device work).
+
+  Attributes:
+    ratio: fraction of the parameters whose state goes to the host (0: no offload).
+    memory_kind: "pinned_host" or "unpinned_host".
+    update: "stream" or "host" (see the module docstring).
+    tier: the chosen leaves' tier: "host", or "nvme" (``device: nvme``, :mod:`jzero.tiers.nvme_store`).
+  """
+
+  def __init__(self, ratio: float = 0.0, memory_kind: str = "pinned_host",
+               update: str = DEFAULT_UPDATE, tier: str = "host"):
+    self.ratio, self.memory_kind, self.update, self.tier = ratio, memory_kind, update, tier
+
+  def __repr__(self) -> str:
+    return (f"OffloadSettings(ratio={self.ratio}, memory_kind={self.memory_kind!r}, "
+            f"update={self.update!r}, tier={self.tier!r})")
+
+
+def settings_from_config(zero: Any) -> OffloadSettings:
+  """The offload settings of a resolved ``zero_optimization`` block.
+
+  Raises:
+    ConfigError: offload in stage 0 (nothing is partitioned), or a ratio outside (0, 1].
+  """
+  block = zero.offload_optimizer
+  if block is None or block.device in ("none", "auto"):
+    return OffloadSettings()
+  if zero.stage == 0:
+    raise ConfigError(
+        f"zero_optimization.offload_optimizer.device={block.device} needs ZeRO stage 1, 2 or 3 "
+        "(stage 0 does not partition the optimizer state); set zero_optimization.stage to 1 or more, or "
+        "remove offload_optimizer.")
+  ratio = 1.0 if block.ratio == "auto" else float(block.ratio)
+  if not 0.0 < ratio <= 1.0:
+    raise ConfigError(f"zero_optimization.offload_optimizer.ratio={ratio}: give a fraction in "
+                      f"(0, 1] of the parameters whose optimizer state goes to the host.")
+  pinned = block.pin_memory in (True, "auto")
+  update = block.update or DEFAULT_UPDATE
+  return OffloadSettings(ratio=ratio, memory_kind="pinned_host" if pinned else "unpinned_host",
+                         update=update, tier="nvme" if block.device == "nvme" else "host")
+
+
+def choose_offloaded(sizes: dict[str, int], ratio: float) -> set[str]:
+  """Paths whose optimizer state goes to the host: largest first, at most ``ratio`` of the
+  elements (see the module docstring). ``sizes``: path -> elements of the splittable leaves."""
+  if ratio <= 0:
+    return set()
+  budget = ratio * sum(sizes.values())
+  chosen, used = set(), 0
+  for path, numel in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
+    if used + numel <= budget * (1 + 1e-9):
+      chosen.add(path)
+      used += numel
+  return chosen
+
+
+def host_compute():
+  """``compute_on("device_host")`` as this JAX spells it (a context manager in 0.10; later
+  versions only have the decorator form, which jzero does not use yet)."""
+  from jax.experimental import compute_on as module
+  fn = getattr(module, "compute_on", None)
+  if fn is None:  # pragma: no cover - depends on the JAX version
+    raise ConfigError("this JAX has no jax.experimental.compute_on.compute_on: use "
+                      "zero_optimization.offload_optimizer.update: stream.")
+  return fn("device_host")
+
+
+def to_device(x: jax.Array) -> jax.Array:
+  """``x`` moved to device memory (inside a jit)."""
+  return jax.device_put(x, jax.memory.Space.Device)
+
+
+def to_host(x: jax.Array) -> jax.Array:
+  """``x`` moved to host memory (inside a jit; the memory kind comes from the out_shardings)."""
+  return jax.device_put(x, jax.memory.Space.Host)
+
+
+# -- updating the state group by group ------------------------------------------------------------
+def split_state(opt_state: PyTree, params_def: Any):
+  """(treedef of the nodes, nodes) where each param-like node is a list of its leaves in the
+  params' order and every other node is a leaf (e.g. Adam's count)."""
+  is_params = lambda x: jax.tree.structure(x) == params_def
+  nodes, node_def = jax.tree_util.tree_flatten(opt_state, is_leaf=is_params)
+  flags = [is_params(n) and not isinstance(n, jax.Array) for n in nodes]
+  return node_def, [jax.tree.leaves(n) if f else n for n, f in zip(nodes, flags)], flags
+
+
+def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
+                 master: PyTree, on_host: PyTree, *, mode: str, grouped: bool,
+                 master_on_host: bool | PyTree) -> tuple[PyTree, PyTree, PyTree]:
+  """optax update of ``master`` with ``grads``, state leaves on the host where ``on_host`` says.
+
+  Args:
+    tx: the optimizer.
+    grads: fp32 gradients in the state layout (local partitions, on the device).
+    opt_state: ``tx``'s state; param-like leaves of host leaves arrive in host memory.
+    master: what the optimizer updates (fp32 master, or in fp32 training the param partitions):
+      host leaves of a mixed-precision master are in host memory.
+    on_host: a bool per parameter leaf (params' structure): its state lives on the host.
+    mode: "stream" or "host" (module docstring).
+    grouped: update one parameter leaf at a time (elementwise optimizers only).
+    master_on_host: ``master`` is a separate fp32 master whose host leaves live on the host
+      (mixed precision); False when it is fp32 training's param partitions (on the device). Or
+      a bool per parameter leaf: that leaf's master arrives and goes back in host memory,
+      whatever its state's tier (fp32 training with parameter offload, :mod:`jzero.tiers.host_params`).
+
+  Returns:
+    (new master, the same on the device -- what the compute params are cast from --, new
+    opt_state), each host leaf's stored results in host memory.
+  """
+  leaves_g, params_def = jax.tree.flatten(grads)
+  leaves_m = params_def.flatten_up_to(master)
+  host = params_def.flatten_up_to(on_host)
+  if isinstance(master_on_host, bool):
+    master_host = [h and master_on_host for h in host]
+  else:
+    master_host = params_def.flatten_up_to(master_on_host)
+  node_def, nodes, flags = split_state(opt_state, params_def)
+  n = len(leaves_g)
+  groups: list[list[int]] = [[i] for i in range(n)] if grouped else [list(range(n))]
+  new_m: list[Any] = [None] * n
+  on_device: list[Any] = [None] * n
+  new_nodes = [[None] * n if f else None for f in flags]
+  previous: Any = ()
+  for group in groups:
+    g = [leaves_g[i] for i in group]
+    m = [leaves_m[i] for i in group]
+    s = [[node[i] for i in group] if f else node for node, f in zip(nodes, flags)]
+    moved = [host[i] for i in group]
+    m_host = [master_host[i] for i in group]
+    if mode == "host" and any(moved):
+      m_out, s_out = _host_update(tx, g, s, m, flags, moved, node_def, m_host)
+      m_dev_out = [to_device(x) if hm else x for x, hm in zip(m_out, m_host)]
+    else:
+      streamed = any(moved) or any(m_host)
+      if streamed and previous != ():
+        # Bring this group in only after the previous one went back: one group on the device.
+        # Only the per-leaf arrays wait: the step count (a scalar every group reads) stays out
+        # of the barrier, or XLA computes the update around it differently (not bitwise equal
+        # to the update without offload).
+        moved_s = [node for node, f in zip(s, flags) if f]
+        m, moved_s, _ = lax.optimization_barrier((m, moved_s, previous))
+        it = iter(moved_s)
+        s = [next(it) if f else node for node, f in zip(s, flags)]
+      m_dev = [to_device(x) if h or hm else x for x, h, hm in zip(m, moved, m_host)]
+      s_dev = [[to_device(x) if h else x for x, h in zip(node, moved)] if f else node
+               for node, f in zip(s, flags)]
+      state = jax.tree.unflatten(node_def, s_dev)
+      updates, state = tx.update(g, state, m_dev)
+      m_out = m_dev_out = optax.apply_updates(m_dev, updates)
+      s_out = node_def.flatten_up_to(state)
+      s_out = [[to_host(x) if h else x for x, h in zip(node, moved)] if f else node
+               for node, f in zip(s_out, flags)]
+      m_out = [to_host(x) if hm else x for x, hm in zip(m_out, m_host)]
+      if streamed:
+        previous = (m_out, [node for node, f in zip(s_out, flags) if f])
+    for j, i in enumerate(group):
+      new_m[i], on_device[i] = m_out[j], m_dev_out[j]
+    for k, (node, f) in enumerate(zip(s_out, flags)):
+      if f:
+        for j, i in enumerate(group):
+          new_nodes[k][i] = node[j]
+      elif new_nodes[k] is None:
+        new_nodes[k] = node  # e.g. the step count: every group advances it the same way
+  out_nodes = [jax.tree.unflatten(params_def, node) if f else node
+               for node, f in zip(new_nodes, flags)]
+  return (jax.tree.unflatten(params_def, new_m), jax.tree.unflatten(params_def, on_device),
+          jax.tree.unflatten(node_def, out_nodes))
+
+
+def _host_update(tx, g, s, m, flags, moved, node_def, host_m):
+  """The "host" mode: gradients to the host, the optax update under compute_on("device_host");
+  ``host_m``: per leaf, its master arrives and goes back in host memory."""
+  g = [to_host(x) for x in g]
+  m_in = [x if hm else to_host(x) for x, hm in zip(m, host_m)]
+  # Everything the host computation reads is in host memory: device-resident state (the step
+  # count, leaves of a mixed group that stay on the device) goes over and comes back.
+  s = [[x if h else to_host(x) for x, h in zip(node, moved)] if f else to_host(node)
+       for node, f in zip(s, flags)]
+  with host_compute():
+    state = jax.tree.unflatten(node_def, s)
+    updates, state = tx.update(g, state, m_in)
+    m_out = optax.apply_updates(m_in, updates)
+  s_out = node_def.flatten_up_to(state)
+  # Device-resident parts of the state (the step count) come back to the device.
+  s_out = [[x if h else to_device(x) for x, h in zip(node, moved)] if f else to_device(node)
+           for node, f in zip(s_out, flags)]
+  m_out = [x if hm else to_device(x) for x, hm in zip(m_out, host_m)]
+  return m_out, s_out
+
+
+def keep_tiers(opt_state: PyTree, master: PyTree, on_host: PyTree, *,
+               master_on_host: bool) -> tuple[PyTree, PyTree]:
+  """The unchanged state of a skipped (fp16 overflow) step, typed as :func:`apply_update`'s
+  results are: host leaves placed in host memory (both branches of the step's ``lax.cond`` must
+  agree on memory spaces)."""
+  host = jax.tree.leaves(on_host)
+  node_def, nodes, flags = split_state(opt_state, jax.tree.structure(on_host))
+  nodes = [jax.tree.unflatten(jax.tree.structure(on_host),
+                              [to_host(x) if h else x for x, h in zip(node, host)])
+           if f else node for node, f in zip(nodes, flags)]
+  if master_on_host:
+    master = jax.tree.map(lambda x, h: to_host(x) if h else x, master, on_host)
+  return master, jax.tree.unflatten(node_def, nodes)
+
+
+class HostOptimizerTier(Tier):
+  """The host-memory tier's step: active whenever some array of the train state lives in host
+  memory -- optimizer state and masters (``offload_optimizer.device: cpu``), or params
+  (``offload_param.device: cpu``, whose fp32-training masters are those params). It owns the
+  optimizer update (:func:`apply_update`, streaming or on the host) and places a skipped step's
+  unchanged state as the update places its results; a skip is a ``lax.cond`` (host arrays cannot
+  be selected elementwise)."""
+
+  name = "host"
+  needs_cond = True
+
+  @classmethod
+  def check_config(cls, config: Any) -> None:
+    settings_from_config(config.zero_optimization)
+
+  @classmethod
+  def plan_settings(cls, zero: Any) -> dict:
+    return {"offload": settings_from_config(zero)}
+
+  @classmethod
+  def create(cls, engine: EngineView) -> HostOptimizerTier | None:
+    return cls() if engine.plan.uses_host else None
+
+  def owns_update(self) -> bool:
+    return True
+
+  def optimizer_update(self, engine: EngineView, grads: PyTree, opt_state: PyTree,
+                       master: PyTree) -> tuple[PyTree, PyTree, PyTree]:
+    plan = engine.plan
+    # Which masters arrive (and go back) in host memory: the separate fp32 master follows the
+    # state's tier; in fp32 training the master is the param partition, in the param's memory.
+    master_on_host = (plan.map(lambda l: l.state_tier == "host") if plan.has_master
+                      else plan.map(plan.param_in_host_memory))
+    return apply_update(engine.tx, grads, opt_state, master,
+                        plan.map(lambda l: l.state_tier == "host"), mode=plan.offload_update,
+                        grouped=engine.schedule is not None, master_on_host=master_on_host)
+
+  def skipped(self, engine: EngineView, params: PyTree, master: PyTree,
+              opt_state: PyTree) -> tuple[PyTree, PyTree, PyTree]:
+    plan = engine.plan
+    master, opt_state = keep_tiers(opt_state, master, plan.map(lambda l: l.state_tier == "host"),
+                                   master_on_host=plan.has_master)
+    params = plan.map(lambda l, p: to_host(p) if plan.param_in_host_memory(l) else p, params)
+    return params, master, opt_state

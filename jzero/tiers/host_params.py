@@ -1,0 +1,159 @@
+"""ZeRO-Infinity parameter offload: stage-3 parameter partitions in host memory.
+
+``zero_optimization.offload_param.device: "cpu"`` (stage 3 only, as in DeepSpeed) gives every
+*partitioned* compute param the host tier of the plan (:attr:`jzero.sharding.plan.LeafPlan.param_tier`):
+the train state's partition keeps the plan's layout and its sharding carries the memory kind
+``pinned_host`` (``pin_memory: false``: ``unpinned_host``). Persistent leaves (below
+``stage3_param_persistence_threshold``, kept replicated on every device) and 0-d leaves stay on
+the device: they are read by every step whole, and DeepSpeed offloads only the partitions too.
+Gradients stay on the device; the fp32 master and the optimizer state follow
+``offload_optimizer`` (:mod:`jzero.tiers.host_optimizer`) independently.
+
+**Forward and backward.** A host partition reaches the model as a
+:class:`~jzero.comm.zero_param.ZeroParam` whose ``host`` child is the host array and whose
+``partition`` is a zero *gradient slot* on the device (the step differentiates the slots: a
+gradient of a host-memory input would have to be a host array too). ``ZeroParam.gather()``
+brings the partition to the device with :func:`fetch` -- ``jax.device_put(x,
+jax.memory.Space.Device)`` whose backward sends the cotangent to the slot -- and then gathers as
+without offload. Gathers run where they always do, so the transfers do too: a stacked leaf one
+layer at a time inside :func:`jzero.scan_layers` / ``linen_scan_layers`` (the scan slices the host
+stack; each layer's slice is moved to the device right before its all-gather, again in the
+rematerialised backward), a unit's leaves when the unit is called (:mod:`jzero.sharding.gather_units`), any other
+leaf when the forward pass starts. The device holds one layer's (or unit's) partitions and
+gathered parameters at a time, plus what persists.
+
+**The update** runs on the device copy of each host leaf (fp32 training: the param partition is
+the optimizer's master; it is streamed through the device leaf by leaf by
+:func:`jzero.tiers.host_optimizer.apply_update`), and the new partitions are written back to the host tier at the
+end of the step (:func:`to_host`). So the values are the no-offload step's: the copies are exact.
+
+**Donation.** As for the optimizer's host tier (:mod:`jzero.tiers.host_optimizer`, openxla/xla#29270): with any
+host leaf every input and output of the step carries an explicit memory kind and each host
+partition's output is again on the host, so every buffer keeps its kind and all are donated.
+
+**Not here.** ``device: "nvme"`` (the NVMe tier) is :mod:`jzero.tiers.nvme_params`;
+``buffer_count``, ``buffer_size`` and ``max_in_cpu`` size its staging buffers and host cache and
+have no effect with ``device: cpu`` (a warning). ZeRO++'s hpZ keeps a device copy of every partition,
+which defeats parameter offload: the combination is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jzero.errors import ConfigError, NotSupportedError
+from jzero.tiers.base import EngineView, Tier
+from jzero.tiers.host_optimizer import to_device, to_host
+
+__all__ = ["ParamOffloadSettings", "settings_from_config", "fetch", "HostParamsTier"]
+
+PyTree = Any
+
+
+class ParamOffloadSettings:
+  """What the config asks of the parameter tier.
+
+  Attributes:
+    memory_kind: "pinned_host" or "unpinned_host" (``pin_memory``).
+    device: "cpu" (this module) or "nvme" (:mod:`jzero.tiers.nvme_params`).
+  """
+
+  def __init__(self, memory_kind: str = "pinned_host", device: str = "cpu"):
+    self.memory_kind, self.device = memory_kind, device
+
+  @property
+  def tier(self) -> str:
+    """The plan's ``param_tier`` of a partitioned leaf: "host" or "nvme"."""
+    return "nvme" if self.device == "nvme" else "host"
+
+  def __repr__(self) -> str:
+    return f"ParamOffloadSettings(memory_kind={self.memory_kind!r}, device={self.device!r})"
+
+
+def settings_from_config(zero: Any) -> ParamOffloadSettings | None:
+  """The parameter-offload settings of a ``zero_optimization`` block (None: no offload).
+
+  Raises:
+    ConfigError: ``offload_param`` with a device at a stage other than 3, or with ZeRO++ hpZ.
+    NotSupportedError: together with the optimizer's NVMe tier.
+  """
+  block = zero.offload_param
+  if block is None or block.device in ("none", "auto"):
+    return None
+  if zero.stage != 3 and zero.stage != "auto":
+    raise ConfigError(
+        f"zero_optimization.offload_param.device={block.device} needs ZeRO stage 3, got stage "
+        f"{zero.stage}: only stage 3 partitions the parameters (DeepSpeed supports parameter "
+        f"offload at stage 3 only). Set zero_optimization.stage to 3, or remove offload_param "
+        f"(offload_optimizer moves the optimizer state at stages 1-3).")
+  hpz = getattr(zero, "zero_hpz_partition_size", 1)
+  if hpz not in (None, "auto") and int(hpz) > 1:
+    raise ConfigError(
+        f"zero_optimization.offload_param with zero_hpz_partition_size={hpz}: ZeRO++'s hpZ keeps "
+        f"a device copy of every parameter partition, which defeats parameter offload; remove "
+        f"one of the two.")
+  optimizer = zero.offload_optimizer
+  if block.device == "nvme":
+    return ParamOffloadSettings(device="nvme")
+  if optimizer is not None and optimizer.device == "nvme":
+    raise NotSupportedError(
+        "zero_optimization.offload_param.device=cpu with offload_optimizer.device=nvme: parameter "
+        "offload is not implemented together with the NVMe tier yet. Use offload_optimizer.device: "
+        "cpu with parameter offload, or the NVMe tier without offload_param.")
+  pinned = block.pin_memory in (True, "auto")
+  return ParamOffloadSettings(memory_kind="pinned_host" if pinned else "unpinned_host",
+                              device="cpu")
+
+
+@jax.custom_jvp
+def fetch(host: jax.Array, slot: jax.Array) -> jax.Array:
+  """The host partition ``host`` on the device; its gradient goes to ``slot`` (a device array of
+  the same shape and dtype), since a host input's cotangent would have to live on the host.
+
+  A ``custom_jvp`` whose tangent is the slot's: the host input's tangent is never used, so no
+  cotangent is ever formed for it (remat regions and optimization barriers instantiate zero
+  tangents in device memory, which a ``custom_vjp``'s host-typed zero would not match)."""
+  return to_device(host)
+
+
+@fetch.defjvp
+def _fetch_jvp(primals, tangents):
+  host, _ = primals
+  _, slot_dot = tangents
+  return to_device(host), slot_dot
+
+
+class HostParamsTier(Tier):
+  """Stage-3 partitions in host memory (module docstring): the step differentiates a zero slot on
+  the device, the gather fetches the host partition, and the new partitions go back to the host.
+  (The update of what lives in host memory is :class:`jzero.tiers.host_optimizer.HostOptimizerTier`'s.)"""
+
+  name = "host_params"
+  needs_cond = True
+
+  @classmethod
+  def check_config(cls, config: Any) -> None:
+    settings_from_config(config.zero_optimization)
+
+  @classmethod
+  def plan_settings(cls, zero: Any) -> dict:
+    return {"offload_param": settings_from_config(zero)}
+
+  @classmethod
+  def create(cls, engine: EngineView) -> HostParamsTier | None:
+    return cls() if engine.plan.param_offloads else None
+
+  def grad_target(self, engine: EngineView, leaf: Any, p: jax.Array) -> jax.Array | None:
+    return jnp.zeros(p.shape, p.dtype) if leaf.param_tier == "host" else None
+
+  def gather_inputs(self, engine: EngineView, leaf: Any, p: jax.Array) -> dict | None:
+    return {"host": p} if leaf.param_tier == "host" else None
+
+  def place_params(self, engine: EngineView, params: PyTree, master: PyTree) -> PyTree:
+    plan = engine.plan
+    # fp32 training: the new param is the master, already back in host memory
+    return plan.map(lambda l, p, m: p if l.param_tier != "host" else
+                    m if not plan.has_master else to_host(p), params, master)

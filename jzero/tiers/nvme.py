@@ -1,0 +1,132 @@
+"""ZeRO-Infinity's NVMe tier as a :class:`~jzero.tiers.base.Tier`: :class:`NvmeTier`.
+
+One store (:class:`jzero.tiers.nvme_store.NvmeStore`, settings :mod:`jzero.tiers.nvme_settings`)
+holds what the config puts on NVMe: optimizer state and fp32 masters (``offload_optimizer.device:
+nvme``), stage-3 params (``offload_param.device: nvme``, read inside the step by
+:mod:`jzero.tiers.nvme_params`), or, with the optimizer state on the host, an fp32 copy of each
+param. The tier's hooks put the pieces together:
+
+* init: the store is opened (its free space checked) before the first state; the TrainState holds
+  0-byte placeholders for what the store holds, and the initial masters are written as step 0;
+* the forward pass: a param on NVMe is differentiated through a zero gradient slot and read by a
+  host callback when its gather runs;
+* the update phase: the step hands out the NVMe leaves' gradients (and what their update reads)
+  and keeps their params; after the jitted step the store updates its leaves sub-group by
+  sub-group and commits the step (:meth:`NvmeStore.update`), or writes the params' new copies;
+* outside a step: checkpoints and ``logical_params`` read the store into the state
+  (:mod:`jzero.tiers.nvme_state`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jzero.tiers import nvme_settings, nvme_state, nvme_store
+from jzero.tiers.base import EngineView, Tier
+from jzero.tiers.nvme_params import ParamSource
+
+__all__ = ["NvmeTier"]
+
+PyTree = Any
+NVME = nvme_settings.NVME
+
+
+class NvmeTier(Tier):
+  """The NVMe store's hooks (module docstring). The store itself is ``engine.nvme_store``."""
+
+  name = "nvme"
+
+  @classmethod
+  def create(cls, engine: EngineView) -> NvmeTier | None:
+    return cls() if engine.plan.uses_nvme_store else None
+
+  # -- init ------------------------------------------------------------------------------------
+  def prepare(self, engine: EngineView) -> None:
+    if engine.nvme_store is None:  # checks the free space first
+      engine.nvme_store = nvme_store.NvmeStore(engine, engine.nvme_settings)
+
+  @staticmethod
+  def _in_store(leaf: Any) -> bool:
+    return leaf.state_tier == NVME or leaf.param_tier == NVME
+
+  def initial_layout(self, engine: EngineView, state_layout: PyTree,
+                     params: PyTree) -> tuple[PyTree, PyTree, Any]:
+    plan = engine.plan
+    # the store's masters (and copies of params) start from the full masters
+    output = {l.path: x for l, x in zip(plan.leaf_list(), jax.tree.leaves(state_layout))
+              if self._in_store(l)}
+    if plan.has_nvme:  # placeholders; the real masters go to the store
+      state_layout = nvme_store.shrink(plan, state_layout)
+    if plan.params_on_nvme:  # placeholders: the store holds the params
+      params = nvme_store.shrink(plan, params, "param_tier")
+    return state_layout, params, output
+
+  def init_output_shardings(self, engine: EngineView) -> Any:
+    plan = engine.plan
+    return {l.path: plan.sharding(plan.state_spec(l)) for l in plan.leaf_list()
+            if self._in_store(l)}
+
+  def after_init(self, engine: EngineView, state: Any, output: Any) -> None:
+    engine.nvme_store.write_masters(engine, 0, output)
+
+  # -- the forward pass ------------------------------------------------------------------------
+  def grad_target(self, engine: EngineView, leaf: Any, p: jax.Array) -> jax.Array | None:
+    if leaf.param_tier != NVME:
+      return None
+    shape = list(leaf.padded_shape)  # p is a 0-byte placeholder
+    shape[leaf.shard_dim] //= engine.mesh.zero_size
+    return jnp.zeros(shape, p.dtype)
+
+  def gather_inputs(self, engine: EngineView, leaf: Any, p: jax.Array) -> dict | None:
+    if leaf.param_tier != NVME:
+      return None
+    return {"source": ParamSource(engine.nvme_store.reader, leaf.path, engine.mesh.zero_axes),
+            "layer": jnp.arange(leaf.shape[0]) if leaf.stacked else jnp.zeros((), jnp.int32)}
+
+  # -- the update phase ------------------------------------------------------------------------
+  def take_outputs(self, engine: EngineView, state: Any, grads: PyTree,
+                   factor: jax.Array | None) -> tuple[PyTree, Any]:
+    plan = engine.plan
+    if not plan.has_nvme:  # params (or their copies) only: nothing is updated after the step
+      return grads, None
+    # the clipping factor is applied in the store's update, as the device path applies it inside
+    # its fused update (the same rounding)
+    return (nvme_store.shrink(plan, grads),
+            nvme_store.step_outputs(engine, state, grads, factor))
+
+  def output_specs(self, engine: EngineView) -> Any:
+    return nvme_store.step_output_specs(engine) if engine.plan.has_nvme else None
+
+  def master_in(self, engine: EngineView, master: PyTree) -> PyTree:
+    return nvme_store.shrink(engine.plan, master) if engine.plan.has_nvme else master
+
+  def new_param(self, engine: EngineView, leaf: Any, m_device: jax.Array, m: jax.Array,
+                old: jax.Array) -> jax.Array | None:
+    # NVMe leaves keep their params here: the store's update makes the new ones; a param copied
+    # to the tier is written there after the step from the new master, which in fp32 training is
+    # the state's param itself
+    if leaf.state_tier == NVME or engine.plan.param_placeholder(leaf):
+      return old
+    return m if leaf.param_copy_on_nvme else None
+
+  # -- after the step --------------------------------------------------------------------------
+  def after_step(self, engine: EngineView, state: Any, metrics: dict, output: Any) -> Any:
+    store = engine.nvme_store
+    if output is not None:
+      return store.update(engine, state, metrics, output)
+    if store.copies:
+      store.write_copies(engine, state, metrics)
+    return state
+
+  # -- outside a step --------------------------------------------------------------------------
+  def full_state(self, engine: EngineView, state: Any) -> Any:
+    return nvme_state.full_state(engine, state)
+
+  def expand_abstract(self, engine: EngineView, abstract: Any) -> Any:
+    return nvme_state.expand_abstract(engine, abstract)
+
+  def absorb(self, engine: EngineView, state: Any) -> Any:
+    return nvme_state.absorb(engine, state)

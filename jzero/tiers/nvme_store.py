@@ -1,0 +1,658 @@
+"""ZeRO-Infinity's NVMe tier: fp32 master and optimizer state of chosen leaves in a tensorstore store.
+
+``zero_optimization.offload_optimizer: {"device": "nvme", "nvme_path": DIR}`` (stages 1-3) gives the
+chosen leaves (all of them, or ``ratio`` of the parameters, largest first, as the host tier's
+:func:`jzero.tiers.host_optimizer.choose_offloaded`) the *NVMe tier* of the plan (``LeafPlan.state_tier ==
+"nvme"``): their optimizer state -- and in bf16 / fp16 training their fp32 master -- lives only in
+a tensorstore store on disk. DeepSpeed needs a libaio build for this (DeepSpeed #6972, #6920);
+tensorstore's ``file`` kvstore needs nothing.
+
+**Where.** One store per process and engine, under
+``<nvme_path>/zero_stage_<n>/<host>-<pid>-<UTC time>-<uuid>/process_<i>/`` (DeepSpeed's
+``zero_stage_3/`` layout): the pid and a fresh uuid make the name unique between two engines of one
+process, two processes and two runs. Each sub-group (below) is, per slot, one zarr3 array of shape
+``(local devices, elements)`` with one uncompressed chunk per row -- one file per device, written
+in one request and fsync'ed, the devices' files in parallel: a row is one device's partitions of
+the group's arrays (a leaf's master, then its optimizer moments) end to end, so the process writes
+exactly the shards its devices hold, and the disk sees few large files instead of one small file
+per array and device (that layout measured 0.03 of the disk's raw write bandwidth, fsync per small
+file dominating; one file for all rows 0.42, bench/nvme.py). The directory
+is removed when the engine is garbage-collected or the process exits normally; a killed process
+leaves it (see crash consistency). Paths are checked before any device work: a missing
+``nvme_path``, a path that is not a writable directory (a probe file is written and fsync'ed), and,
+when the plan exists, too little free space for both slots (``shutil.disk_usage``) are a
+:class:`~jzero.errors.ConfigError` naming the path and the fix.
+
+**The TrainState** keeps, for an NVMe leaf, *placeholders*: its master / optimizer-moment arrays
+have the leaf's layout with the shard dimension of size 0 (0 bytes; the tree structure and
+partition specs are those of every other plan, so optax, the step's ``shard_map`` and the donation
+machinery see nothing new). Compute params and gradients stay on the device.
+
+**The step** splits in two. The jitted step (:mod:`jzero.train.step`) computes, reduces, unscales and
+clips the gradients of every leaf, updates device-tier leaves, and returns for the NVMe leaves
+their fp32 gradient partitions, (fp32 training) their master partitions -- the params' own slices
+-- and the optimizer state's non-parameter leaves (Adam's count) *before* the step. Then
+:meth:`NvmeStore.update` walks the NVMe leaves in sub-groups of at most ``sub_group_size``
+elements per device (whole leaves; a larger leaf is a group of its own): the group's arrays are read
+from the committed slot (futures of parallel row reads), updated by a jitted ``shard_map`` running the same
+optax ``tx.update`` on the same partitions as the device path (so fp32 results equal the
+non-offloaded step; tests: 1e-6), which also casts (and in stages 1/2 all-gathers) the group's new
+compute params, and written to the other slot. With ``pipeline_read`` the reads of the next
+``buffer_count - 1`` groups are in flight while a group is updated; with ``pipeline_write`` a
+group's writes proceed while the next groups are read and updated (at most ``buffer_count`` groups'
+writes pending); without them each read / write is waited for. :meth:`NvmeStore.update` returns
+once every write is committed and the manifest names the new step: that is the step's commit point;
+``engine.train_step`` returns after it. A skipped step (its gradient not finite) writes nothing and moves the
+manifest's step only.
+
+**Crash consistency.** Two slots, ``slot_a`` and ``slot_b``: step t reads the slot the manifest
+names and writes the other; the manifest (``manifest.json``: step, slot, arrays) is replaced
+atomically (write, fsync, ``os.replace``, fsync of the directory) only after every write of the step
+is committed (tensorstore's ``file`` kvstore writes each chunk to a temporary file, renames it and,
+with ``file_io_sync``, fsyncs); reads go to the committed chunk files directly (``os.preadv`` of
+each row, the rows in parallel, :func:`read_file_into`): zarr3 chunks with only the ``bytes``
+codec are the raw rows, and this measured faster than tensorstore's read of them. A process killed during a step therefore leaves a store whose
+manifest names the last completed step and a slot nobody was writing.
+:func:`jzero.tiers.nvme_state.open_committed` reads
+it back (or refuses clearly: no manifest -- killed before the first commit --, or a slot with
+missing files). Resuming training goes through checkpoints (below), as in DeepSpeed, whose swap files
+are scratch space too.
+
+**Settings** (:mod:`jzero.tiers.nvme_settings`; DeepSpeed's names -> tensorstore): ``aio.queue_depth`` ->
+the context's ``file_io_concurrency`` limit (concurrent file operations) and the reading threads,
+``aio.intra_op_parallelism`` -> ``data_copy_concurrency`` (threads copying / encoding chunks);
+``buffer_count``, ``pipeline_read``, ``pipeline_write`` and ``sub_group_size`` as above; the
+cache pool is 0 bytes (every read goes to the disk, nothing is held twice in host memory);
+tensorstore's ``file_io_mode`` stays ``default`` (:data:`IO_MODE`: O_DIRECT and memmap measured no
+better for writes, bench/nvme.py, README). ``aio.block_size``, ``single_submit`` and
+``overlap_events`` tune libaio requests that tensorstore does not make (each file is written in
+one request): a warning each. DeepSpeed's default ``intra_op_parallelism`` of 1 leaves one thread
+to copy the chunks; the disk's bandwidth needs several (bench/nvme.py sets 8). ``aio.use_gds``
+(GPUDirect Storage) is refused. ``offload_param.device: nvme`` puts the stage-3 parameters in this
+store too (:mod:`jzero.tiers.nvme_params`: their masters are stored even in fp32, and the update writes
+no compute param for them). A client optax optimizer (``initialize(optimizer=...)``) is refused:
+the group update needs an elementwise optimizer (jzero's Adam, AdamW, Lion, SGD).
+
+**Checkpoints and reports** read the store: ``save_checkpoint`` reads the committed slot into
+arrays laid out by the plan and saves them with Orbax like the rest
+(:func:`jzero.tiers.nvme_state.full_state`); ``load_checkpoint`` restores them in their real shapes
+(:func:`~jzero.tiers.nvme_state.expand_abstract`) and writes them into the store
+(:func:`~jzero.tiers.nvme_state.absorb`), so a checkpoint moves between tiers (nvme <-> device / host)
+exactly. ``logical_params`` reads the master from the store. The memory report measures the NVMe
+bytes from the committed slot's files (per device: a file's size over its rows, split into master
+and optimizer by the layout) next to the estimator's ``nvme`` tier, and prints the process's store
+directory and its bytes on disk.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import datetime
+import json
+import math
+import os
+import shutil
+import socket
+import uuid
+import weakref
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jzero.errors import ConfigError, JZeroError
+from jzero.tiers.nvme_settings import (IO_MODE, NVME, NvmeSettings, check_directory, io_context,
+                                 settings_from_config)
+from jzero.tiers.host_optimizer import split_state
+from jzero.tiers.nvme_params import ParamReader
+
+__all__ = ["NVME", "NvmeSettings", "NvmeStoreError", "NvmeStore", "settings_from_config",
+           "check_directory", "shrink", "placeholder_shape", "IO_MODE", "io_context", "MANIFEST",
+           "SLOTS", "FORMAT", "read_file_into"]
+
+PyTree = Any
+MANIFEST = "manifest.json"
+SLOTS = ("a", "b")
+FORMAT = "jzero-nvme"
+
+
+class NvmeStoreError(JZeroError):
+  """An NVMe store cannot be read back (no committed step, or a committed slot is incomplete)."""
+
+
+def read_file_into(path: str | os.PathLike, out: np.ndarray, offset: int = 0) -> np.ndarray:
+  """Fills the contiguous array ``out`` with the bytes of ``path`` from byte ``offset`` on
+  (``os.preadv`` into its memory, no copy); OSError on a short file."""
+  view, done, size = memoryview(out).cast("B"), 0, out.nbytes
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    while done < size:
+      n = os.preadv(fd, [view[done:]], offset + done)
+      if n <= 0:
+        raise OSError(f"{path}: {size - done} bytes missing at byte {offset + done}")
+      done += n
+  finally:
+    os.close(fd)
+  return out
+
+
+# -- placeholders (inside and outside the jitted step) --------------------------------------------
+def placeholder_shape(leaf: Any) -> tuple[int, ...]:
+  """An NVMe leaf's placeholder: its partitioned layout with the shard dimension of size 0."""
+  shape = list(leaf.padded_shape)
+  shape[leaf.shard_dim] = 0
+  return tuple(shape)
+
+
+def shrink(plan: Any, tree: PyTree, tier: str = "state_tier") -> PyTree:
+  """``tree`` (params structure) with NVMe leaves cut to size 0 along their shard dimension;
+  ``tier="param_tier"``: the params the state holds as placeholders (``plan.param_placeholder``,
+  jzero.tiers.nvme_params)."""
+  on_tier = (plan.param_placeholder if tier == "param_tier"
+             else lambda leaf: leaf.state_tier == NVME)
+
+  def cut(leaf, x):
+    if not on_tier(leaf) or x is None:
+      return x
+    return lax.slice_in_dim(x, 0, 0, axis=leaf.shard_dim % x.ndim)
+  return plan.map(cut, tree)
+
+
+def _split(opt_state: PyTree, params_def: Any):
+  return split_state(opt_state, params_def)
+
+
+def _params_def(plan: Any):
+  return jax.tree.structure(plan.map(lambda _: 0))
+
+
+def step_outputs(engine: Any, state: Any, grads: PyTree, factor: jax.Array | None) -> dict:
+  """Inside the step's ``shard_map``: what :meth:`NvmeStore.update` needs from the device (module
+  docstring): the NVMe leaves' fp32 gradients before clipping and the clipping ``factor`` (the
+  update multiplies, as the device path does inside its fused update: the same rounding), fp32
+  training's master partitions, and the optimizer state's non-parameter leaves before the
+  update."""
+  plan = engine.plan
+  nvme = [l for l in plan.leaf_list() if l.state_tier == NVME]
+  flat_g = dict(zip([l.path for l in plan.leaf_list()], jax.tree.leaves(grads)))
+  out = {"grads": {l.path: flat_g[l.path] for l in nvme},
+         "factor": jnp.ones((), jnp.float32) if factor is None else factor}
+  if not plan.has_master:  # (a param on the NVMe tier has its master in the store)
+    flat_p = dict(zip([l.path for l in plan.leaf_list()], jax.tree.leaves(state.params)))
+    out["master"] = {l.path: engine.local_master(l, flat_p[l.path]) for l in nvme
+                     if l.param_tier != NVME}
+  _, nodes, flags = _split(state.opt_state, _params_def(plan))
+  out["nodes"] = [n for n, f in zip(nodes, flags) if not f]
+  return out
+
+
+def step_output_specs(engine: Any) -> dict:
+  """Partition specs of :func:`step_outputs`."""
+  plan = engine.plan
+  nvme = [l for l in plan.leaf_list() if l.state_tier == NVME]
+  specs = {"grads": {l.path: plan.state_spec(l) for l in nvme}, "factor": P()}
+  if not plan.has_master:
+    specs["master"] = {l.path: plan.state_spec(l) for l in nvme if l.param_tier != NVME}
+  abstract = jax.eval_shape(engine.tx.init, plan.abstract_master())
+  _, nodes, flags = _split(abstract, _params_def(plan))
+  specs["nodes"] = [P() for f in flags if not f]
+  return specs
+
+
+# -- the store -------------------------------------------------------------------------------------
+def _run_name() -> str:
+  now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+  host = socket.gethostname().split(".")[0] or "host"
+  return f"{host}-{os.getpid()}-{now}-{uuid.uuid4().hex[:12]}"
+
+
+def _fsync_dir(path: Path) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _write_manifest(directory: Path, doc: dict) -> None:
+  tmp = directory / (MANIFEST + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump(doc, f)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, directory / MANIFEST)
+  _fsync_dir(directory)
+
+
+def _dir_bytes(path: Path, data_only: bool = False) -> int:
+  total = 0
+  for root, _, files in os.walk(path):
+    for name in files:
+      if data_only and (name == "zarr.json" or name.startswith(MANIFEST)):
+        continue
+      try:
+        total += os.path.getsize(os.path.join(root, name))
+      except OSError:
+        pass
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+  """One stored array: a leaf's master (node -1) or its k-th param-like optimizer node, at
+  ``offset`` (elements) of each device's row of its group's file."""
+
+  name: str
+  leaf: Any  # LeafPlan
+  what: str  # "master" or "state<k>"
+  node: int
+  group: int
+  offset: int
+  numel: int  # elements of one device's partition
+
+
+class NvmeStore:
+  """The NVMe tier of one engine in this process (see the module docstring).
+
+  Attributes:
+    directory: this process's store directory (``.../process_<i>``).
+    run_directory: the run's directory (``.../zero_stage_<n>/<unique>``), removed at exit.
+    groups: the sub-groups, lists of indices into ``leaves``.
+    step: the committed step (None before the first commit); slot: the committed slot.
+  """
+
+  def __init__(self, engine: Any, settings: NvmeSettings):
+    import tensorstore as ts  # pylint: disable=import-outside-toplevel
+    self._ts = ts
+    plan = engine.plan
+    self.settings, self.plan = settings, plan
+    # the leaves whose state is here, and the params here (their state here too, or a copy of
+    # the param whose master and state live on the host or the device: jzero.tiers.nvme_params)
+    self.leaves = [l for l in plan.leaf_list() if l.state_tier == NVME or l.param_tier == NVME]
+    self.copies = any(l.param_copy_on_nvme for l in self.leaves)
+    self._position = {l.path: i for i, l in enumerate(plan.leaf_list())}
+    abstract = jax.eval_shape(engine.tx.init, plan.abstract_master())
+    self._params_def = _params_def(plan)
+    self._node_def, _, self._flags = _split(abstract, self._params_def)
+    self._param_nodes = [k for k, f in enumerate(self._flags) if f]
+    mesh = plan.mesh.mesh
+    self.devices = sorted((d for d in mesh.devices.flat if d.process_index == jax.process_index()),
+                          key=lambda d: d.id)
+    self._sharding = {l.path: plan.sharding(plan.state_spec(l)) for l in self.leaves}
+    self._shard_shape = {l.path: tuple(self._sharding[l.path].shard_shape(l.padded_shape))
+                         for l in self.leaves}
+    self.groups = self._make_groups()
+    stored, self.group_numel = [], []
+    for g, group in enumerate(self.groups):
+      offset = 0
+      for i in group:
+        l = self.leaves[i]
+        pos, numel = self._position[l.path], math.prod(self._shard_shape[l.path])
+        stores_master = plan.has_master or l.param_tier == NVME
+        stores_state = l.state_tier == NVME
+        names = ([(f"{pos:05d}.master", "master", -1)] if stores_master else []) + [
+            (f"{pos:05d}.state{j}", f"state{j}", j)
+            for j in range(len(self._param_nodes) if stores_state else 0)]
+        for name, what, node in names:
+          stored.append(_Stored(name, l, what, node, g, offset, numel))
+          offset += numel
+      self.group_numel.append(offset)
+    self.stored = stored
+    # the parameters on the tier (jzero.tiers.nvme_params), read inside the step by this reader; it
+    # checks its buffers against the largest layer before anything is written
+    self.reader = ParamReader(self) if plan.params_on_nvme else None
+    self.bytes_per_slot = len(self.devices) * sum(self.group_numel) * 4
+    free = shutil.disk_usage(settings.path).free
+    if 2 * self.bytes_per_slot > free:
+      raise ConfigError(
+          f"{settings.key}={settings.path}: the NVMe tier needs {2 * self.bytes_per_slot:,} bytes in this "
+          f"process (two slots of {self.bytes_per_slot:,}: fp32 master and optimizer state of "
+          f"{len(self.leaves)} leaves), and the file system has {free:,} free. Free space there, "
+          f"point nvme_path at a larger drive, or lower offload_optimizer.ratio.")
+    self.run_directory = (settings.path / f"zero_stage_{plan.stage}" / _run_name())
+    self.directory = self.run_directory / f"process_{jax.process_index()}"
+    self.directory.mkdir(parents=True, exist_ok=False)
+    self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.run_directory), True)
+    self._context = ts.Context(io_context(settings))
+    self._io = concurrent.futures.ThreadPoolExecutor(max_workers=settings.queue_depth,
+                                                     thread_name_prefix="jzero-nvme-read")
+    self._arrays = {slot: [self._open(slot, g) for g in range(len(self.groups))]
+                    for slot in SLOTS}
+    self.step: int | None = None
+    self.slot: str | None = None
+    self._fns: dict[int, Any] = {}
+    self._init_fns: dict[int, Any] = {}
+
+  # -- layout ---------------------------------------------------------------------------------------
+  def _make_groups(self) -> list[list[int]]:
+    groups: list[list[int]] = []
+    used = 0
+    for i, l in enumerate(self.leaves):
+      numel = math.prod(self._shard_shape[l.path])
+      if groups and used + numel <= self.settings.sub_group_size:
+        groups[-1].append(i)
+        used += numel
+      else:
+        groups.append([i])
+        used = numel
+    return groups
+
+  def _open(self, slot: str, g: int):
+    """Group ``g``'s array in a slot: (local devices, elements), one file per device's row."""
+    shape = [len(self.devices), self.group_numel[g]]
+    spec = {"driver": "zarr3",
+            "kvstore": {"driver": "file", "path": str(self.directory / f"slot_{slot}" / f"group_{g}")},
+            "metadata": {"shape": shape, "data_type": "float32",
+                         "chunk_grid": {"name": "regular",
+                                        "configuration": {"chunk_shape": [1, shape[1]]}},
+                         "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]},
+            # every row is a file, also an all-zero one (padding, fresh moments): a committed
+            # slot is complete, and its files' sizes are what the memory report counts
+            "store_data_equal_to_fill_value": True}
+    return self._ts.open(spec, create=True, delete_existing=True, context=self._context).result()
+
+  def chunk_file(self, slot: str, g: int, row: int) -> Path:
+    """The file of device row ``row`` of group ``g`` in a slot (zarr3's chunk key ``c/<row>/0``;
+    uncompressed little-endian fp32, the row's elements in order)."""
+    return self.directory / f"slot_{slot}" / f"group_{g}" / "c" / str(row) / "0"
+
+  def partition_rows(self) -> dict[int, int]:
+    """Partition index along the ZeRO axes -> the row of a local device holding that partition."""
+    leaf = self.leaves[0]
+    d = leaf.shard_dim % len(leaf.padded_shape)
+    length = self._shard_shape[leaf.path][d]
+    index_map = self._sharding[leaf.path].devices_indices_map(leaf.padded_shape)
+    out: dict[int, int] = {}
+    for row, device in enumerate(self.devices):
+      out.setdefault((index_map[device][d].start or 0) // length, row)
+    return out
+
+  def _read_rows(self, slot: str, g: int) -> "concurrent.futures.Future[np.ndarray]":
+    """Starts reading group ``g``'s rows from a slot: a future of the (local devices, elements)
+    array. Each row is its chunk file's bytes (zarr3, uncompressed little-endian), read with
+    ``os.preadv`` straight into the array, the rows in parallel: what the disk gives a plain read
+    of the same files (tensorstore's own read measured 0.63 of that, bench/nvme.py)."""
+    out = np.empty((len(self.devices), self.group_numel[g]), np.float32)
+    rows = [self._io.submit(read_file_into, self.chunk_file(slot, g, r), out[r])
+            for r in range(len(self.devices))]
+    done = concurrent.futures.Future()
+
+    def gather(_):
+      if all(f.done() for f in rows) and not done.done():
+        errors = [f.exception() for f in rows if f.exception() is not None]
+        if errors:
+          done.set_exception(errors[0])
+        else:
+          done.set_result(out)
+    for f in rows:
+      f.add_done_callback(gather)
+    return done
+
+  def read_into(self, slot: str, g: int, row: int, start: int, out: np.ndarray) -> np.ndarray:
+    """Fills ``out`` (fp32) from device row ``row`` of group ``g`` in a slot, from element
+    ``start`` on (the parameter tier's layer reads, jzero.tiers.nvme_params)."""
+    return read_file_into(self.chunk_file(slot, g, row), out, start * 4)
+
+  def _pending_rows(self, g: int, rows: np.ndarray) -> None:
+    if self.reader is not None:
+      self.reader.stage(g, rows)
+
+  def _members(self, g: int) -> list[_Stored]:
+    return [s for s in self.stored if s.group == g]
+
+  # -- host <-> device ------------------------------------------------------------------------------
+  def _to_global(self, s: _Stored, rows: np.ndarray) -> jax.Array:
+    """Group rows (local devices, elements) -> the stored array ``s`` laid out by the plan."""
+    leaf, shape = s.leaf, self._shard_shape[s.leaf.path]
+    part = rows[:, s.offset:s.offset + s.numel]
+    return jax.make_array_from_single_device_arrays(
+        leaf.padded_shape, self._sharding[leaf.path],
+        [jax.device_put(part[r].reshape(shape), d) for r, d in enumerate(self.devices)])
+
+  def _pack(self, g: int, values: dict[str, jax.Array]) -> np.ndarray:
+    """Group ``g``'s stored arrays (name -> global array) as its file's rows."""
+    buf = np.empty((len(self.devices), self.group_numel[g]), np.float32)
+    for s in self._members(g):
+      x = jax.device_put(values[s.name], self._sharding[s.leaf.path])
+      by_device = {shard.device: shard.data for shard in x.addressable_shards}
+      for r, d in enumerate(self.devices):
+        buf[r, s.offset:s.offset + s.numel] = np.asarray(by_device[d]).reshape(-1)
+    return buf
+
+  def _write(self, slot: str, g: int, buf: np.ndarray):
+    """Starts writing group ``g``'s rows into a slot; the commit future."""
+    return self._arrays[slot][g].write(buf).commit
+
+  def _commit(self, step: int, slot: str) -> None:
+    doc = {"format": FORMAT, "version": 1, "step": int(step), "slot": slot,
+           "devices": [str(d) for d in self.devices],
+           "groups": [{"name": f"group_{g}", "shape": [len(self.devices), self.group_numel[g]],
+                       "members": {s.name: {"leaf": s.leaf.path, "what": s.what,
+                                            "offset": s.offset, "numel": s.numel,
+                                            "partition": list(self._shard_shape[s.leaf.path])}
+                                   for s in self._members(g)}}
+                      for g in range(len(self.groups))]}
+    _write_manifest(self.directory, doc)
+    self.step, self.slot = int(step), slot
+    if self.reader is not None:
+      self.reader.committed()
+
+  @property
+  def _other(self) -> str:
+    return SLOTS[1] if self.slot == SLOTS[0] else SLOTS[0]
+
+  # -- writing a whole state ------------------------------------------------------------------------
+  def write_masters(self, engine: Any, step: int, masters: dict[str, jax.Array]) -> None:
+    """Fresh optimizer state (``tx.init``) for the NVMe leaves from their fp32 masters (state
+    layout), written with the masters (mixed precision) into a slot and committed as ``step``."""
+    slot = self._other if self.slot is not None else SLOTS[0]
+    futures = []
+    for g, group in enumerate(self.groups):
+      if g not in self._init_fns:
+        def init(ms):
+          nodes = self._node_def.flatten_up_to(engine.tx.init(ms))
+          return [n for n, f in zip(nodes, self._flags) if f]
+        self._init_fns[g] = jax.jit(init)
+      ms = [masters[self.leaves[i].path] for i in group]
+      stores_state = any(s.node >= 0 for s in self._members(g))
+      states = self._init_fns[g](ms) if stores_state else None  # (copies of params: no state)
+      index = {self.leaves[i].path: j for j, i in enumerate(group)}
+      values = {s.name: ms[index[s.leaf.path]] if s.node < 0 else states[s.node][index[s.leaf.path]]
+                for s in self._members(g)}
+      rows = self._pack(g, values)
+      futures.append(self._write(slot, g, rows))
+      self._pending_rows(g, rows)
+    for f in futures:
+      f.result()
+    self._commit(step, slot)
+
+  def write_state(self, engine: Any, state: Any) -> None:
+    """Writes a TrainState whose NVMe leaves hold real arrays (a restore) and commits its step."""
+    slot = self._other if self.slot is not None else SLOTS[0]
+    # the masters: fp32 training's are the params (stored here for the NVMe-tier params only)
+    source = state.master if self.plan.has_master else state.params
+    flat_m = dict(zip([l.path for l in self.plan.leaf_list()], jax.tree.leaves(source)))
+    _, nodes, _ = _split(state.opt_state, self._params_def)
+    futures = []
+    for g in range(len(self.groups)):
+      values = {s.name: flat_m[s.leaf.path] if s.node < 0
+                else nodes[self._param_nodes[s.node]][self._position[s.leaf.path]]
+                for s in self._members(g)}
+      rows = self._pack(g, values)
+      futures.append(self._write(slot, g, rows))
+      self._pending_rows(g, rows)
+    for f in futures:
+      f.result()
+    self._commit(int(state.step), slot)
+
+  def write_copies(self, engine: Any, state: Any, metrics: dict) -> None:
+    """After a step whose params are copies on the tier (``LeafPlan.param_copy_on_nvme``): their
+    new values, the state's masters, written to the other slot and committed as the step (a
+    skipped step commits the unchanged slot under the new step)."""
+    if bool(metrics["overflow"]):
+      self._commit(int(state.step), self.slot)
+    else:
+      self.write_state(engine, state)
+
+  def read(self) -> dict[str, jax.Array]:
+    """The committed slot's arrays as global arrays laid out by the plan: name -> array."""
+    futures = [self._read_rows(self.slot, g) for g in range(len(self.groups))]
+    out = {}
+    for g, f in enumerate(futures):
+      rows = f.result()
+      out.update({s.name: self._to_global(s, rows) for s in self._members(g)})
+    return out
+
+  # -- the step -------------------------------------------------------------------------------------
+  def _group_fn(self, engine: Any, g: int):
+    if g in self._fns:
+      return self._fns[g]
+    plan = self.plan
+    leaves = [self.leaves[i] for i in self.groups[g]]
+    sspec = [plan.state_spec(l) for l in leaves]
+    pspec = [plan.param_spec(l) for l in leaves]
+    flags, node_def = self._flags, self._node_def
+    n_nodes = len(self._param_nodes)
+    n_other = len(flags) - n_nodes
+
+    in_state = [l.param_tier != NVME for l in leaves]  # (the store keeps the others' params)
+
+    def body(g_list, factor, m_list, s_lists, others):
+      g_list = [g * factor for g in g_list]
+      it_s, it_o = iter(s_lists), iter(others)
+      state = jax.tree.unflatten(node_def, [next(it_s) if f else next(it_o) for f in flags])
+      updates, state = engine.tx.update(g_list, state, m_list)
+      new_m = optax.apply_updates(m_list, updates)
+      out = node_def.flatten_up_to(state)
+      params = [engine.compute_param(l, x) for l, x, keep in zip(leaves, new_m, in_state) if keep]
+      return new_m, [n for n, f in zip(out, flags) if f], params
+
+    pspec = [s for s, keep in zip(pspec, in_state) if keep]
+    fn = jax.jit(plan.shard_map(body, (sspec, P(), sspec, [sspec] * n_nodes, [P()] * n_other),
+                                (sspec, [sspec] * n_nodes, pspec)),
+                 donate_argnums=(0, 2, 3), compiler_options=plan.xla_options() or None)
+    self._fns[g] = fn
+    return fn
+
+  def update(self, engine: Any, state: Any, metrics: dict, io: dict) -> Any:
+    """The NVMe leaves' update after the jitted step (module docstring); returns the state with
+    the NVMe leaves' new compute params, after the step's writes are committed."""
+    settings, plan = self.settings, self.plan
+    new_step = int(state.step)
+    if bool(metrics["overflow"]):  # skipped step: the stored state is unchanged
+      self._commit(new_step, self.slot)
+      return state
+    src, dst = self.slot, self._other
+    groups = self.groups
+    ahead = settings.buffer_count - 1 if settings.pipeline_read else 0
+    limit = settings.buffer_count if settings.pipeline_write else 0
+    reads: dict[int, Any] = {}
+    writes: collections.deque = collections.deque()  # commit futures, one per group
+    new_params: dict[str, jax.Array] = {}
+    for g, group in enumerate(groups):
+      for k in range(g, min(len(groups), g + 1 + ahead)):
+        if k not in reads:
+          reads[k] = self._read_rows(src, k)
+      rows = reads.pop(g).result()
+      data = {s.name: self._to_global(s, rows) for s in self._members(g)}
+      leaves = [self.leaves[i] for i in group]
+      pos = [self._position[l.path] for l in leaves]
+      g_list = [io["grads"][l.path] for l in leaves]
+      m_list = [data[f"{p:05d}.master"] if f"{p:05d}.master" in data else io["master"][l.path]
+                for p, l in zip(pos, leaves)]
+      s_lists = [[data[f"{p:05d}.state{j}"] for p in pos] for j in range(len(self._param_nodes))]
+      new_m, new_s, params = self._group_fn(engine, g)(g_list, io["factor"], m_list, s_lists,
+                                                         io["nodes"])
+      index = {l.path: j for j, l in enumerate(leaves)}
+      values = {s.name: new_m[index[s.leaf.path]] if s.node < 0
+                else new_s[s.node][index[s.leaf.path]] for s in self._members(g)}
+      rows = self._pack(g, values)
+      writes.append(self._write(dst, g, rows))
+      self._pending_rows(g, rows)
+      new_params.update({l.path: p for l, p in zip(
+          [l for l in leaves if l.param_tier != NVME], params)})
+      while len(writes) > limit:
+        writes.popleft().result()
+    while writes:
+      writes.popleft().result()
+    self._commit(new_step, dst)
+    params = plan.map(lambda l, p: new_params.get(l.path, p), state.params)
+    return engine.with_secondary(state._replace(params=params))
+
+  # -- the store's arrays in a TrainState (checkpoints, logical params: jzero.tiers.nvme_state) ----------
+  def with_arrays(self, state: Any, get, get_param) -> Any:
+    """``state`` with each NVMe leaf's master / optimizer node replaced by ``get(stored)``, and
+    each param the state holds as a placeholder by ``get_param(its stored master or copy)``."""
+    plan = self.plan
+    by_leaf = collections.defaultdict(dict)
+    for s in self.stored:
+      by_leaf[s.leaf.path][s.node] = s
+    in_store = lambda l: l.state_tier == NVME  # (a param's copy: its master is in the state)
+    master = state.master
+    if plan.has_master:
+      master = plan.map(lambda l, x: get(by_leaf[l.path][-1]) if in_store(l) else x, master)
+    # params on the tier (jzero.tiers.nvme_params): the stored value in the compute dtype (the step's cast)
+    params = plan.map(lambda l, x: get_param(by_leaf[l.path][-1]) if plan.param_placeholder(l)
+                      else x, state.params)
+    node_def, nodes, flags = _split(state.opt_state, self._params_def)
+    new_nodes = []
+    for k, (node, f) in enumerate(zip(nodes, flags)):
+      if f:
+        j = self._param_nodes.index(k)
+        node = [get(by_leaf[l.path][j]) if in_store(l) else x
+                for l, x in zip(plan.leaf_list(), node)]
+        node = jax.tree.unflatten(self._params_def, node)
+      new_nodes.append(node)
+    return state._replace(params=params, master=master,
+                          opt_state=jax.tree.unflatten(node_def, new_nodes))
+
+  def placeholder(self, s: _Stored, dtype: Any) -> jax.Array:
+    """A 0-byte placeholder for the stored array ``s`` (its leaf's layout, shard dim 0)."""
+    return jax.device_put(np.zeros(placeholder_shape(s.leaf), dtype), self._sharding[s.leaf.path])
+
+  # -- accounting -----------------------------------------------------------------------------------
+  def measured_per_device(self) -> dict[str, int]:
+    """Bytes of one device's partitions in the committed slot, from the group files' sizes (each
+    file holds one row per local device), split by category along the layout: category
+    ("master", "optimizer", "params": copies of params whose master lives elsewhere) -> bytes."""
+    out = {"master": 0, "optimizer": 0, "params": 0}
+    if self.slot is None:
+      return out
+    for g in range(len(self.groups)):
+      per_device = _dir_bytes(self.directory / f"slot_{self.slot}" / f"group_{g}",
+                              data_only=True) / len(self.devices)
+      for s in self._members(g):
+        out[_category(s)] += per_device * s.numel / self.group_numel[g]
+    return {k: int(round(v)) for k, v in out.items()}
+
+  def logical_bytes(self) -> dict[str, int]:
+    """Global bytes of the stored arrays (all devices, as the TrainState's arrays count them)."""
+    out = {"master": 0, "optimizer": 0, "params": 0}
+    for s in self.stored:
+      out[_category(s)] += math.prod(s.leaf.padded_shape) * 4
+    return out
+
+  def disk_bytes(self) -> int:
+    """Bytes of every file of this process's store (both slots, metadata, manifest)."""
+    return _dir_bytes(self.directory)
+
+  def close(self) -> None:
+    """Removes the run's directory now (it is removed at exit or garbage collection anyway)."""
+    if self.reader is not None:
+      self.reader.close()
+    self._io.shutdown(wait=False, cancel_futures=True)
+    self._cleanup()
+
+
+def _category(s: _Stored) -> str:
+  """The model-state category of a stored array (what the memory report counts it as)."""
+  if s.leaf.param_copy_on_nvme:
+    return "params"
+  return "master" if s.node < 0 else "optimizer"

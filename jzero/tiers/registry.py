@@ -1,0 +1,45 @@
+"""The tiers an engine may use, in the order their hooks run: :data:`TIERS`.
+
+The order matters where hooks compose: the NVMe tier takes its leaves' gradients out of the step
+before the delayed update swaps gradients; the host tier owns the optimizer update of whatever
+lives in host memory. A new tier is one line here plus its own module (a :class:`Tier` subclass)
+and its config block (:mod:`jzero.config.blocks`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jzero.tiers.base import EngineView, Tier
+from jzero.tiers.delayed import DelayedUpdateTier
+from jzero.tiers.host_optimizer import HostOptimizerTier
+from jzero.tiers.host_params import HostParamsTier
+from jzero.tiers.nvme import NvmeTier
+
+__all__ = ["TIERS", "active", "check_config", "plan_settings"]
+
+TIERS: tuple[type[Tier], ...] = (
+    HostOptimizerTier,
+    HostParamsTier,
+    NvmeTier,
+    DelayedUpdateTier,
+)
+
+
+def check_config(config: Any) -> None:
+  """Every tier's refusals of a resolved config, before any device work."""
+  for tier in TIERS:
+    tier.check_config(config)
+
+
+def plan_settings(zero: Any) -> dict:
+  """Every tier's :meth:`Tier.plan_settings` for :func:`jzero.sharding.plan.make_plan`."""
+  settings = {}
+  for tier in TIERS:
+    settings.update(tier.plan_settings(zero))
+  return settings
+
+
+def active(engine: EngineView) -> tuple[Tier, ...]:
+  """The tiers ``engine``'s plan and config use, in :data:`TIERS`' order."""
+  return tuple(t for t in (cls.create(engine) for cls in TIERS) if t is not None)

@@ -1,0 +1,180 @@
+"""Building an engine from a DeepSpeed config: :func:`initialize`.
+
+The phase before any step: the config read and resolved (``"auto"`` values, the batch triple) for
+the mesh and the model, ZeRO++'s hierarchy, the optimizer and schedule, the loss scaler, the data
+loader, the refusals and warnings of settings jzero cannot honour -- then an
+:class:`~jzero.train.engine.Engine` holding it all. The engine itself (plan, state, steps) is
+:mod:`jzero.train.engine`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+import optax
+
+from jzero.comm import zeropp as zpp
+from jzero.config import Config
+from jzero.errors import ConfigError, JZeroWarning
+from jzero.runtime.data import DataLoader
+from jzero.runtime.distributed import init_distributed
+from jzero.sharding.mesh import MeshSpec, ZeroMesh
+from jzero.tiers import delayed, nvme_settings, registry
+from jzero.train.engine import Engine
+from jzero.train.model_adapter import as_model
+from jzero.train.optim import build_optimizer
+from jzero.train.precision import LossScaler
+__all__ = ["initialize"]
+
+
+def _as_mesh(mesh: Any) -> ZeroMesh:
+  if mesh is None:
+    return MeshSpec.default().build()
+  if isinstance(mesh, ZeroMesh):
+    return mesh
+  if isinstance(mesh, MeshSpec):
+    return mesh.build()
+  if isinstance(mesh, (str, Path)):
+    return MeshSpec.load(mesh).build()
+  if isinstance(mesh, jax.sharding.Mesh):
+    names = tuple(mesh.axis_names)
+    return ZeroMesh(mesh=mesh, zero_axes=names, batch_axes=names)
+  raise ConfigError(f"mesh must be None, a mesh file path, a MeshSpec, a ZeroMesh or a "
+                    f"jax.sharding.Mesh; got {type(mesh).__name__}.")
+
+
+def _as_prefixes(value: str | Sequence[str] | None) -> tuple[str, ...]:
+  if value is None:
+    return ()
+  return (value,) if isinstance(value, str) else tuple(value)
+
+
+def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | str | Path,
+               mesh: Any = None, *, optimizer: optax.GradientTransformation | None = None,
+               stacked_layers: str | Sequence[str] | None = None, hidden_size: int | None = None,
+               total_num_steps: int | None = None, auto_values: dict | None = None,
+               init_inputs: Callable[[Any], tuple] | None = None, sample_batch: Any = None,
+               training_data: Any = None, shuffle: bool = True, seed: int = 0) -> Engine:
+  """Builds a ZeRO engine, DeepSpeed-style: ``engine = jzero.initialize(model=..., ...)``.
+
+  Everything about the input is checked here, before any device work: the config is parsed and
+  validated, unsupported settings are refused, "auto" values are resolved and the batch triple is
+  checked against the mesh.
+
+  Args:
+    model: a Flax NNX module, a factory ``rngs -> nnx.Module``, or a Linen module.
+    loss_fn: ``loss_fn(model, batch) -> loss`` or ``-> (loss, aux_dict)``; the loss is the mean over
+      the batch it is given. If it has an ``rng`` parameter it gets a per-device, per-micro-batch key
+      in ``train_step`` and ``None`` in ``eval_loss`` (dropout off).
+    config: a DeepSpeed config: :class:`jzero.Config`, dict, or path of a JSON / YAML file.
+    mesh: None (all devices on one data axis), a mesh file path, a MeshSpec, a ZeroMesh, or a
+      ``jax.sharding.Mesh`` (all axes used for ZeRO and the batch).
+    optimizer: an optax transformation to use instead of the config's ``optimizer`` block.
+    stacked_layers: path(s) of the params subtree(s) stacked over a leading layer axis and run with
+      :func:`jzero.scan_layers` (default: the model's ``stacked_layers`` attribute, if any).
+    hidden_size: fills hidden-size "auto" values (default: read from the model when it has one).
+    total_num_steps: fills ``scheduler.params.total_num_steps: "auto"``.
+    auto_values: values for other "auto" keys (``micro_batch_size``, ``lr``, ``warmup_num_steps``...).
+    init_inputs: Linen only: ``batch -> args`` for ``module.init`` (default: ``(batch,)``).
+    sample_batch: Linen only: a batch to create the parameters' shapes from, here (the model's
+      variables are checked now) instead of at ``engine.init``; default: the first batch of
+      ``training_data``.
+    training_data: an indexable dataset (``dataset[i]`` a numpy array or a dict / tuple of them);
+      ``engine.training_dataloader`` then yields global batches placed on the mesh
+      (:class:`jzero.runtime.data.DataLoader`: shuffled with ``seed`` unless ``shuffle=False``, a pure
+      function of the optimizer step, each process reading only its rows).
+  """
+  init_distributed()  # joins the other processes when launched as one of several (jzero launch, SLURM...)
+  given = config if isinstance(config, Config) else Config.load(config)
+  given.check_supported()
+  with warnings.catch_warnings():  # refusals only: the engine's plan warns once, when it is built
+    warnings.simplefilter("ignore", JZeroWarning)
+    registry.check_config(given)  # e.g. offload the stage cannot have: refused
+  zmesh = _as_mesh(mesh)
+  adapter = as_model(model, init_inputs)
+  cfg = given.resolve(dp_world_size=zmesh.dp_size, hidden_size=hidden_size or adapter.hidden_size,
+                    total_num_steps=total_num_steps, auto_values=auto_values)
+  zmesh, zeropp = zpp.resolve(cfg.zero_optimization, zmesh, default_mesh=mesh is None)
+  if delayed.enabled(cfg.zero_optimization) and cfg.precision == "fp32":
+    warnings.warn(
+        "offload_optimizer.delayed_update in fp32: a step whose gradient is not finite (NaN / "
+        "inf) is not skipped -- the delayed update applies each carried gradient "
+        "unconditionally, so that the host update overlaps the next forward and backward. Use "
+        "fp16, or bf16 (check_grad_overflow: true), to have such steps skipped.",
+        JZeroWarning, stacklevel=2)
+  nvme = nvme_settings.settings_from_config(cfg, client_optimizer=optimizer is not None)
+  if optimizer is None:
+    tx, schedule = build_optimizer(_block(cfg.optimizer), _block(cfg.scheduler))
+  else:
+    tx, schedule = optimizer, None
+    dropped = [key for key in ("optimizer", "scheduler") if getattr(cfg, key) is not None]
+    if dropped:
+      warnings.warn(
+          f"initialize(optimizer=...) replaces the config's {' and '.join(dropped)} block"
+          f"{'s' if len(dropped) > 1 else ''}: {', '.join(dropped)} settings in the config are "
+          f"not used. Put the schedule in the optax optimizer (wrapped in "
+          f"optax.inject_hyperparams, jzero logs its learning rate).", JZeroWarning, stacklevel=2)
+  if cfg.precision == "fp16":
+    fp16 = cfg.fp16
+    scaler = LossScaler.from_config(
+        loss_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
+        loss_scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis, min_loss_scale=fp16.min_loss_scale)
+  else:
+    scaler = LossScaler.disabled()
+  _warn_gpu_only_knobs(given.zero_optimization, cfg.zero_optimization, zmesh)
+  loader = None
+  if training_data is not None:
+    loader = DataLoader(training_data, cfg.train_batch_size, zmesh.sharding(zmesh.batch_spec()),
+                        shuffle=shuffle, seed=seed)
+    left_over = len(training_data) % cfg.train_batch_size
+    if left_over and not cfg.dataloader_drop_last:
+      warnings.warn(
+          f"training_data: {len(training_data)} samples make {len(loader)} batches of "
+          f"train_batch_size {cfg.train_batch_size} per epoch; the last {left_over} samples of "
+          f"each epoch's order are not used (a compiled step has one batch shape). DeepSpeed's "
+          f"dataloader_drop_last is false here; set it to true to drop them without this warning.",
+          JZeroWarning, stacklevel=2)
+    if sample_batch is None:
+      sample_batch = loader.host_batch(0, rows=np.arange(1))
+  if sample_batch is not None:
+    adapter.set_sample_batch(sample_batch)
+  if stacked_layers is None:
+    stacked_layers = adapter.stacked_layers
+  engine = Engine(config=cfg, mesh=zmesh, model=adapter, loss_fn=loss_fn, tx=tx,
+                  schedule=schedule, scaler=scaler, stacked_layers=_as_prefixes(stacked_layers),
+                  training_dataloader=loader, zeropp=zeropp, nvme_settings=nvme)
+  if loader is not None:
+    loader.check = engine._check_input_ids
+  return engine
+
+
+def _warn_gpu_only_knobs(given: Any, zero: Any, mesh: ZeroMesh) -> None:
+  """Bucket sizes and overlap_comm reach XLA as GPU compile options (Plan.xla_options); say so
+  once when the user set them to something other than DeepSpeed's defaults on another backend
+  (values jzero derived from "auto" are not the user's, and are not warned about)."""
+  platform = mesh.mesh.devices.flat[0].platform
+  if platform == "gpu":
+    return
+  fields = type(zero).model_fields
+  changed = [f"{fields[name].alias or name}={getattr(zero, name)}"
+             for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size")
+             if getattr(given, name) != "auto" and getattr(zero, name) != fields[name].default]
+  if given.overlap_comm not in (None, "auto") and zero.overlap_comm != (zero.stage == 3):
+    changed.append(f"overlap_comm={zero.overlap_comm}")
+  if changed:
+    warnings.warn(
+        f"zero_optimization {', '.join(changed)}: jzero passes bucket sizes and overlap to XLA's "
+        f"collective combiners and latency-hiding scheduler, which the GPU compiler has and the "
+        f"{platform} backend does not; on {platform} these settings change nothing.", JZeroWarning)
+
+
+def _block(block: Any) -> dict | None:
+  """A config's optimizer / scheduler block as DeepSpeed's plain ``{"type", "params"}`` dict."""
+  if block is None:
+    return None
+  return {"type": block.type, "params": dict(block.params)}
