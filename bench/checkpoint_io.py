@@ -25,8 +25,8 @@ jzero.simulate_cpu_devices(8)
 import jax  # noqa: E402
 
 from jzero.checkpoint import layout  # noqa: E402
-from jzero.runtime.data import ByteCorpus  # noqa: E402
 from jzero.models import GPT, GPTConfig, lm_loss  # noqa: E402
+from jzero.runtime.data import ByteCorpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -27,7 +27,7 @@ from jzero.errors import (CheckpointError, ConfigError, DataError, JZeroError,  
 from jzero.sharding.layer_scan import gather, linen_scan_layers, remat, scan_layers  # noqa: E402
 from jzero.sharding.mesh import MeshSpec, ZeroMesh, simulate_cpu_devices  # noqa: E402
 from jzero.sharding.plan import Plan, make_plan  # noqa: E402
-from jzero.version import __version__  # noqa: E402
+from jzero.version import __version__  # noqa: E402,F401  (jzero.__version__)
 from jzero import moved as _moved  # noqa: E402
 
 _moved.install()  # jzero 0.1's module paths (jzero.memory, jzero.offload, ...) for one release

@@ -26,8 +26,8 @@ import jax
 import matplotlib.pyplot as plt
 import numpy as np
 
-from jzero.runtime.data import ByteCorpus
 from jzero.models import GPT, GPTConfig, lm_loss
+from jzero.runtime.data import ByteCorpus
 
 %matplotlib inline
 # the delayed update in fp32 warns that a non-finite gradient would not be skipped: known here

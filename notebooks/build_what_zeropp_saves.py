@@ -42,12 +42,12 @@ from flax import nnx
 from IPython.display import HTML, display
 
 from jzero import kernels
-from jzero.runtime.data import ByteCorpus
-from jzero.models import GPT, GPTConfig, lm_loss
-from jzero.sharding.plan import flatten_paths
 from jzero.analysis.hlo import comm_volume
 from jzero.analysis.tables import html_table
 from jzero.comm.zeropp import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL
+from jzero.models import GPT, GPTConfig, lm_loss
+from jzero.runtime.data import ByteCorpus
+from jzero.sharding.plan import flatten_paths
 
 %matplotlib inline
 

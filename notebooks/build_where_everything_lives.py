@@ -43,8 +43,8 @@ import numpy as np
 from flax import nnx
 from IPython.display import display
 
-from jzero.sharding.plan import flatten_paths
 from jzero.analysis.tables import Table
+from jzero.sharding.plan import flatten_paths
 
 %matplotlib inline
 

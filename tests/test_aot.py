@@ -21,10 +21,10 @@ import pytest
 from flax import nnx
 
 from jzero.analysis import aot
+from jzero.analysis.hlo import collectives
 from jzero.errors import ConfigError, JZeroError
 from jzero.models import GPT, GPTConfig
 from jzero.models.gpt import PRESETS
-from jzero.analysis.hlo import collectives
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 try:

@@ -19,11 +19,11 @@ import pytest
 
 import jzero
 from collective_order_worker import BATCH, RUNS, STAGES, STEPS, model_config
-from jzero.comm import collective_order
-from jzero.sharding.mesh import MeshSpec
-from jzero.models import lm_loss
-from jzero.sharding.plan import flatten_paths
 from jzero.analysis.hlo import collectives, unordered_collectives
+from jzero.comm import collective_order
+from jzero.models import lm_loss
+from jzero.sharding.mesh import MeshSpec
+from jzero.sharding.plan import flatten_paths
 from zero_testing import (SMALL, batches, ds_config, engine_run, free_port, gpt_factory,
                           subprocess_env)
 

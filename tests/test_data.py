@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jzero.runtime.data import ByteCorpus, stdlib_files
 from jzero.errors import DataError
+from jzero.runtime.data import ByteCorpus, stdlib_files
 
 
 def test_stdlib_corpus_is_real_python_source():

@@ -16,10 +16,10 @@ import optax
 import pytest
 
 import jzero
-from jzero.tiers.delayed import WARMUP
-from jzero.errors import ConfigError
 from jzero.analysis.memory_report import format_memory_report
+from jzero.errors import ConfigError
 from jzero.models import lm_loss
+from jzero.tiers.delayed import WARMUP
 from zero_testing import (SAME_MATH, SMALL, VS_ONE_DEVICE, batches, ds_config, gpt_factory,
                           loss_of_params, max_relative_diff, reference_optimizer)
 

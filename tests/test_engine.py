@@ -17,8 +17,8 @@ import pytest
 from flax import linen as nn
 
 import jzero
-from jzero.models import GPTConfig, lm_loss
 from jzero.analysis.hlo import collectives
+from jzero.models import GPTConfig, lm_loss
 from zero_testing import (SAME_MATH, SMALL, VS_ONE_DEVICE, batches, ds_config, engine_run,
                           gpt_factory, max_relative_diff, reference_optimizer, reference_run)
 

@@ -26,8 +26,8 @@ import pytest
 
 import jzero
 from jzero import cli
-from jzero.runtime import launch
 from jzero.errors import JZeroError
+from jzero.runtime import launch
 from launch_worker import Tiny, loss_fn
 from zero_testing import SAME_MATH, free_port, subprocess_env
 

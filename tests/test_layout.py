@@ -168,6 +168,16 @@ def test_no_private_name_across_packages_and_all_everywhere():
   assert problems == []
 
 
+def test_the_step_and_the_engine_name_no_tier():
+  """The step's update phase is the tiers' hooks composed: the training modules import the tier
+  interface and the registry, no tier."""
+  graph, _ = scan()
+  allowed = {"jzero.tiers", "jzero.tiers.base", "jzero.tiers.registry"}
+  for name in ("jzero.train.step", "jzero.train.engine", "jzero.train.state"):
+    tiers = {t for t in graph[name] if t.startswith("jzero.tiers")}
+    assert tiers <= allowed, (name, tiers - allowed)
+
+
 def test_the_checks_catch_what_they_look_for(tmp_path):
   """The scanner on a graph with a cycle and on the edge cases of its rules."""
   assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero.tiers import nvme_store
-from jzero.tiers import nvme_state
 from jzero.errors import ConfigError, NotSupportedError
+from jzero.tiers import nvme_state
+from jzero.tiers import nvme_store
 from nvme_worker import batch, config, loss_fn, model_factory
 from zero_testing import SAME_MATH, max_relative_diff
 

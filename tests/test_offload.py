@@ -16,10 +16,10 @@ import optax
 import pytest
 
 import jzero
-from jzero.tiers import host_optimizer
 from jzero.errors import ConfigError, NotSupportedError
 from jzero.models import lm_loss
 from jzero.sharding.plan import flatten_paths
+from jzero.tiers import host_optimizer
 from zero_testing import SAME_MATH, SMALL, batches, ds_config, gpt_factory, max_relative_diff
 
 N = 8

@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero.tiers import nvme_params
 from jzero.errors import ConfigError
 from jzero.models import lm_loss
+from jzero.tiers import nvme_params
 from zero_testing import SAME_MATH, SMALL, batches, ds_config, gpt_factory, max_relative_diff
 
 N = 8

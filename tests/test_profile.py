@@ -8,8 +8,8 @@ import jax
 import pytest
 
 import jzero
-from jzero.models import GPTConfig, lm_loss
 from jzero.analysis.hlo import collectives, comm_volume, zero_theory
+from jzero.models import GPTConfig, lm_loss
 from zero_testing import SMALL, batches, ds_config, gpt_factory
 
 

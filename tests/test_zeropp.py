@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import jzero
+from jzero.analysis.hlo import comm_volume
 from jzero.errors import ConfigError, JZeroWarning
 from jzero.models import GPTConfig, lm_loss
 from jzero.sharding.plan import flatten_paths
-from jzero.analysis.hlo import comm_volume
 from zero_testing import (SAME_MATH, SMALL, batches, ds_config, engine_run, gpt_factory,
                           max_relative_diff, multiprocess_job)
 

@@ -13,8 +13,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jzero.runtime.data import ByteCorpus
 from jzero.models import GPT, GPTConfig, lm_loss
+from jzero.runtime.data import ByteCorpus
 
 LR, BETAS, EPS, WD, CLIP = 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
 

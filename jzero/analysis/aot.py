@@ -53,9 +53,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from jzero.errors import ConfigError, JZeroError
 from jzero.analysis.hlo import Collective
 from jzero.analysis.tables import format_bytes, html_table, require_pyplot, text_table
+from jzero.errors import ConfigError, JZeroError
 
 __all__ = ["GPU_SPECS", "GpuSpec", "gpu_spec", "gpu_devices", "AotReport", "compile_for",
            "report_parts", "format_report", "add_aot_arguments", "run_aot", "INSTALL_HINT"]

@@ -76,10 +76,10 @@ from typing import Any, NamedTuple, Sequence
 
 import jax
 
+from jzero.analysis.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
 from jzero.errors import ConfigError
 from jzero.sharding.plan import path_str
 from jzero.train.precision import DTYPES
-from jzero.analysis.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
 
 __all__ = [
     "PRECISION_BYTES", "CATEGORIES", "TIERS", "DEFAULT_PERSISTENCE_THRESHOLD",

@@ -49,8 +49,8 @@ from typing import Any
 
 import numpy as np
 
-from jzero.sharding.mesh import ZeroMesh
 from jzero.analysis.tables import html_table, require_pyplot, text_table
+from jzero.sharding.mesh import ZeroMesh
 
 __all__ = ["Collective", "CommVolume", "StepTiming", "collectives", "comm_volume", "zero_theory",
            "unordered_collectives", "COMPUTE_OPS"]

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import optax
 
 from jzero.analysis.estimate import TIERS, CATEGORIES, Estimate, estimate
-from jzero.tiers.nvme_params import host_bytes_bound
 from jzero.analysis.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
+from jzero.tiers.nvme_params import host_bytes_bound
 
 __all__ = ["REPORT_CATEGORIES", "live_bytes", "state_report", "CompiledMemory", "MemoryReport",
            "memory_report", "report_rows", "format_memory_report"]

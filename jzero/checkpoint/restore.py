@@ -30,10 +30,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jzero.tiers import delayed
 from jzero.checkpoint import layout
 from jzero.errors import CheckpointError, JZeroWarning
 from jzero.sharding.plan import LeafPlan, Plan, flatten_paths
+from jzero.tiers import delayed
 
 __all__ = ["load_checkpoint", "abstract_state", "broadcast"]
 

@@ -45,8 +45,8 @@ from jzero.checkpoint import layout
 from jzero.checkpoint.layout import (DELETING, FORMAT, FORMAT_VERSION, LATEST_FILE, META_FILE,
                                      ORBAX_TMP, WEIGHTS16)
 from jzero.errors import CheckpointError, JZeroWarning
-from jzero.version import __version__
 from jzero.sharding.plan import LeafPlan, Plan, flatten_paths
+from jzero.version import __version__
 
 __all__ = ["Checkpointer", "save_checkpoint", "wait_until_finished", "weights_json"]
 

@@ -5,7 +5,7 @@ DeepSpeed's launcher, for JAX::
   jzero launch --num_processes 2 --num_cpu_devices 4 train.py --config ds.json   # one machine
   jzero launch --hostfile hosts --master_port 29500 train.py ...                 # several, ssh
   jzero launch --num_processes 2 -- jzero train --config ds.json                # a command
-  python -m jzero.runtime.launch ...                                                     # the same
+  python -m jzero.runtime.launch ...                                             # the same
 
 What runs where. Without ``--hostfile`` every process runs on this machine. A hostfile is
 DeepSpeed's: one ``HOST slots=N`` line per machine (``#`` starts a comment); a slot is one

@@ -86,8 +86,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jzero import kernels
 from jzero.comm import collective_order
 from jzero.comm.collectives import pad_to
-from jzero.sharding.mesh import ZeroMesh
 from jzero.comm.zeropp import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL, Comm, ZeroPP
+from jzero.sharding.mesh import ZeroMesh
 
 __all__ = ["LeafPlan", "Plan", "make_plan", "path_str", "flatten_paths"]
 

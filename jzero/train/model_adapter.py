@@ -28,8 +28,8 @@ from flax import linen as nn
 from flax import nnx
 from flax.errors import ScopeParamShapeError
 
-from jzero.sharding import gather_units as units_lib
 from jzero.errors import ConfigError, NotSupportedError
+from jzero.sharding import gather_units as units_lib
 
 __all__ = ["ModelAdapter", "NnxModel", "LinenModel", "as_model"]
 

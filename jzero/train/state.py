@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 
-from jzero.tiers.delayed import DelayedGrads
 from jzero.train.precision import LossScaleState
+
+if TYPE_CHECKING:  # annotations only: the carrying tier defines the carried state
+  from jzero.tiers.delayed import DelayedGrads
 
 __all__ = ["TrainState"]
 

@@ -1,0 +1,51 @@
+"""jzero.train.loop: the resumable loop of ``jzero train`` from Python -- a run stopped half-way
+and resumed from its checkpoint gives the losses and parameters of the straight run, bit for bit."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jzero
+from jzero.errors import JZeroError
+from jzero.models import lm_loss
+from jzero.train.loop import init_or_resume, train_loop
+from zero_testing import SMALL, batches, ds_config, gpt_factory
+
+N = 8
+STEPS = 4
+
+
+def _engine():
+  return jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3))
+
+
+def test_resumed_loop_equals_the_straight_one(tmp_path):
+  data = batches(SMALL.seq_len, N, STEPS)
+  engine = _engine()
+  batch_at = lambda step: engine.shard_batch(data[step])
+  with pytest.raises(JZeroError, match="no checkpoint"):
+    init_or_resume(engine, jax.random.key(0), tmp_path / "none", require=True)
+
+  state, start = init_or_resume(engine, jax.random.key(0), tmp_path / "straight")
+  straight = train_loop(engine, state, batch_at, STEPS, start=start, progress=False)
+  assert start == 0 and len(straight.losses) == STEPS and not straight.preempted
+  assert straight.losses[-1] < straight.losses[0]
+
+  seen = []
+  state, start = init_or_resume(engine, jax.random.key(0), tmp_path / "ckpt")
+  first = train_loop(engine, state, batch_at, STEPS // 2, start=start, progress=False,
+                     checkpoint_dir=tmp_path / "ckpt", losses_file=tmp_path / "losses.txt",
+                     on_step=lambda step, metrics: seen.append(step))
+  assert seen == [1, 2] and first.exit_status == 0
+  state, start = init_or_resume(engine, jax.random.key(0), tmp_path / "ckpt")
+  assert start == STEPS // 2
+  second = train_loop(engine, state, batch_at, STEPS, start=start, progress=False,
+                      checkpoint_dir=tmp_path / "ckpt", losses_file=tmp_path / "losses.txt")
+  assert first.losses + second.losses == straight.losses
+  lines = (tmp_path / "losses.txt").read_text().split("\n")[:-1]
+  assert [float(line.split()[1]) for line in lines] == straight.losses
+  for a, b in zip(jax.tree.leaves(engine.logical_params(second.state)),
+                  jax.tree.leaves(engine.logical_params(straight.state))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
