@@ -6,7 +6,8 @@ folder: no top-level ``kernels`` package, which would collide with an unrelated 
 ZeRO++ (Wang et al., 2023) quantizes what crosses the slow links: the stage-3 weight all-gather
 in int8 blocks (qwZ) and the gradient reduce-scatter in int4 blocks over two all-to-all hops
 (qgZ). This package holds the kernels those collectives need, each a plain-jnp reference
-(:mod:`jzero.kernels.reference`) and a Pallas kernel (:mod:`jzero.kernels.pallas`) held to it bit for bit:
+(:mod:`jzero.kernels.reference`) and a Pallas kernel (:mod:`jzero.kernels.pallas`) held to it bit
+for bit:
 
 * :func:`quantize` -- float array -> :class:`Quantized` (int8 or packed int4 blocks + fp32 scales);
 * :func:`dequantize` -- back to a float array of any of fp32 / bf16 / fp16;
@@ -17,8 +18,8 @@ in int8 blocks (qwZ) and the gradient reduce-scatter in int4 blocks over two all
 * :func:`qwz_group_size`, :func:`wire_bytes` -- DeepSpeed's block-size rule and the bytes a
   quantized chunk puts on the wire.
 
-The format is documented in :mod:`jzero.kernels.layout`, the math in :mod:`jzero.kernels.reference`, the
-choice of implementation (``impl="auto" | "pallas" | "jnp"``) in :mod:`jzero.kernels.ops`.
+The format is documented in :mod:`jzero.kernels.layout`, the math in :mod:`jzero.kernels.reference`,
+the choice of implementation (``impl="auto" | "pallas" | "jnp"``) in :mod:`jzero.kernels.ops`.
 """
 
 from jzero.kernels.layout import (BITS, MAX_GROUP_SIZE, Quantized, num_groups,

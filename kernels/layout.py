@@ -54,8 +54,8 @@ MIN_QWZ_GROUP = 256  # below this, fp32 scales cost more than 1.5% of the int8 b
 
 
 def _fail(message: str) -> NoReturn:
-  # Imported here, not at module level: ``jzero`` imports ``jzero.kernels``, and an error path runs only
-  # after both are loaded.
+  # Imported here, not at module level: ``jzero`` imports ``jzero.kernels``, and an error path runs
+  # only after both are loaded.
   from jzero.errors import ConfigError  # noqa: PLC0415
   raise ConfigError(message)
 
@@ -149,8 +149,8 @@ class Quantized:
     values: int8 ``(*stack, groups, G)`` or, for 4 bits, uint8 ``(*stack, groups, G // 2)``.
     scales: float32 ``(*stack, groups)``: the dequantization multiplier of each block.
     shape: the logical shape of one chunk (the stack axes are not part of it).
-    dtype: the dtype the chunk had; :func:`jzero.kernels.dequantize` returns it unless told otherwise.
-    bits: 8 or 4.
+    dtype: the dtype the chunk had; :func:`jzero.kernels.dequantize` returns it unless told
+    otherwise. bits: 8 or 4.
     group_size: G, elements per block.
 
   The children keep the stack axes in front, so ``jax.tree.map(lambda a: lax.all_gather(a, ax),

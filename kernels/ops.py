@@ -1,8 +1,8 @@
 """The public operations: quantize, dequantize, dequantize-and-sum, and their collectives.
 
 Each operation reshapes between the public layout (:mod:`jzero.kernels.layout`) and the block views
-(:mod:`jzero.kernels.reference`) -- free reshapes, plus one zero-pad when a chunk does not fill its last
-block -- and runs one kernel, picked by ``impl``:
+(:mod:`jzero.kernels.reference`) -- free reshapes, plus one zero-pad when a chunk does not fill its
+last block -- and runs one kernel, picked by ``impl``:
 
 * ``"auto"`` (default): the Pallas kernel when the computation is lowered for CUDA, the jnp
   reference for every other platform. The choice is made per lowering platform

@@ -8,10 +8,10 @@ part, and ``jit(...).trace(abstract args).lower().compile()`` runs XLA's whole G
 them: SPMD partitioning, fusion, the collective combiners, async collectives and the
 latency-hiding scheduler. :func:`compile_for` does that for jzero's own train step:
 
-1. the mesh: a :class:`~jzero.sharding.mesh.ZeroMesh` over the topology's devices (the default one-axis
-   mesh, or a mesh file), so the plan, the shardings and :meth:`Plan.xla_options` (the bucket and
-   overlap knobs, passed only when the platform is ``gpu``, which compile-only CUDA devices report)
-   are the ones a real run gets;
+1. the mesh: a :class:`~jzero.sharding.mesh.ZeroMesh` over the topology's devices (the default
+   one-axis mesh, or a mesh file), so the plan, the shardings and :meth:`Plan.xla_options` (the
+   bucket and overlap knobs, passed only when the platform is ``gpu``, which compile-only CUDA
+   devices report) are the ones a real run gets;
 2. the engine: :func:`jzero.initialize` with the config, the model (an embedded GPT shape or any
    model with its loss and an abstract batch);
 3. the state, abstractly: ``jax.eval_shape(engine.init, key)`` -- nothing is allocated, and no
@@ -21,21 +21,21 @@ latency-hiding scheduler. :func:`compile_for` does that for jzero's own train st
 
 The answer (:class:`AotReport`) puts side by side, per device: the model-state bytes by kind as the
 plan lays them out (params, grads, fp32 master, optimizer state), the estimator's prediction
-(:func:`jzero.analysis.estimate.estimate`, activations by Korthikanti et al. for the GPT shapes), XLA's
-``memory_analysis()`` (arguments, outputs, temporaries, peak), whether the peak fits the part's
-memory (the spec's ``device_memory_size`` times the fraction JAX preallocates, 75% by default),
-the compile times, and every collective of the scheduled program (read by
-:func:`jzero.analysis.hlo.collectives`): runs per step, buffers combined, bytes, whether it is async and
-whether compute is scheduled while it is in flight. ``overlap_fraction`` is the share of the bytes
-sent per step that overlap compute, ``matmul_overlap_fraction`` the share with a matrix
+(:func:`jzero.analysis.estimate.estimate`, activations by Korthikanti et al. for the GPT shapes),
+XLA's ``memory_analysis()`` (arguments, outputs, temporaries, peak), whether the peak fits the
+part's memory (the spec's ``device_memory_size`` times the fraction JAX preallocates, 75% by
+default), the compile times, and every collective of the scheduled program (read by
+:func:`jzero.analysis.hlo.collectives`): runs per step, buffers combined, bytes, whether it is async
+and whether compute is scheduled while it is in flight. ``overlap_fraction`` is the share of the
+bytes sent per step that overlap compute, ``matmul_overlap_fraction`` the share with a matrix
 multiplication in flight (a LayerNorm beside a 90 MB gather hides little of it).
 
 Limits: memory kinds are dropped on compile-only devices, so host offload cannot be checked here
 (``jax.export`` for CUDA shows it instead); the schedule and the overlap are XLA's cost model's
 decisions, not a measurement of a run.
 
-``GPU_SPECS`` are XLA's own GPU target configs (``jzero/analysis/gpu_specs/``; source and licence in the
-README there). ``jzero aot`` is the command line (:func:`add_aot_arguments`, :func:`run_aot`).
+``GPU_SPECS`` are XLA's own GPU target configs (``jzero/analysis/gpu_specs/``; source and licence in
+the README there). ``jzero aot`` is the command line (:func:`add_aot_arguments`, :func:`run_aot`).
 """
 
 from __future__ import annotations

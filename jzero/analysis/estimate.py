@@ -29,9 +29,10 @@ Offload moves a category off the device, per process (one process per device):
 
 * ``offload_optimizer`` (stages 1-3; ZeRO-Offload): the optimizer state and fp32 master
   (KΨ/N) and their update go to ``"cpu"`` (host memory), or to ``"nvme"`` (ZeRO-Infinity;
-  DeepSpeed swaps to NVMe in stage 3 only, jzero's store works in stages 1-3, :mod:`jzero.tiers.nvme_store`). The gradient partition the update reads (gΨ/N) goes to host memory with it, as
-  in ZeRO-Offload, so stage 2 and 3 keep no gradients on the device; stage 1 still accumulates the
-  full local gradient (gΨ) on the device before reducing it.
+  DeepSpeed swaps to NVMe in stage 3 only, jzero's store works in stages 1-3,
+  :mod:`jzero.tiers.nvme_store`). The gradient partition the update reads (gΨ/N) goes to host memory
+  with it, as in ZeRO-Offload, so stage 2 and 3 keep no gradients on the device; stage 1 still
+  accumulates the full local gradient (gΨ) on the device before reducing it.
 * ``offload_param`` (stage 3 only; ZeRO-Infinity): the partitioned compute params,
   p(Ψ - Ψr)/N, go to ``"cpu"`` or ``"nvme"``; persistent params stay on the device. With
   ``"nvme"``, ``max_in_cpu`` of those elements stay in host memory (the host cache) and the host
@@ -42,10 +43,10 @@ Counted are the model states that live across steps. Two temporaries of the step
 given: activations (:func:`activation_bytes`) and stage 3's *gathered working set* -- the full
 parameters alive at once: the largest gather unit or one layer of the layer scan (twice when the
 next one is prefetched) plus the parameters gathered at the start of the forward pass
-(:meth:`jzero.sharding.plan.Plan.gathered_working_set`, :mod:`jzero.sharding.gather_units`; ``jzero estimate`` takes the
-layer from ``--model``, ``--hidden`` or ``--largest-layer``). Not counted: communication
-buckets, allocator slack; :func:`memory_report` shows the compiled step's ``memory_analysis()``
-beside the prediction.
+(:meth:`jzero.sharding.plan.Plan.gathered_working_set`, :mod:`jzero.sharding.gather_units`; ``jzero
+estimate`` takes the layer from ``--model``, ``--hidden`` or ``--largest-layer``). Not counted:
+communication buckets, allocator slack; :func:`memory_report` shows the compiled step's
+``memory_analysis()`` beside the prediction.
 
 How this relates to DeepSpeed's estimators (``estimate_zero2_model_states_mem_needs`` and
 ``estimate_zero3_model_states_mem_needs``), which assume fp16 and Adam:
@@ -101,7 +102,8 @@ DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_
 class ParamShape(NamedTuple):
   """Shape of one parameter leaf; ``stacked``: it has a leading layer axis (run under scan).
 
-  A plan's :class:`jzero.sharding.plan.LeafPlan` has the same two fields and can be used in its place.
+  A plan's :class:`jzero.sharding.plan.LeafPlan` has the same two fields and can be used in its
+  place.
   """
 
   shape: tuple[int, ...]
@@ -281,7 +283,8 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
     model_persistence_threshold: with shapes: cap on the persistent elements (None: no cap).
     activations: activation bytes per device to add to the device total.
     gathered: stage 3: (elements of the largest unit or layer gathered at once, elements gathered
-      at the start of the forward pass), as :meth:`jzero.sharding.plan.Plan.gathered_working_set` gives.
+      at the start of the forward pass), as :meth:`jzero.sharding.plan.Plan.gathered_working_set`
+      gives.
     prefetch: the next unit or layer is gathered while one computes (two alive).
     hpz_partition_size: ZeRO++ hpZ's group size s (stage 3): a secondary copy of the
       partitioned params, p(Ψ - Ψr)/s per device.

@@ -1,4 +1,5 @@
-"""Memory a live engine holds, measured, beside the estimator's prediction (:mod:`jzero.analysis.estimate`).
+"""Memory a live engine holds, measured, beside the estimator's prediction
+(:mod:`jzero.analysis.estimate`).
 
 **Measured accounting** (:func:`memory_report`) reads, for the first device of a live engine's
 mesh, the bytes of every shard that device holds of the compute params, the fp32 master and the
@@ -56,8 +57,9 @@ def state_report(engine: Any, state: Any) -> dict[str, dict[str, int]]:
   """Bytes the first device of ``engine``'s mesh holds: category -> memory kind -> bytes.
 
   Categories are :data:`REPORT_CATEGORIES`, plus "secondary" (ZeRO++ hpZ's copy) and
-  "delayed_grads" (the delayed update's carried gradient) when the state has them; params, master, optimizer and secondary are measured from the live arrays, grads
-  counted from the plan (``{}`` where a category has no arrays).
+  "delayed_grads" (the delayed update's carried gradient) when the state has them; params, master,
+  optimizer and secondary are measured from the live arrays, grads counted from the plan (``{}``
+  where a category has no arrays).
   """
   plan = engine.plan
   device = engine.mesh.mesh.devices.flat[0]
@@ -223,8 +225,8 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
   on_nvme = sum(l.numel for l in leaves if l.state_tier == "nvme")
   store = getattr(engine, "nvme_store", None)
   reader = store.reader if store is not None else None
-  # params on NVMe (jzero.tiers.nvme_params): the store holds their fp32 master (counted in master) or,
-  # with their state on the host, an fp32 copy (counted in params, below); the host cache holds
+  # params on NVMe (jzero.tiers.nvme_params): the store holds their fp32 master (counted in master)
+  # or, with their state on the host, an fp32 copy (counted in params, below); the host cache holds
   # max_in_cpu of them in fp32
   cached = (sum(e.numel for p, e in reader.entries.items() if p in reader.cached)
             if reader is not None else 0)

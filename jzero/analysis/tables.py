@@ -1,10 +1,10 @@
 """Tables of bytes, as text (terminals, logs) and as HTML (notebooks): one home for both.
 
-The reports (:class:`jzero.analysis.estimate.EstimateTable`, :class:`jzero.analysis.memory_report.MemoryReport`, the
-AOT report) build one ``(header, rows)`` pair of strings and render it with :func:`text_table`
-or :func:`html_table`, so a notebook shows the numbers the CLI prints; :class:`Table` is such a
-pair that shows itself (a notebook's own tables). :func:`require_pyplot`
-gives their ``.plot()`` methods matplotlib, or says how to install it.
+The reports (:class:`jzero.analysis.estimate.EstimateTable`,
+:class:`jzero.analysis.memory_report.MemoryReport`, the AOT report) build one ``(header, rows)``
+pair of strings and render it with :func:`text_table` or :func:`html_table`, so a notebook shows the
+numbers the CLI prints; :class:`Table` is such a pair that shows itself (a notebook's own tables).
+:func:`require_pyplot` gives their ``.plot()`` methods matplotlib, or says how to install it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Restoring: a checkpoint of any stage, device count, mesh or precision into this engine's plan.
 
-:func:`load_checkpoint` rebuilds a TrainState for *this* engine. A partitioned leaf is zero-padded at
-the end of its shard dimension, and the padding stays zero through training, so a leaf laid out for
-one plan becomes the leaf of another by taking its logical region and zero-padding for the new plan.
-Orbax does exactly that per dimension when asked for a different global shape
+:func:`load_checkpoint` rebuilds a TrainState for *this* engine. A partitioned leaf is zero-padded
+at the end of its shard dimension, and the padding stays zero through training, so a leaf laid out
+for one plan becomes the leaf of another by taking its logical region and zero-padding for the new
+plan. Orbax does exactly that per dimension when asked for a different global shape
 (``ArrayRestoreArgs(strict=False)``: it reads the intersection of the stored and requested regions
 into zeros), and it reads every array straight into its target sharding, so each device reads only
 its own shard and no device ever holds a full copy. The checkpoint's *truth* -- the fp32 master in
@@ -13,8 +13,8 @@ size and checksum, and shapes, leaf paths and the optimizer-state structure agai
 before any device work. ``params_only=True`` restores weights alone, with a fresh optimizer state.
 ZeRO++ hpZ's secondary partitions are not in a checkpoint: they are a function of the compute
 params, recomputed after the restore by the code the step refreshes them with, so a resumed run
-is bit-exact. The delayed update's carried gradient (:mod:`jzero.tiers.delayed`) is restored like the
-master when both the checkpoint and the engine have it; otherwise nothing is carried.
+is bit-exact. The delayed update's carried gradient (:mod:`jzero.tiers.delayed`) is restored like
+the master when both the checkpoint and the engine have it; otherwise nothing is carried.
 """
 
 from __future__ import annotations

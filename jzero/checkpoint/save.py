@@ -19,9 +19,10 @@ prints one line naming the checkpoint and exits with status 1.
 
 Beside the arrays goes one JSON document: format version, jzero / JAX / Orbax versions, the tag,
 the step and the data position (the number of optimizer steps taken: batches are a pure function
-of the step, see :mod:`jzero.runtime.data`), the stage, precision, mesh, the resolved DeepSpeed config,
-every plan leaf (path, logical shape, how it was laid out), every stored array (name, stored shape,
-dtype, plan leaf) and the user's JSON ``client_state``. Nothing in a checkpoint is executable.
+of the step, see :mod:`jzero.runtime.data`), the stage, precision, mesh, the resolved DeepSpeed
+config, every plan leaf (path, logical shape, how it was laid out), every stored array (name, stored
+shape, dtype, plan leaf) and the user's JSON ``client_state``. Nothing in a checkpoint is
+executable.
 """
 
 from __future__ import annotations

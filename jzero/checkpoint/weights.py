@@ -1,4 +1,5 @@
-"""Plain weights: DeepSpeed's ``zero_to_fp32`` (consolidation) and importing weights for fine-tuning.
+"""Plain weights: DeepSpeed's ``zero_to_fp32`` (consolidation) and importing weights for
+fine-tuning.
 
 :func:`consolidate` turns a training checkpoint into plain weights of logical shape -- a safetensors
 file, streamed leaf by leaf so the host holds about one leaf at a time, and / or a params-only Orbax

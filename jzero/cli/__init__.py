@@ -7,10 +7,10 @@ loss every ``steps_per_print`` steps, and a summary at the end.
 
 ``--checkpoint-dir DIR`` saves sharded checkpoints there and resumes from the latest one.
 ``jzero launch --num_processes 2 --num_cpu_devices 4 --module jzero train ...`` runs a script (or
-``jzero train``) as several processes, here or over ssh on a hostfile's hosts (:mod:`jzero.runtime.launch`);
-``jzero train`` joins them, or a SLURM / Open MPI / Kubernetes job, by itself
-(:mod:`jzero.runtime.distributed`), and stops at a step all processes agree on when one gets SIGTERM,
-saving a checkpoint.
+``jzero train``) as several processes, here or over ssh on a hostfile's hosts
+(:mod:`jzero.runtime.launch`); ``jzero train`` joins them, or a SLURM / Open MPI / Kubernetes job,
+by itself (:mod:`jzero.runtime.distributed`), and stops at a step all processes agree on when one
+gets SIGTERM, saving a checkpoint.
 ``jzero estimate --params 7e9 --devices 8`` prints ZeRO's per-device memory table.
 ``jzero aot --config ... --gpu h100 --devices 8`` compiles the step for a GPU topology that is not
 present (:mod:`jzero.analysis.aot`).

@@ -83,7 +83,7 @@ def in_one_order(fn: Callable[..., Any]) -> Callable[..., Any]:
   return ordered
 
 
-# -- the rewrite --------------------------------------------------------------------------------------
+# -- the rewrite -----------------------------------------------------------------------------------
 def _chain(jaxpr: core.Jaxpr) -> core.Jaxpr:
   """``jaxpr`` with each collective-bearing equation made to wait for the previous one's output."""
   if not _has_collective(jaxpr):

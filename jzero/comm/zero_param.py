@@ -1,7 +1,8 @@
 """:class:`ZeroParam` is a parameter as the plan hands it to the model: ``gather()`` gives the full
-parameter (through :func:`jzero.comm.collectives.gather` or :func:`~jzero.comm.collectives.attach`) and the gradient comes back partitioned. It is a
-pytree whose children have the leaf's shape, so ``scan`` over a stack of them slices every layer;
-:mod:`jzero.sharding.layer_scan` decides *where* ``gather()`` runs (one layer of a scan, one module call).
+parameter (through :func:`jzero.comm.collectives.gather` or :func:`~jzero.comm.collectives.attach`)
+and the gradient comes back partitioned. It is a pytree whose children have the leaf's shape, so
+``scan`` over a stack of them slices every layer; :mod:`jzero.sharding.layer_scan` decides *where*
+``gather()`` runs (one layer of a scan, one module call).
 """
 
 from __future__ import annotations
@@ -29,18 +30,19 @@ class ZeroParam:
     backward reduce-scatters the gradient into it (:func:`jzero.comm.collectives.gather`).
   * replicated with a partitioned gradient (stage 2, stage-3 persistent leaves): holds the
     ``full`` parameter and a zero ``partition``-shaped gradient slot; ``gather()`` returns the
-    parameter and the backward reduce-scatters its gradient into the slot (:func:`jzero.comm.collectives.attach`).
+    parameter and the backward reduce-scatters its gradient into the slot
+    (:func:`jzero.comm.collectives.attach`).
 
   With ZeRO++ (:mod:`jzero.comm.zeropp`) it also carries the leaf's static ``comm`` (how its gather
   and reduction move bytes) and, with hpZ, its ``secondary`` partition, which ``gather()`` reads
   instead of the partition.
 
-  With parameter offload (:mod:`jzero.tiers.host_params`) a partitioned one also carries ``host``, the
-  partition in host memory: ``partition`` is then a zero gradient slot on the device, and
+  With parameter offload (:mod:`jzero.tiers.host_params`) a partitioned one also carries ``host``,
+  the partition in host memory: ``partition`` is then a zero gradient slot on the device, and
   ``gather()`` moves ``host`` to the device first (its gradient lands in the slot).
 
-  With parameters on NVMe (:mod:`jzero.tiers.nvme_params`) it carries the leaf's static ``source`` and a
-  ``layer`` index child (the stack's layer indices; the scan slices them with the rest):
+  With parameters on NVMe (:mod:`jzero.tiers.nvme_params`) it carries the leaf's static ``source``
+  and a ``layer`` index child (the stack's layer indices; the scan slices them with the rest):
   ``partition`` is again a zero gradient slot, and ``gather()`` reads the partition through
   ``source.fetch`` first.
 

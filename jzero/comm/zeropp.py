@@ -44,12 +44,12 @@ The secondary is held in the train state (``TrainState.secondary``, compute dtyp
 device; its global view is the padded parameter with its chunks in ``[l][n]`` order) and is
 refreshed inside the step right after the optimizer update, by one cross-node gather of the new
 primary partitions (int8 with qwZ). So the forward *and* the backward gathers -- the
-rematerialised regions of :mod:`jzero.sharding.layer_scan` and :mod:`jzero.sharding.gather_units` recompute the forward
-gather in backward -- never cross nodes, and a step with gradient accumulation crosses nodes for
-the parameters once, not once per micro-batch. DeepSpeed instead gathers over all ranks in the
-forward pass and keeps the secondary from that; jzero's order needs the secondary at step start,
-and costs the cross-node gather Ψ/s per device instead of Ψ. The secondary is never saved: it is
-a function of the primary, recomputed by the same code after ``engine.init`` and
+rematerialised regions of :mod:`jzero.sharding.layer_scan` and :mod:`jzero.sharding.gather_units`
+recompute the forward gather in backward -- never cross nodes, and a step with gradient accumulation
+crosses nodes for the parameters once, not once per micro-batch. DeepSpeed instead gathers over all
+ranks in the forward pass and keeps the secondary from that; jzero's order needs the secondary at
+step start, and costs the cross-node gather Ψ/s per device instead of Ψ. The secondary is never
+saved: it is a function of the primary, recomputed by the same code after ``engine.init`` and
 ``engine.load_checkpoint``, so a resumed run is bit-exact (DeepSpeed #4851, #7164, #7606 lost
 exactly this: the loss jumped after loading a checkpoint with hpZ).
 

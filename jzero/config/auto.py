@@ -1,9 +1,10 @@
-"""Filling Hugging Face's ``"auto"`` values and DeepSpeed's batch triple (:meth:`jzero.Config.resolve`).
+"""Filling Hugging Face's ``"auto"`` values and DeepSpeed's batch triple
+(:meth:`jzero.Config.resolve`).
 
-``auto_values`` (keys :data:`AUTO_VALUE_KEYS`) fill what the trainer knows (micro-batch size, accumulation,
-clipping, learning rate, fp16 / bf16, ...); the model's hidden size fills the bucket and persistence
-sizes as Hugging Face does; every other "auto" takes DeepSpeed's default for its field, with a
-warning. The batch triple is then completed and checked as DeepSpeed's
+``auto_values`` (keys :data:`AUTO_VALUE_KEYS`) fill what the trainer knows (micro-batch size,
+accumulation, clipping, learning rate, fp16 / bf16, ...); the model's hidden size fills the bucket
+and persistence sizes as Hugging Face does; every other "auto" takes DeepSpeed's default for its
+field, with a warning. The batch triple is then completed and checked as DeepSpeed's
 ``_set_batch_related_parameters`` does.
 """
 

@@ -131,7 +131,8 @@ class OffloadOptimizerConfig(_Block):
   ratio: AutoFraction = 1.0
   super_offload: AutoFlag = False
   cpuadam_cores_perc: AutoFraction = 0.8
-  # jzero's own key (not DeepSpeed's): how the host-resident state is updated (jzero.tiers.host_optimizer).
+  # jzero's own key (not DeepSpeed's): how the host-resident state is updated
+  # (jzero.tiers.host_optimizer).
   update: Literal["stream", "host"] | None = None  # None: jzero.tiers.host_optimizer.DEFAULT_UPDATE
   # jzero's own key: ZeRO-Offload's one-step delayed parameter update (jzero.tiers.delayed).
   delayed_update: Flag = False

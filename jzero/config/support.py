@@ -82,7 +82,8 @@ _SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest")
 # differs from DeepSpeed's default (or when ``applies(value)`` says so); settings absent from
 # the table are honoured.
 SUPPORT_TABLE: tuple[_Rule, ...] = (
-    # --- offload (jzero.tiers.host_optimizer, jzero.tiers.nvme_store): device "cpu" and "nvme" for the optimizer -------
+    # --- offload (jzero.tiers.host_optimizer, jzero.tiers.nvme_store): device "cpu" and "nvme" for
+    # the optimizer
     _Rule("zero_optimization.offload_optimizer.super_offload", REFUSED,
           "SuperOffload (GH200 superchip offload) is not implemented"),
     _Rule("zero_optimization.offload_optimizer.buffer_count", NO_EFFECT, _NVME_ONLY,
@@ -102,7 +103,8 @@ SUPPORT_TABLE: tuple[_Rule, ...] = (
           "with device: nvme the store's reads land in ordinary host buffers that are copied to "
           "the devices (pin_memory places the state in pinned_host with device: cpu)", bool,
           when=lambda config: _pinned_on_nvme(config.zero_optimization.offload_optimizer)),
-    # --- parameter offload (jzero.tiers.host_params, jzero.tiers.nvme_params): "cpu" and "nvme", stage 3 --
+    # --- parameter offload (jzero.tiers.host_params, jzero.tiers.nvme_params): "cpu" and "nvme",
+    # stage 3 --
     _Rule("zero_optimization.offload_param.pin_memory", NO_EFFECT,
           "with device: nvme the host cache and staging buffers are ordinary host memory that "
           "host callbacks hand to the devices (pin_memory places the partitions in pinned_host "

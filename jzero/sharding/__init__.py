@@ -7,8 +7,8 @@
   step is compiled with.
 * :mod:`jzero.sharding.gather_units` -- stage 3's gather units: the modules whose calls gather their
   parameters (DeepSpeed's leaf modules / granularity threshold).
-* :mod:`jzero.sharding.layer_scan` -- :func:`jzero.scan_layers` and friends: a stack of layers scanned
-  with one layer gathered at a time, rematerialised, with prefetch.
+* :mod:`jzero.sharding.layer_scan` -- :func:`jzero.scan_layers` and friends: a stack of layers
+  scanned with one layer gathered at a time, rematerialised, with prefetch.
 """
 
 __all__: list[str] = []

@@ -28,10 +28,10 @@ with the engine's layer policy, and the unit's partitions are gathered at the to
 So the gathered parameters are never saved for backward: backward gathers the unit again just
 before its own backward, and its gradient is reduce-scattered right after (the gather's
 backward), one unit's full parameters and gradients alive at a time. With ``cpu_checkpointing``
-the region's array inputs are what it keeps in ``pinned_host`` (see :mod:`jzero.sharding.layer_scan`). A unit
-inside another unit, or inside a layer scan that already gathered its layer, finds nothing left
-to gather and runs as is. NNX: the bound model's unit modules get a subclass whose methods do this. Linen: flax's
-``nn.intercept_methods``.
+the region's array inputs are what it keeps in ``pinned_host`` (see
+:mod:`jzero.sharding.layer_scan`). A unit inside another unit, or inside a layer scan that already
+gathered its layer, finds nothing left to gather and runs as is. NNX: the bound model's unit modules
+get a subclass whose methods do this. Linen: flax's ``nn.intercept_methods``.
 
 The units' gathers read only the parameter partitions, never the previous unit's output, so XLA is
 free to issue unit i+1's all-gather while unit i computes (``overlap_comm``: the GPU's

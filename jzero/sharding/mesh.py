@@ -13,12 +13,12 @@ must carry the batch, and ZeRO partitions over a subset of the batch axes. Batch
 not partition over hold replicas of the partitioned state (hybrid sharding); their gradients are
 all-reduced after the reduce-scatter over the ZeRO axes.
 
-Without a file the mesh is one axis ``data`` over all devices (:meth:`MeshSpec.default`). Devices are
-laid out in (process index, device id) order, so a leading ``node`` axis on several hosts is the
+Without a file the mesh is one axis ``data`` over all devices (:meth:`MeshSpec.default`). Devices
+are laid out in (process index, device id) order, so a leading ``node`` axis on several hosts is the
 process boundary.
 
-:func:`simulate_cpu_devices` gives N CPU devices on a machine without accelerators; it must run before
-JAX starts its backend (the CLI does it from ``--devices``).
+:func:`simulate_cpu_devices` gives N CPU devices on a machine without accelerators; it must run
+before JAX starts its backend (the CLI does it from ``--devices``).
 """
 
 from __future__ import annotations

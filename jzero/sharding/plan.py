@@ -1,4 +1,5 @@
-"""The placement plan: where every leaf's compute param, gradient, fp32 master and optimizer state live.
+"""The placement plan: where every leaf's compute param, gradient, fp32 master and optimizer state
+live.
 
 ZeRO is a placement plan. For each parameter leaf the plan decides, from the stage, the mesh and the
 leaf's shape, how the four things are laid out over the ZeRO axes of the mesh:
@@ -15,17 +16,17 @@ optimizer state     replicated     partitioned partitioned partitioned
 Everything else -- the train step, checkpoints, memory reports -- reads this plan; no other module
 decides where an array lives.
 
-**Layout of a partitioned leaf.** A partitioned leaf keeps its shape (so optimizer masks, checkpoints
-and memory reports see real shapes) and is split along one dimension, its ``shard_dim``, over the
-ZeRO axes. The dimension is the first one divisible by the ZeRO size; when none is, the one that
-needs the least padding, padded with zeros up to a multiple of the ZeRO size. So every device holds
-exactly the same number of elements (per-device bytes stay balanced) and at most ``N - 1`` slices
-of padding per leaf. Padding stays zero through the optimizer (its gradient is zero, so Adam's
-moments and the decayed weight stay zero) and is sliced off whenever a full parameter is rebuilt.
-Leaves stacked over a leading layer axis (layers under ``scan``) are never split along that axis:
-each device holds a slice of *every* layer, so a scan can gather one layer at a time. ``shard_dim``
-is stored as a negative index so that it stays right after ``scan`` drops the layer axis.
-0-d leaves cannot be split and stay replicated at every stage.
+**Layout of a partitioned leaf.** A partitioned leaf keeps its shape (so optimizer masks,
+checkpoints and memory reports see real shapes) and is split along one dimension, its ``shard_dim``,
+over the ZeRO axes. The dimension is the first one divisible by the ZeRO size; when none is, the one
+that needs the least padding, padded with zeros up to a multiple of the ZeRO size. So every device
+holds exactly the same number of elements (per-device bytes stay balanced) and at most ``N - 1``
+slices of padding per leaf. Padding stays zero through the optimizer (its gradient is zero, so
+Adam's moments and the decayed weight stay zero) and is sliced off whenever a full parameter is
+rebuilt. Leaves stacked over a leading layer axis (layers under ``scan``) are never split along that
+axis: each device holds a slice of *every* layer, so a scan can gather one layer at a time.
+``shard_dim`` is stored as a negative index so that it stays right after ``scan`` drops the layer
+axis. 0-d leaves cannot be split and stay replicated at every stage.
 
 **Gradients.** Stage 0 and 1 accumulate each device's full local gradient over the micro-batches
 and reduce once at the end: all-reduce (stage 0) or reduce-scatter into the partition (stage 1;
@@ -35,12 +36,12 @@ collective whose backward is the reduce-scatter, so their gradients arrive parti
 
 **Gather units.** Stage-3 leaves are gathered where they are used: a stacked leaf one layer at a
 time inside the layer scan, any other leaf by its *unit* -- the module whose calls gather it
-(:mod:`jzero.sharding.gather_units` chooses them from the module tree; ``LeafPlan.unit``). A partitioned leaf in no
-unit is gathered when the forward pass starts and kept until backward.
+(:mod:`jzero.sharding.gather_units` chooses them from the module tree; ``LeafPlan.unit``). A
+partitioned leaf in no unit is gathered when the forward pass starts and kept until backward.
 
 **Persistence.** In stage 3, leaves smaller than ``stage3_param_persistence_threshold`` elements
-(per layer, for stacked leaves) keep a replicated compute param, as DeepSpeed's persistent params do;
-their gradients, master and optimizer state are still partitioned (stage-2 treatment). Up to
+(per layer, for stacked leaves) keep a replicated compute param, as DeepSpeed's persistent params
+do; their gradients, master and optimizer state are still partitioned (stage-2 treatment). Up to
 ``stage3_model_persistence_threshold`` elements in all are kept, smallest leaves first.
 
 **ZeRO++** (:mod:`jzero.comm.zeropp`). The plan records, per stage-3 leaf, how its collectives move
@@ -53,17 +54,17 @@ estimator and report read them from here. The primary layout is the same as with
 
 **Tiers.** Each leaf's master and optimizer state has a tier, ``state_tier``: "device", "host"
 under ZeRO-Offload (``offload_optimizer.device: cpu``; which leaves:
-:func:`jzero.tiers.host_optimizer.choose_offloaded`) or "nvme" (``device: nvme``, ZeRO-Infinity: the state lives
-in a tensorstore store and the TrainState keeps 0-byte placeholders, :mod:`jzero.tiers.nvme_store`).
-A host leaf keeps its partitioning; its shardings carry ``host_memory_kind``
-(:meth:`Plan.memory_kind`), and with any host leaf every other array gets an explicit "device".
-Each stage-3 partitioned compute param has a tier too, ``param_tier``: "host" under parameter
-offload (``offload_param``, :mod:`jzero.tiers.host_params`; memory kind ``param_host_memory_kind``),
-"nvme" on the NVMe tier (``offload_param.device: nvme``, :mod:`jzero.tiers.nvme_params`: the leaf's
-state tier is then "nvme" too, its master is the store's and the TrainState's param a
-placeholder -- unless ``offload_optimizer.device: cpu`` puts the state on the host, where the
-store holds a copy of the param, :attr:`LeafPlan.param_copy_on_nvme`), else "device"; persistent
-and 0-d leaves always stay on the device.
+:func:`jzero.tiers.host_optimizer.choose_offloaded`) or "nvme" (``device: nvme``, ZeRO-Infinity: the
+state lives in a tensorstore store and the TrainState keeps 0-byte placeholders,
+:mod:`jzero.tiers.nvme_store`). A host leaf keeps its partitioning; its shardings carry
+``host_memory_kind`` (:meth:`Plan.memory_kind`), and with any host leaf every other array gets an
+explicit "device". Each stage-3 partitioned compute param has a tier too, ``param_tier``: "host"
+under parameter offload (``offload_param``, :mod:`jzero.tiers.host_params`; memory kind
+``param_host_memory_kind``), "nvme" on the NVMe tier (``offload_param.device: nvme``,
+:mod:`jzero.tiers.nvme_params`: the leaf's state tier is then "nvme" too, its master is the store's
+and the TrainState's param a placeholder -- unless ``offload_optimizer.device: cpu`` puts the state
+on the host, where the store holds a copy of the param, :attr:`LeafPlan.param_copy_on_nvme`), else
+"device"; persistent and 0-d leaves always stay on the device.
 
 **Precision.** fp32 training keeps no separate master: the optimizer updates the fp32 params (for a
 replicated param in stage 1/2 each device updates its own slice, then all-gathers). bf16 / fp16
@@ -136,7 +137,8 @@ class LeafPlan:
     state_tier: where the fp32 master and optimizer state live: "device", "host"
       (ZeRO-Offload, :mod:`jzero.tiers.host_optimizer`) or "nvme" (:mod:`jzero.tiers.nvme_store`).
     param_tier: where the (partitioned) compute param lives between steps: "device", "host"
-      (parameter offload, :mod:`jzero.tiers.host_params`) or "nvme" (:mod:`jzero.tiers.nvme_params`).
+      (parameter offload, :mod:`jzero.tiers.host_params`) or "nvme"
+      (:mod:`jzero.tiers.nvme_params`).
   """
 
   path: str
@@ -163,7 +165,8 @@ class LeafPlan:
   @property
   def param_copy_on_nvme(self) -> bool:
     """The param is read from the NVMe store, which holds a copy of it written after each update;
-    its master and optimizer state live on the host or the device (:mod:`jzero.tiers.nvme_params`)."""
+    its master and optimizer state live on the host or the device
+    (:mod:`jzero.tiers.nvme_params`)."""
     return self.param_tier == "nvme" and self.state_tier != "nvme"
 
   @property
@@ -200,8 +203,8 @@ class LeafPlan:
 # it repeats: the gathered parameters stay alive until backward. Keeping the barriers keeps the
 # re-gathers. (Its memory-optimised scheduler, `xla_cpu_scheduler_type`, would order the gathers
 # too, but with it this jaxlib's CPU runtime was seen to run different collectives on different
-# devices at once and deadlock; jzero.sharding.gather_units orders them with data dependencies instead.) The GPU
-# compiler keeps the re-gathers and needs neither.
+# devices at once and deadlock; jzero.sharding.gather_units orders them with data dependencies
+# instead.) The GPU compiler keeps the re-gathers and needs neither.
 CPU_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
@@ -249,8 +252,9 @@ class Plan:
     overlap_comm: overlap collectives with compute.
     zeropp: ZeRO++ settings and the node / local split of the ZeRO axes.
     host_memory_kind: the memory kind of host-tier leaves ("pinned_host" or "unpinned_host").
-    offload_update: how host-tier state is updated, "stream" or "host" (:mod:`jzero.tiers.host_optimizer`).
-    param_host_memory_kind: the memory kind of host-tier params (:mod:`jzero.tiers.host_params`).
+    offload_update: how host-tier state is updated, "stream" or "host"
+    (:mod:`jzero.tiers.host_optimizer`). param_host_memory_kind: the memory kind of host-tier params
+    (:mod:`jzero.tiers.host_params`).
   """
 
   stage: int
@@ -268,7 +272,7 @@ class Plan:
   offload_update: str = "stream"
   param_host_memory_kind: str = "pinned_host"
 
-  # -- what exists ----------------------------------------------------------------------------------
+  # -- what exists ---------------------------------------------------------------------------------
   @property
   def has_master(self) -> bool:
     """A separate fp32 master exists only in mixed precision (fp32 updates the params in place)."""
@@ -281,7 +285,7 @@ class Plan:
     """tree.map over (LeafPlan, *matching leaves of trees)."""
     return jax.tree.map(fn, self.leaves, *trees, is_leaf=lambda x: isinstance(x, LeafPlan))
 
-  # -- memory tiers (ZeRO-Offload, jzero.tiers.host_optimizer) ---------------------------------------------------
+  # -- memory tiers (ZeRO-Offload, jzero.tiers.host_optimizer) -------------------------------------
   @property
   def offloads(self) -> bool:
     """Some leaf's master / optimizer state lives on the host."""
@@ -354,7 +358,7 @@ class Plan:
         transform_non_params=lambda _: self.memory_kind(), is_leaf=lambda x: x is None or
         isinstance(x, str))
 
-  # -- partition specs ------------------------------------------------------------------------------
+  # -- partition specs -----------------------------------------------------------------------------
   def _split_spec(self, leaf: LeafPlan) -> P:
     spec: list[Any] = [None] * len(leaf.shape)
     axes = self.mesh.zero_axes
@@ -431,10 +435,11 @@ class Plan:
   def sharding(self, spec: P, memory_kind: str | None = None) -> NamedSharding:
     return NamedSharding(self.mesh.mesh, spec, memory_kind=memory_kind or self.memory_kind())
 
-  # -- how collectives are scheduled ----------------------------------------------------------------
+  # -- how collectives are scheduled ---------------------------------------------------------------
   def shard_map(self, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable[..., Any]:
-    """``jax.shard_map`` of ``fn`` over the plan's mesh; across CPU processes with its collectives chained into
-    one order, so every process pairs the same ones (:mod:`jzero.comm.collective_order`)."""
+    """``jax.shard_map`` of ``fn`` over the plan's mesh; across CPU processes with its collectives
+    chained into one order, so every process pairs the same ones
+    (:mod:`jzero.comm.collective_order`)."""
     body = collective_order.in_one_order(fn) if collective_order.needed(self.mesh.mesh) else fn
     return jax.shard_map(body, mesh=self.mesh.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
@@ -453,7 +458,8 @@ class Plan:
     layer's parameters are gathered while this layer computes (DeepSpeed's prefetch). Off makes
     every collective synchronous. These passes exist in the GPU compiler; the CPU backend has none
     of them (and may run independent collectives at once, which :meth:`shard_map` prevents by
-    chaining them), so the options are only passed when compiling for GPU. ``jzero aot`` shows their effect on the scheduled program.
+    chaining them), so the options are only passed when compiling for GPU. ``jzero aot`` shows their
+    effect on the scheduled program.
 
     On CPU the step gets the options that make XLA keep ZeRO's memory promise (see
     :data:`CPU_OPTIONS`), where this jaxlib knows them.
@@ -478,7 +484,7 @@ class Plan:
       options["xla_gpu_enable_pipelined_all_gather"] = True
     return options
 
-  # -- per-device accounting ------------------------------------------------------------------------
+  # -- per-device accounting -----------------------------------------------------------------------
   def gathered_working_set(self) -> tuple[int, int]:
     """Stage 3: (elements of the largest group gathered at once -- one layer of all stacked leaves,
     which the layer scan gathers together, or the largest unit --, elements gathered at the start
@@ -535,9 +541,10 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
     model_persistence_threshold: cap on the total elements of persistent params (None: no cap).
     reduce_scatter: stage 1/2 reduce with reduce-scatter (False: all-reduce, keep own slice).
     reduce_bucket_size, gather_bucket_size, overlap_comm: see :meth:`Plan.xla_options`.
-    units: leaf path -> path of the module that gathers it (:func:`jzero.sharding.gather_units.choose_units`).
-    zeropp: ZeRO++ settings resolved against the mesh (:func:`jzero.comm.zeropp.resolve`); stage 3.
-    offload: :class:`jzero.tiers.host_optimizer.OffloadSettings` (None: everything on the device).
+    units: leaf path -> path of the module that gathers it
+    (:func:`jzero.sharding.gather_units.choose_units`). zeropp: ZeRO++ settings resolved against the
+    mesh (:func:`jzero.comm.zeropp.resolve`); stage 3. offload:
+    :class:`jzero.tiers.host_optimizer.OffloadSettings` (None: everything on the device).
     offload_param: :class:`jzero.tiers.host_params.ParamOffloadSettings` (stage 3; None: the
       params stay on the device).
   """

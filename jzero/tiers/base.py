@@ -18,8 +18,8 @@ so a tier overrides only the phases it changes:
 * **the forward pass** (:meth:`Tier.grad_target`, :meth:`Tier.gather_inputs`): where a leaf's
   partition comes from when its gather runs.
 * **step variants** (:meth:`Tier.variant`, :meth:`Tier.seen`): the engine compiles one step per
-  distinct variant its tiers ask for (the delayed update's warm-up, prime and steady steps) and picks
-  the variant on the host, so no step holds a ``lax.cond`` over it.
+  distinct variant its tiers ask for (the delayed update's warm-up, prime and steady steps) and
+  picks the variant on the host, so no step holds a ``lax.cond`` over it.
 * **the update phase, inside the jitted step** (on one device's blocks, inside ``shard_map``), in
   this order: :meth:`Tier.take_outputs` (what leaves the jit for an update after it, and the
   gradients left to update here), :meth:`Tier.choose_gradient` (which gradient is applied,

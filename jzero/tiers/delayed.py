@@ -1,8 +1,8 @@
 """Delayed parameter update (DPU): step t updates with step t-1's gradient (ZeRO-Offload, opt-in).
 
 ``zero_optimization.offload_optimizer.delayed_update: true`` is jzero's own key: DeepSpeed's config
-schema has no switch for the one-step delayed parameter update of the ZeRO-Offload paper (Ren et al.,
-2021). It needs ``offload_optimizer.device: cpu`` (refused otherwise, before any device work):
+schema has no switch for the one-step delayed parameter update of the ZeRO-Offload paper (Ren et
+al., 2021). It needs ``offload_optimizer.device: cpu`` (refused otherwise, before any device work):
 hiding the host update is its only purpose, and it changes the math.
 
 **The math.** Write p_t for the parameters after step t (p_0: the initial ones), b_t for step t's
@@ -48,8 +48,8 @@ on it; a run resumed inside the warm-up continues it.
 computed: if g_t overflows, step t backs the loss scale off (and counts the step as skipped) at
 once, as a plain run does, and carries g_t as not ready, so step t+1 applies no update. The steps'
 ``grad_norm`` and ``overflow`` metrics are those of the gradient computed in the step, ``loss`` is
-the loss at p_{t-1}, and ``lr`` is the rate of the update applied in the step (the next one if none).
-Gradient accumulation is unchanged: the carried gradient is the step's accumulated one.
+the loss at p_{t-1}, and ``lr`` is the rate of the update applied in the step (the next one if
+none). Gradient accumulation is unchanged: the carried gradient is the step's accumulated one.
 """
 
 from __future__ import annotations

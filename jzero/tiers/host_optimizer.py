@@ -2,8 +2,8 @@
 
 ``zero_optimization.offload_optimizer.device: "cpu"`` (stages 1-3) gives every chosen leaf's
 optimizer state -- and, in bf16 / fp16 training, its fp32 master -- the *host tier* of the plan
-(:attr:`jzero.sharding.plan.LeafPlan.state_tier`): the arrays keep the plan's partitioning, and their
-sharding carries the memory kind ``pinned_host`` (``pin_memory: false``: ``unpinned_host``).
+(:attr:`jzero.sharding.plan.LeafPlan.state_tier`): the arrays keep the plan's partitioning, and
+their sharding carries the memory kind ``pinned_host`` (``pin_memory: false``: ``unpinned_host``).
 Compute params and gradients stay on the device. Scalars that are not per-parameter (Adam's step
 count) stay on the device, as do 0-d parameters' states.
 
@@ -40,8 +40,8 @@ structure, so it is updated as one group.
 **Donation.** The step donates the whole train state. A donated buffer may only alias an output
 of the same memory kind (openxla/xla#29270), and JAX 0.10 drops every memory kind from its
 aliasing decision when any input or output lacks one; so when a plan offloads, every input and
-output of the step gets an explicit memory kind (:meth:`jzero.sharding.plan.Plan.memory_kind`) and each
-host leaf's output stays on the host: every buffer keeps its kind, and every one is donated.
+output of the step gets an explicit memory kind (:meth:`jzero.sharding.plan.Plan.memory_kind`) and
+each host leaf's output stays on the host: every buffer keeps its kind, and every one is donated.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ class OffloadSettings:
     ratio: fraction of the parameters whose state goes to the host (0: no offload).
     memory_kind: "pinned_host" or "unpinned_host".
     update: "stream" or "host" (see the module docstring).
-    tier: the chosen leaves' tier: "host", or "nvme" (``device: nvme``, :mod:`jzero.tiers.nvme_store`).
+    tier: the chosen leaves' tier: "host", or "nvme" (``device: nvme``,
+    :mod:`jzero.tiers.nvme_store`).
   """
 
   def __init__(self, ratio: float = 0.0, memory_kind: str = "pinned_host",
@@ -170,7 +171,8 @@ def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
     master_on_host: ``master`` is a separate fp32 master whose host leaves live on the host
       (mixed precision); False when it is fp32 training's param partitions (on the device). Or
       a bool per parameter leaf: that leaf's master arrives and goes back in host memory,
-      whatever its state's tier (fp32 training with parameter offload, :mod:`jzero.tiers.host_params`).
+      whatever its state's tier (fp32 training with parameter offload,
+      :mod:`jzero.tiers.host_params`).
 
   Returns:
     (new master, the same on the device -- what the compute params are cast from --, new

@@ -1,13 +1,13 @@
 """ZeRO-Infinity parameter offload: stage-3 parameter partitions in host memory.
 
 ``zero_optimization.offload_param.device: "cpu"`` (stage 3 only, as in DeepSpeed) gives every
-*partitioned* compute param the host tier of the plan (:attr:`jzero.sharding.plan.LeafPlan.param_tier`):
-the train state's partition keeps the plan's layout and its sharding carries the memory kind
-``pinned_host`` (``pin_memory: false``: ``unpinned_host``). Persistent leaves (below
-``stage3_param_persistence_threshold``, kept replicated on every device) and 0-d leaves stay on
-the device: they are read by every step whole, and DeepSpeed offloads only the partitions too.
-Gradients stay on the device; the fp32 master and the optimizer state follow
-``offload_optimizer`` (:mod:`jzero.tiers.host_optimizer`) independently.
+*partitioned* compute param the host tier of the plan
+(:attr:`jzero.sharding.plan.LeafPlan.param_tier`): the train state's partition keeps the plan's
+layout and its sharding carries the memory kind ``pinned_host`` (``pin_memory: false``:
+``unpinned_host``). Persistent leaves (below ``stage3_param_persistence_threshold``, kept replicated
+on every device) and 0-d leaves stay on the device: they are read by every step whole, and DeepSpeed
+offloads only the partitions too. Gradients stay on the device; the fp32 master and the optimizer
+state follow ``offload_optimizer`` (:mod:`jzero.tiers.host_optimizer`) independently.
 
 **Forward and backward.** A host partition reaches the model as a
 :class:`~jzero.comm.zero_param.ZeroParam` whose ``host`` child is the host array and whose
@@ -18,23 +18,25 @@ jax.memory.Space.Device)`` whose backward sends the cotangent to the slot -- and
 without offload. Gathers run where they always do, so the transfers do too: a stacked leaf one
 layer at a time inside :func:`jzero.scan_layers` / ``linen_scan_layers`` (the scan slices the host
 stack; each layer's slice is moved to the device right before its all-gather, again in the
-rematerialised backward), a unit's leaves when the unit is called (:mod:`jzero.sharding.gather_units`), any other
-leaf when the forward pass starts. The device holds one layer's (or unit's) partitions and
-gathered parameters at a time, plus what persists.
+rematerialised backward), a unit's leaves when the unit is called
+(:mod:`jzero.sharding.gather_units`), any other leaf when the forward pass starts. The device holds
+one layer's (or unit's) partitions and gathered parameters at a time, plus what persists.
 
 **The update** runs on the device copy of each host leaf (fp32 training: the param partition is
 the optimizer's master; it is streamed through the device leaf by leaf by
-:func:`jzero.tiers.host_optimizer.apply_update`), and the new partitions are written back to the host tier at the
-end of the step (:func:`to_host`). So the values are the no-offload step's: the copies are exact.
+:func:`jzero.tiers.host_optimizer.apply_update`), and the new partitions are written back to the
+host tier at the end of the step (:func:`to_host`). So the values are the no-offload step's: the
+copies are exact.
 
-**Donation.** As for the optimizer's host tier (:mod:`jzero.tiers.host_optimizer`, openxla/xla#29270): with any
-host leaf every input and output of the step carries an explicit memory kind and each host
-partition's output is again on the host, so every buffer keeps its kind and all are donated.
+**Donation.** As for the optimizer's host tier (:mod:`jzero.tiers.host_optimizer`,
+openxla/xla#29270): with any host leaf every input and output of the step carries an explicit memory
+kind and each host partition's output is again on the host, so every buffer keeps its kind and all
+are donated.
 
 **Not here.** ``device: "nvme"`` (the NVMe tier) is :mod:`jzero.tiers.nvme_params`;
 ``buffer_count``, ``buffer_size`` and ``max_in_cpu`` size its staging buffers and host cache and
-have no effect with ``device: cpu`` (a warning). ZeRO++'s hpZ keeps a device copy of every partition,
-which defeats parameter offload: the combination is refused.
+have no effect with ``device: cpu`` (a warning). ZeRO++'s hpZ keeps a device copy of every
+partition, which defeats parameter offload: the combination is refused.
 """
 
 from __future__ import annotations
@@ -129,7 +131,8 @@ def _fetch_jvp(primals, tangents):
 class HostParamsTier(Tier):
   """Stage-3 partitions in host memory (module docstring): the step differentiates a zero slot on
   the device, the gather fetches the host partition, and the new partitions go back to the host.
-  (The update of what lives in host memory is :class:`jzero.tiers.host_optimizer.HostOptimizerTier`'s.)"""
+  (The update of what lives in host memory is
+  :class:`jzero.tiers.host_optimizer.HostOptimizerTier`'s.)"""
 
   name = "host_params"
   needs_cond = True

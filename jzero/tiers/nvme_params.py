@@ -2,22 +2,24 @@
 
 ``zero_optimization.offload_param: {"device": "nvme", "nvme_path": DIR}`` (stage 3) gives every
 *partitioned* param the plan's ``param_tier == "nvme"`` (persistent and 0-d leaves stay on the
-device, as with ``device: cpu``). Such a leaf lives in the NVMe store of :mod:`jzero.tiers.nvme_store`, with
-its fp32 master and its optimizer state beside it (``state_tier == "nvme"``: the update reads and
-writes all three in one request per sub-group -- reads, updates and writes of the sub-groups
-overlapped (``pipeline_read`` / ``pipeline_write`` on; with ``offload_optimizer.device: nvme`` too,
-its flags decide) --, and the store's two slots and manifest make the
-parameters crash-safe exactly as the optimizer state). The TrainState keeps a 0-byte placeholder
-for the param (as for the NVMe master), so between steps the device holds none of its bytes.
+device, as with ``device: cpu``). Such a leaf lives in the NVMe store of
+:mod:`jzero.tiers.nvme_store`, with its fp32 master and its optimizer state beside it (``state_tier
+== "nvme"``: the update reads and writes all three in one request per sub-group -- reads, updates
+and writes of the sub-groups overlapped (``pipeline_read`` / ``pipeline_write`` on; with
+``offload_optimizer.device: nvme`` too, its flags decide) --, and the store's two slots and manifest
+make the parameters crash-safe exactly as the optimizer state). The TrainState keeps a 0-byte
+placeholder for the param (as for the NVMe master), so between steps the device holds none of its
+bytes.
 
 **With the optimizer state on the host** (``offload_optimizer.device: cpu``, the ZeRO-Infinity
 paper's headline config: "CPU: optimizer states; NVMe: parameters"), the leaf's fp32 master and
 optimizer state live in pinned host memory (``state_tier == "host"``) and are updated by the host
-tier's update inside the step (:mod:`jzero.tiers.host_optimizer`); the store then holds a *copy* of the param
-(:attr:`jzero.sharding.plan.LeafPlan.param_copy_on_nvme`, fp32), which the engine writes from the new
-masters after the step and commits as the step (:meth:`jzero.tiers.nvme_store.NvmeStore.write_copies`). In
-fp32 the state's param is the master, so it stays in the TrainState -- in host memory --; in
-mixed precision the param is a placeholder and the master is the state's. Reads are the same.
+tier's update inside the step (:mod:`jzero.tiers.host_optimizer`); the store then holds a *copy* of
+the param (:attr:`jzero.sharding.plan.LeafPlan.param_copy_on_nvme`, fp32), which the engine writes
+from the new masters after the step and commits as the step
+(:meth:`jzero.tiers.nvme_store.NvmeStore.write_copies`). In fp32 the state's param is the master, so
+it stays in the TrainState -- in host memory --; in mixed precision the param is a placeholder and
+the master is the state's. Reads are the same.
 
 **Forward and backward.** The leaf reaches the model as a :class:`~jzero.comm.zero_param.ZeroParam`
 whose ``partition`` is a zero *gradient slot* on the device and whose ``source`` is this leaf's
@@ -28,10 +30,10 @@ the ``layer`` child like every other child, so a stacked leaf is read one layer 
 the compute dtype on the device (the cast the no-offload step makes from the master, so values are
 identical). ``fetch`` is a ``custom_jvp`` whose tangent is the slot's: the gradient lands in the
 slot, is reduce-scattered as usual and goes to the store's update after the step
-(:meth:`jzero.tiers.nvme_store.NvmeStore.update`), which reads master and moments, updates them on the device
-and writes the new master -- the new param -- to the other slot. A pure callback is rematerialised
-like any other op: the backward scan reads each layer again (no gathered parameter is saved), so
-the device holds one layer's partitions and gathered params at a time.
+(:meth:`jzero.tiers.nvme_store.NvmeStore.update`), which reads master and moments, updates them on
+the device and writes the new master -- the new param -- to the other slot. A pure callback is
+rematerialised like any other op: the backward scan reads each layer again (no gathered parameter is
+saved), so the device holds one layer's partitions and gathered params at a time.
 
 **Why one jitted step with callbacks.** The alternative, the step split into one jit per layer group
 with Python moving the bytes between them, would cut XLA's schedule at every group (no overlap of a
@@ -51,12 +53,12 @@ uncompressed little-endian rows, so one layer's partition is one contiguous rang
 would read the whole chunk). After serving layer
 ``l`` of a stacked leaf it prefetches layer ``l + 1`` (or ``l - 1``, the direction of the last two
 requests: the backward scan runs in reverse) into one of ``buffer_count`` staging buffers of at
-most ``buffer_size`` elements, per device (a layer's partition larger than ``buffer_size`` is refused
-before any device work, as DeepSpeed refuses it). ``stage3_prefetch_bucket_size: 0`` turns the
-prefetch off. Host bytes of the tier are therefore at most ``max_in_cpu * 4 + buffer_count *
-buffer_size * 4`` per local device (fp32: the store keeps the master; the compute param is cast from it on the
-device) plus the rows of one sub-group while it is updated, which the optimizer tier's update
-holds anyway (:func:`host_bytes_bound`).
+most ``buffer_size`` elements, per device (a layer's partition larger than ``buffer_size`` is
+refused before any device work, as DeepSpeed refuses it). ``stage3_prefetch_bucket_size: 0`` turns
+the prefetch off. Host bytes of the tier are therefore at most ``max_in_cpu * 4 + buffer_count *
+buffer_size * 4`` per local device (fp32: the store keeps the master; the compute param is cast from
+it on the device) plus the rows of one sub-group while it is updated, which the optimizer tier's
+update holds anyway (:func:`host_bytes_bound`).
 
 **What it does not do.** The store keeps fp32 values (the master, or the copy of it), not a
 16-bit copy, so in bf16 a layer read moves 4 bytes per element where DeepSpeed moves 2.
@@ -141,8 +143,9 @@ def _read_group(sources: tuple, slots: tuple, layers: tuple) -> tuple:
 
 def read_together(params: list) -> list:
   """ZeroParams on the NVMe tier (``source`` set) -> the same ones with their partitions read in
-  one host callback (``source`` cleared): the gather of a group (:func:`jzero.sharding.layer_scan.gather`)
-  pays one callback, not one per leaf. Each read value's gradient still goes to its slot."""
+  one host callback (``source`` cleared): the gather of a group
+  (:func:`jzero.sharding.layer_scan.gather`) pays one callback, not one per leaf. Each read value's
+  gradient still goes to its slot."""
   if len(params) < 2:
     return params
   values = fetch_group(tuple(p.source for p in params), tuple(p.partition for p in params),
@@ -218,7 +221,7 @@ class ParamReader:
         max_workers=settings.queue_depth, thread_name_prefix="jzero-param-nvme")
     self.disk_reads = self.cache_hits = self.prefetch_hits = 0
 
-  # -- the host cache, refreshed by the store's writes ----------------------------------------------
+  # -- the host cache, refreshed by the store's writes ---------------------------------------------
   def stage(self, group: int, rows: np.ndarray) -> None:
     """The rows just written for ``group`` (not committed yet): the cached leaves' new values."""
     for path in self.cached:
@@ -235,7 +238,7 @@ class ParamReader:
       self._prefetched.clear()
       self._buffers = [0] * len(self.store.devices)
 
-  # -- serving a request ----------------------------------------------------------------------------
+  # -- serving a request ---------------------------------------------------------------------------
   def _pread(self, slot: str, path: str, layer: int, row: int) -> np.ndarray:
     e = self.entries[path]
     out = np.empty(e.layer_numel, np.float32)

@@ -1,10 +1,10 @@
 """What the config asks of the NVMe tiers (ZeRO-Infinity), read and checked before any device work.
 
 ``zero_optimization.offload_optimizer`` and ``offload_param`` with ``device: nvme`` share one
-store per process (:mod:`jzero.tiers.nvme_store`; parameters: :mod:`jzero.tiers.nvme_params`). This module turns their
-blocks and ``aio`` into :class:`NvmeSettings`, checks ``nvme_path`` (an existing directory this
-process can write and fsync in; a :class:`~jzero.errors.ConfigError` naming the key and the fix
-otherwise), and maps the settings to tensorstore's context (:func:`io_context`).
+store per process (:mod:`jzero.tiers.nvme_store`; parameters: :mod:`jzero.tiers.nvme_params`). This
+module turns their blocks and ``aio`` into :class:`NvmeSettings`, checks ``nvme_path`` (an existing
+directory this process can write and fsync in; a :class:`~jzero.errors.ConfigError` naming the key
+and the fix otherwise), and maps the settings to tensorstore's context (:func:`io_context`).
 """
 
 from __future__ import annotations

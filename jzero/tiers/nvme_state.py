@@ -2,11 +2,11 @@
 read back from disk after a crash.
 
 ``save_checkpoint`` and ``logical_params`` read the committed slot into arrays laid out by the plan
-(:func:`full_state`); ``load_checkpoint`` restores them in their real shapes (:func:`expand_abstract`)
-and writes them into the store (:func:`absorb`), so a checkpoint moves between tiers exactly.
-:func:`open_committed` reads a process's store directory without an engine -- what a crashed run
-left (see :mod:`jzero.tiers.nvme_store`, "Crash consistency"). The store's layout itself is
-:meth:`jzero.tiers.nvme_store.NvmeStore.with_arrays`.
+(:func:`full_state`); ``load_checkpoint`` restores them in their real shapes
+(:func:`expand_abstract`) and writes them into the store (:func:`absorb`), so a checkpoint moves
+between tiers exactly. :func:`open_committed` reads a process's store directory without an engine --
+what a crashed run left (see :mod:`jzero.tiers.nvme_store`, "Crash consistency"). The store's layout
+itself is :meth:`jzero.tiers.nvme_store.NvmeStore.with_arrays`.
 """
 
 from __future__ import annotations

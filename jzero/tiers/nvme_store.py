@@ -1,11 +1,12 @@
-"""ZeRO-Infinity's NVMe tier: fp32 master and optimizer state of chosen leaves in a tensorstore store.
+"""ZeRO-Infinity's NVMe tier: fp32 master and optimizer state of chosen leaves in a tensorstore
+store.
 
 ``zero_optimization.offload_optimizer: {"device": "nvme", "nvme_path": DIR}`` (stages 1-3) gives the
 chosen leaves (all of them, or ``ratio`` of the parameters, largest first, as the host tier's
-:func:`jzero.tiers.host_optimizer.choose_offloaded`) the *NVMe tier* of the plan (``LeafPlan.state_tier ==
-"nvme"``): their optimizer state -- and in bf16 / fp16 training their fp32 master -- lives only in
-a tensorstore store on disk. DeepSpeed needs a libaio build for this (DeepSpeed #6972, #6920);
-tensorstore's ``file`` kvstore needs nothing.
+:func:`jzero.tiers.host_optimizer.choose_offloaded`) the *NVMe tier* of the plan
+(``LeafPlan.state_tier == "nvme"``): their optimizer state -- and in bf16 / fp16 training their fp32
+master -- lives only in a tensorstore store on disk. DeepSpeed needs a libaio build for this
+(DeepSpeed #6972, #6920); tensorstore's ``file`` kvstore needs nothing.
 
 **Where.** One store per process and engine, under
 ``<nvme_path>/zero_stage_<n>/<host>-<pid>-<UTC time>-<uuid>/process_<i>/`` (DeepSpeed's
@@ -28,22 +29,22 @@ have the leaf's layout with the shard dimension of size 0 (0 bytes; the tree str
 partition specs are those of every other plan, so optax, the step's ``shard_map`` and the donation
 machinery see nothing new). Compute params and gradients stay on the device.
 
-**The step** splits in two. The jitted step (:mod:`jzero.train.step`) computes, reduces, unscales and
-clips the gradients of every leaf, updates device-tier leaves, and returns for the NVMe leaves
+**The step** splits in two. The jitted step (:mod:`jzero.train.step`) computes, reduces, unscales
+and clips the gradients of every leaf, updates device-tier leaves, and returns for the NVMe leaves
 their fp32 gradient partitions, (fp32 training) their master partitions -- the params' own slices
 -- and the optimizer state's non-parameter leaves (Adam's count) *before* the step. Then
 :meth:`NvmeStore.update` walks the NVMe leaves in sub-groups of at most ``sub_group_size``
 elements per device (whole leaves; a larger leaf is a group of its own): the group's arrays are read
-from the committed slot (futures of parallel row reads), updated by a jitted ``shard_map`` running the same
-optax ``tx.update`` on the same partitions as the device path (so fp32 results equal the
+from the committed slot (futures of parallel row reads), updated by a jitted ``shard_map`` running
+the same optax ``tx.update`` on the same partitions as the device path (so fp32 results equal the
 non-offloaded step; tests: 1e-6), which also casts (and in stages 1/2 all-gathers) the group's new
 compute params, and written to the other slot. With ``pipeline_read`` the reads of the next
 ``buffer_count - 1`` groups are in flight while a group is updated; with ``pipeline_write`` a
 group's writes proceed while the next groups are read and updated (at most ``buffer_count`` groups'
 writes pending); without them each read / write is waited for. :meth:`NvmeStore.update` returns
 once every write is committed and the manifest names the new step: that is the step's commit point;
-``engine.train_step`` returns after it. A skipped step (its gradient not finite) writes nothing and moves the
-manifest's step only.
+``engine.train_step`` returns after it. A skipped step (its gradient not finite) writes nothing and
+moves the manifest's step only.
 
 **Crash consistency.** Two slots, ``slot_a`` and ``slot_b``: step t reads the slot the manifest
 names and writes the other; the manifest (``manifest.json``: step, slot, arrays) is replaced
@@ -51,37 +52,37 @@ atomically (write, fsync, ``os.replace``, fsync of the directory) only after eve
 is committed (tensorstore's ``file`` kvstore writes each chunk to a temporary file, renames it and,
 with ``file_io_sync``, fsyncs); reads go to the committed chunk files directly (``os.preadv`` of
 each row, the rows in parallel, :func:`read_file_into`): zarr3 chunks with only the ``bytes``
-codec are the raw rows, and this measured faster than tensorstore's read of them. A process killed during a step therefore leaves a store whose
-manifest names the last completed step and a slot nobody was writing.
-:func:`jzero.tiers.nvme_state.open_committed` reads
+codec are the raw rows, and this measured faster than tensorstore's read of them. A process killed
+during a step therefore leaves a store whose manifest names the last completed step and a slot
+nobody was writing. :func:`jzero.tiers.nvme_state.open_committed` reads
 it back (or refuses clearly: no manifest -- killed before the first commit --, or a slot with
-missing files). Resuming training goes through checkpoints (below), as in DeepSpeed, whose swap files
-are scratch space too.
+missing files). Resuming training goes through checkpoints (below), as in DeepSpeed, whose swap
+files are scratch space too.
 
-**Settings** (:mod:`jzero.tiers.nvme_settings`; DeepSpeed's names -> tensorstore): ``aio.queue_depth`` ->
-the context's ``file_io_concurrency`` limit (concurrent file operations) and the reading threads,
-``aio.intra_op_parallelism`` -> ``data_copy_concurrency`` (threads copying / encoding chunks);
-``buffer_count``, ``pipeline_read``, ``pipeline_write`` and ``sub_group_size`` as above; the
-cache pool is 0 bytes (every read goes to the disk, nothing is held twice in host memory);
-tensorstore's ``file_io_mode`` stays ``default`` (:data:`IO_MODE`: O_DIRECT and memmap measured no
-better for writes, bench/nvme.py, README). ``aio.block_size``, ``single_submit`` and
+**Settings** (:mod:`jzero.tiers.nvme_settings`; DeepSpeed's names -> tensorstore):
+``aio.queue_depth`` -> the context's ``file_io_concurrency`` limit (concurrent file operations) and
+the reading threads, ``aio.intra_op_parallelism`` -> ``data_copy_concurrency`` (threads copying /
+encoding chunks); ``buffer_count``, ``pipeline_read``, ``pipeline_write`` and ``sub_group_size`` as
+above; the cache pool is 0 bytes (every read goes to the disk, nothing is held twice in host
+memory); tensorstore's ``file_io_mode`` stays ``default`` (:data:`IO_MODE`: O_DIRECT and memmap
+measured no better for writes, bench/nvme.py, README). ``aio.block_size``, ``single_submit`` and
 ``overlap_events`` tune libaio requests that tensorstore does not make (each file is written in
 one request): a warning each. DeepSpeed's default ``intra_op_parallelism`` of 1 leaves one thread
 to copy the chunks; the disk's bandwidth needs several (bench/nvme.py sets 8). ``aio.use_gds``
 (GPUDirect Storage) is refused. ``offload_param.device: nvme`` puts the stage-3 parameters in this
-store too (:mod:`jzero.tiers.nvme_params`: their masters are stored even in fp32, and the update writes
-no compute param for them). A client optax optimizer (``initialize(optimizer=...)``) is refused:
-the group update needs an elementwise optimizer (jzero's Adam, AdamW, Lion, SGD).
+store too (:mod:`jzero.tiers.nvme_params`: their masters are stored even in fp32, and the update
+writes no compute param for them). A client optax optimizer (``initialize(optimizer=...)``) is
+refused: the group update needs an elementwise optimizer (jzero's Adam, AdamW, Lion, SGD).
 
 **Checkpoints and reports** read the store: ``save_checkpoint`` reads the committed slot into
 arrays laid out by the plan and saves them with Orbax like the rest
 (:func:`jzero.tiers.nvme_state.full_state`); ``load_checkpoint`` restores them in their real shapes
 (:func:`~jzero.tiers.nvme_state.expand_abstract`) and writes them into the store
-(:func:`~jzero.tiers.nvme_state.absorb`), so a checkpoint moves between tiers (nvme <-> device / host)
-exactly. ``logical_params`` reads the master from the store. The memory report measures the NVMe
-bytes from the committed slot's files (per device: a file's size over its rows, split into master
-and optimizer by the layout) next to the estimator's ``nvme`` tier, and prints the process's store
-directory and its bytes on disk.
+(:func:`~jzero.tiers.nvme_state.absorb`), so a checkpoint moves between tiers (nvme <-> device /
+host) exactly. ``logical_params`` reads the master from the store. The memory report measures the
+NVMe bytes from the committed slot's files (per device: a file's size over its rows, split into
+master and optimizer by the layout) next to the estimator's ``nvme`` tier, and prints the process's
+store directory and its bytes on disk.
 """
 
 from __future__ import annotations
@@ -330,7 +331,7 @@ class NvmeStore:
     self._fns: dict[int, Any] = {}
     self._init_fns: dict[int, Any] = {}
 
-  # -- layout ---------------------------------------------------------------------------------------
+  # -- layout --------------------------------------------------------------------------------------
   def _make_groups(self) -> list[list[int]]:
     groups: list[list[int]] = []
     used = 0
@@ -407,7 +408,7 @@ class NvmeStore:
   def _members(self, g: int) -> list[_Stored]:
     return [s for s in self.stored if s.group == g]
 
-  # -- host <-> device ------------------------------------------------------------------------------
+  # -- host <-> device -----------------------------------------------------------------------------
   def _to_global(self, s: _Stored, rows: np.ndarray) -> jax.Array:
     """Group rows (local devices, elements) -> the stored array ``s`` laid out by the plan."""
     leaf, shape = s.leaf, self._shard_shape[s.leaf.path]
@@ -448,7 +449,7 @@ class NvmeStore:
   def _other(self) -> str:
     return SLOTS[1] if self.slot == SLOTS[0] else SLOTS[0]
 
-  # -- writing a whole state ------------------------------------------------------------------------
+  # -- writing a whole state -----------------------------------------------------------------------
   def write_masters(self, engine: Any, step: int, masters: dict[str, jax.Array]) -> None:
     """Fresh optimizer state (``tx.init``) for the NVMe leaves from their fp32 masters (state
     layout), written with the masters (mixed precision) into a slot and committed as ``step``."""
@@ -510,7 +511,7 @@ class NvmeStore:
       out.update({s.name: self._to_global(s, rows) for s in self._members(g)})
     return out
 
-  # -- the step -------------------------------------------------------------------------------------
+  # -- the step ------------------------------------------------------------------------------------
   def _group_fn(self, engine: Any, g: int):
     if g in self._fns:
       return self._fns[g]
@@ -586,7 +587,7 @@ class NvmeStore:
     params = plan.map(lambda l, p: new_params.get(l.path, p), state.params)
     return engine.with_secondary(state._replace(params=params))
 
-  # -- the store's arrays in a TrainState (checkpoints, logical params: jzero.tiers.nvme_state) ----------
+  # -- the store's arrays in a TrainState (checkpoints, logical params: jzero.tiers.nvme_state) ----
   def with_arrays(self, state: Any, get, get_param) -> Any:
     """``state`` with each NVMe leaf's master / optimizer node replaced by ``get(stored)``, and
     each param the state holds as a placeholder by ``get_param(its stored master or copy)``."""
@@ -598,7 +599,8 @@ class NvmeStore:
     master = state.master
     if plan.has_master:
       master = plan.map(lambda l, x: get(by_leaf[l.path][-1]) if in_store(l) else x, master)
-    # params on the tier (jzero.tiers.nvme_params): the stored value in the compute dtype (the step's cast)
+    # params on the tier (jzero.tiers.nvme_params): the stored value in the compute dtype (the
+    # step's cast)
     params = plan.map(lambda l, x: get_param(by_leaf[l.path][-1]) if plan.param_placeholder(l)
                       else x, state.params)
     node_def, nodes, flags = _split(state.opt_state, self._params_def)
@@ -617,7 +619,7 @@ class NvmeStore:
     """A 0-byte placeholder for the stored array ``s`` (its leaf's layout, shard dim 0)."""
     return jax.device_put(np.zeros(placeholder_shape(s.leaf), dtype), self._sharding[s.leaf.path])
 
-  # -- accounting -----------------------------------------------------------------------------------
+  # -- accounting ----------------------------------------------------------------------------------
   def measured_per_device(self) -> dict[str, int]:
     """Bytes of one device's partitions in the committed slot, from the group files' sizes (each
     file holds one row per local device), split by category along the layout: category

@@ -97,7 +97,7 @@ class Engine(StepBuilder):
   _polls_seen: int | None = dataclasses.field(default=None, repr=False)  # should_stop calls
   _saved: tuple[Path, int] | None = dataclasses.field(default=None, repr=False)  # (dir, step)
 
-  # -- configuration read by the step ---------------------------------------------------------------
+  # -- configuration read by the step --------------------------------------------------------------
   @property
   def stage(self) -> int:
     return self.config.zero_optimization.stage
@@ -118,7 +118,7 @@ class Engine(StepBuilder):
   def micro_batch_size(self) -> int:
     return self.config.train_micro_batch_size_per_gpu
 
-  # -- DeepSpeed's engine shapes --------------------------------------------------------------------
+  # -- DeepSpeed's engine shapes -------------------------------------------------------------------
   def __iter__(self):
     """``engine, optimizer, dataloader, lr_scheduler = jzero.initialize(...)``: DeepSpeed's
     4-tuple (the optax transformation, ``training_dataloader`` and the schedule ``step -> lr``)."""
@@ -167,7 +167,7 @@ class Engine(StepBuilder):
     precision = self.config.precision
     return precision == "fp16" or (precision == "bf16" and self.config.bf16.check_grad_overflow)
 
-  # -- plan and shardings ---------------------------------------------------------------------------
+  # -- plan and shardings --------------------------------------------------------------------------
   def _make_plan(self, rng: jax.Array, sample_batch: Any) -> Plan:
     zero = self.config.zero_optimization
     accum = self.config.data_types.grad_accum_dtype
@@ -224,8 +224,9 @@ class Engine(StepBuilder):
 
   def state_memory_kinds(self) -> TrainState:
     """Memory kind of every TrainState leaf (prefix tree; None: JAX's default, the device). The
-    master and optimizer state of host-tier leaves are on the host (:mod:`jzero.tiers.host_optimizer`), as are
-    host-tier params (:mod:`jzero.tiers.host_params`)."""
+    master and optimizer state of host-tier leaves are on the host
+    (:mod:`jzero.tiers.host_optimizer`), as are host-tier params
+    (:mod:`jzero.tiers.host_params`)."""
     plan = self._require_plan()
     device = plan.memory_kind()
     if not plan.uses_host:
@@ -255,7 +256,7 @@ class Engine(StepBuilder):
   def batch_sharding(self) -> NamedSharding:
     return self._require_plan().sharding(self._require_plan().batch_spec())
 
-  # -- init -----------------------------------------------------------------------------------------
+  # -- init ----------------------------------------------------------------------------------------
   def init(self, rng: jax.Array, sample_batch: Any = None, *, params: PyTree = None) -> TrainState:
     """Creates the train state directly in its ZeRO placement.
 
@@ -475,10 +476,11 @@ class Engine(StepBuilder):
 
   def _stop_if_preempted(self, state: TrainState) -> None:
     """Preemption for a script that does not handle it (several processes; see
-    :mod:`jzero.runtime.distributed`): if the script has not called ``should_stop`` since the last step,
-    the engine asks, with the step number every process shares; at the sync point every process
-    saves this step to the directory of the script's last ``save_checkpoint`` and exits 0, or,
-    with no such directory, says so and exits 143 (SIGTERM's status) before the grace period ends.
+    :mod:`jzero.runtime.distributed`): if the script has not called ``should_stop`` since the last
+    step, the engine asks, with the step number every process shares; at the sync point every
+    process saves this step to the directory of the script's last ``save_checkpoint`` and exits 0,
+    or, with no such directory, says so and exits 143 (SIGTERM's status) before the grace period
+    ends.
     """
     previous, self._polls_seen = self._polls_seen, distributed.polls()
     if previous is None or previous != self._polls_seen:  # first step, or the script checks
@@ -504,8 +506,9 @@ class Engine(StepBuilder):
 
   def _warn_first_skip(self, step: int, overflow: jax.Array) -> None:
     """Warns the first time a step was skipped for a gradient that was not finite (fp16's loss
-    scaler and bf16's check skip steps as their normal work, logged with the metrics instead). The flag read is the
-    previous step's, after this step was dispatched: the device is never left idle waiting."""
+    scaler and bf16's check skip steps as their normal work, logged with the metrics instead). The
+    flag read is the previous step's, after this step was dispatched: the device is never left idle
+    waiting."""
     if self.config.precision != "fp32" or self._warned_skip:
       return
     previous, self._unchecked_skip = self._unchecked_skip, (step, overflow)
@@ -616,7 +619,7 @@ class Engine(StepBuilder):
     return float(loss), jax.tree.map(lambda a: np.asarray(a).item() if np.ndim(a) == 0
                                      else np.asarray(a), aux)
 
-  # -- reading the state back -----------------------------------------------------------------------
+  # -- reading the state back ----------------------------------------------------------------------
   def logical_params(self, state: TrainState, dtype: Any = jnp.float32) -> PyTree:
     """Parameters in the model's own shapes (padding removed), replicated, in ``dtype``.
 

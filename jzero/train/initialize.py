@@ -68,8 +68,8 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
   Args:
     model: a Flax NNX module, a factory ``rngs -> nnx.Module``, or a Linen module.
     loss_fn: ``loss_fn(model, batch) -> loss`` or ``-> (loss, aux_dict)``; the loss is the mean over
-      the batch it is given. If it has an ``rng`` parameter it gets a per-device, per-micro-batch key
-      in ``train_step`` and ``None`` in ``eval_loss`` (dropout off).
+      the batch it is given. If it has an ``rng`` parameter it gets a per-device, per-micro-batch
+      key in ``train_step`` and ``None`` in ``eval_loss`` (dropout off).
     config: a DeepSpeed config: :class:`jzero.Config`, dict, or path of a JSON / YAML file.
     mesh: None (all devices on one data axis), a mesh file path, a MeshSpec, a ZeroMesh, or a
       ``jax.sharding.Mesh`` (all axes used for ZeRO and the batch).
@@ -78,15 +78,16 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
       :func:`jzero.scan_layers` (default: the model's ``stacked_layers`` attribute, if any).
     hidden_size: fills hidden-size "auto" values (default: read from the model when it has one).
     total_num_steps: fills ``scheduler.params.total_num_steps: "auto"``.
-    auto_values: values for other "auto" keys (``micro_batch_size``, ``lr``, ``warmup_num_steps``...).
-    init_inputs: Linen only: ``batch -> args`` for ``module.init`` (default: ``(batch,)``).
-    sample_batch: Linen only: a batch to create the parameters' shapes from, here (the model's
+    auto_values: values for other "auto" keys (``micro_batch_size``, ``lr``,
+    ``warmup_num_steps``...). init_inputs: Linen only: ``batch -> args`` for ``module.init``
+    (default: ``(batch,)``). sample_batch: Linen only: a batch to create the parameters' shapes
+    from, here (the model's
       variables are checked now) instead of at ``engine.init``; default: the first batch of
       ``training_data``.
     training_data: an indexable dataset (``dataset[i]`` a numpy array or a dict / tuple of them);
       ``engine.training_dataloader`` then yields global batches placed on the mesh
-      (:class:`jzero.runtime.data.DataLoader`: shuffled with ``seed`` unless ``shuffle=False``, a pure
-      function of the optimizer step, each process reading only its rows).
+      (:class:`jzero.runtime.data.DataLoader`: shuffled with ``seed`` unless ``shuffle=False``, a
+      pure function of the optimizer step, each process reading only its rows).
   """
   init_distributed()  # joins the other processes when launched as one of several (jzero launch, SLURM...)
   given = config if isinstance(config, Config) else Config.load(config)

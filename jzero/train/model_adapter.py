@@ -1,18 +1,20 @@
 """Model adapters: the three things the engine needs from a Flax model.
 
 The engine keeps parameters as a plain nested dict (the model's parameter tree, ``nnx.Param`` values
-or Linen's ``params`` collection) and needs to (1) know their shapes before creating them, (2) create
-them inside ``jit`` so they are born in their ZeRO placement, and (3) turn a params dict back into
-something the user's ``loss_fn(model, batch)`` can call.
+or Linen's ``params`` collection) and needs to (1) know their shapes before creating them, (2)
+create them inside ``jit`` so they are born in their ZeRO placement, and (3) turn a params dict back
+into something the user's ``loss_fn(model, batch)`` can call.
 
 * Flax NNX: pass a module, or a factory ``rngs -> module`` (preferred for big models: nothing is
   created on the host). ``loss_fn`` receives the module rebuilt from the params.
-* Flax Linen: pass the module; ``loss_fn`` receives ``model(*args) = module.apply({"params": p}, *args)``.
-  ``init_inputs(batch) -> args`` says what to call ``module.init`` with (default: ``(batch,)``).
-  Stacked layers built with :func:`jzero.linen_scan_layers` are gathered one layer at a time.
+* Flax Linen: pass the module; ``loss_fn`` receives ``model(*args) = module.apply({"params": p},
+  *args)``. ``init_inputs(batch) -> args`` says what to call ``module.init`` with (default:
+  ``(batch,)``). Stacked layers built with :func:`jzero.linen_scan_layers` are gathered one layer at
+  a time.
 
 Each adapter also lists the model's modules (:meth:`ModelAdapter.modules`), from which
-:mod:`jzero.sharding.gather_units` chooses the gather units, and ``bind`` makes those modules gather as units.
+:mod:`jzero.sharding.gather_units` chooses the gather units, and ``bind`` makes those modules gather
+as units.
 
 jzero trains parameters only: a model with other mutable state (batch statistics, RNG counters held
 in the module) is refused, since the engine would silently freeze that state.
@@ -55,7 +57,8 @@ class ModelAdapter(abc.ABC):
   @abc.abstractmethod
   def bind(self, params: PyTree, units: frozenset[str] = frozenset()) -> Any:
     """What ``loss_fn`` receives as its model, built from a params dict whose leaves may be
-    :class:`~jzero.comm.zero_param.ZeroParam`; the modules at the ``units`` paths gather as units."""
+    :class:`~jzero.comm.zero_param.ZeroParam`; the modules at the ``units`` paths gather as
+    units."""
 
   @abc.abstractmethod
   def modules(self, rng: jax.Array, sample_batch: Any) -> list[units_lib.ModuleInfo]:

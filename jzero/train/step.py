@@ -2,8 +2,8 @@
 
 One optimizer step is one ``jax.jit`` whose body is a ``shard_map`` over the whole mesh, with the
 plan's shardings as the jit's in/out shardings and the train state donated. Inside, every
-collective is explicit (see :mod:`jzero.comm.collectives`), so the compiled HLO moves exactly the bytes
-ZeRO says it should:
+collective is explicit (see :mod:`jzero.comm.collectives`), so the compiled HLO moves exactly the
+bytes ZeRO says it should:
 
 1. For each micro-batch (``lax.scan`` over ``gradient_accumulation_steps``): forward and backward
    on the device's slice of the batch. Stage-3 partitioned params are gathered by a collective
@@ -14,11 +14,11 @@ ZeRO says it should:
    and its gradient lands in a device slot (:mod:`jzero.tiers.host_params`).
 2. Stage 0 all-reduces the accumulated gradient, stage 1 reduce-scatters it.
 3. fp16: any inf/nan anywhere -> skip the step and let the loss scaler back off (DeepSpeed's
-   dynamic loss scaling; bf16 with ``check_grad_overflow``); fp32: a global norm that is not finite (a NaN row, a loss that
-   divides by zero) skips the step too -- an elementwise select of the old state, fused into the
-   update, where fp16's ``lax.cond`` would hold a second copy of the state (a cond still, with
-   host-tier state; not with the delayed update, whose steady step always applies: the engine
-   warns). Gradients are unscaled, the true global norm is computed from the
+   dynamic loss scaling; bf16 with ``check_grad_overflow``); fp32: a global norm that is not finite
+   (a NaN row, a loss that divides by zero) skips the step too -- an elementwise select of the old
+   state, fused into the update, where fp16's ``lax.cond`` would hold a second copy of the state (a
+   cond still, with host-tier state; not with the delayed update, whose steady step always applies:
+   the engine warns). Gradients are unscaled, the true global norm is computed from the
    partitions (a ``psum`` of partial sums of squares) and the gradient clipped DeepSpeed's way:
    ``g *= min(1, clip / (norm + 1e-6))``.
 4. The optax update runs on each device's partition of the fp32 master (or, in fp32, of the params
@@ -90,8 +90,8 @@ class StepBuilder:
 
   def gathered_working_set(self) -> tuple[int, int]:
     """Stage 3's (largest group gathered at once, elements gathered at the start), as
-    :meth:`jzero.sharding.plan.Plan.gathered_working_set` -- with the largest group as the traced step
-    really gathers it once the step has been traced (a unit inside the model's own ``nn.scan``
+    :meth:`jzero.sharding.plan.Plan.gathered_working_set` -- with the largest group as the traced
+    step really gathers it once the step has been traced (a unit inside the model's own ``nn.scan``
     gathers one layer's slice per call, which the plan cannot see)."""
     largest, upfront = self.plan.gathered_working_set()
     if self.traced_gathers is not None and self.plan.stage == 3:
@@ -104,14 +104,14 @@ class StepBuilder:
     ``None`` in evaluation."""
     return "rng" in inspect.signature(self.loss_fn).parameters
 
-  # -- the step -------------------------------------------------------------------------------------
+  # -- the step ------------------------------------------------------------------------------------
   def _reduce_micro(self, leaf: LeafPlan, g: jax.Array, accumulate: bool) -> jax.Array:
     """A micro-batch's gradient -> what the accumulator holds.
 
     Partitioned gradients (stage 2 and 3) arrive reduce-scattered over the ZeRO axes by the
-    backward of the parameter's gather / attach (:mod:`jzero.comm.collectives`); they are summed over
-    the replica axes here. A full local gradient (stage 0/1) is upcast to the accumulation dtype
-    only when there is something to accumulate: with one micro-batch it is reduced in the
+    backward of the parameter's gather / attach (:mod:`jzero.comm.collectives`); they are summed
+    over the replica axes here. A full local gradient (stage 0/1) is upcast to the accumulation
+    dtype only when there is something to accumulate: with one micro-batch it is reduced in the
     communication dtype and only its reduced partition is upcast (:meth:`_reduce_final`).
     """
     plan, axes = self.plan, self.mesh
@@ -158,7 +158,8 @@ class StepBuilder:
     return plan.map(target, params)
 
   def _model_params(self, targets: PyTree, params: PyTree, secondary: PyTree = None) -> PyTree:
-    """What the model sees, per leaf (see :mod:`jzero.sharding.gather_units` and :mod:`jzero.sharding.layer_scan`).
+    """What the model sees, per leaf (see :mod:`jzero.sharding.gather_units` and
+    :mod:`jzero.sharding.layer_scan`).
 
     Stage-3 partitions go to the model as :class:`ZeroParam` partitions: gathered by their unit's
     calls, or one layer at a time by the layer scan; a partition no unit gathers is gathered here.
