@@ -73,13 +73,10 @@ def state_report(engine: Any, state: Any) -> dict[str, dict[str, int]]:
   }
   if getattr(state, "secondary", None) is not None:
     report["secondary"] = live_bytes(state.secondary, device)
-  store = getattr(engine, "nvme_store", None)
-  if store is not None:  # the NVMe tier: measured from the store's chunk files (jzero.tiers.nvme_store)
-    for category, nbytes in store.measured_per_device().items():
-      if nbytes:
-        report[category]["nvme"] = nbytes
-    if store.reader is not None and store.reader.cache_bytes():  # params' host cache (numpy)
-      report["params"]["unpinned_host"] = store.reader.cache_bytes() // len(store.devices)
+  for tier in getattr(engine, "tiers", ()):  # what tiers hold outside the arrays (the NVMe store)
+    for category, kinds in tier.measured_bytes(engine).items():
+      for kind, nbytes in kinds.items():
+        report[category][kind] = report[category].get(kind, 0) + nbytes
   if getattr(state, "delayed", None) is not None:  # the carried gradient (jzero.tiers.delayed)
     report["delayed_grads"] = live_bytes(state.delayed.grads, device)
   return report
@@ -196,10 +193,9 @@ def _state_bytes_per_param(engine: Any, state: Any) -> tuple[float, float]:
                                                 transform_non_params=lambda _: 0)
   master = sum(x.nbytes for x in jax.tree.leaves(state.master))
   optimizer = sum(jax.tree.leaves(param_like))
-  store = getattr(engine, "nvme_store", None)
-  if store is not None:  # NVMe leaves hold 0-byte placeholders; their bytes are in the store
-    stored = store.logical_bytes()
-    master, optimizer = master + stored["master"], optimizer + stored["optimizer"]
+  for tier in getattr(engine, "tiers", ()):  # e.g. NVMe leaves: 0-byte placeholders in the state
+    held = tier.held_bytes(engine)
+    master, optimizer = master + held.get("master", 0), optimizer + held.get("optimizer", 0)
   return master / numel, optimizer / numel
 
 

@@ -35,6 +35,8 @@ so a tier overrides only the phases it changes:
   :meth:`Tier.absorb`): the arrays a tier holds outside the TrainState, read into it (logical
   params, checkpoint saves), their real shapes (a restore's target), and a restored state's
   arrays taken back in.
+* **bytes** (:meth:`Tier.measured_bytes`, :meth:`Tier.held_bytes`): what the tier holds outside
+  the TrainState's arrays, for the memory report.
 * **init** (:meth:`Tier.prepare`, :meth:`Tier.initial_layout`, :meth:`Tier.after_init`): e.g.
   placeholders in the TrainState, the real arrays written to a store.
 
@@ -213,6 +215,18 @@ class Tier:
   def absorb(self, engine: EngineView, state: Any) -> Any:
     """A restored full state -> the tier's arrays taken in, the state as the step expects it."""
     return state
+
+  # -- bytes the tier holds outside the live arrays --------------------------------------------
+  def measured_bytes(self, engine: EngineView) -> dict[str, dict[str, int]]:
+    """Bytes one device's share of what the tier holds outside the TrainState's arrays takes:
+    category ("params", "master", "optimizer") -> memory kind or "nvme" -> bytes, measured (e.g.
+    the store's files); the memory report adds them to the live arrays'."""
+    return {}
+
+  def held_bytes(self, engine: EngineView) -> dict[str, int]:
+    """Global bytes of what the tier holds outside the TrainState by category ("master",
+    "optimizer"), as the arrays would take: the memory report's bytes per parameter count them."""
+    return {}
 
   # -- init ------------------------------------------------------------------------------------
   def prepare(self, engine: EngineView) -> None:

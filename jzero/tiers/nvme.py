@@ -121,6 +121,19 @@ class NvmeTier(Tier):
       store.write_copies(engine, state, metrics)
     return state
 
+  # -- bytes -----------------------------------------------------------------------------------
+  def measured_bytes(self, engine: EngineView) -> dict[str, dict[str, int]]:
+    store = engine.nvme_store
+    out = {category: {"nvme": nbytes} for category, nbytes in store.measured_per_device().items()
+           if nbytes}  # measured from the store's chunk files
+    if store.reader is not None and store.reader.cache_bytes():  # params' host cache (numpy)
+      out.setdefault("params", {})["unpinned_host"] = (store.reader.cache_bytes()
+                                                       // len(store.devices))
+    return out
+
+  def held_bytes(self, engine: EngineView) -> dict[str, int]:
+    return engine.nvme_store.logical_bytes()  # the state holds 0-byte placeholders
+
   # -- outside a step --------------------------------------------------------------------------
   def full_state(self, engine: EngineView, state: Any) -> Any:
     return nvme_state.full_state(engine, state)
