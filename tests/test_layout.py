@@ -168,12 +168,14 @@ def test_no_private_name_across_packages_and_all_everywhere():
   assert problems == []
 
 
-def test_the_step_and_the_engine_name_no_tier():
-  """The step's update phase is the tiers' hooks composed: the training modules import the tier
-  interface and the registry, no tier."""
+def test_the_step_the_engine_and_checkpoints_name_no_tier():
+  """The step's update phase is the tiers' hooks composed: the training and checkpoint modules
+  import the tier interface and the registry, no tier."""
   graph, _ = scan()
   allowed = {"jzero.tiers", "jzero.tiers.base", "jzero.tiers.registry"}
-  for name in ("jzero.train.step", "jzero.train.engine", "jzero.train.state"):
+  checkpoint = [n for n in graph if n.startswith("jzero.checkpoint")]
+  assert len(checkpoint) >= 5
+  for name in ("jzero.train.step", "jzero.train.engine", "jzero.train.state", *checkpoint):
     tiers = {t for t in graph[name] if t.startswith("jzero.tiers")}
     assert tiers <= allowed, (name, tiers - allowed)
 

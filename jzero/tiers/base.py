@@ -121,6 +121,17 @@ class Tier:
     """Inside the init's jit: the carried state of a new TrainState."""
     return None
 
+  def carried_restore_names(self, abstract: Any, stored: dict, params_only: bool) -> list[str]:
+    """The checkpoint's array names a restore reads for the carried state (``stored``: the
+    checkpoint's array table; ``abstract``: the engine's abstract TrainState)."""
+    return []
+
+  def restored_carried(self, abstract: Any, shardings: Any, read: dict, stored: dict,
+                       params_only: bool) -> Any:
+    """The carried state of a restore: from ``read`` (the arrays of
+    :meth:`carried_restore_names`), or fresh when the checkpoint has none."""
+    return None
+
   # -- the forward pass, inside the jitted step ------------------------------------------------
   def grad_target(self, engine: EngineView, leaf: Any, p: jax.Array) -> jax.Array | None:
     """What the step differentiates for a leaf whose param the tier holds (e.g. a zero gradient

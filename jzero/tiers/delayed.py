@@ -54,14 +54,13 @@ none). Gradient accumulation is unchanged: the carried gradient is the step's ac
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jzero.errors import ConfigError, JZeroWarning
+from jzero.errors import ConfigError
 from jzero.sharding.plan import flatten_paths
 from jzero.tiers.base import EngineView, Tier
 
@@ -161,10 +160,9 @@ def restore_names(abstract: Any, stored: dict, params_only: bool) -> list[str]:
 
 
 def restored(abstract: Any, shardings: Any, read: dict[str, jax.Array], stored: dict,
-             params_only: bool, where: Any) -> DelayedGrads | None:
-  """The carried state of a restore: the checkpoint's (:func:`restore_names`, read into
-  ``read``), else nothing carried -- with a warning when the checkpoint's carried gradient is
-  dropped because this engine does not delay.
+             params_only: bool) -> DelayedGrads:
+  """The carried state of a restore into an engine that delays: the checkpoint's
+  (:func:`restore_names`, read into ``read``), else nothing carried.
 
   Args:
     abstract: the engine's abstract TrainState.
@@ -172,16 +170,7 @@ def restored(abstract: Any, shardings: Any, read: dict[str, jax.Array], stored: 
     read: the restored arrays by name.
     stored: the checkpoint's array table (``meta["arrays"]``).
     params_only: the restore keeps only the weights.
-    where: the checkpoint directory, for messages.
   """
-  if abstract.delayed is None:
-    if not params_only and any(n.startswith(PREFIX + "/") for n in stored):
-      warnings.warn(
-          f"checkpoint {where} carries a delayed-update gradient (saved with "
-          f"offload_optimizer.delayed_update: true) that this engine does not use: it is dropped, "
-          f"and training continues with plain updates from the saved parameters.",
-          JZeroWarning, stacklevel=4)
-    return None
   names = restore_names(abstract, stored, params_only)
   if names:
     return jax.tree.unflatten(jax.tree.structure(abstract.delayed), [read[n] for n in names])
@@ -226,6 +215,13 @@ class DelayedUpdateTier(Tier):
 
   def initial_carried(self, state_layout: PyTree) -> DelayedGrads:
     return initial(state_layout)
+
+  def carried_restore_names(self, abstract: Any, stored: dict, params_only: bool) -> list[str]:
+    return restore_names(abstract, stored, params_only)
+
+  def restored_carried(self, abstract: Any, shardings: Any, read: dict, stored: dict,
+                       params_only: bool) -> DelayedGrads:
+    return restored(abstract, shardings, read, stored, params_only)
 
   # -- step variants ---------------------------------------------------------------------------
   def variant(self, engine: EngineView, state: Any, step: int | None, fused: bool):
