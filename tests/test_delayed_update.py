@@ -98,10 +98,10 @@ def _same_stage_delayed_by_hand(stage, gas, update, data, warmup: int = 0):
   for i, batch in enumerate(data):
     grads = grads_fn(state, engine.shard_batch(batch))
     if i < warmup:
-      state, _ = update_fn(state, *grads)
+      state, _, _ = update_fn(state, *grads)
     else:
       if carried is not None:
-        state, _ = update_fn(state, *carried)
+        state, _, _ = update_fn(state, *carried)
       carried = grads
     out.append(_logical(engine, state))
   return out

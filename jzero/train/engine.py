@@ -408,12 +408,11 @@ class Engine(StepBuilder):
             f"vocabulary to the model's vocab size, or set engine.check_input_ids = False if "
             f"this leaf does not index an embedding.")
 
-  def _after_step(self, state: TrainState, metrics: dict, outputs: list) -> TrainState:
+  def _after_step(self, state: TrainState, metrics: dict, outputs: dict) -> TrainState:
     """The tiers' work after the jitted step (e.g. the NVMe store's update of its leaves,
-    committed before the step ends); ``outputs``: what the step returned for them."""
-    given = outputs[0] if outputs else {}
+    committed before the step ends); ``outputs``: what the step returned for them, by name."""
     for tier in self.tiers:
-      state = tier.after_step(self, state, metrics, given.get(tier.name))
+      state = tier.after_step(self, state, metrics, outputs.get(tier.name))
     return state
 
   def _variants(self, state: TrainState | None, step: int | None, fused: bool = True) -> dict:
@@ -454,13 +453,13 @@ class Engine(StepBuilder):
       t0 = time.perf_counter()
       grads = jax.block_until_ready(grads_fn(state, batch))
       t1 = time.perf_counter()
-      state, metrics, *outputs = jax.block_until_ready(update_fn(state, *grads))
+      state, metrics, outputs = jax.block_until_ready(update_fn(state, *grads))
       state = self._after_step(state, metrics, outputs)
       self.timings.append(StepTiming(step=self._host_step + 1, forward_backward_s=t1 - t0,
                                      optimizer_s=time.perf_counter() - t1))
     else:
       variants = self._variants(state, self._host_step)
-      state, metrics, *outputs = self._step_fn(batch, variants)(state, batch)
+      state, metrics, outputs = self._step_fn(batch, variants)(state, batch)
       state = self._after_step(state, metrics, outputs)
       for tier in self.tiers:
         tier.seen(state, variants.get(tier.name))

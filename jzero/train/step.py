@@ -277,8 +277,9 @@ class StepBuilder:
 
   def _local_update(self, state: TrainState, grads: PyTree, loss: jax.Array, aux: dict,
                     variants: dict | None = None):
-    """Overflow check, unscale, clip by the global norm, optimizer update -> (state, metrics[,
-    the tiers' outputs]).
+    """Overflow check, unscale, clip by the global norm, optimizer update -> (state, metrics,
+    outputs): ``outputs`` is what tiers hand out of the jit for their work after it, by tier name
+    (``{}`` when none does).
 
     The update phase is the core's (unscale, norm, clip, optax on the device, the stage's
     gathers) composed with the active tiers' hooks, in the registry's order
@@ -370,9 +371,7 @@ class StepBuilder:
         step=state.step + 1, skipped=state.skipped + overflow.astype(jnp.int32), params=params,
         master=master, opt_state=opt_state, loss_scale=self.scaler.update(state.loss_scale, overflow),
         rng=state.rng, secondary=secondary, delayed=carried)
-    if outputs:
-      return new_state, metrics, outputs
-    return new_state, metrics
+    return new_state, metrics, outputs
 
   def _learning_rate(self, applied: jax.Array, opt_state: PyTree) -> jax.Array:
     """The lr of this step: the config's schedule, or a client optimizer's ``learning_rate``
@@ -417,9 +416,8 @@ class StepBuilder:
                      (specs, batch_specs), self._step_out_specs(specs), donate=(0,))
 
   def _step_out_specs(self, specs: TrainState) -> tuple:
-    """(state, metrics) specs; with a tier that works after the step, also what it reads."""
-    outputs = {t.name: s for t in self.tiers if (s := t.output_specs(self)) is not None}
-    return (specs, P(), outputs) if outputs else (specs, P())
+    """(state, metrics, outputs) specs; outputs: what tiers that work after the step read."""
+    return (specs, P(), {t.name: s for t in self.tiers if (s := t.output_specs(self)) is not None})
 
   def _build_split_step(self, batch: PyTree, variants: dict | None = None):
     """The step as two jits -- forward+backward+reduction, then the update -- for timing them."""
