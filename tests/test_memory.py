@@ -11,6 +11,7 @@ import jzero
 from jzero.analysis import estimate as estimator
 from jzero.analysis import memory_report
 from jzero.analysis.estimate import ParamShape, estimate
+from jzero.cli import estimate as estimate_cli
 from jzero.errors import ConfigError
 from jzero.models import GPT, GPTConfig, lm_loss
 from jzero.sharding.mesh import MeshSpec
@@ -251,8 +252,8 @@ def test_compiled_step_memory_analysis():
 # -- `jzero estimate` ------------------------------------------------------------------------------
 def _run(argv: str, capsys) -> str:
   parser = argparse.ArgumentParser()
-  estimator.add_estimate_arguments(parser)
-  assert estimator.run_estimate(parser.parse_args(argv.split())) == 0
+  estimate_cli.add_estimate_arguments(parser)
+  assert estimate_cli.run_estimate(parser.parse_args(argv.split())) == 0
   return capsys.readouterr().out
 
 
@@ -304,4 +305,4 @@ def test_cli_bad_flags(capsys):
     _run("--params 7e9 --micro-batch 1", capsys)
   with pytest.raises(SystemExit):
     _run("--params 7e9 --budget 16parsecs", capsys)
-  assert estimator._parse_bytes("80GiB") == 80 * 2**30 and estimator._parse_bytes("16GB") == 16e9
+  assert estimate_cli.parse_bytes("80GiB") == 80 * 2**30 and estimate_cli.parse_bytes("16GB") == 16e9

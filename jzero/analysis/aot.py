@@ -35,20 +35,17 @@ Limits: memory kinds are dropped on compile-only devices, so host offload cannot
 decisions, not a measurement of a run.
 
 ``GPU_SPECS`` are XLA's own GPU target configs (``jzero/analysis/gpu_specs/``; source and licence in
-the README there). ``jzero aot`` is the command line (:func:`add_aot_arguments`, :func:`run_aot`).
+the README there). ``jzero aot`` is the command line (:mod:`jzero.cli.aot`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import html
 import importlib
-import json
 import math
 import os
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -58,7 +55,7 @@ from jzero.analysis.tables import format_bytes, html_table, require_pyplot, text
 from jzero.errors import ConfigError, JZeroError
 
 __all__ = ["GPU_SPECS", "GpuSpec", "gpu_spec", "gpu_devices", "AotReport", "compile_for",
-           "report_parts", "format_report", "add_aot_arguments", "run_aot", "INSTALL_HINT"]
+           "report_parts", "format_report", "INSTALL_HINT", "DEFAULT_MEMORY_FRACTION", "SPEC_DIR"]
 
 SPEC_DIR = Path(__file__).parent / "gpu_specs"
 GPU_SPECS = {  # --gpu name -> XLA GPU target config in jzero/analysis/gpu_specs
@@ -590,75 +587,3 @@ def format_report(r: AotReport) -> str:
     caption, header, rows = part
     lines += [caption, text_table(header, rows, indent="  ") if rows else "  none"]
   return "\n".join(lines)
-
-
-# -- `jzero aot` -----------------------------------------------------------------------------------
-def add_aot_arguments(parser: argparse.ArgumentParser) -> None:
-  """Adds the ``jzero aot`` flags to ``parser`` (see :func:`run_aot`)."""
-  from jzero.models.gpt import PRESETS  # noqa: PLC0415
-
-  parser.add_argument("--config", required=True, help="DeepSpeed-style JSON or YAML config")
-  parser.add_argument("--gpu", default="h100",
-                      help=f"GPU part: {', '.join(sorted(GPU_SPECS))}, or the path of an XLA GPU "
-                           f"target config (.txtpb); default h100 (SXM, 80 GB)")
-  parser.add_argument("--devices", type=int, default=8, help="GPUs in all (default 8)")
-  parser.add_argument("--nodes", type=int, default=1,
-                      help="nodes the GPUs are spread over (default 1)")
-  parser.add_argument("--mesh", default=None,
-                      help="mesh file (configs/mesh/*.yaml); default: all GPUs on one data axis")
-  m = parser.add_argument_group("model (the embedded GPT)")
-  m.add_argument("--model", choices=sorted(PRESETS), default="default",
-                 help="shape preset: default (the embedded 6.4M model), 1.3b (GPT-3 XL), 7b "
-                      "(Llama-like); the flags below change single fields")
-  for flag, field in (("--layers", "n_layers"), ("--d-model", "d_model"), ("--heads", "n_heads"),
-                      ("--seq-len", "seq_len"), ("--vocab-size", "vocab_size"),
-                      ("--mlp-dim", "mlp_dim")):
-    m.add_argument(flag, type=int, default=None, dest=field, help=f"GPTConfig.{field}")
-  s = parser.add_argument_group("step")
-  s.add_argument("--micro-batch", type=int, default=None,
-                 help="sequences per GPU per micro-batch (overrides the config's "
-                      "train_micro_batch_size_per_gpu; it fills 'auto' too)")
-  s.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
-                 help="overrides the config's precision (bf16/fp16 keep an fp32 master)")
-  s.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction, default=None,
-                 help="add / remove the config's activation_checkpointing block (default: as "
-                      "the config says)")
-  parser.add_argument("--mem-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
-                      help="fraction of GPU memory the step may use (default 0.75, what JAX "
-                           "preallocates)")
-  parser.add_argument("--json", action="store_true",
-                      help="print the report as JSON on stdout (progress stays on stderr)")
-
-
-def run_aot(args: argparse.Namespace) -> int:
-  """``jzero aot``: compiles the step for the GPU topology and prints the report."""
-  from jzero.models.gpt import preset  # noqa: PLC0415
-
-  _cpu_host()
-  fields = {f: getattr(args, f) for f in ("n_layers", "d_model", "n_heads", "seq_len",
-                                          "vocab_size", "mlp_dim") if getattr(args, f) is not None}
-  bad = [f"{k}={v}" for k, v in fields.items() if v < 1]
-  if bad:
-    raise ConfigError(f"model shape flags must be positive: {', '.join(bad)}.")
-  model = dataclasses.replace(preset(args.model), **fields)
-  if model.d_model % model.n_heads:
-    raise ConfigError(f"--d-model {model.d_model} is not a multiple of --heads {model.n_heads}.")
-  progress = lambda line: print(f"jzero aot: {line}", file=sys.stderr, flush=True)  # noqa: E731
-  report = compile_for(args.config, args.gpu, args.devices, nodes=args.nodes, mesh=args.mesh,
-                       model=model, micro_batch=args.micro_batch, precision=args.precision,
-                       checkpoint_activations=args.checkpoint_activations,
-                       memory_fraction=args.mem_fraction, progress=progress)
-  if args.json:
-    print(json.dumps(report.to_json(), indent=1))
-  else:
-    print(format_report(report))
-  return 0
-
-
-def _cpu_host() -> None:
-  """The host side runs on CPU: without a GPU, JAX must not try to start the CUDA backend."""
-  import jax  # noqa: PLC0415
-  from jax._src import xla_bridge  # backends_are_initialized has no public home in jax 0.10
-
-  if not xla_bridge.backends_are_initialized():
-    jax.config.update("jax_platforms", "cpu")

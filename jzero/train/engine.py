@@ -30,7 +30,7 @@ from jzero.analysis import memory_report as memory_report_lib
 from jzero.analysis.hlo import StepTiming
 from jzero.comm import zeropp as zpp
 from jzero.config import Config
-from jzero.errors import ConfigError, DataError, JZeroError, JZeroWarning
+from jzero.errors import DataError, JZeroError, JZeroWarning
 from jzero.runtime import distributed
 from jzero.runtime.data import DataLoader, local_rows
 from jzero.sharding.gather_units import UnitRules, check_units, choose_units
@@ -39,6 +39,7 @@ from jzero.sharding.mesh import ZeroMesh
 from jzero.sharding.plan import LeafPlan, Plan, flatten_paths, make_plan
 from jzero.tiers import registry
 from jzero.tiers.base import Tier
+from jzero.train import input_checks
 from jzero.train.model_adapter import ModelAdapter
 from jzero.train.precision import DTYPES, LossScaler
 from jzero.train.state import TrainState
@@ -305,7 +306,7 @@ class Engine(StepBuilder):
     if params is None:
       params = self.model.initial_params
     if params is not None:
-      self._check_params(params)
+      input_checks.check_params(self.plan, params)
       state, outputs = jax.jit(make_state, out_shardings=shardings)(rng, params)
     else:
       state, outputs = jax.jit(lambda r: make_state(r, None), out_shardings=shardings)(rng)
@@ -338,75 +339,20 @@ class Engine(StepBuilder):
       return None
     return zpp.refresh_secondary(p, leaf.shard_dim, self.plan.comm(leaf), int(leaf.stacked))
 
-  def _check_params(self, params: PyTree) -> None:
-    """Given parameters must have the model's tree structure and logical shapes."""
-    plan = self.plan
-    got = {path: np.shape(x) for path, x in flatten_paths(params).items()}
-    want = {l.path: l.shape for l in plan.leaf_list()}
-    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-    if missing or extra:
-      raise ConfigError(f"parameters do not match the model: missing {missing[:5]}, unexpected "
-                        f"{extra[:5]} (paths are '/'-joined keys of the params tree).")
-    bad = [f"{p}: {got[p]} (model: {want[p]})" for p in want if tuple(got[p]) != want[p]]
-    if bad:
-      raise ConfigError(f"parameters do not match the model's shapes: {'; '.join(bad[:5])}.")
-
+  # -- what the user passes (jzero.train.input_checks) -----------------------------------------------
   def check_live(self, state: TrainState, where: str) -> None:
-    """Raises JZeroError if ``state`` was donated to a train step (its arrays are deleted).
-
-    ``train_step`` donates the state it is given: its buffers become the new state's, so the old
-    one must not be used again (with several CPU devices XLA would read freed memory).
-    """
-    for x in jax.tree.leaves(state):
-      if isinstance(x, jax.Array) and x.is_deleted():
-        raise JZeroError(
-            f"{where}: this train state was donated to engine.train_step, which reuses its memory "
-            f"for the new state, so its arrays are deleted. Keep the state train_step returns: "
-            f"`state, metrics = engine.train_step(state, batch)`, and use that one.")
+    """Raises JZeroError if ``state`` was donated to a train step (its arrays are deleted)."""
+    input_checks.check_live(state, where)
 
   def _check_batch(self, batch: PyTree) -> None:
-    structure = jax.tree.structure(batch)
-    if self._batch_structure is None:
-      self._batch_structure = structure
-    elif structure != self._batch_structure:
-      first = set(flatten_paths(jax.tree.unflatten(self._batch_structure,
-                                                   [0] * self._batch_structure.num_leaves)))
-      now = set(flatten_paths(batch))
-      raise DataError(
-          f"the batch's structure changed after the first train step: keys {sorted(now - first)} "
-          f"are new and {sorted(first - now)} are gone (first batch: {sorted(first)}). The step "
-          f"is compiled for the first batch's keys; give every batch the same keys (drop the "
-          f"extra ones before engine.train_step, or build a new engine for the new layout).")
-    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-      if not np.shape(x) or np.shape(x)[0] != self.global_batch_size:
-        name = jax.tree_util.keystr(path) or "batch"
-        raise DataError(
-            f"batch leaf {name} has shape {tuple(np.shape(x))}; its leading dimension must be "
-            f"train_batch_size = {self.global_batch_size} (train_micro_batch_size_per_gpu "
-            f"{self.micro_batch_size} x gradient_accumulation_steps {self.gas} x data-parallel "
-            f"size {self.mesh.dp_size}).")
+    if self._batch_structure is None:  # the step is compiled for the first batch's structure
+      self._batch_structure = jax.tree.structure(batch)
+    input_checks.check_batch(batch, self._batch_structure, self.global_batch_size,
+                             self.micro_batch_size, self.gas, self.mesh.dp_size)
 
   def _check_input_ids(self, batch: PyTree) -> None:
-    """Host batches only (one max per integer leaf, no device read): ids past the rows of the
-    model's largest embedding table (a param named ``embedding``, NNX's and Linen's)."""
-    if not self.check_input_ids or self.plan is None:
-      return
-    rows = [leaf.shape[0] for leaf in self.plan.leaf_list()
-            if leaf.path.rsplit("/", 1)[-1] == "embedding" and len(leaf.shape) == 2]
-    if not rows:
-      return
-    limit = max(rows)
-    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-      if isinstance(x, jax.Array) or not np.size(x):
-        continue
-      x = np.asarray(x)
-      if np.issubdtype(x.dtype, np.integer) and (top := int(x.max())) >= limit:
-        raise DataError(
-            f"batch leaf {jax.tree_util.keystr(path) or 'batch'} holds the id {top}, but the "
-            f"model's largest embedding table has {limit} rows (ids 0..{limit - 1}): a lookup "
-            f"out of range gives NaN and the step would be skipped. Match the tokenizer's "
-            f"vocabulary to the model's vocab size, or set engine.check_input_ids = False if "
-            f"this leaf does not index an embedding.")
+    if self.check_input_ids and self.plan is not None:
+      input_checks.check_input_ids(self.plan, batch)
 
   def _after_step(self, state: TrainState, metrics: dict, outputs: dict) -> TrainState:
     """The tiers' work after the jitted step (e.g. the NVMe store's update of its leaves,

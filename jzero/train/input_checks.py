@@ -1,0 +1,87 @@
+"""Checks of what a user hands the engine, before any device work: initial parameters, a train
+state (not donated already), a batch (its structure and leading dimension), integer inputs (within
+the model's embedding table). Each raises an error that names the leaf and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jzero.errors import ConfigError, DataError, JZeroError
+from jzero.sharding.plan import Plan, flatten_paths
+
+__all__ = ["check_params", "check_live", "check_batch", "check_input_ids"]
+
+PyTree = Any
+
+
+def check_params(plan: Plan, params: PyTree) -> None:
+  """Given parameters must have the model's tree structure and logical shapes."""
+  got = {path: np.shape(x) for path, x in flatten_paths(params).items()}
+  want = {l.path: l.shape for l in plan.leaf_list()}
+  missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+  if missing or extra:
+    raise ConfigError(f"parameters do not match the model: missing {missing[:5]}, unexpected "
+                      f"{extra[:5]} (paths are '/'-joined keys of the params tree).")
+  bad = [f"{p}: {got[p]} (model: {want[p]})" for p in want if tuple(got[p]) != want[p]]
+  if bad:
+    raise ConfigError(f"parameters do not match the model's shapes: {'; '.join(bad[:5])}.")
+
+
+def check_live(state: Any, where: str) -> None:
+  """Raises JZeroError if ``state`` was donated to a train step (its arrays are deleted).
+
+  ``train_step`` donates the state it is given: its buffers become the new state's, so the old
+  one must not be used again (with several CPU devices XLA would read freed memory).
+  """
+  for x in jax.tree.leaves(state):
+    if isinstance(x, jax.Array) and x.is_deleted():
+      raise JZeroError(
+          f"{where}: this train state was donated to engine.train_step, which reuses its memory "
+          f"for the new state, so its arrays are deleted. Keep the state train_step returns: "
+          f"`state, metrics = engine.train_step(state, batch)`, and use that one.")
+
+
+def check_batch(batch: PyTree, first: Any, batch_size: int, micro: int, gas: int,
+                dp_size: int) -> None:
+  """A global batch: the structure of the engine's first batch (``first``) and ``batch_size`` rows
+  in every leaf."""
+  if jax.tree.structure(batch) != first:
+    first_keys = set(flatten_paths(jax.tree.unflatten(first, [0] * first.num_leaves)))
+    now = set(flatten_paths(batch))
+    raise DataError(
+        f"the batch's structure changed after the first train step: keys "
+        f"{sorted(now - first_keys)} are new and {sorted(first_keys - now)} are gone (first "
+        f"batch: {sorted(first_keys)}). The step is compiled for the first batch's keys; give "
+        f"every batch the same keys (drop the extra ones before engine.train_step, or build a new "
+        f"engine for the new layout).")
+  for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    if not np.shape(x) or np.shape(x)[0] != batch_size:
+      name = jax.tree_util.keystr(path) or "batch"
+      raise DataError(
+          f"batch leaf {name} has shape {tuple(np.shape(x))}; its leading dimension must be "
+          f"train_batch_size = {batch_size} (train_micro_batch_size_per_gpu {micro} x "
+          f"gradient_accumulation_steps {gas} x data-parallel size {dp_size}).")
+
+
+def check_input_ids(plan: Plan, batch: PyTree) -> None:
+  """Host batches only (one max per integer leaf, no device read): ids past the rows of the
+  model's largest embedding table (a param named ``embedding``, NNX's and Linen's)."""
+  rows = [leaf.shape[0] for leaf in plan.leaf_list()
+          if leaf.path.rsplit("/", 1)[-1] == "embedding" and len(leaf.shape) == 2]
+  if not rows:
+    return
+  limit = max(rows)
+  for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    if isinstance(x, jax.Array) or not np.size(x):
+      continue
+    x = np.asarray(x)
+    if np.issubdtype(x.dtype, np.integer) and (top := int(x.max())) >= limit:
+      raise DataError(
+          f"batch leaf {jax.tree_util.keystr(path) or 'batch'} holds the id {top}, but the "
+          f"model's largest embedding table has {limit} rows (ids 0..{limit - 1}): a lookup "
+          f"out of range gives NaN and the step would be skipped. Match the tokenizer's "
+          f"vocabulary to the model's vocab size, or set engine.check_input_ids = False if "
+          f"this leaf does not index an embedding.")
