@@ -40,8 +40,9 @@ so a tier overrides only the phases it changes:
 * **init** (:meth:`Tier.prepare`, :meth:`Tier.initial_layout`, :meth:`Tier.after_init`): e.g.
   placeholders in the TrainState, the real arrays written to a store.
 
-A tier talks to the engine only through :class:`EngineView`: its plan, mesh, config and optimizer
-and four methods. It never reads the engine's private attributes (``tests/test_layout.py``).
+A tier talks to the engine only through :class:`EngineView`: its plan, mesh, config, optimizer,
+the NVMe settings and store, and four methods. It never reads the engine's private attributes
+(``tests/test_layout.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ class EngineView(Protocol):
   plan: Any  # jzero.Plan
   tx: optax.GradientTransformation
   schedule: Any  # step -> lr of the config's schedule; None for a client optimizer
+  # The NVMe tier's settings (from the config, at initialize) and its store, which the tier opens
+  # in prepare(); public on the engine because users read the store's bytes and files.
+  nvme_settings: Any
+  nvme_store: Any
 
   def local_master(self, leaf: Any, p: jax.Array) -> jax.Array:
     """fp32 training, inside the step: this device's partition of param ``p``, as its master."""
