@@ -95,7 +95,9 @@ class Tier:
   @classmethod
   def check_config(cls, config: Any) -> None:
     """Refuses (ConfigError) what the tier's config block asks and it cannot do, before any
-    device work; ``config`` is the resolved Config."""
+    device work (``config``: the Config as given, "auto" values still in it). By default: reading
+    the tier's :meth:`plan_settings`, which refuse what they cannot represent."""
+    cls.plan_settings(config.zero_optimization)
 
   @classmethod
   def plan_settings(cls, zero: Any) -> dict:
@@ -191,7 +193,8 @@ class Tier:
                        master: PyTree) -> tuple[PyTree, PyTree, PyTree]:
     """(new master, the same on the device -- what compute params are cast from --, new optimizer
     state), for a tier whose :meth:`owns_update` is true."""
-    raise NotImplementedError
+    raise NotImplementedError(f"{type(self).__name__}.owns_update() is true: it must implement "
+                              f"optimizer_update")
 
   def new_param(self, engine: EngineView, leaf: Any, m_device: jax.Array, m: jax.Array,
                 old: jax.Array) -> jax.Array | None:

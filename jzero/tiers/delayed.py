@@ -114,14 +114,14 @@ def warmup_steps(zero: Any) -> int:
   return zero.offload_optimizer.delayed_update_warmup if enabled(zero) else 0
 
 
-def specs(plan: Any, on: bool) -> DelayedGrads | None:
-  """PartitionSpecs of the carried state (None when off): the gradient in the state layout."""
-  return DelayedGrads(grads=plan.state_specs(), ready=P()) if on else None
+def specs(plan: Any) -> DelayedGrads:
+  """PartitionSpecs of the carried state: the gradient in the state layout."""
+  return DelayedGrads(grads=plan.state_specs(), ready=P())
 
 
-def memory_kinds(plan: Any, on: bool, device: str | None) -> DelayedGrads | None:
+def memory_kinds(plan: Any, device: str | None) -> DelayedGrads:
   """Memory kinds of the carried state: all on the device."""
-  return DelayedGrads(grads=plan.map(lambda _: device), ready=device) if on else None
+  return DelayedGrads(grads=plan.map(lambda _: device), ready=device)
 
 
 def initial(state_layout: PyTree) -> DelayedGrads:
@@ -208,10 +208,10 @@ class DelayedUpdateTier(Tier):
     return True
 
   def carried_specs(self, engine: EngineView) -> DelayedGrads:
-    return specs(engine.plan, True)
+    return specs(engine.plan)
 
   def carried_memory_kinds(self, engine: EngineView, device: str | None) -> DelayedGrads:
-    return memory_kinds(engine.plan, True, device)
+    return memory_kinds(engine.plan, device)
 
   def initial_carried(self, state_layout: PyTree) -> DelayedGrads:
     return initial(state_layout)

@@ -286,10 +286,6 @@ class HostOptimizerTier(Tier):
   needs_cond = True
 
   @classmethod
-  def check_config(cls, config: Any) -> None:
-    settings_from_config(config.zero_optimization)
-
-  @classmethod
   def plan_settings(cls, zero: Any) -> dict:
     return {"offload": settings_from_config(zero)}
 

@@ -138,10 +138,6 @@ class HostParamsTier(Tier):
   needs_cond = True
 
   @classmethod
-  def check_config(cls, config: Any) -> None:
-    settings_from_config(config.zero_optimization)
-
-  @classmethod
   def plan_settings(cls, zero: Any) -> dict:
     return {"offload_param": settings_from_config(zero)}
 

@@ -166,10 +166,6 @@ def shrink(plan: Any, tree: PyTree, tier: str = "state_tier") -> PyTree:
   return plan.map(cut, tree)
 
 
-def _split(opt_state: PyTree, params_def: Any):
-  return split_state(opt_state, params_def)
-
-
 def _params_def(plan: Any):
   return jax.tree.structure(plan.map(lambda _: 0))
 
@@ -189,7 +185,7 @@ def step_outputs(engine: Any, state: Any, grads: PyTree, factor: jax.Array | Non
     flat_p = dict(zip([l.path for l in plan.leaf_list()], jax.tree.leaves(state.params)))
     out["master"] = {l.path: engine.local_master(l, flat_p[l.path]) for l in nvme
                      if l.param_tier != NVME}
-  _, nodes, flags = _split(state.opt_state, _params_def(plan))
+  _, nodes, flags = split_state(state.opt_state, _params_def(plan))
   out["nodes"] = [n for n, f in zip(nodes, flags) if not f]
   return out
 
@@ -202,7 +198,7 @@ def step_output_specs(engine: Any) -> dict:
   if not plan.has_master:
     specs["master"] = {l.path: plan.state_spec(l) for l in nvme if l.param_tier != NVME}
   abstract = jax.eval_shape(engine.tx.init, plan.abstract_master())
-  _, nodes, flags = _split(abstract, _params_def(plan))
+  _, nodes, flags = split_state(abstract, _params_def(plan))
   specs["nodes"] = [P() for f in flags if not f]
   return specs
 
@@ -281,7 +277,7 @@ class NvmeStore:
     self._position = {l.path: i for i, l in enumerate(plan.leaf_list())}
     abstract = jax.eval_shape(engine.tx.init, plan.abstract_master())
     self._params_def = _params_def(plan)
-    self._node_def, _, self._flags = _split(abstract, self._params_def)
+    self._node_def, _, self._flags = split_state(abstract, self._params_def)
     self._param_nodes = [k for k, f in enumerate(self._flags) if f]
     mesh = plan.mesh.mesh
     self.devices = sorted((d for d in mesh.devices.flat if d.process_index == jax.process_index()),
@@ -453,9 +449,8 @@ class NvmeStore:
   def write_masters(self, engine: Any, step: int, masters: dict[str, jax.Array]) -> None:
     """Fresh optimizer state (``tx.init``) for the NVMe leaves from their fp32 masters (state
     layout), written with the masters (mixed precision) into a slot and committed as ``step``."""
-    slot = self._other if self.slot is not None else SLOTS[0]
-    futures = []
-    for g, group in enumerate(self.groups):
+    def group_values(g: int) -> dict[str, jax.Array]:
+      group = self.groups[g]
       if g not in self._init_fns:
         def init(ms):
           nodes = self._node_def.flatten_up_to(engine.tx.init(ms))
@@ -465,33 +460,33 @@ class NvmeStore:
       stores_state = any(s.node >= 0 for s in self._members(g))
       states = self._init_fns[g](ms) if stores_state else None  # (copies of params: no state)
       index = {self.leaves[i].path: j for j, i in enumerate(group)}
-      values = {s.name: ms[index[s.leaf.path]] if s.node < 0 else states[s.node][index[s.leaf.path]]
-                for s in self._members(g)}
-      rows = self._pack(g, values)
+      return {s.name: ms[index[s.leaf.path]] if s.node < 0 else states[s.node][index[s.leaf.path]]
+              for s in self._members(g)}
+    self._write_slot(step, group_values)
+
+  def write_state(self, engine: Any, state: Any) -> None:
+    """Writes a TrainState whose NVMe leaves hold real arrays (a restore) and commits its step."""
+    # the masters: fp32 training's are the params (stored here for the NVMe-tier params only)
+    source = state.master if self.plan.has_master else state.params
+    flat_m = dict(zip([l.path for l in self.plan.leaf_list()], jax.tree.leaves(source)))
+    _, nodes, _ = split_state(state.opt_state, self._params_def)
+    self._write_slot(int(state.step), lambda g: {
+        s.name: flat_m[s.leaf.path] if s.node < 0
+        else nodes[self._param_nodes[s.node]][self._position[s.leaf.path]]
+        for s in self._members(g)})
+
+  def _write_slot(self, step: int, group_values: Any) -> None:
+    """Every group's arrays (``group_values(g)``: stored name -> array) written into the slot not
+    committed now (the first slot for a new store), then committed as ``step``."""
+    slot = self._other if self.slot is not None else SLOTS[0]
+    futures = []
+    for g in range(len(self.groups)):
+      rows = self._pack(g, group_values(g))
       futures.append(self._write(slot, g, rows))
       self._pending_rows(g, rows)
     for f in futures:
       f.result()
     self._commit(step, slot)
-
-  def write_state(self, engine: Any, state: Any) -> None:
-    """Writes a TrainState whose NVMe leaves hold real arrays (a restore) and commits its step."""
-    slot = self._other if self.slot is not None else SLOTS[0]
-    # the masters: fp32 training's are the params (stored here for the NVMe-tier params only)
-    source = state.master if self.plan.has_master else state.params
-    flat_m = dict(zip([l.path for l in self.plan.leaf_list()], jax.tree.leaves(source)))
-    _, nodes, _ = _split(state.opt_state, self._params_def)
-    futures = []
-    for g in range(len(self.groups)):
-      values = {s.name: flat_m[s.leaf.path] if s.node < 0
-                else nodes[self._param_nodes[s.node]][self._position[s.leaf.path]]
-                for s in self._members(g)}
-      rows = self._pack(g, values)
-      futures.append(self._write(slot, g, rows))
-      self._pending_rows(g, rows)
-    for f in futures:
-      f.result()
-    self._commit(int(state.step), slot)
 
   def write_copies(self, engine: Any, state: Any, metrics: dict) -> None:
     """After a step whose params are copies on the tier (``LeafPlan.param_copy_on_nvme``): their
@@ -603,7 +598,7 @@ class NvmeStore:
     # step's cast)
     params = plan.map(lambda l, x: get_param(by_leaf[l.path][-1]) if plan.param_placeholder(l)
                       else x, state.params)
-    node_def, nodes, flags = _split(state.opt_state, self._params_def)
+    node_def, nodes, flags = split_state(state.opt_state, self._params_def)
     new_nodes = []
     for k, (node, f) in enumerate(zip(nodes, flags)):
       if f:
