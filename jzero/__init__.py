@@ -15,7 +15,7 @@ import logging as _logging
 import sys as _sys
 
 from jzero.runtime import quiet_start as _quiet_start
-_quiet_start.import_jax()  # before anything imports JAX: no CUDA-plugin noise without a driver
+_quiet_start.prepare()  # before anything imports JAX: CUDA that cannot run here is not loaded
 
 from jzero.config import Config  # noqa: E402
 from jzero.runtime.distributed import init_distributed  # noqa: E402

@@ -42,9 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import importlib
 import math
-import os
 import re
 import time
 from pathlib import Path
@@ -53,6 +51,7 @@ from typing import Any, Callable
 from jzero.analysis.hlo import Collective
 from jzero.analysis.tables import format_bytes, html_table, require_pyplot, text_table
 from jzero.errors import ConfigError, JZeroError
+from jzero.runtime import quiet_start
 
 __all__ = ["GPU_SPECS", "GpuSpec", "gpu_spec", "gpu_devices", "AotReport", "compile_for",
            "report_parts", "format_report", "INSTALL_HINT", "DEFAULT_MEMORY_FRACTION", "SPEC_DIR"]
@@ -105,23 +104,14 @@ def gpu_spec(gpu: str) -> GpuSpec:
 
 
 def _require_cuda_plugin() -> None:
-  """The CUDA compiler plugin, importable and able to register its compile-only topology.
-
-  The plugin registers itself (and its topology factory) only after checking the CUDA runtime's
-  version, which fails on a machine without CUDA libraries unless ``JAX_PLATFORMS`` leaves CUDA
-  out. Before JAX has discovered its plugins, jzero skips that check for the discovery
-  (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``): compiling needs no runtime, and on a machine with a GPU
-  the CUDA backend still checks its driver when it starts.
-  """
+  """The CUDA compiler plugin, loaded and able to register its compile-only topology
+  (:func:`jzero.runtime.quiet_start.load_cuda_compiler`: where CUDA cannot run, jzero keeps the
+  plugin unloaded until a GPU compile asks for it)."""
   try:
-    importlib.import_module("jax_plugins.xla_cuda12")
+    quiet_start.load_cuda_compiler()
   except ImportError as e:
     raise JZeroError(f"compiling for a GPU topology needs the CUDA compiler plugin, which is not "
                      f"installed ({e}). Install the gpu-aot extra: {INSTALL_HINT}.") from None
-  from jax._src import xla_bridge  # backends_are_initialized has no public home in jax 0.10
-
-  if not xla_bridge.backends_are_initialized():
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 
 def gpu_devices(gpu: str | GpuSpec, devices: int, nodes: int = 1) -> list[Any]:
@@ -146,9 +136,9 @@ def gpu_devices(gpu: str | GpuSpec, devices: int, nodes: int = 1) -> list[Any]:
                                             f"{devices // nodes}", target_config=spec.text)
   except NotImplementedError:
     raise JZeroError("the CUDA compiler plugin did not register its topology: JAX started its "
-                     "backends before jzero.analysis.aot on a machine without CUDA libraries. Call "
-                     "jzero.analysis.aot first in this interpreter, or set JAX_PLATFORMS=cpu before "
-                     "starting Python.") from None
+                     "backends before jzero was imported, on a machine without CUDA libraries, and "
+                     "the plugin's CUDA version check failed then. Import jzero before using JAX in "
+                     "this interpreter, or set JAX_PLATFORMS=cpu before starting Python.") from None
   return list(topology.devices)
 
 

@@ -4,7 +4,8 @@
   MPI or Kubernetes; preemption (SIGTERM) at a step every process agrees on.
 * :mod:`jzero.runtime.launch` -- ``jzero launch`` (DeepSpeed's ``deepspeed`` launcher).
 * :mod:`jzero.runtime.data` -- the data loader and the embedded corpus.
-* :mod:`jzero.runtime.quiet_start` -- importing JAX without CUDA-plugin noise where no driver is.
+* :mod:`jzero.runtime.quiet_start` -- where CUDA cannot run, JAX's CUDA plugin stays unloaded (a quiet
+  start), until a GPU compile (``jzero aot``) loads its compiler.
 
 Nothing here imports JAX at package import: ``jzero.runtime.quiet_start`` runs first.
 """

@@ -1,44 +1,64 @@
-"""A quiet start: no CUDA-plugin noise when there is no NVIDIA driver.
+"""CUDA that cannot run here stays out of the process: a quiet ``import jzero`` without a GPU.
 
-With JAX's CUDA plugin installed (jzero's ``gpu-aot`` extra, which ``jzero aot`` needs to compile
-for a GPU it does not have) every ``import jax`` on a machine without an NVIDIA driver prints, from
-C++, ``cudart_stub.cc ... Could not find cuda drivers on your machine, GPU will not be used.`` and
-absl's ``WARNING: All log messages before absl::InitializeLog() is called are written to STDERR``
-(three times each), and the first backend initialisation logs the plugin's failed version check
-as a traceback (``Jax plugin configuration error: Exception when calling
-jax_plugins.xla_cuda12.initialize()``). None of it is actionable there: CUDA cannot run without
-a driver, and compiling for a GPU (``jzero aot``) needs no runtime.
+JAX's CUDA plugin (jzero's ``gpu-aot`` extra, which ``jzero aot`` needs to compile for a GPU it
+does not have) is two packages: ``jax_cuda12_plugin`` (CUDA kernels: solver, PRNG, Triton calls,
+...) and ``jax_plugins.xla_cuda12`` (the PJRT plugin JAX discovers when its backends start). On a
+machine without an NVIDIA driver both are noise where they are loaded, from C++:
 
-:func:`import_jax` -- called by ``jzero/__init__`` before anything imports JAX -- does two
-things, and only when no driver can be loaded (``libcuda.so.1``): it imports JAX with file
-descriptor 2 sent to a temporary file and writes every line of it back except those two known
-lines (C++ writes to the descriptor, so Python's ``sys.stderr`` cannot filter it) -- loading the
-plugin's PJRT library in the same window, whose static initialisers would print the line again
-when the backend starts --, and it adds a filter to JAX's ``jax._src.xla_bridge`` logger that drops
-that one plugin traceback. Everything
-else, JAX's own warnings included, still reaches stderr. A program that imports JAX before jzero
-has printed the lines already; so does any machine where a driver exists (there they may matter).
+* ``import jax`` imports the kernel modules (``jaxlib.gpu_solver`` and its siblings); three of
+  their libraries' static initialisers print absl's ``WARNING: All log messages before
+  absl::InitializeLog() is called are written to STDERR`` and ``cudart_stub.cc:31] Could not find
+  cuda drivers on your machine, GPU will not be used.``
+* the backends' start imports the PJRT plugin, whose ``initialize()`` checks the CUDA runtime's
+  version -- a logged ``Jax plugin configuration error`` traceback -- and loads its library (the
+  cudart_stub line again).
+
+None of it is actionable: CUDA cannot run without a driver, and compiling for a GPU needs no
+runtime. :func:`prepare` -- which ``jzero/__init__`` calls before anything imports JAX -- keeps the
+plugin's packages out of JAX's sight when **CUDA cannot run here**: no NVIDIA driver library
+(``libcuda.so.1``) loads and ``JAX_PLATFORMS`` does not ask for CUDA. Nothing is redirected and no
+output is filtered; the plugin is simply not loaded:
+
+* the kernel packages are entered in ``sys.modules`` as ``None`` (Python's documented "not
+  importable"), so JAX's import finds no CUDA kernels, as on a machine without the plugin;
+* each PJRT plugin module is entered as a stand-in whose ``initialize()`` does nothing, so JAX's
+  backend discovery registers no CUDA backend (and logs nothing: the module imported fine).
+
+:func:`load_cuda_compiler` is the one way back: ``jzero aot`` (compiling for a GPU topology) takes
+the stand-ins out, imports the real plugin and registers it, with its version check skipped. That
+load prints the cudart_stub line once per library it opens (it is the plugin's own C++ logging,
+before absl is initialised; no switch turns it off) -- the price of a GPU compile, paid only there.
+The kernel packages become importable again (the plugin's ``cuda_plugin_extension`` lives there and
+registers the compiler's custom-call and Triton handlers); JAX's kernel tables, filled at its
+import, keep no CUDA kernels, which a compile for a topology does not run.
+
+What remains: a script that imports JAX *before* jzero has loaded the kernel packages already, so
+their three lines are printed by then (``import jax`` alone prints them wherever the plugin is
+installed without a driver); jzero still keeps the backends' start quiet. On a machine with a
+driver, or with ``JAX_PLATFORMS`` naming ``cuda`` / ``gpu``, nothing is hidden.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import importlib.util
-import logging
 import os
 import sys
-import tempfile
+import types
 
-__all__ = ["NOISE", "PLUGIN_ERROR", "driver_present", "import_jax"]
+__all__ = ["KERNEL_PACKAGES", "PJRT_PLUGINS", "cuda_can_run", "cuda_plugin_installed", "hidden",
+           "load_cuda_compiler", "prepare"]
 
-#: Lines of the CUDA plugin's import on a machine without a driver that :func:`import_jax` drops.
-NOISE = (b"Could not find cuda drivers on your machine",
-         b"All log messages before absl::InitializeLog() is called")
-#: The start of the plugin's logged traceback at backend initialisation, dropped likewise.
-PLUGIN_ERROR = "Jax plugin configuration error: Exception when calling jax_plugins.xla_cuda"
+#: The CUDA plugin's kernel packages, by CUDA major version (jax 0.10: 12; jax 0.11+: 13 too).
+KERNEL_PACKAGES = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+#: The PJRT plugin modules JAX discovers in its ``jax_plugins`` namespace package.
+PJRT_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+
+_HIDDEN: dict[str, types.ModuleType | None] = {}  # name -> what prepare() entered in sys.modules
 
 
-def driver_present() -> bool:
+def _driver_present() -> bool:
   """Whether the NVIDIA driver library can be loaded (CUDA could run here)."""
   try:
     ctypes.CDLL("libcuda.so.1")
@@ -47,48 +67,101 @@ def driver_present() -> bool:
   return True
 
 
-class _NoPluginError(logging.Filter):
-  def filter(self, record: logging.LogRecord) -> bool:
-    return not str(record.getMessage()).startswith(PLUGIN_ERROR)
+def _cuda_requested() -> bool:
+  """Whether ``JAX_PLATFORMS`` (the variable, or JAX's config once imported) names CUDA."""
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if "jax" in sys.modules:
+    platforms = sys.modules["jax"].config.jax_platforms or platforms
+  return any(p.strip() in ("cuda", "gpu") for p in platforms.lower().split(","))
 
 
-def _load_cuda_plugin_library() -> None:
-  """Loads the CUDA plugin's PJRT library now, so that its static initialisers log (the same
-  cudart_stub line) into :func:`import_jax`'s filter instead of at the backend's start, when JAX
-  loads it; loading it again there runs nothing. A plugin laid out otherwise: nothing done."""
-  spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
-  for folder in (spec.submodule_search_locations or []) if spec else []:
-    library = os.path.join(folder, "xla_cuda_plugin.so")
-    if os.path.exists(library):
-      try:
-        ctypes.CDLL(library)
-      except OSError:
-        pass  # JAX reports it itself when it tries
+def cuda_can_run() -> bool:
+  """Whether CUDA could run in this process: an NVIDIA driver loads, or the user asked for it."""
+  return _driver_present() or _cuda_requested()
 
 
-def import_jax() -> None:
-  """Imports JAX; without an NVIDIA driver, without the CUDA plugin's noise (module docstring)."""
-  if "jax" in sys.modules or driver_present():
-    import jax  # noqa: F401  (already imported, or a driver: nothing to hide)
-    return
-  logging.getLogger("jax._src.xla_bridge").addFilter(_NoPluginError())
-  flush = getattr(sys.stderr, "flush", lambda: None)  # sys.stderr may be None (pythonw, daemons)
+def _installed(name: str) -> bool:
+  parent, _, child = name.rpartition(".")
   try:
-    flush()
-    saved = os.dup(2)
-  except (OSError, ValueError):  # no file descriptor 2 (closed): nothing to filter
-    import jax  # noqa: F401
+    if parent and importlib.util.find_spec(parent) is None:  # find_spec("a.b") raises without a
+      return False
+    return importlib.util.find_spec(name) is not None
+  except (ImportError, ValueError):  # a module already in sys.modules as None, or without a spec
+    return False
+
+
+def cuda_plugin_installed() -> bool:
+  """Whether JAX's CUDA PJRT plugin is installed (loaded, hidden by :func:`prepare`, or not yet
+  imported)."""
+  return any(name in _HIDDEN or _installed(name) for name in PJRT_PLUGINS)
+
+
+def _stand_in(name: str) -> types.ModuleType:
+  module = types.ModuleType(name, f"jzero's stand-in for {name}: CUDA cannot run in this process "
+                                  f"(jzero.runtime.quiet_start).")
+  module.initialize = lambda: None  # JAX's discovery calls it: register nothing
+  return module
+
+
+def _backends_started() -> bool:
+  if "jax" not in sys.modules:
+    return False
+  from jax._src import xla_bridge  # backends_are_initialized has no public home in jax 0.10
+  return xla_bridge.backends_are_initialized()
+
+
+def prepare() -> None:
+  """Hides the CUDA plugin from JAX where CUDA cannot run (module docstring). Call before
+  ``import jax``; afterwards it can still keep the backends' start quiet, if they have not
+  started. Does nothing where a driver is present or ``JAX_PLATFORMS`` asks for CUDA."""
+  if cuda_can_run():
     return
-  with tempfile.TemporaryFile() as captured:
-    os.dup2(captured.fileno(), 2)
-    try:
-      import jax  # noqa: F401
-      _load_cuda_plugin_library()
-    finally:
-      flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      captured.seek(0)
-      for line in captured.read().splitlines(keepends=True):
-        if not any(noise in line for noise in NOISE):
-          os.write(2, line)
+  if "jax" not in sys.modules:
+    for name in KERNEL_PACKAGES:
+      if name not in sys.modules and _installed(name):
+        sys.modules[name] = _HIDDEN[name] = None
+  if not _backends_started():
+    for name in PJRT_PLUGINS:
+      if name not in sys.modules and _installed(name):
+        sys.modules[name] = _HIDDEN[name] = _stand_in(name)
+
+
+def hidden() -> tuple[str, ...]:
+  """The plugin packages :func:`prepare` keeps out of sight in this process."""
+  return tuple(name for name, entry in _HIDDEN.items() if sys.modules.get(name, 0) is entry)
+
+
+def load_cuda_compiler() -> None:
+  """Makes JAX's CUDA compiler plugin available in this process, for compiling to a GPU topology
+  that is not present (``jax.experimental.topologies.get_topology_desc(platform="cuda")``).
+
+  Where :func:`prepare` deferred the PJRT plugin, the real one is imported and registered now,
+  after the CPU backend has started (so the CUDA backend is never started: it cannot run) and
+  without its CUDA-runtime version check (compiling needs no runtime). Elsewhere JAX's own
+  discovery registers it; before that discovery, jzero skips the same version check for it.
+
+  Raises:
+    ImportError: the plugin is not installed.
+  """
+  deferred = [name for name in PJRT_PLUGINS if name in hidden()]
+  if not deferred:
+    if not cuda_plugin_installed():
+      raise ImportError(f"no CUDA PJRT plugin is installed ({' / '.join(PJRT_PLUGINS)})")
+    if not _backends_started():
+      os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    return
+  import jax  # noqa: PLC0415
+  jax.devices()  # the backends start first, without CUDA
+  check = os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
+  os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # read by the plugin's initialize()
+  try:
+    for name in [n for n in KERNEL_PACKAGES if n in hidden()]:  # the plugin's C++ extension
+      del sys.modules[name]
+      _HIDDEN.pop(name)
+    for name in deferred:
+      del sys.modules[name]
+      importlib.import_module(name).initialize()
+      _HIDDEN.pop(name)
+  finally:
+    if check is None:
+      del os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"]
