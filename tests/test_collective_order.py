@@ -93,10 +93,10 @@ def test_the_chain_changes_no_bit():
   """The identity the chain inserts keeps every value, -0.0 and NaN included."""
   x = np.array([0.0, -0.0, np.nan, np.inf, -3.5, 1e-45], np.float32)
   for token in (np.array([np.nan], np.float32), np.array([7], np.int32), np.array(-0.0, np.float32)):
-    out = np.asarray(jax.jit(collective_order._identity_after)(x, token))
+    out = np.asarray(jax.jit(collective_order.identity_after)(x, token))
     assert out.tobytes() == x.tobytes()
   ints = np.array([-(2 ** 31), 5, 2 ** 31 - 1], np.int32)
-  assert np.array_equal(jax.jit(collective_order._identity_after)(ints, x[:1]), ints)
+  assert np.array_equal(jax.jit(collective_order.identity_after)(ints, x[:1]), ints)
 
 
 # --- several processes ---------------------------------------------------------------------------

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core
 
-__all__ = ["in_one_order", "needed", "COLLECTIVES"]
+__all__ = ["in_one_order", "needed", "identity_after", "COLLECTIVES"]
 
 # Primitives that communicate across devices (jax.lax's parallel operators and their async halves).
 COLLECTIVES = frozenset({
@@ -267,7 +267,7 @@ def _read_after(eqn: core.JaxprEqn, tokens: list[core.Var], eqns: list) -> core.
     return eqn
   strong = [c for c in candidates if not c[1].aval.weak_type] or candidates
   index, x = min(strong, key=lambda c: _size(c[1]))
-  template = jax.make_jaxpr(_identity_after)(x.aval, *(t.aval for t in tokens)).jaxpr
+  template = jax.make_jaxpr(identity_after)(x.aval, *(t.aval for t in tokens)).jaxpr
   assert not template.constvars, template
   rename = dict(zip(template.invars, [x, *tokens]))
   for e in template.eqns:
@@ -278,8 +278,11 @@ def _read_after(eqn: core.JaxprEqn, tokens: list[core.Var], eqns: list) -> core.
   return eqn.replace(invars=invars)
 
 
-def _identity_after(x: jax.Array, *tokens: jax.Array) -> jax.Array:
-  """``x``, bit for bit, computed from one element of each token as well (module docstring)."""
+def identity_after(x: jax.Array, *tokens: jax.Array) -> jax.Array:
+  """``x``, bit for bit, computed from one element of each token as well (module docstring): a
+  data dependency XLA cannot fold away, so whatever reads the result runs after the tokens exist.
+  Also what lets the step's skip-on-non-finite update its state in place
+  (:mod:`jzero.train.step`)."""
   zero = jnp.asarray(-0.0, jnp.float32)
   for token in tokens:
     t = token.reshape(-1)[0] if token.ndim else token

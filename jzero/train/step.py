@@ -53,7 +53,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jzero.comm import collectives
+from jzero.comm import collective_order, collectives
 from jzero.comm.zero_param import ZeroParam
 from jzero.errors import JZeroError, JZeroWarning
 from jzero.sharding.layer_scan import LayerPolicy, engine_context
@@ -325,8 +325,8 @@ class StepBuilder:
         updates, opt_state = self.tx.update(grads, state.opt_state, master)
         new_master = optax.apply_updates(master, updates)
         if keep is not None:
-          new_master, opt_state = jax.tree.map(lambda old, new: jnp.where(keep, old, new),
-                                               (master, state.opt_state), (new_master, opt_state))
+          new_master, opt_state = self._skippable_update(grads, state.opt_state, master,
+                                                         new_master, keep)
         master = compute_from = new_master
 
       def new_param(l: LeafPlan, m_dev: jax.Array, m: jax.Array, old: jax.Array) -> jax.Array:
@@ -372,6 +372,29 @@ class StepBuilder:
         master=master, opt_state=opt_state, loss_scale=self.scaler.update(state.loss_scale, overflow),
         rng=state.rng, secondary=secondary, delayed=carried)
     return new_state, metrics, outputs
+
+  def _skippable_update(self, grads: PyTree, opt_state: PyTree, master: PyTree,
+                        new_master: PyTree, keep: jax.Array) -> tuple[PyTree, PyTree]:
+    """fp32's skip of a non-finite step, updating the state in place: (master, optimizer state),
+    the old ones where ``keep`` (a traced bool) is true, else the updated ones.
+
+    A plain elementwise select of old and new state costs a state-sized temporary: the new
+    master reads the new moments, the selected moments overwrite the old ones in place, so XLA
+    either keeps the new moments beside the old (the select's two consumers) or copies the old
+    ones first -- +50% of the compiled temp at stage 0, +8% step time on the default job. So the
+    new optimizer state is computed a second time, from the old state read *after* the new master
+    exists (:func:`jzero.comm.collective_order.identity_after`, per parameter leaf): XLA then
+    updates the master first, reading the old moments, and the moments after it, in place.
+    The values are the same bits as one ``tx.update``; the work is two elementwise passes over
+    the moments instead of one. State that is not shaped like the parameters (a client
+    optimizer's factored statistics) is selected without the ordering."""
+    new_master = jax.tree.map(lambda old, new: jnp.where(keep, old, new), master, new_master)
+    read_after = lambda x, m: collective_order.identity_after(x, m)
+    old_state = optax.tree_utils.tree_map_params(self.tx, read_after, opt_state, new_master,
+                                                 transform_non_params=lambda x: x)
+    _, new_state = self.tx.update(grads, old_state, master)
+    return new_master, jax.tree.map(lambda old, new: jnp.where(keep, old, new), old_state,
+                                    new_state)
 
   def _learning_rate(self, applied: jax.Array, opt_state: PyTree) -> jax.Array:
     """The lr of this step: the config's schedule, or a client optimizer's ``learning_rate``
