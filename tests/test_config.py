@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -30,7 +31,8 @@ HF_ZERO3_BF16 = "huggingface_transformers__tests_deepspeed_ds_config_zero3_bf16.
 # resolve(**RESOLVE) raises (DeepSpeed itself rejects those batch sizes on 8 data-parallel ranks).
 REAL_CONFIGS = {
     SWIFT: "ok",
-    BF16_FULL: ["bf16.bf16_master_weights_and_grads=true", "bf16.bf16_optimizer_states=true"],
+    BF16_FULL: ["bf16.bf16_master_weights_and_grads=true", "bf16.bf16_optimizer_states=true",
+                "torch_autocast.enabled=true"],
     IMAGENET: ["fp16.auto_cast=true"],
     # honoured since ZeRO++ exists; its hpZ group of 16 needs 16 devices (tests/test_zeropp.py)
     "deepspeedai_DeepSpeed__docs__tutorials_zeropp.md.json": "ok",
@@ -141,8 +143,6 @@ def test_ds_batch_config_passes_on_two_ranks():
 LOAD_WARNINGS = {
     IMAGENET: [
         "'cuda_visible_devices': jzero ignores this top-level key"],
-    BF16_FULL: [
-        "'torch_autocast': jzero ignores this top-level key"],
     HF_ZERO3_BF16: [
         'bfloat16 is deprecated: jzero reads it as bf16={"enabled": "auto"}',
         "zero_optimization.stage3_gather_fp16_weights_on_model_save is deprecated: jzero reads it "
@@ -351,14 +351,120 @@ def test_unknown_keys_of_lenient_blocks_warn():
 
 
 def test_each_unknown_top_level_key_warns_once():
+  """DeepSpeed's keys that change nothing here, and unknown keys not close enough to a known one
+  to be its misspelling, are dropped with a warning each."""
   with pytest.warns(JZeroWarning) as record:
-    Config.load({"tensorboard": {"enabled": True}, "wandb": {}, "gradient_clip": 1.0})
+    Config.load({"tensorboard": {"enabled": True}, "wandb": {}, "steps_per_log": 10,
+                 "cuda_visible_devices": 0})
   messages = [str(w.message) for w in record]
   assert messages == [
       "'tensorboard': jzero ignores this top-level key",
       "'wandb': jzero ignores this top-level key",
-      "'gradient_clip': jzero ignores this top-level key; did you mean 'gradient_clipping'?",
+      "'steps_per_log': jzero ignores this top-level key; did you mean 'steps_per_print'?",
+      "'cuda_visible_devices': jzero ignores this top-level key",
   ]
+
+
+@pytest.mark.parametrize("key, known", [
+    ("zero_optimisation", "zero_optimization"), ("gradient_clip", "gradient_clipping"),
+    ("optimiser", "optimizer"), ("tensorbaord", "tensorboard"),
+    ("sequence_parallel", "sequence_parallel_size"),
+])
+def test_misspelled_top_level_key_is_an_error(key, known):
+  """DeepSpeed would ignore it and train without the setting (``zero_optimisation`` at stage 0)."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # an error, not a warning first
+    with pytest.raises(ConfigError) as info:
+      Config.load({key: {"stage": 3}, "fp16": {"enabled": "yes"}})
+  lines = str(info.value).splitlines()
+  assert f"  {key}: unknown top-level key; did you mean '{known}'? DeepSpeed ignores unknown " \
+         "top-level keys, so it would train without this setting; correct the name" in lines
+  assert '  fp16.enabled: expected true or false, got "yes"' in lines  # reported together
+
+
+def test_top_level_block_inside_zero_optimization_says_where_it_belongs():
+  """The Hugging Face docs' ZeRO-Infinity example nests aio in zero_optimization."""
+  message = error_of({"zero_optimization": {"stage": 3, "aio": {"block_size": 1048576}}})
+  assert ("zero_optimization.aio: unknown key: aio is a top-level key of DeepSpeed's config, not "
+          "part of zero_optimization; move it to the top level") in message
+  assert ("zero_optimization.offload_param.fp16: unknown key: fp16 is a top-level key" in error_of(
+      {"zero_optimization": {"offload_param": {"fp16": {"enabled": True}}}}))
+
+
+_TECHNIQUES = ("weight_quantization", "activation_quantization", "sparse_pruning", "row_pruning",
+               "head_pruning", "channel_pruning")
+# Each DeepSpeed feature that changes what is trained, on (from DeepSpeed's docs and tutorials),
+# then off; the refusal's line, and what it says jzero does instead.
+FEATURES = [
+    ({"tensor_parallel": {"autotp_size": 4}}, {"tensor_parallel": {"autotp_size": 0}},
+     "tensor_parallel.autotp_size=4 (AutoTP", "zero_optimization.stage 3 partitions every weight"),
+    ({"sequence_parallel_size": 4}, {"sequence_parallel_size": 1},
+     "sequence_parallel_size=4 (DeepSpeed-Ulysses", "each device runs whole sequences"),
+    ({"quantize_training": {"enabled": True, "quantize_bits": {"start_bits": 16,
+                                                               "target_bits": 8}}},
+     {"quantize_training": {"enabled": False}},
+     "quantize_training.enabled=true (MoQ", "jzero trains unquantized weights"),
+    ({"data_efficiency": {"enabled": True, "data_routing": {
+        "enabled": True, "random_ltd": {"enabled": True, "total_layer_num": 24}}}},
+     {"data_efficiency": {"enabled": False}},
+     "data_efficiency.enabled=true (random-LTD", "jzero trains every token of every batch"),
+    *(({"compression_training": {t: {"shared_parameters": {"enabled": True}}}},
+       {"compression_training": {t: {"shared_parameters": {"enabled": False}}}},
+       f"compression_training.{t}.shared_parameters.enabled=true (DeepSpeed's compression",
+       "jzero trains the model as written") for t in _TECHNIQUES),
+    ({"compression_training": {"layer_reduction": {"enabled": True, "keep_number_layer": 5}}},
+     {"compression_training": {"layer_reduction": {"enabled": False}}},
+     "compression_training.layer_reduction.enabled=true", "jzero trains the model as written"),
+    ({"sparse_attention": {"mode": "fixed", "block": 16}}, {},
+     'sparse_attention={"mode": "fixed", "block": 16} (DeepSpeed\'s block-sparse attention',
+     "jzero runs the model's attention as the model defines it"),
+    ({"progressive_layer_drop": {"enabled": True, "theta": 0.5}},
+     {"progressive_layer_drop": {"enabled": False}},
+     "progressive_layer_drop.enabled=true", "jzero runs every layer"),
+    ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}},
+     {"curriculum_learning": {"enabled": False}},
+     "curriculum_learning.enabled=true", "jzero trains on the batches as its data loader gives"),
+    ({"torch_autocast": {"enabled": True}}, {"torch_autocast": {"enabled": False}},
+     "torch_autocast.enabled=true", "bf16.enabled or fp16.enabled sets the compute dtype"),
+    ({"amp": {"enabled": True, "opt_level": "O1"}}, {"amp": {"enabled": False}},
+     "amp.enabled=true (NVIDIA Apex AMP", "jzero's mixed precision is bf16.enabled or fp16"),
+    ({"elasticity": {"enabled": True, "max_train_batch_size": 2000}},
+     {"elasticity": {"enabled": False}},
+     "elasticity.enabled=true", "jzero trains with the config's batch sizes"),
+    ({"expert_parallel": {"enabled": True, "autoep_size": 4}},
+     {"expert_parallel": {"enabled": False}},
+     "expert_parallel.enabled=true (AutoEP", "ZeRO partitions the experts' weights"),
+]
+
+
+@pytest.mark.parametrize("on, off, setting, instead", FEATURES,
+                         ids=[next(iter(f[0])) + str(i) for i, f in enumerate(FEATURES)])
+def test_deepspeed_features_that_change_the_training_are_refused(on, off, setting, instead):
+  """Dropped with a warning before, the run then trained plain data parallel."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no "jzero ignores this top-level key" any more
+    config = Config.load({**on, "train_batch_size": 8})
+    with pytest.raises(NotSupportedError) as info:
+      config.resolve(dp_world_size=8).check_supported()
+    lines = str(info.value).splitlines()
+    assert lines[0] == "jzero cannot run this config:" and len(lines) == 2, lines
+    assert lines[1].startswith(f"  not yet supported: {setting}") and instead in lines[1], lines
+    Config.load({**off, "train_batch_size": 8}).resolve(dp_world_size=8).check_supported()
+
+
+def test_config_warnings_point_at_the_users_call():
+  """Not at jzero's own line (schema.py's warn): the stacklevel is counted past jzero's and
+  pydantic's frames, however deep the warning is raised."""
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    config = Config.load({"tensorboard": {}, "fp16": {"enabled": "auto"},  # load, nested block
+                          "zero_optimization": {"cpu_offload": True, "stage": 1,
+                                                "contiguous_gradients": False}})
+    line = sys._getframe().f_lineno - 3
+    config.resolve(dp_world_size=8, auto_values={"micro_batch_size": 1})  # "auto"
+    config.check_supported()  # no effect under XLA
+  assert [(w.filename, w.lineno) for w in record] == (
+      [(__file__, line)] * 2 + [(__file__, line + 4), (__file__, line + 5)]), record
 
 
 def test_integral_floats_are_integers():
@@ -814,9 +920,17 @@ def test_default_and_honoured_settings_are_silent():
 
 
 def test_support_table_keys_exist():
+  off = {"enabled": False}
   config = Config.load({"optimizer": {"type": "Adam", "params": {"torch_adam": False}},
                         "scheduler": {"type": "WarmupLR"}, "activation_checkpointing": {},
-                        "zero_optimization": {"offload_param": {}, "offload_optimizer": {}}})
+                        "zero_optimization": {"offload_param": {}, "offload_optimizer": {}},
+                        "tensor_parallel": {"autotp_size": 0}, "sequence_parallel_size": 1,
+                        "compression_training": {"layer_reduction": off, **{
+                            t: {"shared_parameters": off} for t in _TECHNIQUES}},
+                        "sparse_attention": {}, **{key: off for key in (
+                            "quantize_training", "data_efficiency", "progressive_layer_drop",
+                            "curriculum_learning", "torch_autocast", "amp", "elasticity",
+                            "expert_parallel")}})
   for rule in SUPPORT_TABLE:
     node = config
     for part in rule.key.split("."):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -126,6 +127,22 @@ def test_bucket_warnings_only_for_values_the_user_set():
   cfg["zero_optimization"]["reduce_bucket_size"] = 1000
   with pytest.warns(jzero.JZeroWarning, match=r"zero_optimization reduce_bucket_size=1000: "):
     jzero.initialize(gpt_factory(SMALL), lm_loss, cfg)
+
+
+def test_warnings_of_initialize_point_at_the_users_call():
+  """Every warning about the config (loading it, "auto", settings without effect, bucket sizes on
+  CPU) names the line of the jzero.initialize call, not a line of jzero."""
+  cfg = ds_config(2)
+  cfg["zero_optimization"].update({"reduce_bucket_size": 1000, "contiguous_gradients": False})
+  cfg.update({"tensorboard": {"enabled": True}, "gradient_clipping": "auto"})
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    jzero.initialize(gpt_factory(SMALL), lm_loss, cfg)
+    line = sys._getframe().f_lineno - 1
+  messages = [str(w.message)[:40] for w in record]
+  assert len(record) == 4, messages
+  assert all((w.filename, w.lineno) == (__file__, line) for w in record), [
+      (w.filename, w.lineno, str(w.message)[:40]) for w in record]
 
 
 def test_mesh_error_from_python_names_the_python_way():

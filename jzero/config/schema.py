@@ -8,7 +8,13 @@ with the defaults, aliases and deprecations of DeepSpeed 0.19.6. A config goes t
    ConfigError, one line per key. Keys DeepSpeed rejects (unknown keys inside ``zero_optimization``,
    the offload blocks, ``fp16``, ``bf16``, ``data_types``) are errors with a "did you mean";
    keys DeepSpeed ignores (unknown top-level keys, unknown keys of the blocks it reads with
-   ``dict.get``) are dropped with a JZeroWarning each.
+   ``dict.get``) are dropped with a JZeroWarning each -- except a top-level key so close to a known
+   one that it is a misspelling (``zero_optimisation``): DeepSpeed would train without the setting
+   it names, so it is an error. DeepSpeed's features that change what is trained (tensor and
+   sequence parallelism, MoQ, compression, random-LTD, sparse attention, ...) are fields, read
+   only so that step 3 can refuse them when they are on; DeepSpeed's keys that change nothing
+   here (monitoring, profiling, DeepSpeed's own tuning: :data:`IGNORED_KEYS`) are dropped with a
+   warning.
 2. ``Config.resolve`` replaces Hugging Face's ``"auto"`` values (kept as values until then) with
    numbers taken from the data-parallel size, the model's hidden size and ``auto_values``, and
    completes the batch-size triple exactly as DeepSpeed does (:mod:`jzero.config.auto`). The
@@ -43,7 +49,28 @@ from jzero.config.blocks import (ActivationCheckpointingConfig, AioConfig, AutoR
 from jzero.config.messages import report, show, suggest, warn
 from jzero.errors import ConfigError
 
-__all__ = ["Config"]
+__all__ = ["Config", "IGNORED_KEYS"]
+
+# DeepSpeed's top-level keys that change nothing jzero trains: monitoring and profiling, the tuning
+# of DeepSpeed's own machinery, and engines jzero does not have (inference, pipeline modules).
+# Each is dropped with a warning, as an unknown key is.
+IGNORED_KEYS = (
+    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "timers",
+    "log_level", "autotuning", "nebula", "datastates", "compile", "graph_harvesting",
+    "disable_allgather", "sparse_gradients", "managed_gradient_accumulation",
+    "use_data_before_expert_parallelism", "seq_parallel_communication_data_type",
+    "data_parallel_size", "hybrid_engine", "pipeline", "weight_quantization",
+)
+# DeepSpeed's features that change what is trained: read only to be refused when on
+# (jzero.config.support); ``to_dict`` leaves them out while they are absent.
+_FEATURES = ("tensor_parallel", "sequence_parallel_size", "quantize_training",
+             "compression_training", "data_efficiency", "sparse_attention",
+             "progressive_layer_drop", "curriculum_learning", "torch_autocast", "amp", "elasticity",
+             "expert_parallel")
+# How close an unknown top-level key must be to a known one to count as its misspelling.
+_MISSPELLED = 0.8
+_MISSPELLED_WHY = ("DeepSpeed ignores unknown top-level keys, so it would train without this "
+                   "setting; correct the name")
 
 
 # --- the config --------------------------------------------------------------------------------
@@ -78,6 +105,19 @@ class Config(BaseModel):
   prescale_gradients: Flag = False
   gradient_predivide_factor: Annotated[float, number(False, lo=0)] = 1.0
   checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+  # _FEATURES: as DeepSpeed reads them (blocks with dict.get), refused when on
+  tensor_parallel: dict[str, Any] | None = None
+  sequence_parallel_size: Annotated[int | None, number(True, lo=1, nullable=True)] = None
+  quantize_training: dict[str, Any] | None = None
+  compression_training: dict[str, Any] | None = None
+  data_efficiency: dict[str, Any] | None = None
+  sparse_attention: dict[str, Any] | None = None
+  progressive_layer_drop: dict[str, Any] | None = None
+  curriculum_learning: dict[str, Any] | None = None
+  torch_autocast: dict[str, Any] | None = None
+  amp: dict[str, Any] | None = None
+  elasticity: dict[str, Any] | None = None
+  expert_parallel: dict[str, Any] | None = None
 
   _source: str | None = PrivateAttr(default=None)
 
@@ -95,8 +135,14 @@ class Config(BaseModel):
       warn(f'"zero_optimization": {show(data["zero_optimization"])} is deprecated: jzero reads '
             f'it as "zero_optimization": {show(legacy)}')
       data["zero_optimization"] = legacy
+    known = (*cls.model_fields, *IGNORED_KEYS)
     for key in [k for k in data if k not in cls.model_fields]:
-      warn(f"'{key}': jzero ignores this top-level key{suggest(key, cls.model_fields)}")
+      if key in IGNORED_KEYS:
+        warn(f"'{key}': jzero ignores this top-level key")
+      elif suggest(key, known, _MISSPELLED):
+        continue  # a misspelling: left for extra="forbid" to report (_problems)
+      else:
+        warn(f"'{key}': jzero ignores this top-level key{suggest(key, known)}")
       del data[key]
     return data
 
@@ -171,7 +217,8 @@ class Config(BaseModel):
 
   def to_dict(self) -> dict[str, Any]:
     """The config as a JSON-serialisable dict with DeepSpeed's key names; ``load`` reads it back."""
-    return self.model_dump(mode="json", by_alias=True)
+    absent = {name for name in _FEATURES if getattr(self, name) is None}
+    return self.model_dump(mode="json", by_alias=True, exclude=absent)
 
   def resolve(self, *, dp_world_size: int, hidden_size: int | None = None,
               total_num_steps: int | None = None,
@@ -266,7 +313,13 @@ def _problems(error: ValidationError) -> list[str]:
   lines = []
   for problem in error.errors():
     loc = tuple(str(part) for part in problem["loc"])
-    if problem["type"] == "extra_forbidden":
+    if problem["type"] == "extra_forbidden" and len(loc) == 1:  # a misspelling (_top_level)
+      known = (*Config.model_fields, *IGNORED_KEYS)
+      message = f"unknown top-level key{suggest(loc[0], known, _MISSPELLED)} {_MISSPELLED_WHY}"
+    elif problem["type"] == "extra_forbidden" and loc[-1] in (*Config.model_fields, *IGNORED_KEYS):
+      message = (f"unknown key: {loc[-1]} is a top-level key of DeepSpeed's config, not part of "
+                 f"{'.'.join(loc[:-1])}; move it to the top level")
+    elif problem["type"] == "extra_forbidden":
       model = _model_at(loc[:-1])
       known = [*model.model_fields, *(f.alias for f in model.model_fields.values() if f.alias)]
       message = "unknown key" + suggest(loc[-1], known)

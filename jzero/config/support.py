@@ -3,8 +3,9 @@
 Every DeepSpeed setting jzero does not honour as written is a row here: refused (NotSupportedError,
 all refused settings of a config listed together) or without effect under XLA (a JZeroWarning
 each). A row applies when the setting differs from DeepSpeed's default, or when its ``applies``
-says so; "auto" counts as the default. A setting not in the table is honoured by the module that
-reads it. :meth:`jzero.Config.check_supported` calls :func:`check_supported`.
+says so; "auto" counts as the default, and an absent setting (None) never applies. A setting not
+in the table is honoured by the module that reads it. :meth:`jzero.Config.check_supported` calls
+:func:`check_supported`.
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ _HOOKS = "a PyTorch module-hook option; jzero installs no hooks"
 _REUSE = ("jzero keeps no gathered parameters for reuse: every unit and layer is gathered again "
           "in backward, so at most one (two with prefetch) is alive at a time")
 _ACTIVATIONS = "no model parallelism; XLA owns activation memory"
+_DATA_PARALLEL = "jzero is data-parallel only (every mesh axis carries the batch)"
+_COMPRESSION = ("DeepSpeed's compression library quantizes, prunes or removes parts of the model "
+                "while it trains; jzero trains the model as written")
+_COMPRESSION_TECHNIQUES = ("weight_quantization", "activation_quantization", "sparse_pruning",
+                           "row_pruning", "head_pruning", "channel_pruning")
 _OPTIMIZERS = ("adam", "adamw", "lion", "sgd")
 _SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest")
 
@@ -82,6 +88,47 @@ _SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest")
 # differs from DeepSpeed's default (or when ``applies(value)`` says so); settings absent from
 # the table are honoured.
 SUPPORT_TABLE: tuple[_Rule, ...] = (
+    # --- DeepSpeed features that change what is trained (top-level blocks jzero reads only here)
+    _Rule("tensor_parallel.autotp_size", REFUSED,
+          f"AutoTP splits each layer's weights over autotp_size devices; {_DATA_PARALLEL}: "
+          "zero_optimization.stage 3 partitions every weight over the devices instead and gathers "
+          "it layer by layer",
+          lambda size: size not in (0, 1)),
+    _Rule("sequence_parallel_size", REFUSED,
+          "DeepSpeed-Ulysses splits each sequence over that many devices, with all-to-all "
+          f"exchanges in attention; {_DATA_PARALLEL}: each device runs whole sequences",
+          lambda size: size != 1),
+    _Rule("quantize_training.enabled", REFUSED,
+          "MoQ quantizes the weights to fewer bits as training goes; jzero trains unquantized "
+          "weights", bool),
+    *(_Rule(f"compression_training.{technique}.shared_parameters.enabled", REFUSED, _COMPRESSION,
+            bool) for technique in _COMPRESSION_TECHNIQUES),
+    _Rule("compression_training.layer_reduction.enabled", REFUSED, _COMPRESSION, bool),
+    _Rule("data_efficiency.enabled", REFUSED,
+          "random-LTD drops tokens in the middle layers and curriculum learning chooses and cuts "
+          "the samples; jzero trains every token of every batch its data loader gives", bool),
+    _Rule("curriculum_learning.enabled", REFUSED,
+          "DeepSpeed's legacy curriculum learning shortens the sequences early in training; "
+          "jzero trains on the batches as its data loader gives them", bool),
+    _Rule("progressive_layer_drop.enabled", REFUSED,
+          "progressive layer dropping skips layers at random as training goes; jzero runs every "
+          "layer of the model", bool),
+    _Rule("sparse_attention", REFUSED,
+          "DeepSpeed's block-sparse attention kernels replace the dense attention of models built "
+          "on them; jzero runs the model's attention as the model defines it"),
+    _Rule("torch_autocast.enabled", REFUSED,
+          "PyTorch autocast runs chosen modules in lower precision; jzero has no per-module "
+          "autocast: bf16.enabled or fp16.enabled sets the compute dtype of the whole model, with "
+          "fp32 master weights", bool),
+    _Rule("amp.enabled", REFUSED,
+          "NVIDIA Apex AMP is PyTorch's; jzero's mixed precision is bf16.enabled or fp16.enabled "
+          "(dynamic loss scaling with fp16)", bool),
+    _Rule("elasticity.enabled", REFUSED,
+          "DeepSpeed's elasticity chooses train_batch_size and the micro-batch for the GPUs "
+          "present; jzero trains with the config's batch sizes", bool),
+    _Rule("expert_parallel.enabled", REFUSED,
+          "AutoEP places the experts of a mixture-of-experts layer on different devices; "
+          f"{_DATA_PARALLEL}: ZeRO partitions the experts' weights as it does any other", bool),
     # --- offload (jzero.tiers.host_optimizer, jzero.tiers.nvme_store): device "cpu" and "nvme" for
     # the optimizer
     _Rule("zero_optimization.offload_optimizer.super_offload", REFUSED,
@@ -238,7 +285,8 @@ def check_supported(config: Config) -> None:
     name, value, default = found
     if rule.when is not None and not rule.when(config):
       continue
-    if value == "auto" or not (rule.applies(value) if rule.applies else value != default):
+    if value is None or value == "auto" or not (
+        rule.applies(value) if rule.applies else value != default):
       continue
     setting = f"{name}={_show_setting(value)}"
     if rule.refused:

@@ -19,6 +19,7 @@ import optax
 
 from jzero.comm import zeropp as zpp
 from jzero.config import Config
+from jzero.config.messages import user_stacklevel
 from jzero.errors import ConfigError, JZeroWarning
 from jzero.runtime.data import DataLoader
 from jzero.runtime.distributed import init_distributed
@@ -106,7 +107,7 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
         "inf) is not skipped -- the delayed update applies each carried gradient "
         "unconditionally, so that the host update overlaps the next forward and backward. Use "
         "fp16, or bf16 (check_grad_overflow: true), to have such steps skipped.",
-        JZeroWarning, stacklevel=2)
+        JZeroWarning, stacklevel=user_stacklevel())
   nvme = nvme_settings.settings_from_config(cfg, client_optimizer=optimizer is not None)
   if optimizer is None:
     tx, schedule = build_optimizer(_block(cfg.optimizer), _block(cfg.scheduler))
@@ -118,7 +119,8 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
           f"initialize(optimizer=...) replaces the config's {' and '.join(dropped)} block"
           f"{'s' if len(dropped) > 1 else ''}: {', '.join(dropped)} settings in the config are "
           f"not used. Put the schedule in the optax optimizer (wrapped in "
-          f"optax.inject_hyperparams, jzero logs its learning rate).", JZeroWarning, stacklevel=2)
+          f"optax.inject_hyperparams, jzero logs its learning rate).", JZeroWarning,
+          stacklevel=user_stacklevel())
   if cfg.precision == "fp16":
     fp16 = cfg.fp16
     scaler = LossScaler.from_config(
@@ -139,7 +141,7 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
           f"train_batch_size {cfg.train_batch_size} per epoch; the last {left_over} samples of "
           f"each epoch's order are not used (a compiled step has one batch shape). DeepSpeed's "
           f"dataloader_drop_last is false here; set it to true to drop them without this warning.",
-          JZeroWarning, stacklevel=2)
+          JZeroWarning, stacklevel=user_stacklevel())
     if sample_batch is None:
       sample_batch = loader.host_batch(0, rows=np.arange(1))
   if sample_batch is not None:
@@ -171,7 +173,8 @@ def _warn_gpu_only_knobs(given: Any, zero: Any, mesh: ZeroMesh) -> None:
     warnings.warn(
         f"zero_optimization {', '.join(changed)}: jzero passes bucket sizes and overlap to XLA's "
         f"collective combiners and latency-hiding scheduler, which the GPU compiler has and the "
-        f"{platform} backend does not; on {platform} these settings change nothing.", JZeroWarning)
+        f"{platform} backend does not; on {platform} these settings change nothing.", JZeroWarning,
+        stacklevel=user_stacklevel())
 
 
 def _block(block: Any) -> dict | None:
