@@ -3,6 +3,7 @@ that speak the interface being used, the CLI's help, and DeepSpeed's ``training_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import sys
@@ -143,6 +144,30 @@ def test_warnings_of_initialize_point_at_the_users_call():
   assert len(record) == 4, messages
   assert all((w.filename, w.lineno) == (__file__, line) for w in record), [
       (w.filename, w.lineno, str(w.message)[:40]) for w in record]
+
+
+@pytest.mark.parametrize("name", ["embed_dim", "emb_dim", "hidden_size", "d_model"])
+def test_auto_bucket_sizes_read_the_width_from_the_models_config(name):
+  """Gemma (flax's examples) keeps its width in ``config.embed_dim``: the "auto" bucket and
+  persistence sizes are derived from it as from Hugging Face's hidden_size."""
+  width = dataclasses.make_dataclass("Width", [(name, int)], frozen=True)
+
+  class Configured(nnx.Module):
+    def __init__(self, rngs):
+      self.config = width(24)
+      self.dense = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+      return self.dense(x)
+
+  cfg = ds_config(3)
+  cfg["zero_optimization"].update({"reduce_bucket_size": "auto",
+                                   "stage3_param_persistence_threshold": "auto"})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    engine = jzero.initialize(Configured(nnx.Rngs(0)), mse, cfg)
+  zero = engine.config.zero_optimization
+  assert (zero.reduce_bucket_size, zero.param_persistence_threshold) == (24 * 24, 240)
 
 
 def test_mesh_error_from_python_names_the_python_way():

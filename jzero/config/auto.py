@@ -2,9 +2,10 @@
 (:meth:`jzero.Config.resolve`).
 
 ``auto_values`` (keys :data:`AUTO_VALUE_KEYS`) fill what the trainer knows (micro-batch size,
-accumulation, clipping, learning rate, fp16 / bf16, ...); the model's hidden size fills the bucket
-and persistence sizes as Hugging Face does; every other "auto" takes DeepSpeed's default for its
-field, with a warning. The batch triple is then completed and checked as DeepSpeed's
+accumulation, clipping, learning rate, fp16 / bf16, ...); the model's hidden size (read from the
+attributes :data:`HIDDEN_SIZE_NAMES`) fills the bucket and persistence sizes as Hugging Face does,
+and without one they are an error, as in Hugging Face; every other "auto" takes DeepSpeed's default
+for its field, with a warning. The batch triple is then completed and checked as DeepSpeed's
 ``_set_batch_related_parameters`` does.
 """
 
@@ -19,10 +20,13 @@ from jzero.config.blocks import (Bf16Config, Fp16Config, OffloadOptimizerConfig,
 from jzero.config.messages import report, show, warn
 from jzero.errors import ConfigError
 
-__all__ = ["AUTO_VALUE_KEYS", "fill", "batch_triple"]
+__all__ = ["AUTO_VALUE_KEYS", "HIDDEN_SIZE_NAMES", "fill", "batch_triple"]
 
 AUTO_VALUE_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "gradient_clipping", "lr",
                    "betas", "eps", "weight_decay", "warmup_num_steps", "fp16", "bf16")
+# The attributes a model, or its ``config`` / ``cfg``, gives its width in
+# (jzero.train.model_adapter reads them): Hugging Face, Flax's examples (Gemma: embed_dim), GPTs.
+HIDDEN_SIZE_NAMES = ("hidden_size", "d_model", "embed_dim", "emb_dim")
 # DeepSpeed's FusedAdam defaults: the value of an "auto" optimizer param auto_values lacks.
 _ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 
@@ -58,7 +62,12 @@ def _field_default(block: type[BaseModel], key: str) -> Any:
   return field.get_default(call_default_factory=True)
 
 
+_NAMES = ", ".join(HIDDEN_SIZE_NAMES[:-1]) + f" or {HIDDEN_SIZE_NAMES[-1]}"
+
+
 def _fill_zero(data: dict, hidden_size: int | None, missing: list[str]) -> None:
+  """The hidden-size keys (``rules``) from ``hidden_size``, else one line each in ``missing``;
+  any other "auto" of the blocks DeepSpeed validates takes the field's default, with a warning."""
   zero = data["zero_optimization"]
   rules = {"reduce_bucket_size": lambda h: h * h}
   if zero["stage"] == 3:
@@ -69,8 +78,8 @@ def _fill_zero(data: dict, hidden_size: int | None, missing: list[str]) -> None:
       continue
     if hidden_size is None:
       missing.append(f'zero_optimization.{key}: is "auto"; pass jzero.initialize(..., '
-                     "hidden_size=H) (read from the model's hidden_size or d_model when it has "
-                     "one); jzero derives it from that like Hugging Face")
+                     f"hidden_size=H) (read from the model's {_NAMES} when it or its config "
+                     "has one); jzero derives it from that like Hugging Face")
     else:
       zero[key] = rule(hidden_size)
   blocks = {"zero_optimization": (zero, ZeroConfig),
@@ -79,7 +88,8 @@ def _fill_zero(data: dict, hidden_size: int | None, missing: list[str]) -> None:
                                                     OffloadOptimizerConfig),
             "fp16": (data["fp16"], Fp16Config), "bf16": (data["bf16"], Bf16Config)}
   for where, (block, model) in blocks.items():
-    for key in [key for key, value in (block or {}).items() if value == "auto"]:
+    for key in [key for key, value in (block or {}).items()
+                if value == "auto" and not (model is ZeroConfig and key in rules)]:
       del block[key]  # DeepSpeed drops "auto" keys: the field's default applies
       default = _field_default(model, key)
       if model is ZeroConfig and key == "overlap_comm":

@@ -30,6 +30,7 @@ from flax import linen as nn
 from flax import nnx
 from flax.errors import ScopeParamShapeError
 
+from jzero.config.auto import HIDDEN_SIZE_NAMES
 from jzero.errors import ConfigError, NotSupportedError
 from jzero.sharding import gather_units as units_lib
 
@@ -70,7 +71,7 @@ class ModelAdapter(abc.ABC):
 
 def _hidden_size(obj: Any) -> int | None:
   for owner in (obj, getattr(obj, "config", None), getattr(obj, "cfg", None)):
-    for name in ("hidden_size", "d_model"):
+    for name in HIDDEN_SIZE_NAMES:
       value = getattr(owner, name, None) if owner is not None else None
       if isinstance(value, int):
         return value
