@@ -160,6 +160,19 @@ def test_bad_nvme_paths_fail_before_the_first_step(tmp_path, monkeypatch):
   assert not (tmp_path / "zero_stage_2").exists()
 
 
+def test_missing_nvme_path_is_created_when_its_parent_exists(tmp_path):
+  """DeepSpeed creates its swap folders under nvme_path (os.makedirs): a missing last component is
+  created and said (the warning names the path and points at the user's initialize call); a
+  missing parent stays an error (test_bad_nvme_paths_fail_before_the_first_step)."""
+  path = tmp_path / "swap"
+  with pytest.warns(jzero.JZeroWarning) as record:
+    engine = _engine(2, path)
+  created = [w for w in record if "did not exist: jzero created it" in str(w.message)]
+  assert len(created) == 1 and created[0].filename == __file__, [str(w.message) for w in record]
+  assert str(path) in str(created[0].message)
+  assert path.is_dir() and engine.nvme_settings.path == path
+
+
 def test_nvme_settings_map_to_tensorstore_or_are_refused(tmp_path):
   cfg = config(2, tmp_path)
   cfg["aio"] = {"queue_depth": 16, "intra_op_parallelism": 4, "block_size": 4096}

@@ -2,9 +2,11 @@
 
 ``zero_optimization.offload_optimizer`` and ``offload_param`` with ``device: nvme`` share one
 store per process (:mod:`jzero.tiers.nvme_store`; parameters: :mod:`jzero.tiers.nvme_params`). This
-module turns their blocks and ``aio`` into :class:`NvmeSettings`, checks ``nvme_path`` (an existing
-directory this process can write and fsync in; a :class:`~jzero.errors.ConfigError` naming the key
-and the fix otherwise), and maps the settings to tensorstore's context (:func:`io_context`).
+module turns their blocks and ``aio`` into :class:`NvmeSettings`, checks ``nvme_path`` (a directory
+this process can write and fsync in; a :class:`~jzero.errors.ConfigError` naming the key and the fix
+otherwise), and maps the settings to tensorstore's context (:func:`io_context`). A missing
+``nvme_path`` whose parent exists is created, with a warning, as DeepSpeed creates its swap folders
+under it; a missing parent is an error (a drive not mounted, a misspelled path).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from jzero.config.messages import user_stacklevel
 from jzero.errors import ConfigError, JZeroWarning
 
 __all__ = ["NVME", "NvmeSettings", "settings_from_config", "check_directory", "IO_MODE",
@@ -64,12 +67,24 @@ def _int(value: Any, default: int) -> int:
 
 
 def check_directory(path: str | os.PathLike, key: str = _KEY) -> Path:
-  """``path`` as an absolute directory jzero can write and fsync in; ConfigError (naming the
-  config ``key``) otherwise."""
+  """``path`` as an absolute directory jzero can write and fsync in, created (with a warning) when
+  only its last component is missing; ConfigError (naming the config ``key``) otherwise."""
   path = Path(path).expanduser().absolute()
   if not path.exists():
-    raise ConfigError(f"{key}={path}: no such directory. Create it (mkdir -p {path}), ideally on "
-                      f"a local NVMe drive, or point nvme_path at an existing directory.")
+    if not path.parent.is_dir():
+      raise ConfigError(f"{key}={path}: no such directory. Create it (mkdir -p {path}), ideally on "
+                        f"a local NVMe drive, or point nvme_path at an existing directory; jzero "
+                        f"creates nvme_path itself only when its parent exists, and "
+                        f"{path.parent} does not.")
+    try:
+      path.mkdir(exist_ok=True)  # other processes of the job may create it at the same time
+    except OSError as e:
+      raise ConfigError(f"{key}={path}: no such directory, and jzero cannot create it "
+                        f"({e.strerror or e}). Create it (mkdir -p {path}) or point nvme_path at "
+                        f"a writable directory.") from None
+    warnings.warn(f"{key}={path} did not exist: jzero created it, as DeepSpeed creates its swap "
+                  f"folders under nvme_path. Check that it is on the NVMe drive you meant.",
+                  JZeroWarning, stacklevel=user_stacklevel())
   if not path.is_dir():
     raise ConfigError(f"{key}={path} is not a directory; point nvme_path at a directory on the "
                       f"NVMe drive.")
@@ -146,7 +161,8 @@ def settings_from_config(config: Any, *, client_optimizer: bool = False) -> Nvme
       warnings.warn(
           f"zero_optimization.offload_param.nvme_path={param_block.nvme_path} differs from "
           f"offload_optimizer.nvme_path={block.nvme_path}: jzero keeps one store per process, "
-          f"at offload_optimizer.nvme_path ({path}), for both.", JZeroWarning, stacklevel=2)
+          f"at offload_optimizer.nvme_path ({path}), for both.", JZeroWarning,
+          stacklevel=user_stacklevel())
   # the optimizer block's pipeline flags; for a store that only the parameter tier asks for,
   # reads, updates and writes always overlap (DeepSpeed's parameter swapper is asynchronous too)
   return NvmeSettings(path=path, buffer_count=buffers,
