@@ -18,14 +18,17 @@ a step with params on NVMe is tests/test_nvme.py's kill test (its second process
 from __future__ import annotations
 
 import functools
+import json
 import math
+import warnings
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 import jzero
-from jzero.errors import ConfigError
+from jzero.errors import ConfigError, JZeroWarning
 from jzero.models import lm_loss
 from jzero.tiers import nvme_params
 from zero_testing import SAME_MATH, SMALL, batches, ds_config, gpt_factory, max_relative_diff
@@ -174,7 +177,8 @@ def test_param_nvme_settings_are_checked_before_any_device_work(tmp_path):
     jzero.initialize(gpt_factory(SMALL), lm_loss, config())
   with pytest.raises(ConfigError, match=r"zero_optimization\.offload_param\.nvme_path=.*no such "
                                         r"directory"):
-    jzero.initialize(gpt_factory(SMALL), lm_loss, config(nvme_path=str(tmp_path / "missing")))
+    jzero.initialize(gpt_factory(SMALL), lm_loss,
+                     config(nvme_path=str(tmp_path / "no" / "missing")))
   engine = jzero.initialize(gpt_factory(SMALL), lm_loss,
                             config(nvme_path=str(tmp_path), buffer_size=100))
   with pytest.raises(ConfigError, match=r"offload_param\.buffer_size=100: the parameter .* has "
@@ -184,6 +188,31 @@ def test_param_nvme_settings_are_checked_before_any_device_work(tmp_path):
                 for l in engine.plan.leaf_list() if l.param_tier == "nvme")
   assert f" {largest:,} elements per device and layer" in str(info.value)
   assert not list(tmp_path.rglob("*.json"))  # refused before the store was written
+
+
+def test_shipped_infinity_config_says_its_offload_moves_nothing_on_a_small_model(tmp_path):
+  """configs/ds_zero3_infinity.json on the small GPT: every leaf is under the default
+  stage3_param_persistence_threshold (1e5), so every parameter persists on the device and the NVMe
+  store gets none. engine.init says so, with the numbers, at the user's line (it was silent)."""
+  cfg = json.loads((Path(__file__).parents[1] / "configs" / "ds_zero3_infinity.json").read_text())
+  cfg["zero_optimization"]["offload_param"]["nvme_path"] = str(tmp_path)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", JZeroWarning)  # the config's keys without effect here
+    engine = jzero.initialize(gpt_factory(SMALL), lm_loss, cfg)
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    engine.init(jax.random.key(0))
+  leaves = engine.plan.leaf_list()
+  total = sum(l.numel for l in leaves)
+  said = [w for w in record if "offload_param" in str(w.message)]
+  assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in record]
+  assert str(said[0].message) == (
+      f"offload_param (device: nvme) moves 0 of the model's {total:,} parameters (0%) to the NVMe "
+      f"store; the other {total:,} ({len(leaves)} leaves) stay on the device, persistent: leaves "
+      f"under stage3_param_persistence_threshold=100,000 elements (per layer) are kept whole on "
+      f"every device, as in DeepSpeed. Lower stage3_param_persistence_threshold (0: every leaf "
+      f"but scalars is offloaded) to offload more.")
+  assert all(l.param_tier == "device" for l in leaves)
 
 
 def test_two_processes_with_params_on_nvme_match_one_process_without_offload(tmp_path):

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import re
+import warnings
 from pathlib import Path
 
 import jax
@@ -92,6 +94,35 @@ def test_param_offload_equals_stage3_without_offload_and_lives_on_the_host(varia
   assert {kinds[p] for p in set(kinds) - host} == {"device"}
   if variant == "param+optimizer":
     assert all(l.state_tier == "host" for l in plan.leaf_list() if l.shard_dim is not None)
+
+
+def test_what_the_offload_moves_is_logged_when_the_plan_is_built():
+  """Threshold 1,000: the matrices and embeddings move, the biases and norms persist. Most of the
+  model moves, so a log line says how much (as DeepSpeed's "Total persistent parameters"), not a
+  warning."""
+  engine = _engine("param")
+  lines = []
+  handler = logging.Handler()
+  handler.emit = lambda record: lines.append(record.getMessage())
+  logger = logging.getLogger("jzero")
+  logger.addHandler(handler)
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", jzero.JZeroWarning)
+      engine.init(jax.random.key(0))
+  finally:
+    logger.removeHandler(handler)
+  leaves = engine.plan.leaf_list()
+  total = sum(l.numel for l in leaves)
+  kept = [l for l in leaves if l.param_tier == "device"]
+  moved = total - sum(l.numel for l in kept)
+  said = [line for line in lines if line.startswith("offload_param")]
+  assert said == [
+      f"offload_param (device: cpu) moves {moved:,} of the model's {total:,} parameters "
+      f"({moved / total:.0%}) to host memory; the other {total - moved:,} ({len(kept)} leaves) "
+      f"stay on the device, persistent: leaves under stage3_param_persistence_threshold=1,000 "
+      f"elements (per layer) are kept whole on every device, as in DeepSpeed."], lines
+  assert kept and 2 * moved > total
 
 
 def test_step_exported_for_cuda_keeps_params_on_the_host_and_fetches_one_layer_at_a_time():

@@ -13,8 +13,9 @@ Where a leaf lives is the plan's (:attr:`jzero.sharding.plan.LeafPlan.state_tier
 tier's, through hooks the engine calls at fixed points; every hook of this base class does nothing,
 so a tier overrides only the phases it changes:
 
-* **config** (:meth:`Tier.check_config`, :meth:`Tier.plan_settings`): refusals before any
-  device work; what the plan needs to place the tier's leaves.
+* **config** (:meth:`Tier.check_config`, :meth:`Tier.plan_settings`, :meth:`Tier.check_plan`):
+  refusals before any device work; what the plan needs to place the tier's leaves; what the plan,
+  once built, made of the tier's block (said once).
 * **the forward pass** (:meth:`Tier.grad_target`, :meth:`Tier.gather_inputs`): where a leaf's
   partition comes from when its gather runs.
 * **step variants** (:meth:`Tier.variant`, :meth:`Tier.seen`): the engine compiles one step per
@@ -104,6 +105,12 @@ class Tier:
     """Keyword arguments of :func:`jzero.sharding.plan.make_plan` from the resolved
     ``zero_optimization`` block: which leaves the tier takes (e.g. ``offload=``)."""
     return {}
+
+  @classmethod
+  def check_plan(cls, plan: Any, zero: Any) -> None:
+    """Says (a JZeroWarning, or jzero's log) what ``plan``, just built, makes of the tier's part
+    of the resolved ``zero_optimization`` block, where the user could not tell from the config:
+    e.g. a parameter offload that moves little. Called once per plan."""
 
   @classmethod
   def create(cls, engine: EngineView) -> Tier | None:

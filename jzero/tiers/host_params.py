@@ -37,22 +37,34 @@ are donated.
 ``buffer_count``, ``buffer_size`` and ``max_in_cpu`` size its staging buffers and host cache and
 have no effect with ``device: cpu`` (a warning). ZeRO++'s hpZ keeps a device copy of every
 partition, which defeats parameter offload: the combination is refused.
+
+**What it moves** (both devices) is said once, when the plan is built
+(:meth:`HostParamsTier.check_plan`): how many parameters the offload moves, and how many stay on
+the device as persistent. Like DeepSpeed's "Total persistent parameters" line it is logged; when
+the offload moves less than half of the model -- every leaf of a small model is under the default
+``stage3_param_persistence_threshold`` of 1e5, and nothing moves -- it is a JZeroWarning instead,
+since the config then does not do what it asks.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jzero.errors import ConfigError, NotSupportedError
+from jzero.config.messages import user_stacklevel
+from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
 from jzero.tiers.base import EngineView, Tier
 from jzero.tiers.host_optimizer import to_device, to_host
 
 __all__ = ["ParamOffloadSettings", "settings_from_config", "fetch", "HostParamsTier"]
 
 PyTree = Any
+
+logger = logging.getLogger("jzero")
 
 
 class ParamOffloadSettings:
@@ -140,6 +152,33 @@ class HostParamsTier(Tier):
   @classmethod
   def plan_settings(cls, zero: Any) -> dict:
     return {"offload_param": settings_from_config(zero)}
+
+  @classmethod
+  def check_plan(cls, plan: Any, zero: Any) -> None:
+    """How many parameters the offload moves, and how many stay persistent (module docstring)."""
+    settings = settings_from_config(zero)
+    if settings is None:
+      return
+    leaves = plan.leaf_list()
+    total = sum(l.numel for l in leaves)
+    moved = sum(l.numel for l in leaves if l.param_tier != "device")
+    kept = [l for l in leaves if l.param_tier == "device"]
+    where = "host memory" if settings.tier == "host" else "the NVMe store"
+    message = f"offload_param (device: {settings.device}) moves "
+    if not kept:
+      logger.info(f"{message}all {total:,} parameters of the model to {where}.")
+      return
+    message += (
+        f"{moved:,} of the model's {total:,} parameters ({moved / total:.0%}) to {where}; the "
+        f"other {total - moved:,} ({len(kept)} leaves) stay on the device, persistent: leaves "
+        f"under stage3_param_persistence_threshold={zero.param_persistence_threshold:,} elements "
+        f"(per layer) are kept whole on every device, as in DeepSpeed.")
+    if 2 * moved >= total:
+      logger.info(message)
+      return
+    warnings.warn(f"{message} Lower stage3_param_persistence_threshold (0: every leaf but "
+                  f"scalars is offloaded) to offload more.", JZeroWarning,
+                  stacklevel=user_stacklevel())
 
   @classmethod
   def create(cls, engine: EngineView) -> HostParamsTier | None:

@@ -16,7 +16,7 @@ from jzero.tiers.host_optimizer import HostOptimizerTier
 from jzero.tiers.host_params import HostParamsTier
 from jzero.tiers.nvme import NvmeTier
 
-__all__ = ["TIERS", "active", "check_config", "plan_settings"]
+__all__ = ["TIERS", "active", "check_config", "plan_settings", "check_plan"]
 
 TIERS: tuple[type[Tier], ...] = (
     HostOptimizerTier,
@@ -38,6 +38,12 @@ def plan_settings(zero: Any) -> dict:
   for tier in TIERS:
     settings.update(tier.plan_settings(zero))
   return settings
+
+
+def check_plan(plan: Any, zero: Any) -> None:
+  """Every tier's :meth:`Tier.check_plan` of a plan just built."""
+  for tier in TIERS:
+    tier.check_plan(plan, zero)
 
 
 def active(engine: EngineView) -> tuple[Tier, ...]:

@@ -194,6 +194,7 @@ class Engine(StepBuilder):
         overlap_comm=bool(zero.overlap_comm), units=units, zeropp=self.zeropp,
         **registry.plan_settings(zero))
     check_units(plan, zero.max_live_parameters)
+    registry.check_plan(plan, zero)
     return plan
 
   @property
