@@ -40,7 +40,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from jzero.checkpoint.deepspeed_pt import load_pt
+from jzero.checkpoint.weights import _safetensors_header, _write_chunks
 from jzero.errors import CheckpointError
+from jzero.train.precision import DTYPES
 
 __all__ = ["DeepSpeedCheckpoint", "read_deepspeed", "stream_fp32", "convert_deepspeed",
            "describe_deepspeed", "find_deepspeed"]
@@ -161,7 +163,7 @@ def _open(directory: str | os.PathLike, tag: str | int | None) -> _Files:
            if (m := _OPTIM_FILE.match(n))]
   if not optim:
     raise CheckpointError(f"{where} holds no *_optim_states.pt files: it was saved without ZeRO "
-                          f"(or its optimizer states are gone), so there is no fp32 master to read.")
+                          f"(or its optimizer states are gone): there is no fp32 master to read.")
   prefixes = {p for p, _, _ in optim}
   model_file = where / ("mp_rank_00_model_states.pt" if (where / "mp_rank_00_model_states.pt")
                         .exists() else "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -398,9 +400,6 @@ def convert_deepspeed(directory: str | os.PathLike, safetensors: str | os.PathLi
   Returns:
     ``{"tag", "step", "dtype", "tensors", "total_bytes", "largest_bytes", "output"}``.
   """
-  from jzero.checkpoint.weights import _safetensors_header, _write_chunks  # noqa: PLC0415
-  from jzero.train.precision import DTYPES  # noqa: PLC0415
-
   if dtype not in DTYPES:
     raise CheckpointError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
   target = Path(safetensors)
@@ -456,7 +455,9 @@ def describe_deepspeed(directory: str | os.PathLike, tag: str | int | None = Non
     lines.append(f"  client state: {client}")
   width = max(len(name) for name in locations)
   lines.append("")
-  lines += [f"  {name.ljust(width)}  {list(shape)}" for name, (shape, _) in locations.items()]
+  lines.append(f"  {'parameter'.ljust(width)}  {'shape'.ljust(12)}  fp32 bytes")
+  lines += [f"  {name.ljust(width)}  {str(list(shape)).ljust(12)}  {math.prod(shape) * 4:>10,}"
+            for name, (shape, _) in locations.items()]
   lines.append("")
   lines.append(f"  {len(locations)} parameters, {n_params:,} elements: fp32 master "
                f"{n_params * 4:,} bytes, with Adam's two moments {n_params * 12:,} bytes")
