@@ -511,3 +511,22 @@ def test_cli_convert_from_deepspeed_is_zero_to_fp32_streamed(tmp_path, name, cap
   assert extra < 2 * largest < total / 3, (extra, largest)
   assert cli_main(["convert", "--from-deepspeed", source, "--safetensors", str(out)]) == 2
   assert "already exists" in capsys.readouterr().err
+
+
+def test_notebook_deepspeed_resume_executes_and_is_committed_with_its_plot():
+  """notebooks/deepspeed_resume.ipynb resumes two shared checkpoints and plots DeepSpeed's losses
+  beside jzero's continuation (its own asserts carry the bounds)."""
+  import nbclient
+  import nbformat
+
+  path = Path(__file__).parents[1] / "notebooks" / "deepspeed_resume.ipynb"
+  committed = nbformat.read(path, as_version=4)
+  outputs = lambda nb: [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+  assert any("image/png" in o.get("data", {}) for o in outputs(committed)), (
+      "committed without its plot: run notebooks/build_deepspeed_resume.py")
+  notebook = nbformat.read(path, as_version=4)
+  nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                          resources={"metadata": {"path": str(path.parent)}}).execute()
+  assert not [o for o in outputs(notebook) if o.get("output_type") == "error"]
+  assert "zero2_fp32_w2: max relative distance" in "".join(o.get("text", "")
+                                                             for o in outputs(notebook))

@@ -124,7 +124,8 @@ def _tag_dir(directory: str | os.PathLike, tag: str | int | None) -> Path:
   found = find_deepspeed(directory, tag)
   if found is None:
     root = Path(directory)
-    tags = sorted(p.name for p in root.glob("*/") if any(p.glob("*model_states.pt")))
+    tags = sorted(p.name for p in (root.iterdir() if root.is_dir() else [])
+                  if p.is_dir() and any(p.glob("*model_states.pt")))
     which = f"tag {tag!r}" if tag is not None else "the tag its 'latest' file names"
     raise CheckpointError(
         f"{root} is not a DeepSpeed checkpoint: no *_model_states.pt under {which} nor in it. "
@@ -168,6 +169,8 @@ def _open(directory: str | os.PathLike, tag: str | int | None) -> _Files:
   model_file = where / ("mp_rank_00_model_states.pt" if (where / "mp_rank_00_model_states.pt")
                         .exists() else "zero_pp_rank_0_mp_rank_00_model_states.pt")
   model = load_pt(model_file)
+  if not isinstance(model, dict) or "param_shapes" not in model:
+    raise CheckpointError(f"{model_file} is not DeepSpeed's model states (no param_shapes in it).")
   world = model.get("dp_world_size", len(optim))
   wanted = {f"{p}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for p in prefixes
             for r in range(world)}
@@ -180,17 +183,21 @@ def _open(directory: str | os.PathLike, tag: str | int | None) -> _Files:
   files = [model_file] + [f for _, _, f in sorted(optim, key=lambda x: x[1])]
   states = []
   for f in files[1:]:
-    state = load_pt(f).get("optimizer_state_dict")
+    content = load_pt(f)
+    state = content.get("optimizer_state_dict") if isinstance(content, dict) else None
     if not isinstance(state, dict) or "zero_stage" not in state:
       raise CheckpointError(f"{f} is not a ZeRO optimizer state (no optimizer_state_dict."
                             f"zero_stage in it).")
+    counts = state.get("partition_count")
+    if (max(counts) if isinstance(counts, list) else counts) != world:
+      raise CheckpointError(f"{f} was written by a rank of {counts} partitions, the run had "
+                            f"{world} data-parallel ranks: another run's file was mixed in.")
     states.append(state)
-  for key in ("frozen_param_shapes", "buffer_names"):
+  for key, what in (("frozen_param_shapes", "frozen parameters"), ("buffer_names", "buffers")):
     if model.get(key):
       raise CheckpointError(
-          f"{model_file}: the model has {key.split('_')[0]} parameters / buffers "
-          f"({list(model[key])[:5]}), which jzero's reader does not gather; DeepSpeed's "
-          f"zero_to_fp32.py in the checkpoint directory does.")
+          f"{model_file}: the model has {what} ({list(model[key])[:5]}), which jzero's reader "
+          f"does not gather; DeepSpeed's zero_to_fp32.py in the checkpoint directory does.")
   return _Files(where, model, states, files)
 
 
@@ -304,14 +311,15 @@ def _optimizer(files: _Files) -> tuple[str, tuple[dict, ...]]:
   first = _files_state(files, torch_state)
   missing = [k for k in _MOMENTS + ("step",) if k not in first
              and not (k == "step" and "step" in torch_state["param_groups"][0])]
-  block = files.model.get("ds_config", {}).get("optimizer") or {}
+  block = (files.model.get("ds_config") or {}).get("optimizer") or {}
   kind = str(block.get("type", "")).lower()
   group0 = torch_state["param_groups"][0]
   if missing or (kind and kind not in ("adam", "adamw")) or group0.get("amsgrad"):
     what = (f"DeepSpeed optimizer {block['type']!r}" if kind
             else f"an optimizer whose state holds {sorted(first)}")
-    lacks = (f"it has no {missing}" if missing else "amsgrad's max_exp_avg_sq" if
-             group0.get("amsgrad") else "its update rule is not Adam's")
+    lacks = (f"it has no {missing}" if missing else "it ran with amsgrad (max_exp_avg_sq), "
+             "which optax's Adam does not keep" if group0.get("amsgrad")
+             else "its update rule is not Adam's")
     raise CheckpointError(
         f"{files.directory} was trained with {what}: jzero imports Adam / AdamW (exp_avg, "
         f"exp_avg_sq, step) and {lacks}. Import the weights alone: jzero convert --from-deepspeed "
@@ -356,8 +364,9 @@ def _precision(ds_config: dict) -> str:
 
 
 def read_deepspeed(path: str | os.PathLike, tag: str | int | None = None) -> DeepSpeedCheckpoint:
-  """Reads a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3; fp32, bf16 or fp16; any world size) into
-  named full fp32 tensors and its training position. No torch, no code from the files.
+  """Reads a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, any world size; fp32 or mixed
+  precision, whose fp32 master is in the same files) into named full fp32 tensors and its
+  training position. No torch, no code from the files.
 
   Args:
     path: the directory given to DeepSpeed's ``save_checkpoint`` (``latest`` names the tag), or
