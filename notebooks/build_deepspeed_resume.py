@@ -33,8 +33,8 @@ from flax import nnx
 
 %matplotlib inline
 DATA = Path("..") / "tests" / "data" / "deepspeed\""""),
-    new_markdown_cell("""**The model in Flax.** The torch model (pre-LN GPT-2, tanh GELU, untied head without bias)
-rewritten with NNX modules whose names follow torch's."""),
+    new_markdown_cell("""**The model in Flax.** The torch model (pre-LN GPT-2, tanh GELU, an untied
+head without bias) rewritten with NNX modules whose names follow torch's."""),
     new_code_cell("""class Block(nnx.Module):
     def __init__(self, d, heads, rngs):
         self.heads = heads
@@ -48,7 +48,8 @@ rewritten with NNX modules whose names follow torch's."""),
     def __call__(self, x):
         b, t, d = x.shape
         qkv = self.qkv(self.ln1(x)).reshape(b, t, 3, self.heads, d // self.heads)  # torch's view
-        attn = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(attn.reshape(b, t, d))
         return x + self.out(jax.nn.gelu(self.fc(self.ln2(x)), approximate=True))
 
@@ -71,9 +72,9 @@ class TorchGPT(nnx.Module):
 def loss_fn(model, batch):
     logits = model(batch["inputs"]).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()"""),
-    new_markdown_cell("""**The mapping.** `convert` turns `{torch name: array}` into the model's params tree: a
-Linear's `weight` [out, in] is a Flax `kernel` [in, out], a LayerNorm's `weight` its `scale`.
-jzero applies it to the fp32 master and to both Adam moments alike."""),
+    new_markdown_cell("""**The mapping.** `convert` turns `{torch name: array}` into the model's
+params tree: a Linear's `weight` [out, in] is a Flax `kernel` [in, out], a LayerNorm's `weight`
+its `scale`. jzero applies it to the fp32 master and to both Adam moments alike."""),
     new_code_cell("""def convert(named):
     def linear(name, bias=True):
         kernel = {"kernel": named[f"{name}.weight"].T}
@@ -88,8 +89,9 @@ jzero applies it to the fp32 master and to both Adam moments alike."""),
                            for part in ("ln1", "qkv", "proj", "ln2", "fc", "out")}
                        for i in range(layers)},
             "ln_f": norm("ln_f"), "head": linear("head", bias=False)}"""),
-    new_markdown_cell("""**Read, place, continue.** The jzero config is the DeepSpeed run's (`ds_config.json`: its
-WarmupLR, clipping, precision) with its client `torch.optim.AdamW` written as an optimizer block.
+    new_markdown_cell("""**Read, place, continue.** The jzero config is the DeepSpeed run's
+(`ds_config.json`: its WarmupLR, clipping, precision) with its client `torch.optim.AdamW` written
+as an optimizer block.
 `read_deepspeed` gives the named tensors and the position; `engine.import_deepspeed` places them
 in jzero's ZeRO-3 plan on 8 devices (DeepSpeed had 2 ranks)."""),
     new_code_cell("""def resume(name, stage=3):
@@ -113,7 +115,8 @@ in jzero's ZeRO-3 plan on 8 devices (DeepSpeed had 2 ranks)."""),
         batch = {k: batches[k][step].astype(np.int32) for k in ("inputs", "targets")}
         state, metrics = engine.train_step(state, engine.shard_batch(batch))
         losses.append(float(metrics["loss"]))
-    deepspeed = [json.loads(l)["loss"] for l in (DATA / name / "losses.jsonl").read_text().splitlines()]
+    lines = (DATA / name / "losses.jsonl").read_text().splitlines()
+    deepspeed = [json.loads(line)["loss"] for line in lines]
     return np.array(deepspeed), np.array(losses)
 
 runs = {name: resume(name) for name in ("zero2_fp32_w2", "zero3_bf16_w2")}"""),
@@ -149,14 +152,15 @@ for name, (deepspeed, ours) in runs.items():
           f"absolute {np.max(gap):.1e}")
 assert np.allclose(fp32_ours, fp32_deepspeed[5:], rtol=2e-5, atol=0)
 assert np.allclose(bf16_ours, bf16_deepspeed[5:], rtol=0, atol=2 * bf16_error)"""),
-    new_markdown_cell("""In fp32 jzero continues DeepSpeed's run to float rounding (a few 1e-7: another framework's
-kernels, another sharding -- 8 devices instead of 2 ranks, ZeRO-3 instead of ZeRO-2). In bf16,
-DeepSpeed's reported losses are averages of bf16 numbers computed from bf16 logits: at steps 1-3,
-where every run evaluates the same initial weights, they sit up to 0.017 from the fp32 run's --
-bf16's own error of the loss, about 2^-8 relative. jzero's bf16 continuation stays within that
-distance (its loss is computed in fp32 from bf16 activations, so it lies close to DeepSpeed's fp32
-run). `tests/test_deepspeed_checkpoint.py` checks every shared checkpoint at ZeRO stages 1, 2 and
-3 on 2 and 8 devices, the master bit for bit against DeepSpeed's own `zero_to_fp32`, and a crafted
+    new_markdown_cell("""In fp32 jzero continues DeepSpeed's run to float rounding (a few 1e-7:
+another framework's kernels, another sharding -- 8 devices instead of 2 ranks, ZeRO-3 instead of
+ZeRO-2). In bf16, DeepSpeed's reported losses are averages of bf16 numbers computed from bf16
+logits: at steps 1-3, where every run evaluates the same initial weights, they sit up to 0.017
+from the fp32 run's -- bf16's own error of the loss, about 2^-8 relative -- so two bf16 runs may
+differ by twice that. jzero's bf16 continuation is 0.017 from DeepSpeed's (its loss is computed in
+fp32 from bf16 activations: it lies about 1e-4 (relative) from DeepSpeed's fp32 run).
+`tests/test_deepspeed_checkpoint.py` checks every shared checkpoint at ZeRO stages 1, 2 and 3 on
+2 and 8 devices, the master bit for bit against DeepSpeed's own `zero_to_fp32`, and a crafted
 `.pt` that would run `os.system` (refused by name, nothing run). From here,
 `engine.save_checkpoint(state, dir)` writes a jzero checkpoint."""),
 ]
