@@ -116,14 +116,14 @@ def _losses(name: str) -> np.ndarray:
   return np.array([json.loads(line)["loss"] for line in lines])
 
 
-def _config(name: str, stage: int, **optimizer) -> dict:
+def _config(name: str, stage: int, offload: dict | None = None, **optimizer) -> dict:
   """The DeepSpeed run's config for jzero: its scheduler, clipping and precision, and the client
   torch.optim.AdamW of the README as an optimizer block."""
   ds = _json(name, "ds_config.json")
   params = {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, **optimizer}
   cfg = {"train_batch_size": ds["train_batch_size"], "gradient_clipping": ds["gradient_clipping"],
          "optimizer": {"type": "AdamW", "params": params}, "scheduler": ds["scheduler"],
-         "zero_optimization": {"stage": stage}}
+         "zero_optimization": {"stage": stage, **(offload or {})}}
   if ds.get("bf16", {}).get("enabled"):
     cfg["bf16"] = {"enabled": True}
   return cfg
@@ -132,9 +132,9 @@ def _config(name: str, stage: int, **optimizer) -> dict:
 _ENGINES: dict = {}
 
 
-def _engine(name: str, stage: int, devices: int, **optimizer):
+def _engine(name: str, stage: int, devices: int, offload: dict | None = None, **optimizer):
   """One engine per (precision, stage, devices): its step compiles once for every checkpoint."""
-  cfg = _config(name, stage, **optimizer)
+  cfg = _config(name, stage, offload, **optimizer)
   key = json.dumps([cfg, devices], sort_keys=True)
   if key not in _ENGINES:
     m = _json(name, "model.json")
@@ -190,6 +190,17 @@ def test_resumed_run_continues_deepspeeds_losses(name, stage, devices):
     np.testing.assert_allclose(losses, reference, rtol=FP32_RTOL, atol=0)
   else:
     np.testing.assert_allclose(losses, reference, rtol=0, atol=bf16_bound())
+
+
+def test_resumes_into_an_offloaded_plan():
+  """ZeRO-Offload: the moments are placed in host memory, where the plan keeps them."""
+  name = "zero2_fp32_w2"
+  engine = _engine(name, 2, 2, {"offload_optimizer": {"device": "cpu"}})
+  state = engine.import_deepspeed(checkpoint.read_deepspeed(DATA / name / "checkpoint"), convert)
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state[0].mu)} == {
+      "pinned_host"}
+  np.testing.assert_allclose(_continue(engine, state, name), _losses(name)[SAVED_AT:],
+                             rtol=FP32_RTOL, atol=0)
 
 
 def test_bf16_bound_is_what_deepspeeds_runs_measure():
