@@ -188,7 +188,7 @@ def test_resumed_run_continues_deepspeeds_losses(name, stage, devices):
   losses, reference = _continue(engine, state, name), _losses(name)[SAVED_AT:]
   if name in FP32:
     np.testing.assert_allclose(losses, reference, rtol=FP32_RTOL, atol=0)
-  else:
+  else:  # measured: <= 0.0173 (4.0e-3 relative), and ~1e-4 relative from DeepSpeed's fp32 run
     np.testing.assert_allclose(losses, reference, rtol=0, atol=bf16_bound())
 
 
