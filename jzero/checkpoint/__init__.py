@@ -11,6 +11,10 @@ One module per phase:
 * :mod:`jzero.checkpoint.weights` -- DeepSpeed's ``zero_to_fp32`` (:func:`consolidate`) and
   importing plain weights for fine-tuning (:func:`load_weights`).
 * :mod:`jzero.checkpoint.describe` -- ``jzero inspect``.
+* :mod:`jzero.checkpoint.deepspeed` -- DeepSpeed ZeRO checkpoints read without torch
+  (:func:`read_deepspeed`, ``.pt`` files through :mod:`jzero.checkpoint.deepspeed_pt`) and
+  :mod:`jzero.checkpoint.deepspeed_import` -- continuing their run in an engine
+  (:func:`import_deepspeed`).
 
 A checkpoint is named by a *tag*, DeepSpeed's word: by default the optimizer step (``DIR/20``), or
 any name (``engine.save_checkpoint(state, DIR, tag="epoch_0")``); ``DIR/latest`` holds the tag of
@@ -18,6 +22,10 @@ the newest finalized one. Every path may be relative. Nothing in a checkpoint is
 and Orbax's OCDBT / zarr array store, whose metadata is JSON too (no pickle anywhere).
 """
 
+from jzero.checkpoint.deepspeed import (DeepSpeedCheckpoint, convert_deepspeed,
+                                        describe_deepspeed, find_deepspeed, read_deepspeed,
+                                        stream_fp32)
+from jzero.checkpoint.deepspeed_import import import_deepspeed
 from jzero.checkpoint.describe import describe
 from jzero.checkpoint.layout import (CHECKSUM, FILES_FILE, LATEST_FILE, META_FILE, WEIGHTS16,
                                      all_tags, incomplete_tags, is_complete, latest_step,
@@ -30,5 +38,6 @@ __all__ = [
     "Checkpointer", "save_checkpoint", "load_checkpoint", "wait_until_finished", "latest_tag",
     "latest_step", "resume_tag", "all_tags", "incomplete_tags", "is_complete", "read_metadata", "consolidate", "ConsolidateReport",
     "load_weights", "read_weights", "describe", "CHECKSUM", "FILES_FILE", "LATEST_FILE",
-    "META_FILE", "WEIGHTS16",
+    "META_FILE", "WEIGHTS16", "DeepSpeedCheckpoint", "read_deepspeed", "import_deepspeed",
+    "convert_deepspeed", "describe_deepspeed", "find_deepspeed", "stream_fp32",
 ]

@@ -16,6 +16,8 @@ gets SIGTERM, saving a checkpoint.
 present (:mod:`jzero.analysis.aot`).
 ``jzero convert CKPT --safetensors model.safetensors`` consolidates a sharded training checkpoint
 into plain weights (DeepSpeed's ``zero_to_fp32``); ``jzero inspect CKPT`` describes one.
+``jzero convert --from-deepspeed DIR --safetensors FILE`` is ``zero_to_fp32`` of a DeepSpeed
+checkpoint without torch; ``jzero inspect DIR`` describes a DeepSpeed checkpoint too.
 
 Bad input (config, mesh, data, checkpoint) is reported as one paragraph on stderr with exit status
 2, before any device work.

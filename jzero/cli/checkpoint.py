@@ -1,5 +1,6 @@
 """``jzero convert`` (DeepSpeed's ``zero_to_fp32``) and ``jzero inspect``: checkpoints on the
-host (:mod:`jzero.checkpoint`)."""
+host (:mod:`jzero.checkpoint`). Both also take a DeepSpeed checkpoint (``convert --from-deepspeed
+DIR``; ``inspect`` recognises one), read without torch (:mod:`jzero.checkpoint.deepspeed`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ __all__ = ["add_parser", "convert", "inspect"]
 def convert(args: argparse.Namespace) -> int:
   host_only()
   from jzero import checkpoint  # noqa: PLC0415 (imports JAX after host_only chose the CPU)
+  if args.from_deepspeed is not None or args.checkpoint is None:
+    return _convert_deepspeed(args)
   report = checkpoint.consolidate(args.checkpoint, tag=args.tag, safetensors=args.safetensors,
                                   orbax=args.orbax, dtype=args.dtype)
   print(f"jzero: checkpoint {report.tag!r} (step {report.step}): {report.leaves} leaves, "
@@ -23,9 +26,32 @@ def convert(args: argparse.Namespace) -> int:
   return 0
 
 
+def _convert_deepspeed(args: argparse.Namespace) -> int:
+  """``jzero convert --from-deepspeed DIR --safetensors FILE``: zero_to_fp32 without torch."""
+  from jzero import checkpoint  # noqa: PLC0415
+  from jzero.errors import CheckpointError  # noqa: PLC0415
+
+  if args.from_deepspeed is None or args.checkpoint is not None:
+    raise CheckpointError("give one checkpoint: a jzero checkpoint directory (jzero convert DIR "
+                          "...) or a DeepSpeed one (jzero convert --from-deepspeed DIR ...).")
+  if args.safetensors is None or args.orbax is not None:
+    raise CheckpointError("a DeepSpeed checkpoint converts to a safetensors file: give "
+                          "--safetensors FILE (and no --orbax).")
+  report = checkpoint.convert_deepspeed(args.from_deepspeed, args.safetensors, tag=args.tag,
+                                        dtype=args.dtype)
+  print(f"jzero: DeepSpeed checkpoint {report['tag']!r} (step {report['step']}): "
+        f"{report['tensors']} tensors, {report['total_bytes'] / 2**20:.2f} MiB of "
+        f"{report['dtype']} weights (largest {report['largest_bytes'] / 2**20:.2f} MiB)")
+  print(f"jzero: wrote {report['output']}")
+  return 0
+
+
 def inspect(args: argparse.Namespace) -> int:
   host_only()
   from jzero import checkpoint  # noqa: PLC0415
+  if checkpoint.find_deepspeed(args.checkpoint, args.tag) is not None:
+    print(checkpoint.describe_deepspeed(args.checkpoint, args.tag))
+    return 0
   print(checkpoint.describe(args.checkpoint, args.tag))
   return 0
 
@@ -33,7 +59,11 @@ def inspect(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
   c = sub.add_parser("convert", help="consolidate a training checkpoint into plain weights "
                      "(DeepSpeed's zero_to_fp32)")
-  c.add_argument("checkpoint", help="checkpoint directory (or one checkpoint's directory)")
+  c.add_argument("checkpoint", nargs="?", default=None,
+                 help="checkpoint directory (or one checkpoint's directory)")
+  c.add_argument("--from-deepspeed", metavar="DIR", default=None,
+                 help="convert a DeepSpeed ZeRO checkpoint instead (the directory given to its "
+                 "save_checkpoint, or one tag's), without torch, to --safetensors")
   c.add_argument("--tag", "--step", default=None,
                  help="the checkpoint to convert: its tag or step (default: the latest)")
   c.add_argument("--safetensors", default=None, help="write the weights to this safetensors file")
@@ -43,7 +73,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                  help="dtype of the written weights (default fp32)")
   c.set_defaults(func=convert)
 
-  i = sub.add_parser("inspect", help="describe a checkpoint: step, stage, mesh, precision, arrays")
+  i = sub.add_parser("inspect", help="describe a checkpoint (jzero's or DeepSpeed's): step, "
+                     "stage, mesh, precision, arrays")
   i.add_argument("checkpoint", help="checkpoint directory (or one checkpoint's directory)")
   i.add_argument("--tag", "--step", default=None,
                  help="the checkpoint to describe: its tag or step (default: the latest)")

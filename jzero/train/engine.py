@@ -636,6 +636,14 @@ class Engine(StepBuilder):
                                       sample_batch=sample_batch,
                                       with_client_state=with_client_state)
 
+  def import_deepspeed(self, ds: Any, convert: Callable[[dict], PyTree], *,
+                       rng: jax.Array | None = None, sample_batch: Any = None) -> TrainState:
+    """Continues a DeepSpeed run: ``ds`` (``checkpoint.read_deepspeed``) placed in this engine's
+    plan, ``convert`` mapping torch names to the params tree
+    (:func:`jzero.checkpoint.import_deepspeed`)."""
+    self._host_step = None  # read from the imported state at its first step
+    return checkpoint.import_deepspeed(self, ds, convert, rng=rng, sample_batch=sample_batch)
+
   def wait_for_checkpoints(self) -> None:
     """Blocks until every pending save is finalized (``latest`` moved)."""
     checkpoint.wait_until_finished()

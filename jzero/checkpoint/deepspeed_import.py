@@ -1,0 +1,187 @@
+"""A DeepSpeed checkpoint placed in an engine's ZeRO plan: the run continues in jzero.
+
+:func:`import_deepspeed` builds the complete TrainState a jzero checkpoint restore would (the same
+path as :func:`jzero.checkpoint.restore.load_checkpoint`, from host arrays instead of Orbax): the
+user's ``convert`` maps torch names to the model's params tree and is applied alike to the fp32
+master and to each Adam moment; each tree is laid out as the plan's master / optimizer state and
+placed straight into its shardings, on any stage and device count.
+
+What carries over, and how it maps to optax (:mod:`jzero.train.optim` builds the optimizer):
+
+* torch ``exp_avg`` / ``exp_avg_sq`` are optax ``ScaleByAdamState.mu`` / ``nu``, and torch's
+  ``step`` is its ``count``. Both increment the count before the bias correction
+  ``1 - beta ** count``, and both divide by ``sqrt(v_hat) + eps`` with eps outside the root.
+  torch AdamW's ``p *= 1 - lr * wd`` before the Adam step is ``add_decayed_weights`` after
+  ``scale_by_adam`` (the decay reads the same old ``p``).
+* The schedule reads ``ScaleByScheduleState.count``: optax count k uses DeepSpeed's ``get_lr()``
+  at ``last_batch_iteration = k - 1``, so it is the scheduler's ``last_batch_iteration + 1``.
+* ``TrainState.step`` is DeepSpeed's ``global_steps``, ``skipped`` its ``skipped_steps``. The loss
+  scaler starts fresh (static in fp32 and bf16); the training RNG comes from ``rng``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jzero.checkpoint.deepspeed import DeepSpeedCheckpoint
+from jzero.checkpoint.restore import _carried, _compute_params, abstract_state, broadcast
+from jzero.errors import CheckpointError, JZeroWarning
+from jzero.sharding.plan import LeafPlan, flatten_paths
+
+__all__ = ["import_deepspeed"]
+
+PyTree = Any
+
+
+def _converted(engine: Any, ds: DeepSpeedCheckpoint, convert: Callable[[dict], PyTree],
+               sample_batch: Any) -> tuple[PyTree, PyTree, PyTree]:
+  """``convert`` of the master and of each moment, each checked against the model's leaves."""
+  model = engine.model.abstract_params(jax.random.key(0), sample_batch)
+  want = flatten_paths(model)
+  trees = []
+  for what, named in (("params", ds.params), ("exp_avg", ds.exp_avg),
+                      ("exp_avg_sq", ds.exp_avg_sq)):
+    tree = convert(dict(named))
+    got = flatten_paths(tree)
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    bad = [f"{p}: {tuple(np.shape(got[p]))} from convert, {tuple(want[p].shape)} in the model"
+           for p in want if p in got and tuple(np.shape(got[p])) != tuple(want[p].shape)]
+    if missing or extra or bad:
+      raise CheckpointError(
+          f"convert(ds.{what}) of {ds.directory} does not give the model's params tree: "
+          + "; ".join(([f"the model's leaves {missing[:5]} are missing"] if missing else [])
+                      + ([f"{extra[:5]} are not in the model"] if extra else []) + bad[:5])
+          + ". convert maps {torch name: array} to the tree engine.init(rng, params=...) takes "
+            "(names, and a torch Linear's [out, in] weight transposed to a Flax [in, out] kernel).")
+    trees.append(jax.tree.unflatten(jax.tree.structure(model),
+                                    [np.asarray(got[p], np.float32) for p in want]))
+  return tuple(trees)
+
+
+def _check_optimizer(engine: Any, ds: DeepSpeedCheckpoint) -> None:
+  """Warns where the engine's config optimizer differs from the checkpoint's (the run would not be
+  a continuation); a client optax optimizer is the user's to match."""
+  block = engine.config.optimizer
+  if block is None:
+    return
+  params, kind = dict(block.params or {}), str(block.type).lower()
+  engine_decoupled = kind == "adamw" or (kind == "adam" and params.get("adam_w_mode", True))
+  ours = {"betas": tuple(params.get("betas", (0.9, 0.999))), "eps": params.get("eps", 1e-8),
+          "weight_decay": params.get("weight_decay", 0.0)}
+  differ = []
+  if ds.optimizer in ("Adam", "AdamW") and (ds.optimizer == "AdamW") != engine_decoupled:
+    differ.append(f"type {ds.optimizer} in the checkpoint, {block.type}"
+                  f"{'' if kind == 'adamw' else f' (adam_w_mode {engine_decoupled})'} here")
+  for g, group in enumerate(ds.param_groups):
+    for key, value in ours.items():
+      if not np.allclose(group[key], value, rtol=1e-6, atol=0):
+        differ.append(f"{key} {group[key]} in param group {g}, {value} here")
+  if differ:
+    warnings.warn(
+        f"the DeepSpeed checkpoint {ds.directory} was trained with other optimizer settings than "
+        f"this engine's config: {'; '.join(differ)}. The moments are imported as they are, but the "
+        f"run continues with this engine's optimizer: set optimizer.params as in the DeepSpeed "
+        f"run for a continuation.", JZeroWarning, stacklevel=3)
+
+
+def _schedule_count(ds: DeepSpeedCheckpoint) -> int:
+  """The optax count the schedule reads: DeepSpeed's ``last_batch_iteration + 1``."""
+  if ds.lr_scheduler is None:
+    return ds.step
+  if "last_batch_iteration" not in ds.lr_scheduler:
+    raise CheckpointError(
+        f"{ds.directory}: its LR scheduler state {sorted(ds.lr_scheduler)} is not one of "
+        f"DeepSpeed's schedules (no last_batch_iteration), so its position cannot be mapped to "
+        f"jzero's schedule. jzero builds WarmupLR, WarmupDecayLR, WarmupCosineLR and LRRangeTest.")
+  return int(ds.lr_scheduler["last_batch_iteration"]) + 1
+
+
+def _with_adam_state(opt_state: PyTree, mu: PyTree, nu: PyTree, adam_count: int,
+                     schedule_count: int, where: str) -> PyTree:
+  """``opt_state`` with its Adam moments and count, and every schedule's count, replaced."""
+  found = []
+
+  def replace(x):
+    if isinstance(x, optax.ScaleByAdamState):
+      found.append(x)
+      return x._replace(count=jnp.asarray(adam_count, x.count.dtype), mu=mu, nu=nu)
+    if isinstance(x, optax.ScaleByScheduleState):
+      return x._replace(count=jnp.asarray(schedule_count, x.count.dtype))
+    return x
+
+  state = jax.tree.map(replace, opt_state, is_leaf=lambda x: isinstance(
+      x, (optax.ScaleByAdamState, optax.ScaleByScheduleState)))
+  if len(found) != 1:
+    raise CheckpointError(
+        f"the engine's optimizer has {len(found)} Adam states (optax.scale_by_adam), where the "
+        f"moments of {where} go into exactly one: use an Adam / AdamW optimizer block, or a "
+        f"client optax.adam / optax.adamw.")
+  return state
+
+
+def import_deepspeed(engine: Any, ds: DeepSpeedCheckpoint, convert: Callable[[dict], PyTree], *,
+                     rng: jax.Array | None = None, sample_batch: Any = None) -> Any:
+  """A TrainState that continues the DeepSpeed run ``ds`` (:func:`read_deepspeed`) in ``engine``.
+
+  The fp32 master becomes the engine's truth (its master in mixed precision, its params in fp32;
+  compute params are cast from it as the step does), Adam's moments and update count the optax
+  Adam state, the scheduler's position the schedule's count, ``global_steps`` the state's step --
+  each laid out and sharded by the engine's plan (any stage, any device count, the engine's
+  memory tiers).
+
+  Args:
+    engine: the engine to continue in (its plan is created if it has none).
+    ds: the DeepSpeed checkpoint.
+    convert: ``{torch name: fp32 array} -> params tree`` of the engine's model (names,
+      transposes); applied to ``ds.params``, ``ds.exp_avg`` and ``ds.exp_avg_sq`` alike.
+    rng: the key of the training RNG (dropout); default ``jax.random.key(0)``.
+    sample_batch: for Linen models, as in ``engine.init``.
+
+  Raises:
+    CheckpointError: ``convert`` does not give the model's tree, or the engine's optimizer has
+      no single Adam state -- before any device work.
+  """
+  abstract = engine.expand_abstract(abstract_state(engine, sample_batch))  # tiers' real shapes
+  plan = engine.plan
+  master, mu, nu = _converted(engine, ds, convert, sample_batch)
+  _check_optimizer(engine, ds)
+  adam_count, schedule_count = ds.step, _schedule_count(ds)
+  shardings = broadcast(engine.state_shardings(), abstract)
+
+  def state_layout(leaf: LeafPlan, x: jax.Array) -> jax.Array:
+    return leaf.to_padded(x) if leaf.state_partitioned else x
+
+  def param_layout(leaf: LeafPlan, x: jax.Array) -> jax.Array:
+    return leaf.to_padded(x) if leaf.param_partitioned else x
+
+  def opt_state(master, mu, nu):
+    fresh = engine.tx.init(plan.map(state_layout, master))
+    return _with_adam_state(fresh, plan.map(state_layout, mu), plan.map(state_layout, nu),
+                            adam_count, schedule_count, ds.directory)
+
+  optimizer = jax.jit(opt_state, out_shardings=shardings.opt_state)(master, mu, nu)
+  if plan.has_master:
+    master = jax.jit(lambda m: plan.map(state_layout, m), out_shardings=shardings.master)(master)
+    params = _compute_params(engine, master, shardings.params)
+  else:
+    params = jax.jit(lambda m: plan.map(param_layout, m), out_shardings=shardings.params)(master)
+    master = None
+  replicated = plan.sharding(P())
+  scalar = lambda n: jax.device_put(jnp.asarray(n, jnp.int32), replicated)
+  _, train_key = jax.random.split(jax.random.key(0) if rng is None else rng)
+  carrier = next((t for t in engine.tiers if t.carries()), None)
+  state = type(abstract)(
+      step=scalar(ds.global_steps), skipped=scalar(ds.skipped_steps), params=params,
+      master=master, opt_state=optimizer,
+      loss_scale=jax.device_put(engine.scaler.init(), replicated),
+      rng=jax.device_put(jax.random.key_data(train_key), replicated),
+      delayed=_carried(carrier, abstract, shardings, {}, {}, True, ds.directory))
+  state = engine.absorb(state)  # e.g. the NVMe tier: into the store, placeholders in the state
+  return engine.with_secondary(state)  # hpZ: from the imported params, as the step makes them
