@@ -178,8 +178,10 @@ def _time(sides: dict, ref: str, this: str, args: argparse.Namespace) -> None:
           f" | {statistics.median(times[name]):.0f} |")
   ratio = statistics.median(times[this]) / statistics.median(times[ref])
   per_round = [b / a for a, b in zip(times[ref], times[this])]
-  print(f"\n{this} / {ref}: {ratio:.3f} (median over rounds); per round "
-        + ", ".join(f"{x:.3f}" for x in per_round))
+  print(f"\n{this} / {ref}: {ratio:.3f} (ratio of the medians); per round "
+        + ", ".join(f"{x:.3f}" for x in per_round)
+        + f" (median {statistics.median(per_round):.3f}: the figure that load drifting between "
+          f"rounds moves least)")
 
 
 def _compare_memory(sides: dict, ref: str, this: str) -> None:
