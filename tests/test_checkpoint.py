@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors import safe_open
 
 import jzero
@@ -349,6 +350,39 @@ def test_16bit_weights_written_at_save_and_keep_last(tmp_path):
   w16 = checkpoint.read_weights(tmp_path / "4" / checkpoint.WEIGHTS16)
   for path, x in truth["params"].items():
     np.testing.assert_array_equal(w16[path], x.astype(jnp.bfloat16))
+
+
+class _Tiny(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.w = nnx.Param(jax.random.normal(rngs.params(), (8, 4)))
+
+  def __call__(self, x):
+    return x @ self.w
+
+
+@pytest.fixture(scope="module")
+def tiny_state():
+  """A stage-3 engine of an 8 x 4 model and its initial state (saves take ~0.1 s)."""
+  engine = jzero.initialize(_Tiny, lambda model, batch: jnp.mean(model(batch["x"]) ** 2),
+                            ds_config(3))
+  return engine, engine.init(jax.random.key(0))
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3, 4, 5])
+def test_keep_leaves_the_newest_k_across_runs(tiny_state, tmp_path, keep):
+  """keep=K over 6 saves leaves exactly the newest K complete checkpoints, also when a second run
+  (a new Checkpointer of the directory, as after a resume) saves 4..6 after a first one saved 1..3
+  (the issue's --keep 3 left only 6, --keep 5 left 5 and 6)."""
+  engine, state = tiny_state
+  newest = lambda last: [str(s) for s in range(max(1, last - keep + 1), last + 1)]
+  for first, last in ((1, 3), (4, 6)):
+    run = checkpoint.Checkpointer(tmp_path, keep=keep)
+    for step in range(first, last + 1):
+      run.save(engine, state._replace(step=jax.device_put(np.int32(step), state.step.sharding)))
+    run.close()
+    assert checkpoint.all_tags(tmp_path) == newest(last)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(newest(last) + ["latest"])
+    assert checkpoint.latest_tag(tmp_path) == str(last)
 
 
 @pytest.fixture(scope="module")

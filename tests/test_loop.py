@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jzero
+from jzero import checkpoint
 from jzero.errors import JZeroError
 from jzero.models import lm_loss
 from jzero.train.loop import init_or_resume, train_loop
@@ -37,12 +38,15 @@ def test_resumed_loop_equals_the_straight_one(tmp_path):
   state, start = init_or_resume(engine, jax.random.key(0), tmp_path / "ckpt")
   first = train_loop(engine, state, batch_at, STEPS // 2, start=start, progress=False,
                      checkpoint_dir=tmp_path / "ckpt", losses_file=tmp_path / "losses.txt",
-                     on_step=lambda step, metrics: seen.append(step))
+                     save_every=1, keep=3, on_step=lambda step, metrics: seen.append(step))
   assert seen == [1, 2] and first.exit_status == 0
+  assert checkpoint.all_tags(tmp_path / "ckpt") == ["1", "2"]  # keep=3 kept both
   state, start = init_or_resume(engine, jax.random.key(0), tmp_path / "ckpt")
   assert start == STEPS // 2
   second = train_loop(engine, state, batch_at, STEPS, start=start, progress=False,
-                      checkpoint_dir=tmp_path / "ckpt", losses_file=tmp_path / "losses.txt")
+                      checkpoint_dir=tmp_path / "ckpt", losses_file=tmp_path / "losses.txt",
+                      save_every=1, keep=3)
+  assert checkpoint.all_tags(tmp_path / "ckpt") == ["2", "3", "4"]  # the newest 3 of both runs
   assert first.losses + second.losses == straight.losses
   lines = (tmp_path / "losses.txt").read_text().split("\n")[:-1]
   assert [float(line.split()[1]) for line in lines] == straight.losses
