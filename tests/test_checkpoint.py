@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from flax import linen, nnx
+import safetensors.numpy
 from safetensors import safe_open
 
 import jzero
@@ -383,6 +384,51 @@ def test_keep_leaves_the_newest_k_across_runs(tiny_state, tmp_path, keep):
     assert checkpoint.all_tags(tmp_path) == newest(last)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(newest(last) + ["latest"])
     assert checkpoint.latest_tag(tmp_path) == str(last)
+
+
+class _BoxedMlp(linen.Module):
+  """A Linen MLP whose first kernel is logically partitioned (boxed) when ``boxed``."""
+  boxed: bool
+
+  @linen.compact
+  def __call__(self, x):
+    init = linen.initializers.lecun_normal()
+    if self.boxed:
+      init = linen.with_logical_partitioning(init, ("embed", "mlp"))
+    return linen.Dense(4, name="down")(jax.nn.relu(linen.Dense(16, kernel_init=init,
+                                                               name="up")(x)))
+
+
+def test_boxed_linen_weights_convert_under_the_modules_names(tmp_path):
+  """jzero convert unboxes nn.with_logical_partitioning params ('up/kernel', not
+  'up/kernel/value'), so the safetensors load into the module built without boxes, and back into
+  the boxed one; the 16-bit weights saved with the checkpoint are named so too."""
+  batch = {"x": np.ones((8, 8), np.float32)}
+
+  def engine(boxed: bool):
+    return jzero.initialize(_BoxedMlp(boxed), lambda model, b: jnp.mean(model(b["x"]) ** 2),
+                            ds_config(3, stage3_gather_16bit_weights_on_model_save=True),
+                            sample_batch=batch, init_inputs=lambda b: (b["x"],))
+
+  boxed = engine(True)
+  state = boxed.init(jax.random.key(0))
+  checkpoint.save_checkpoint(boxed, state, tmp_path / "ckpt")
+  checkpoint.wait_until_finished()
+  out = tmp_path / "w.safetensors"
+  assert cli_main(["convert", str(tmp_path / "ckpt"), "--safetensors", str(out)]) == 0
+  names = {"down/bias", "down/kernel", "up/bias", "up/kernel"}
+  with safe_open(str(out), framework="numpy") as f:
+    assert set(f.keys()) == names
+  assert set(checkpoint.read_weights(tmp_path / "ckpt" / "0" / checkpoint.WEIGHTS16)) == names
+  trained = flat(linen.meta.unbox(boxed.logical_params(state)))
+  for target in (engine(False), boxed):
+    loaded = target.init(jax.random.key(1), params=checkpoint.load_weights(target, out))
+    for name, x in flat(linen.meta.unbox(target.logical_params(loaded))).items():
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(trained[name]))
+  old_names = tmp_path / "boxed_names.safetensors"  # written before the names were unboxed
+  safetensors.numpy.save_file({("up/kernel/value" if n == "up/kernel" else n): np.asarray(x)
+                               for n, x in trained.items()}, str(old_names))
+  assert set(flat(checkpoint.load_weights(boxed, old_names))) == set(flat(state.params))
 
 
 @pytest.fixture(scope="module")

@@ -71,8 +71,8 @@ __all__ = ["Checkpointer", "save_checkpoint", "wait_until_finished", "weights_js
 # --- the JSON document ---------------------------------------------------------------------------
 
 
-def _leaf_json(leaf: LeafPlan) -> dict:
-  return {"path": leaf.path, "shape": list(leaf.shape), "dtype": "float32",
+def _leaf_json(leaf: LeafPlan, name: str) -> dict:
+  return {"path": leaf.path, "name": name, "shape": list(leaf.shape), "dtype": "float32",
           "stacked": leaf.stacked, "shard_dim": leaf.shard_dim, "padded": leaf.padded,
           "param_partitioned": leaf.param_partitioned,
           "state_partitioned": leaf.state_partitioned}
@@ -94,6 +94,7 @@ def _metadata(engine: Any, state: Any, tag: str, arrays: dict[str, jax.Array],
               weights16: np.dtype | None, client_state: dict | None, save_latest: bool) -> dict:
   plan = engine.plan
   leaves = layout.array_leaves(engine, state)
+  names = layout.module_names(plan.leaves)
   return {
       "format": FORMAT,
       "format_version": FORMAT_VERSION,
@@ -108,7 +109,7 @@ def _metadata(engine: Any, state: Any, tag: str, arrays: dict[str, jax.Array],
       "mesh": _mesh_json(engine),
       "config": engine.config.to_dict(),
       "global_batch_size": engine.global_batch_size,
-      "leaves": [_leaf_json(leaf) for leaf in plan.leaf_list()],
+      "leaves": [_leaf_json(leaf, names[leaf.path]) for leaf in plan.leaf_list()],
       "arrays": {name: {"shape": list(x.shape), "dtype": str(np.dtype(x.dtype)),
                         "leaf": leaves[name].path if leaves.get(name) is not None else None}
                  for name, x in arrays.items()},
@@ -257,7 +258,8 @@ class Checkpointer:
       multihost_utils.sync_global_devices(f"jzero-checkpoint-slot-{tag}")
 
   def _weights16(self, engine: Any, state: Any, dtype: np.dtype) -> dict[str, jax.Array]:
-    """The logical weights in ``dtype``, each split over the devices (see _spread_sharding)."""
+    """The logical weights in ``dtype`` by the module's names (:func:`layout.module_names`), each
+    split over the devices (see _spread_sharding)."""
     plan = engine.plan
     cached = self._cast_fns.get(id(plan))
     if cached is None:
@@ -266,7 +268,8 @@ class Checkpointer:
                    out_shardings=shardings)
       cached = self._cast_fns[id(plan)] = (plan, fn)
     truth = state.master if plan.has_master else state.params
-    return flatten_paths(cached[1](truth))
+    names = layout.module_names(plan.leaves)
+    return {names[path]: x for path, x in flatten_paths(cached[1](truth)).items()}
 
   def _finalize(self, tag: str, save_latest: bool) -> None:
     """Background: wait for Orbax's commit, then record the files, move ``latest``, prune."""
