@@ -125,7 +125,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                  help=f"attention heads; must divide --d-model (default {default.n_heads})")
   t.add_argument("--seq-len", type=int, default=default.seq_len,
                  help=f"tokens (bytes) per training sequence (default {default.seq_len})")
-  t.add_argument("--no-progress", action="store_true", help="no progress bar")
+  t.add_argument("--no-progress", action="store_true",
+                 help="no progress bar (there is none when stderr is not a terminal: a log file "
+                      "gets the loss every steps_per_print steps only)")
   t.add_argument("--checkpoint-dir", default=None,
                  help="save here (at the end and every --save-every steps) and resume from its "
                       "latest checkpoint if there is one")
