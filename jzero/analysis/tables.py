@@ -13,7 +13,8 @@ import dataclasses
 import html
 from typing import Any, Sequence
 
-__all__ = ["Table", "format_bytes", "format_count", "byte_cell", "text_table", "html_table", "require_pyplot"]
+__all__ = ["Table", "format_bytes", "format_count", "byte_cell", "text_table", "html_table",
+           "require_pyplot"]
 
 
 def format_bytes(n: float) -> str:
