@@ -166,6 +166,17 @@ def test_train_own_model_on_npz_data_with_its_loss(tmp_path, capsys, model):
   assert len(steps) == 4 and all(b < a for a, b in zip(steps, steps[1:])), steps
 
 
+def test_own_language_model_on_npy_tokens_takes_the_default_loss(tmp_path, capsys):
+  """A module without loss_fn, on a .npy of token rows: next-token cross-entropy."""
+  (tmp_path / "lm.py").write_text("from own_model import factory\n")
+  tokens = np.random.default_rng(0).integers(0, 256, size=(64, 9), dtype=np.int32)
+  np.save(tmp_path / "tokens.npy", tokens)
+  assert cli.main(["train", "--config", str(CONFIGS / "zero2.json"), "--steps", "2", "--model",
+                   f"{tmp_path / 'lm.py'}:factory", "--data", str(tmp_path / "tokens.npy")]) == 0
+  out = capsys.readouterr().out
+  assert "64 samples: tokens int32[9]" in out and "loss jzero.models.lm_loss" in out, out
+
+
 def test_own_model_errors_name_the_flag_and_the_fix(tmp_path, capsys):
   """Each mistake is one paragraph naming what to change, before any training."""
   text = tmp_path / "text.txt"
