@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import sys
+import types
 
 import jax
 import numpy as np
@@ -31,8 +32,8 @@ class _Terminal(io.StringIO):
 
 
 def test_resumed_loop_equals_the_straight_one(tmp_path, capsys, monkeypatch):
-  """... and the progress bar is drawn on a terminal only: into a log file tqdm wrote two lines a
-  step."""
+  """... and the progress bar is drawn on a terminal or in a notebook only: into a log file tqdm
+  wrote two lines a step."""
   data = batches(SMALL.seq_len, N, STEPS)
   engine = _engine()
   batch_at = lambda step: engine.shard_batch(data[step])
@@ -47,9 +48,13 @@ def test_resumed_loop_equals_the_straight_one(tmp_path, capsys, monkeypatch):
 
   seen = []
   state, start = init_or_resume(engine, jax.random.key(0), tmp_path / "ckpt")
-  first = train_loop(engine, state, batch_at, STEPS // 2, start=start, progress=False,
+  kernel = types.SimpleNamespace(config={"IPKernelApp": {}})  # what a Jupyter kernel's IPython has
+  monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: kernel))
+  first = train_loop(engine, state, batch_at, STEPS // 2, start=start,
                      checkpoint_dir=tmp_path / "ckpt", losses_file=tmp_path / "losses.txt",
                      save_every=1, keep=3, on_step=lambda step, metrics: seen.append(step))
+  monkeypatch.delitem(sys.modules, "IPython")
+  assert "train: 100%" in capsys.readouterr().err  # a notebook's output: the bar is drawn
   assert seen == [1, 2] and first.exit_status == 0
   assert checkpoint.all_tags(tmp_path / "ckpt") == ["1", "2"]  # keep=3 kept both
   state, start = init_or_resume(engine, jax.random.key(0), tmp_path / "ckpt")
