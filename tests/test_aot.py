@@ -17,11 +17,13 @@ import warnings
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 from jzero.analysis import aot
 from jzero.analysis.hlo import collectives
+from jzero.analysis.tables import format_count
 from jzero.errors import ConfigError, JZeroError
 from jzero.models import GPT, GPTConfig
 from jzero.models.gpt import PRESETS
@@ -197,6 +199,26 @@ def test_report_table_names_every_part():
     assert all(f">{html.escape(cell)}<" in page for row in [header, *rows] for cell in row)
   ax = report.plot()
   assert len(ax.patches) == 2 * len(report.kinds) and len(ax.lines) == 2
+
+
+class _Mlp(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.up, self.down = nnx.Linear(64, 128, rngs=rngs), nnx.Linear(128, 64, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(jax.nn.relu(self.up(x)))
+
+
+@needs_plugin
+def test_a_factory_model_is_labelled_by_its_class_and_a_readable_count():
+  """A factory's model is named by the class it builds (it said 'function, 0.000B params')."""
+  r = aot.compile_for(dict(BF16_ADAM, zero_optimization={"stage": 3}), "h100", 8,
+                      model=lambda rngs: _Mlp(rngs), loss_fn=lambda m, b: jnp.mean(m(b["x"]) ** 2),
+                      batch=lambda n: {"x": jax.ShapeDtypeStruct((n, 64), jnp.float32)})
+  assert r.model == "_Mlp" and r.num_params == 64 * 128 + 128 + 128 * 64 + 64
+  assert "_Mlp, 16.6K params" in aot.format_report(r)
+  assert [format_count(n) for n in (950, 86_656, 6_390_000, 6.748e9, 999_999)] == [
+      "950", "86.7K", "6.39M", "6.75B", "1M"]
 
 
 # -- runs without the plugin -----------------------------------------------------------------------

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen, nnx
+import safetensors.numpy
 from safetensors import safe_open
 
 import jzero
@@ -349,6 +351,84 @@ def test_16bit_weights_written_at_save_and_keep_last(tmp_path):
   w16 = checkpoint.read_weights(tmp_path / "4" / checkpoint.WEIGHTS16)
   for path, x in truth["params"].items():
     np.testing.assert_array_equal(w16[path], x.astype(jnp.bfloat16))
+
+
+class _Tiny(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.w = nnx.Param(jax.random.normal(rngs.params(), (8, 4)))
+
+  def __call__(self, x):
+    return x @ self.w
+
+
+@pytest.fixture(scope="module")
+def tiny_state():
+  """A stage-3 engine of an 8 x 4 model and its initial state (saves take ~0.1 s)."""
+  engine = jzero.initialize(_Tiny, lambda model, batch: jnp.mean(model(batch["x"]) ** 2),
+                            ds_config(3))
+  return engine, engine.init(jax.random.key(0))
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3, 4, 5])
+def test_keep_leaves_the_newest_k_across_runs(tiny_state, tmp_path, keep):
+  """keep=K over 6 saves leaves exactly the newest K complete checkpoints, also when a second run
+  (a new Checkpointer of the directory, as after a resume) saves 4..6 after a first one saved 1..3
+  (the issue's --keep 3 left only 6, --keep 5 left 5 and 6)."""
+  engine, state = tiny_state
+  newest = lambda last: [str(s) for s in range(max(1, last - keep + 1), last + 1)]
+  for first, last in ((1, 3), (4, 6)):
+    run = checkpoint.Checkpointer(tmp_path, keep=keep)
+    for step in range(first, last + 1):
+      run.save(engine, state._replace(step=jax.device_put(np.int32(step), state.step.sharding)))
+    run.close()
+    assert checkpoint.all_tags(tmp_path) == newest(last)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(newest(last) + ["latest"])
+    assert checkpoint.latest_tag(tmp_path) == str(last)
+
+
+class _BoxedMlp(linen.Module):
+  """A Linen MLP whose first kernel is logically partitioned (boxed) when ``boxed``."""
+  boxed: bool
+
+  @linen.compact
+  def __call__(self, x):
+    init = linen.initializers.lecun_normal()
+    if self.boxed:
+      init = linen.with_logical_partitioning(init, ("embed", "mlp"))
+    return linen.Dense(4, name="down")(jax.nn.relu(linen.Dense(16, kernel_init=init,
+                                                               name="up")(x)))
+
+
+def test_boxed_linen_weights_convert_under_the_modules_names(tmp_path):
+  """jzero convert unboxes nn.with_logical_partitioning params ('up/kernel', not
+  'up/kernel/value'), so the safetensors load into the module built without boxes, and back into
+  the boxed one; the 16-bit weights saved with the checkpoint are named so too."""
+  batch = {"x": np.ones((8, 8), np.float32)}
+
+  def engine(boxed: bool):
+    return jzero.initialize(_BoxedMlp(boxed), lambda model, b: jnp.mean(model(b["x"]) ** 2),
+                            ds_config(3, stage3_gather_16bit_weights_on_model_save=True),
+                            sample_batch=batch, init_inputs=lambda b: (b["x"],))
+
+  boxed = engine(True)
+  state = boxed.init(jax.random.key(0))
+  checkpoint.save_checkpoint(boxed, state, tmp_path / "ckpt")
+  checkpoint.wait_until_finished()
+  out = tmp_path / "w.safetensors"
+  assert cli_main(["convert", str(tmp_path / "ckpt"), "--safetensors", str(out)]) == 0
+  names = {"down/bias", "down/kernel", "up/bias", "up/kernel"}
+  with safe_open(str(out), framework="numpy") as f:
+    assert set(f.keys()) == names
+  assert set(checkpoint.read_weights(tmp_path / "ckpt" / "0" / checkpoint.WEIGHTS16)) == names
+  trained = flat(linen.meta.unbox(boxed.logical_params(state)))
+  for target in (engine(False), boxed):
+    loaded = target.init(jax.random.key(1), params=checkpoint.load_weights(target, out))
+    for name, x in flat(linen.meta.unbox(target.logical_params(loaded))).items():
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(trained[name]))
+  old_names = tmp_path / "boxed_names.safetensors"  # written before the names were unboxed
+  safetensors.numpy.save_file({("up/kernel/value" if n == "up/kernel" else n): np.asarray(x)
+                               for n, x in trained.items()}, str(old_names))
+  assert set(flat(checkpoint.load_weights(boxed, old_names))) == set(flat(state.params))
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -11,9 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jzero import cli
 from zero_testing import free_port
 
 CONFIGS = Path(__file__).parents[1] / "configs"
+OWN_MODEL = Path(__file__).with_name("own_model.py")
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--no-progress"]
 
 
@@ -124,6 +127,83 @@ def test_train_summary_checkpoint_and_resume(tmp_path):
   assert "checkpoint at step 12" in second.stdout
   inspect = _jzero("inspect", str(ckpt))
   assert inspect.returncode == 0 and "step 12" in inspect.stdout and "ZeRO stage 3" in inspect.stdout
+
+
+def test_train_a_model_defined_outside_jzero(tmp_path):
+  """`jzero train --model tests/own_model.py:factory --config configs/zero3.json` trains the
+  user's model with the loss_fn beside it; written to pipes there is no progress bar; --keep 3
+  with a save every step leaves the newest 3 (it left only the newest)."""
+  ckpt, losses = tmp_path / "ckpt", tmp_path / "losses.txt"
+  out = _jzero("train", "--model", str(OWN_MODEL) + ":factory", "--config",
+               str(CONFIGS / "zero3.json"), "--steps", "5", "--seq-len", "16", "--losses-file",
+               str(losses), "--checkpoint-dir", str(ckpt), "--save-every", "1", "--keep", "3")
+  assert out.returncode == 0, out.stderr
+  assert "model ByteMLP, 17.7K parameters; loss own_model.loss_fn" in out.stdout
+  steps = [float(line.split()[1]) for line in losses.read_text().splitlines()]
+  assert len(steps) == 5 and steps[-1] < steps[0] and "loss: start" in out.stdout
+  assert "train:" not in out.stderr  # tqdm wrote its bar into the pipe
+  assert sorted(p.name for p in ckpt.iterdir()) == ["3", "4", "5", "latest"]
+
+
+@pytest.mark.parametrize("model", ["Regressor", "LinenRegressor"])
+def test_train_own_model_on_npz_data_with_its_loss(tmp_path, capsys, model):
+  """--data FILE.npz gives batches of its named arrays, --loss names the loss; a Linen class is
+  built with no arguments and initialised with the module's init_inputs."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(64, 4)).astype(np.float32)
+  np.savez(tmp_path / "xy.npz", x=x, y=x[:, :2] * 2)
+  losses, config = tmp_path / "losses.txt", tmp_path / "ds.json"
+  config.write_text(json.dumps({  # each step the whole data set: the loss falls every step
+      "train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1},
+      "optimizer": {"type": "AdamW", "params": {"lr": 0.05}}}))
+  assert cli.main(["train", "--config", str(config), "--steps", "4",
+                   "--model", f"{OWN_MODEL}:{model}", "--loss", f"{OWN_MODEL}:regression_loss",
+                   "--data", str(tmp_path / "xy.npz"), "--losses-file", str(losses)]) == 0
+  out = capsys.readouterr().out
+  assert "64 samples: x float32[4], y float32[2]" in out and "samples/s" in out, out
+  assert f"model {model}, 10 parameters" in out
+  steps = [float(line.split()[1]) for line in losses.read_text().splitlines()]
+  assert len(steps) == 4 and all(b < a for a, b in zip(steps, steps[1:])), steps
+
+
+def test_own_language_model_on_npy_tokens_takes_the_default_loss(tmp_path, capsys):
+  """A module without loss_fn, on a .npy of token rows: next-token cross-entropy."""
+  (tmp_path / "lm.py").write_text("from own_model import factory\n")
+  tokens = np.random.default_rng(0).integers(0, 256, size=(64, 9), dtype=np.int32)
+  np.save(tmp_path / "tokens.npy", tokens)
+  assert cli.main(["train", "--config", str(CONFIGS / "zero2.json"), "--steps", "2", "--model",
+                   f"{tmp_path / 'lm.py'}:factory", "--data", str(tmp_path / "tokens.npy")]) == 0
+  out = capsys.readouterr().out
+  assert "64 samples: tokens int32[9]" in out and "loss jzero.models.lm_loss" in out, out
+
+
+def test_own_model_errors_name_the_flag_and_the_fix(tmp_path, capsys):
+  """Each mistake is one paragraph naming what to change, before any training."""
+  text = tmp_path / "text.txt"
+  text.write_text("some text to train on. " * 200)
+  np.savez(tmp_path / "xy.npz", x=np.zeros((64, 4), np.float32), y=np.zeros((64, 2), np.float32))
+  net = tmp_path / "net.py"  # a module without a loss_fn
+  net.write_text("from own_model import Regressor as Net\n")
+  cases = [
+      (["--model", str(OWN_MODEL)], "give MODULE:NAME or path/to/file.py:NAME"),
+      (["--model", f"{OWN_MODEL}:missing"], "defines no 'missing' (its callables: ByteMLP, "),
+      (["--model", "no_such_package.models:factory"], "no module 'no_such_package' on the path"),
+      (["--model", f"{OWN_MODEL}:factory", "--layers", "2"], "--layers: the embedded GPT's shape"),
+      (["--loss", f"{OWN_MODEL}:loss_fn"], "--loss goes with --model"),
+      (["--model", f"{net}:Net", "--data", str(tmp_path / "xy.npz")],
+       "no loss. Its module defines no loss_fn, and the --data batches (keys ['x', 'y'])"),
+      (["--model", f"{OWN_MODEL}:Regressor", "--loss", f"{OWN_MODEL}:regression_loss", "--data",
+        str(text)], f"--model '{OWN_MODEL}:Regressor' with the loss "
+                    f"{OWN_MODEL}:regression_loss cannot take the batches of {text} "
+                    f"({{tokens: int32[4, 65]}} per device): KeyError: 'x'. Text data gives"),
+      (["--model", f"{OWN_MODEL}:factory", "--data", str(tmp_path / "xy.npz")],
+       "cannot take the batches of"),
+  ]
+  for args, message in cases:
+    assert cli.main(["train", "--config", str(CONFIGS / "zero3.json"), "--steps", "1",
+                     *args]) == 2, args
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, (args, err)
 
 
 def test_estimate_prints_the_classic_table():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jzero.errors import DataError
-from jzero.runtime.data import ByteCorpus, stdlib_files
+from jzero.runtime.data import ArrayDataset, ByteCorpus, stdlib_files
 
 
 def test_stdlib_corpus_is_real_python_source():
@@ -43,3 +43,21 @@ def test_text_file_and_errors(tmp_path):
   tiny.write_text("abc")
   with pytest.raises(DataError, match="fewer than one sequence"):
     ByteCorpus.load(tiny, seq_len=8)
+
+
+def test_array_files_and_their_errors(tmp_path):
+  """`jzero train --data`: a .npz gives its named arrays, a .npy the key 'tokens', one row per
+  sample; arrays of different row counts, object arrays and missing files are refused."""
+  np.savez(tmp_path / "xy.npz", x=np.arange(12.0).reshape(6, 2), y=np.arange(6))
+  xy = ArrayDataset.load(tmp_path / "xy.npz")
+  assert len(xy) == 6 and xy[4]["x"].tolist() == [8.0, 9.0] and int(xy[4]["y"]) == 4
+  np.save(tmp_path / "tokens.npy", np.ones((3, 5), np.int32))
+  assert ArrayDataset.load(tmp_path / "tokens.npy")[2]["tokens"].shape == (5,)
+  np.savez(tmp_path / "ragged.npz", x=np.zeros((6, 2)), y=np.zeros(5))
+  with pytest.raises(DataError, match=r"the same number in each; got rows \{'x': 6, 'y': 5\}"):
+    ArrayDataset.load(tmp_path / "ragged.npz")
+  np.savez(tmp_path / "objects.npz", x=np.array([{"a": 1}], dtype=object))
+  with pytest.raises(DataError, match="without object arrays"):
+    ArrayDataset.load(tmp_path / "objects.npz")
+  with pytest.raises(DataError, match="does not exist"):
+    ArrayDataset.load(tmp_path / "missing.npz")

@@ -19,9 +19,10 @@ CONFIG = HERE.parents[0] / "configs" / "zero3.json"
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--no-progress"]
 
 
-def _train(ckpt: Path, steps: int, *kill: str) -> subprocess.CompletedProcess:
+def _train(ckpt: Path, steps: int, *kill: str, keep: int | None = None
+           ) -> subprocess.CompletedProcess:
   args = ["train", "--config", str(CONFIG), "--steps", str(steps), "--checkpoint-dir", str(ckpt),
-          "--save-every", "2", *TINY]
+          "--save-every", "2", *TINY, *(["--keep", str(keep)] if keep else [])]
   command = ([str(HERE / "kill_during_save.py"), *kill, "--", *args] if kill
              else ["-m", "jzero.cli", *args])
   return subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=600,
@@ -38,8 +39,10 @@ EXPECTED = {
 
 @pytest.mark.parametrize("phase", list(EXPECTED))
 def test_killed_save_resumes_and_saves_again(tmp_path, phase):
+  """With --keep 1 too: retention runs only after a save is complete, so the killed save's
+  complete predecessor stays."""
   ckpt = tmp_path / "ckpt"
-  killed = _train(ckpt, 6, phase, "4")
+  killed = _train(ckpt, 6, phase, "4", keep=1)
   assert killed.returncode == -9, killed.stderr[-2000:]
   complete, resume_step = EXPECTED[phase]
   assert checkpoint.all_tags(ckpt) == complete

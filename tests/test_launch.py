@@ -160,6 +160,21 @@ def test_a_command_on_path_runs_as_itself(tmp_path, monkeypatch):
     launch._program("trainer", [], module=True, no_python=True)
 
 
+def test_an_executable_path_runs_as_itself(tmp_path):
+  """``jzero launch -- /abs/venv/bin/python script.py`` runs the interpreter on the script in
+  every process (it ran ``python -u /abs/venv/bin/python``: 'source code cannot contain null
+  bytes'); an executable ``.py`` file still runs under python."""
+  script = tmp_path / "hello.py"
+  script.write_text("import os\nprint('hello from', os.environ['JZERO_PROCESS_ID'])\n")
+  script.chmod(0o755)
+  assert launch._program(sys.executable, [str(script)], module=False) == [sys.executable,
+                                                                          str(script)]
+  assert launch._program(str(script), [], module=False)[1:] == ["-u", str(script)]
+  p, out = _launch(["--num_processes", "2", "--", sys.executable, str(script)])
+  assert p.wait(timeout=60) == 0, out.text
+  assert {"[0] hello from 0\n", "[1] hello from 1\n"} <= set(out.lines), out.text
+
+
 # -- failures ---------------------------------------------------------------------------------------
 def test_sigkill_under_launcher_stops_the_job(tmp_path):
   """A hostfile of two local names, --include picks one slot of each; process 1 is SIGKILLed at

@@ -49,7 +49,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from jzero.analysis.hlo import Collective
-from jzero.analysis.tables import format_bytes, html_table, require_pyplot, text_table
+from jzero.analysis.tables import (format_bytes, format_count, html_table, require_pyplot,
+                                    text_table)
 from jzero.errors import ConfigError, JZeroError
 from jzero.runtime import quiet_start
 
@@ -310,8 +311,9 @@ def _config_dict(config: Any, precision: str | None, checkpoint_activations: boo
   return data
 
 
-def _model(model: Any) -> tuple[Any, Any, str]:
-  """(model factory or module, GPTConfig or None, description) of compile_for's ``model``."""
+def _model(model: Any) -> tuple[Any, Any, str | None]:
+  """(model factory or module, GPTConfig or None, description or None) of compile_for's
+  ``model``; a model of the user's is described by its class once built."""
   from jzero.models import GPT, GPTConfig  # noqa: PLC0415
   from jzero.models.gpt import PRESETS, preset  # noqa: PLC0415
 
@@ -324,7 +326,7 @@ def _model(model: Any) -> tuple[Any, Any, str]:
         f"{' gated' if model.gated_mlp else ''}, vocab {model.vocab_size}, seq {model.seq_len})")
     cfg = model
     return (lambda rngs: GPT(cfg, rngs=rngs)), cfg, what
-  return model, None, type(model).__name__
+  return model, None, None
 
 
 def _leaf_bytes(sharding: Any, tree: Any) -> int:
@@ -481,8 +483,9 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
   sharding = engine.batch_sharding()
   batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch)
   num_params = sum(l.numel for l in engine.plan.leaf_list())
+  what = what or type(engine.model.module).__name__  # a factory's: the class it builds
   cfg = engine.config
-  say(f"model {what}: {num_params / 1e9:.3f}B params; ZeRO-{cfg.zero_optimization.stage}, "
+  say(f"model {what}: {format_count(num_params)} params; ZeRO-{cfg.zero_optimization.stage}, "
       f"{cfg.precision}, micro-batch {cfg.train_micro_batch_size_per_gpu} x gas "
       f"{cfg.gradient_accumulation_steps} x dp {zmesh.dp_size}")
   traced = engine.jitted_step(batch).trace(state, batch)
@@ -529,7 +532,7 @@ def report_parts(r: AotReport) -> list[Any]:
   gib = r.device_memory / 2**30
   parts: list[Any] = [
       f"jzero aot: {r.devices} x {r.gpu} ({gib:.2f} GiB each), ZeRO-{r.stage}, {r.precision}, "
-      f"{r.model}, {r.num_params / 1e9:.3f}B params",
+      f"{r.model}, {format_count(r.num_params)} params",
       f"  mesh {r.mesh}; micro-batch {r.micro_batch} x gas {r.gradient_accumulation_steps}, "
       f"activation checkpointing {'on' if r.checkpoint_activations else 'off'}",
       f"  compile: trace {r.trace_s:.1f} s, lower {r.lower_s:.1f} s, XLA GPU compile "

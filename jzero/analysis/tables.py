@@ -13,7 +13,8 @@ import dataclasses
 import html
 from typing import Any, Sequence
 
-__all__ = ["Table", "format_bytes", "byte_cell", "text_table", "html_table", "require_pyplot"]
+__all__ = ["Table", "format_bytes", "format_count", "byte_cell", "text_table", "html_table",
+           "require_pyplot"]
 
 
 def format_bytes(n: float) -> str:
@@ -22,6 +23,15 @@ def format_bytes(n: float) -> str:
     if abs(n) >= scale:
       return f"{n / scale:,.2f} {unit}"
   return f"{n:,.0f} B"
+
+
+def format_count(n: float) -> str:
+  """A count to three significant digits with a decimal unit: '950', '86.7K', '6.39M', '7B'."""
+  rounded = float(f"{n:.3g}")
+  for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if abs(rounded) >= scale:
+      return f"{rounded / scale:.3g}{unit}"
+  return f"{rounded:.3g}"
 
 
 def byte_cell(n: float) -> str:

@@ -48,15 +48,17 @@ import jax
 import optax
 import orbax.checkpoint as ocp
 import xxhash
+from flax.core import meta as flax_meta
 
 from jzero.errors import CheckpointError, JZeroWarning
-from jzero.sharding.plan import LeafPlan, path_str
+from jzero.sharding.plan import LeafPlan, flatten_paths, path_str
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "META_FILE", "FILES_FILE", "LATEST_FILE",
-           "WEIGHTS16", "DELETING", "ORBAX_TMP", "CHECKSUM", "nest", "opt_leaves", "array_leaves",
-           "array_handler", "check_tag", "is_complete", "latest_tag", "all_tags", "incomplete_tags",
-           "resume_tag", "latest_step", "checkpoint_dir", "write_atomic", "record_files",
-           "recorded_files", "verify_files", "read_metadata", "optimizer_name", "open_checkpoint"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "META_FILE", "FILES_FILE", "LATEST_FILE", "WEIGHTS16",
+           "DELETING", "ORBAX_TMP", "CHECKSUM", "nest", "module_names", "opt_leaves",
+           "array_leaves", "array_handler", "check_tag", "is_complete", "latest_tag", "all_tags",
+           "incomplete_tags", "resume_tag", "latest_step", "checkpoint_dir", "write_atomic",
+           "record_files", "recorded_files", "verify_files", "read_metadata", "optimizer_name",
+           "open_checkpoint"]
 
 PyTree = Any
 FORMAT = "jzero-checkpoint"
@@ -85,6 +87,17 @@ def nest(flat: dict[str, Any]) -> dict:
       node = node.setdefault(part, {})
     node[last] = x
   return out
+
+
+def module_names(tree: PyTree) -> dict[str, str]:
+  """Each leaf's '/'-joined path -> the module's own name for it.
+
+  Linen's metadata boxes (``nn.with_logical_partitioning``, ``nn.with_partitioning``) are pytree
+  nodes: in the params tree a boxed kernel's path ends in the box's field, ``.../kernel/value``,
+  while the module built without boxes names it ``.../kernel``. Plain weights (safetensors, the
+  params-only Orbax checkpoints) use the module's names.
+  """
+  return dict(zip(flatten_paths(tree), flatten_paths(flax_meta.unbox(tree))))
 
 
 def opt_leaves(engine: Any, opt_state: PyTree) -> dict[str, LeafPlan | None]:

@@ -17,6 +17,20 @@ waited for when the main thread ends -- before Python shuts down the thread pool
 with -- so such a script still leaves a finalized checkpoint. If a save fails then, the process
 prints one line naming the checkpoint and exits with status 1.
 
+**Retention** (``keep``). After ``latest`` has moved, the newest ``keep`` complete checkpoints up to
+the one just saved stay -- counting those of earlier runs in the directory, so a resumed job keeps
+the newest ``keep`` overall -- and older ones are deleted; a checkpoint newer than the one just
+saved, the one ``latest`` names and incomplete saves are never touched, so a save killed at any
+point still has its complete predecessor. Which to keep is decided by Orbax's ``LatestN``
+preservation policy, what ``CheckpointManager(max_to_keep=...)`` uses. Orbax's
+``CheckpointManager`` itself does not fit this directory: it names checkpoints by integer step,
+where DeepSpeed's tag is any name given per save (``"epoch_0"``); its ``latest_step`` is the
+highest step on disk, where DeepSpeed's ``latest`` file names a tag and a ``save_latest=False``
+save must not become it; and it chooses what to delete when a save starts, counting that save,
+then deletes right after Orbax's commit -- before jzero records the file list that makes a
+checkpoint complete, so with ``max_to_keep=1`` a save killed in between would have deleted its
+only complete predecessor.
+
 Beside the arrays goes one JSON document: format version, jzero / JAX / Orbax versions, the tag,
 the step and the data position (the number of optimizer steps taken: batches are a pure function
 of the step, see :mod:`jzero.runtime.data`), the stage, precision, mesh, the resolved DeepSpeed
@@ -27,12 +41,14 @@ executable.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import json
+import os
 import shutil
 import sys
 import threading
 import warnings
-import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +59,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jzero.checkpoint import layout
-from jzero.checkpoint.layout import (DELETING, FORMAT, FORMAT_VERSION, LATEST_FILE, META_FILE,
-                                     ORBAX_TMP, WEIGHTS16)
+from jzero.checkpoint.layout import (DELETING, FILES_FILE, FORMAT, FORMAT_VERSION, LATEST_FILE,
+                                     META_FILE, ORBAX_TMP, WEIGHTS16)
 from jzero.errors import CheckpointError, JZeroWarning
 from jzero.sharding.plan import LeafPlan, Plan, flatten_paths
 from jzero.version import __version__
@@ -55,8 +71,8 @@ __all__ = ["Checkpointer", "save_checkpoint", "wait_until_finished", "weights_js
 # --- the JSON document ---------------------------------------------------------------------------
 
 
-def _leaf_json(leaf: LeafPlan) -> dict:
-  return {"path": leaf.path, "shape": list(leaf.shape), "dtype": "float32",
+def _leaf_json(leaf: LeafPlan, name: str) -> dict:
+  return {"path": leaf.path, "name": name, "shape": list(leaf.shape), "dtype": "float32",
           "stacked": leaf.stacked, "shard_dim": leaf.shard_dim, "padded": leaf.padded,
           "param_partitioned": leaf.param_partitioned,
           "state_partitioned": leaf.state_partitioned}
@@ -78,6 +94,7 @@ def _metadata(engine: Any, state: Any, tag: str, arrays: dict[str, jax.Array],
               weights16: np.dtype | None, client_state: dict | None, save_latest: bool) -> dict:
   plan = engine.plan
   leaves = layout.array_leaves(engine, state)
+  names = layout.module_names(plan.leaves)
   return {
       "format": FORMAT,
       "format_version": FORMAT_VERSION,
@@ -92,7 +109,7 @@ def _metadata(engine: Any, state: Any, tag: str, arrays: dict[str, jax.Array],
       "mesh": _mesh_json(engine),
       "config": engine.config.to_dict(),
       "global_batch_size": engine.global_batch_size,
-      "leaves": [_leaf_json(leaf) for leaf in plan.leaf_list()],
+      "leaves": [_leaf_json(leaf, names[leaf.path]) for leaf in plan.leaf_list()],
       "arrays": {name: {"shape": list(x.shape), "dtype": str(np.dtype(x.dtype)),
                         "leaf": leaves[name].path if leaves.get(name) is not None else None}
                  for name, x in arrays.items()},
@@ -130,6 +147,24 @@ def _spread_sharding(engine: Any, shape: tuple[int, ...]) -> NamedSharding:
       spec[d] = axes[0] if len(axes) == 1 else axes
       break
   return NamedSharding(engine.mesh.mesh, P(*spec))
+
+
+# --- retention ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _SavedCheckpoint:
+  """A complete checkpoint as Orbax's preservation policies see it (``PolicyCheckpointInfo``)."""
+
+  step: int
+  time: datetime.datetime  # when it became complete: its file list's modification time
+  metrics: dict | None = None
+
+  @classmethod
+  def of(cls, directory: Path, tag: str) -> _SavedCheckpoint:
+    written = (directory / tag / FILES_FILE).stat().st_mtime
+    return cls(step=int(layout.read_metadata(directory, tag)["step"]),
+               time=datetime.datetime.fromtimestamp(written, datetime.timezone.utc))
 
 
 # --- the checkpointer ----------------------------------------------------------------------------
@@ -223,7 +258,8 @@ class Checkpointer:
       multihost_utils.sync_global_devices(f"jzero-checkpoint-slot-{tag}")
 
   def _weights16(self, engine: Any, state: Any, dtype: np.dtype) -> dict[str, jax.Array]:
-    """The logical weights in ``dtype``, each split over the devices (see _spread_sharding)."""
+    """The logical weights in ``dtype`` by the module's names (:func:`layout.module_names`), each
+    split over the devices (see _spread_sharding)."""
     plan = engine.plan
     cached = self._cast_fns.get(id(plan))
     if cached is None:
@@ -232,7 +268,8 @@ class Checkpointer:
                    out_shardings=shardings)
       cached = self._cast_fns[id(plan)] = (plan, fn)
     truth = state.master if plan.has_master else state.params
-    return flatten_paths(cached[1](truth))
+    names = layout.module_names(plan.leaves)
+    return {names[path]: x for path, x in flatten_paths(cached[1](truth)).items()}
 
   def _finalize(self, tag: str, save_latest: bool) -> None:
     """Background: wait for Orbax's commit, then record the files, move ``latest``, prune."""
@@ -247,16 +284,24 @@ class Checkpointer:
       self._failure = (tag, e)
 
   def _prune(self, newest: str) -> None:
-    """Deletes the checkpoints older than the newest ``keep`` (never ``newest`` or ``latest``); a
+    """Deletes the checkpoints older than the newest ``keep`` (module docstring, *Retention*).
+
+    Runs after ``newest`` is complete and ``latest`` has moved. Orbax's ``LatestN`` (what
+    ``CheckpointManager``'s ``max_to_keep`` becomes) decides among the complete checkpoints up to
+    ``newest``, oldest first; those after it and the one ``latest`` names are never deleted. A
     checkpoint is renamed away first, so a deletion cut short never leaves something that looks
-    like a checkpoint."""
+    like a checkpoint.
+    """
     if self.keep is None:
       return
     tags = layout.all_tags(self.directory)
-    kept = set(tags[tags.index(newest) + 1 - self.keep: tags.index(newest) + 1])
-    kept.add(layout.latest_tag(self.directory))
-    for tag in tags[:tags.index(newest)]:
-      if tag not in kept:
+    candidates = tags[:tags.index(newest) + 1]
+    preserve = ocp.checkpoint_managers.LatestN(n=self.keep).should_preserve(
+        [_SavedCheckpoint.of(self.directory, tag) for tag in candidates],
+        context=ocp.checkpoint_managers.PreservationContext())
+    named = layout.latest_tag(self.directory)
+    for tag, kept in zip(candidates, preserve):
+      if not kept and tag != named:
         doomed = self.directory / (tag + DELETING)
         os.rename(self.directory / tag, doomed)
         shutil.rmtree(doomed)

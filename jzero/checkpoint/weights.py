@@ -12,7 +12,9 @@ weights in the model's compute dtype as a params-only Orbax checkpoint inside th
 A params-only Orbax checkpoint is a plain Orbax PyTree of the model's logical weights as nested
 dicts (``ocp.PyTreeCheckpointer().restore(path)`` reads it without jzero), with jzero's description
 in the PyTree's ``custom_metadata``. A safetensors file names its tensors by the '/'-joined leaf
-paths of the plan.
+paths of the model's parameters, as the module names them: Linen's metadata boxes
+(``nn.with_logical_partitioning``) are unboxed on the way out (``.../kernel``, not
+``.../kernel/value``), so the weights load into the module built with or without them.
 """
 
 from __future__ import annotations
@@ -67,9 +69,10 @@ class ConsolidateReport:
 
 
 def _stored_leaves(meta: dict) -> list[tuple[str, tuple[int, ...], str]]:
-  """(leaf path, logical shape, stored array name) of the weights' truth, in plan order."""
+  """(the module's name, logical shape, stored array name) of the weights' truth, in plan order.
+  Checkpoints before the names were recorded give the plan path."""
   group = "master" if meta["has_master"] else "params"
-  return [(leaf["path"], tuple(leaf["shape"]), f"{group}/{leaf['path']}")
+  return [(leaf.get("name", leaf["path"]), tuple(leaf["shape"]), f"{group}/{leaf['path']}")
           for leaf in meta["leaves"]]
 
 
@@ -131,7 +134,8 @@ def consolidate(directory: str | os.PathLike, *, tag: str | int | None = None,
   Args:
     directory: a training checkpoint directory (or one checkpoint's directory); may be relative.
     tag: the checkpoint (default: ``latest``).
-    safetensors: path of the safetensors file to write (tensor names: '/'-joined leaf paths).
+    safetensors: path of the safetensors file to write (tensor names: '/'-joined parameter paths
+      as the module names them, see the module docstring).
     orbax: directory of the params-only Orbax checkpoint to write.
     dtype: "fp32", "bf16" or "fp16".
   """
@@ -227,7 +231,10 @@ def load_weights(engine: Any, path: str | os.PathLike, *, sample_batch: Any = No
   """
   flat = read_weights(path)
   model = engine.model.abstract_params(jax.random.key(0), sample_batch)
-  want = flatten_paths(model)
+  # by the module's names; a file written with the boxes' names (before they were unboxed) too
+  names = {path: (path if path in flat and name not in flat else name)
+           for path, name in layout.module_names(model).items()}
+  want = {names[path]: x for path, x in flatten_paths(model).items()}
   missing, unexpected = sorted(set(want) - set(flat)), sorted(set(flat) - set(want))
   if missing or unexpected:
     raise CheckpointError(f"weights {path} are for another model: the model's leaves {missing[:5]} "

@@ -5,7 +5,9 @@
 Python standard library's source, as bytes) on 8 simulated CPU devices, with a progress bar, the
 loss every ``steps_per_print`` steps, and a summary at the end.
 
-``--checkpoint-dir DIR`` saves sharded checkpoints there and resumes from the latest one.
+``jzero train --model path/to/file.py:factory [--loss ...] [--data samples.npz]`` trains the
+user's own model (:mod:`jzero.cli.train`). ``--checkpoint-dir DIR`` saves sharded checkpoints
+there and resumes from the latest one.
 ``jzero launch --num_processes 2 --num_cpu_devices 4 --module jzero train ...`` runs a script (or
 ``jzero train``) as several processes, here or over ssh on a hostfile's hosts
 (:mod:`jzero.runtime.launch`); ``jzero train`` joins them, or a SLURM / Open MPI / Kubernetes job,

@@ -12,6 +12,8 @@ the uninterrupted run would have seen, and the data position to save is just the
 :class:`DataLoader` does the same for a user's own indexable dataset: it is what
 ``jzero.initialize(..., training_data=dataset)`` puts in ``engine.training_dataloader`` (DeepSpeed's
 ``training_data`` argument), yielding global batches already placed on the mesh.
+:class:`ArrayDataset` is such a dataset read from a ``.npz`` / ``.npy`` file (``jzero train
+--data``): named arrays with one row per sample.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 
 from jzero.errors import DataError
 
-__all__ = ["ByteCorpus", "DataLoader", "local_rows", "stdlib_files"]
+__all__ = ["ArrayDataset", "ByteCorpus", "DataLoader", "local_rows", "stdlib_files"]
 
 DEFAULT_MAX_BYTES = 8 << 20
 
@@ -108,6 +110,49 @@ class ByteCorpus:
       starts = starts[np.asarray(rows)]
     idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
     return {"tokens": self.tokens[idx].astype(np.int32)}
+
+
+class ArrayDataset:
+  """Samples from named arrays of one row per sample: ``dataset[i] = {name: array[i]}``.
+
+  :meth:`load` reads a ``.npz`` file (each array a batch key, e.g. ``x`` and ``y``) or a ``.npy``
+  file (one array, the key ``tokens``: e.g. int32 token sequences [N, T + 1] for a language
+  model). Arrays only: object arrays (pickles) are refused.
+  """
+
+  def __init__(self, arrays: dict[str, np.ndarray], *, source: str = "<arrays>"):
+    if not arrays:
+      raise DataError(f"{source} holds no arrays; give one array per batch key, one row per "
+                      f"sample (np.savez(path, x=..., y=...)).")
+    rows = {name: np.shape(x)[0] if np.ndim(x) else None for name, x in arrays.items()}
+    if None in rows.values() or len(set(rows.values())) != 1:
+      raise DataError(f"{source}: every array needs one row per sample, the same number in each; "
+                      f"got rows {rows} (a 0-d array has none).")
+    self.arrays, self.source = arrays, source
+
+  @classmethod
+  def load(cls, path: str | os.PathLike[str]) -> ArrayDataset:
+    """The arrays of a ``.npz`` or ``.npy`` file (a ``.npy`` is memory-mapped)."""
+    p = Path(path)
+    if not p.is_file():
+      raise DataError(f"data file {str(p)!r} does not exist; give a .npz of named arrays or a "
+                      f".npy of token sequences, one row per sample.")
+    try:
+      if p.suffix == ".npy":
+        arrays = {"tokens": np.load(p, mmap_mode="r")}
+      else:
+        with np.load(p) as npz:
+          arrays = {name: npz[name] for name in npz.files}
+    except (ValueError, OSError) as e:
+      raise DataError(f"{p} cannot be read as numpy arrays ({e}); write it with np.save / "
+                      f"np.savez, without object arrays.") from None
+    return cls(arrays, source=str(p))
+
+  def __len__(self) -> int:
+    return len(next(iter(self.arrays.values())))
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    return {name: np.asarray(x[index]) for name, x in self.arrays.items()}
 
 
 class DataLoader:

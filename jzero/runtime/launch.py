@@ -17,8 +17,10 @@ of each, ``--include``/``--exclude`` name hosts and slots as ``host1:0,1@host2``
 How they start. Processes on this machine (``localhost``, ``127.0.0.1`` or its host name) are
 spawned directly; the others through ``ssh HOST 'cd CWD && export ...; exec PYTHON -u script
 ...'`` (the same Python path and working directory on every host, as DeepSpeed assumes;
-``--dry-run`` prints the commands without running anything). Every process gets
-``JZERO_COORDINATOR`` (``--master_addr:--master_port``), ``JZERO_NUM_PROCESSES``,
+``--dry-run`` prints the commands without running anything). A ``.py`` file, or any file that is
+not executable, runs under this Python (``python -u script``); an executable file (a Python
+interpreter given by path, a shell script) or a command on ``PATH`` runs as itself. Every process
+gets ``JZERO_COORDINATOR`` (``--master_addr:--master_port``), ``JZERO_NUM_PROCESSES``,
 ``JZERO_PROCESS_ID``, ``JZERO_LOCAL_RANK`` (and torch-style ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), ``JZERO_NUM_CPU_DEVICES`` with
 ``--num_cpu_devices`` (simulated CPU devices per process, joined over gloo) and the variables of
@@ -209,14 +211,24 @@ def process_env(proc: Proc, world: int, local_world: int, master_addr: str, mast
   return env
 
 
+def _runs_as_itself(script: str) -> bool:
+  """An executable file that is not Python source (a Python interpreter given by path, a shell
+  script, a binary), or a command on ``PATH`` when no file of that name is here."""
+  path = Path(script)
+  if path.exists():
+    return path.is_file() and path.suffix != ".py" and os.access(path, os.X_OK)
+  return shutil.which(script) is not None
+
+
 def _program(script: str, script_args: Sequence[str], module: bool, no_python: bool = False
              ) -> list[str]:
-  """The program every process runs: ``python -u [-m] script ...``, or the command itself with
-  ``--no_python`` or when ``script`` is no file here but a command on ``PATH`` (``jzero launch --
-  jzero train ...``: a console script is itself a Python program)."""
+  """The program every process runs: ``python -u [-m] script ...`` for a Python script or module,
+  or the command itself with ``--no_python`` or when ``script`` is an executable (``jzero launch
+  -- /venv/bin/python train.py``, ``-- ./run.sh``) or a command on ``PATH`` that is no file here
+  (``jzero launch -- jzero train ...``: a console script is itself a Python program)."""
   if module and no_python:
     raise JZeroError("--module and --no_python exclude each other: a module runs under python.")
-  if no_python or (not module and not Path(script).exists() and shutil.which(script)):
+  if no_python or (not module and _runs_as_itself(script)):
     return [script, *script_args]
   return [sys.executable, "-u", *(["-m"] if module else []), script, *script_args]
 

@@ -1,7 +1,9 @@
 """The resumable training loop: :func:`train_loop`, what ``jzero train`` runs, for any model.
 
 A loop over optimizer steps ``start + 1 .. steps`` with what a long job needs around
-:meth:`jzero.Engine.train_step`: a progress bar, asynchronous checkpoints at the end and every
+:meth:`jzero.Engine.train_step`: a progress bar (on a terminal or in a notebook; written to a log
+file or a pipe it would add two lines a step, so there only the engine's loss line every
+``steps_per_print`` steps is printed), asynchronous checkpoints at the end and every
 ``save_every`` steps (keeping the last ``keep``), each step's loss appended to a file, an fp16 run
 stopped when the loss scale can back off no further (DeepSpeed stops there too), and preemption:
 when any process gets SIGTERM every process stops after the same step
@@ -60,6 +62,16 @@ class LoopResult:
   exit_status: int = 0
 
 
+def _interactive(stream: Any) -> bool:
+  """A terminal, or a Jupyter kernel's output (where tqdm.auto draws a widget, as tqdm tells a
+  kernel); not a log file or a pipe."""
+  if stream.isatty():
+    return True
+  ipython = sys.modules.get("IPython")
+  shell = ipython.get_ipython() if ipython is not None else None
+  return shell is not None and "IPKernelApp" in shell.config
+
+
 def init_or_resume(engine: Engine, rng: jax.Array, checkpoint_dir: str | Path | None = None, *,
                    require: bool = False) -> tuple[TrainState, int]:
   """A fresh state (:meth:`Engine.init`), or the latest checkpoint in ``checkpoint_dir`` when
@@ -94,7 +106,8 @@ def train_loop(engine: Engine, state: TrainState, batch_at: Callable[[int], Any]
     checkpoint_dir: save here after the last step, every ``save_every`` steps and when preempted.
     keep: keep only the last ``keep`` checkpoints.
     losses_file: append ``STEP LOSS`` lines (process 0) at full precision.
-    progress: show a progress bar (process 0; a widget under Jupyter).
+    progress: show a progress bar (process 0; a widget under Jupyter) when stderr is a terminal
+      or a notebook's.
     on_step: called with (step number, metrics) after each step.
 
   Raises:
@@ -106,7 +119,7 @@ def train_loop(engine: Engine, state: TrainState, batch_at: Callable[[int], Any]
   primary = jax.process_index() == 0
   result = LoopResult(state=state, start=start, losses=[], step_times=[])
   bar = tqdm(range(start, steps), desc="train", unit="step", dynamic_ncols=True, initial=start,
-             total=steps, disable=not progress or not primary)
+             total=steps, disable=not (progress and primary and _interactive(sys.stderr)))
   with logging_redirect_tqdm(loggers=[logging.getLogger("jzero")]):
     for step in bar:
       batch = batch_at(step)
