@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     auto["warmup_num_steps"] = args.warmup_steps
   engine = initialize(model=lambda rngs: GPT(model_cfg, rngs=rngs), loss_fn=lm_loss,
                       config=config, mesh=args.mesh, total_num_steps=args.steps,
-                      auto_values=auto)
+                      auto_values=auto, tokens_per_sample=model_cfg.seq_len)
   cfg = engine.config
   say(f"jzero: ZeRO stage {cfg.zero_optimization.stage}, {cfg.precision}, mesh "
       f"{engine.mesh.describe()}")
@@ -87,13 +87,11 @@ def run(args: argparse.Namespace) -> int:
   val = engine.eval_loss(state, corpus.batch(0, cfg.train_batch_size, seed=args.seed, split="val"))
   steady = step_times[1:] or step_times
   tail = losses[-min(10, len(losses)):]
-  tokens_per_step = cfg.train_batch_size * model_cfg.seq_len
   say()
   say(f"loss: start {losses[0]:.4f} -> end {float(np.mean(tail)):.4f} (mean of last {len(tail)} "
       f"steps); validation {val:.4f}")
-  say(f"throughput: {tokens_per_step / float(np.median(steady)):,.0f} tokens/s (median step "
-      f"{float(np.median(steady)) * 1e3:.0f} ms; first step incl. compile "
-      f"{step_times[0]:.1f} s)")
+  say(f"throughput: {result.throughput} (median step {float(np.median(steady)) * 1e3:.0f} ms; "
+      f"first step incl. compile {step_times[0]:.1f} s)")
   say(format_memory_report(engine.memory_report(state)))
   return 0
 
