@@ -72,9 +72,13 @@ def test_tensorboard_and_csv_hold_every_step_with_the_console_losses(tmp_path, c
                                 "job_name": "tiny_csv"})
   data = batches(TINY.seq_len, N, 3)
   state = engine.init(jax.random.key(0))
-  with caplog.at_level(logging.INFO, logger="jzero"):
+  logger = logging.getLogger("jzero")  # (it does not propagate to caplog's root handler)
+  logger.addHandler(caplog.handler)
+  try:
     result = train_loop(engine, state, lambda step: engine.shard_batch(data[step]), 3,
                         progress=False)
+  finally:
+    logger.removeHandler(caplog.handler)
   console = [float(m[1]) for m in re.finditer(r"step \d+: loss (\d+\.\d+)", caplog.text)]
   assert console == [round(loss, 4) for loss in result.losses]
 

@@ -734,4 +734,5 @@ class Engine(StepBuilder):
 def _abstract(tree: PyTree) -> PyTree:
   """``tree``'s arrays as ShapeDtypeStructs with their shardings: what lowers a jitted step again
   after its arguments were donated."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                                     sharding=getattr(x, "sharding", None)), tree)
