@@ -458,7 +458,9 @@ class Engine(StepBuilder):
     """What steps of ``step_seconds`` each make per second -- samples, tokens (with
     ``tokens_per_sample``), model FLOPs utilization -- for the step variant that ran last (after a
     :meth:`train_step`). The FLOPs are read once per variant from its compiled program
-    (:mod:`jzero.analysis.flops`), the peak from the device or a measurement of it."""
+    (:mod:`jzero.analysis.flops`), lowered again from its abstract arguments: XLA's compilation
+    cache returns the program that ran, except for a step with host callbacks (the NVMe tiers),
+    which compiles once more. The peak comes from the device or a measurement of it."""
     if self._flops_key is None:
       raise JZeroError("engine.throughput(...) needs a step first: it reads the FLOPs of the step "
                        "that ran (state, metrics = engine.train_step(state, batch)).")
