@@ -23,6 +23,7 @@ from jzero.config import Config
 from jzero.errors import ConfigError, NotSupportedError
 from jzero.models import GPTConfig, lm_loss
 from jzero.train.loop import train_loop
+from jzero.train.monitor import step_events
 from zero_testing import batches, ds_config, gpt_factory
 
 TINY = GPTConfig(d_model=32, n_layers=1, n_heads=2, seq_len=16)
@@ -111,6 +112,22 @@ def test_tensorboard_and_csv_hold_every_step_with_the_console_losses(tmp_path, c
   with open(tmp_path / "logs" / "tiny_csv" / "deepspeed_config.csv", newline="") as f:
     config = dict(csv.reader(f))
   assert config["train_batch_size"] == "8"
+
+
+def test_step_events_follow_deepspeed_names_and_axes():
+  """fp16's loss scale, the breakdown's times and GPU memory, without an engine: step 3 of 8
+  samples writes the loss at 16 samples seen, the rest at 24; an unknown lr is left out."""
+  metrics = {"loss": 2.5, "lr": float("nan"), "loss_scale": 1024.0, "grad_norm": 0.5}
+  timing = types.SimpleNamespace(forward_backward_s=0.25, optimizer_s=0.125)
+  events = step_events(3, 8, metrics, fp16=True, timing=timing,
+                       memory_stats={"bytes_in_use": 100, "peak_bytes_in_use": 150, "other": 1})
+  assert events == [
+      ("Train/Samples/train_loss", 2.5, 16), ("Train/Samples/loss_scale", 1024.0, 24),
+      ("Train/Samples/grad_norm", 0.5, 24),
+      ("Train/Samples/elapsed_time_ms_forward_backward", 250.0, 24),
+      ("Train/Samples/elapsed_time_ms_step", 125.0, 24),
+      ("Train/Samples/memory_bytes_in_use", 100.0, 24),
+      ("Train/Samples/memory_peak_bytes_in_use", 150.0, 24)]
 
 
 def _wandb_records(path):
@@ -218,14 +235,18 @@ def test_matmul_flops_count_every_run_of_a_loop_body():
 def test_matmul_flops_read_a_cublas_gemm():
   """A GPU program whose gemm autotuning chose cuBLAS calls it as a custom call that carries the
   dot's dimension numbers (XLA's text for it, shortened)."""
-  hlo = """HloModule m
+  config = ('{"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{'
+            '"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],'
+            '"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}')
+  hlo = f"""HloModule m
 
-ENTRY %main (p0: f32[64,32], p1: f32[32,16]) -> f32[64,16] {
-  %p0 = f32[64,32]{1,0} parameter(0)
-  %p1 = f32[32,16]{1,0} parameter(1)
-  %gemm = (f32[64,16]{1,0}, s8[4194304]{0}) custom-call(f32[64,32]{1,0} %p0, f32[32,16]{1,0} %p1), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
-  ROOT %out = f32[64,16]{1,0} get-tuple-element(%gemm), index=0
-}
+ENTRY %main (p0: f32[64,32], p1: f32[32,16]) -> f32[64,16] {{
+  %p0 = f32[64,32]{{1,0}} parameter(0)
+  %p1 = f32[32,16]{{1,0}} parameter(1)
+  %gemm = (f32[64,16]{{1,0}}, s8[4194304]{{0}}) custom-call(f32[64,32]{{1,0}} %p0, \
+f32[32,16]{{1,0}} %p1), custom_call_target="__cublas$gemm", backend_config={config}
+  ROOT %out = f32[64,16]{{1,0}} get-tuple-element(%gemm), index=0
+}}
 """
   assert matmul_flops(hlo) == 2 * 64 * 16 * 32
 

@@ -90,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
   say()
   say(f"loss: start {losses[0]:.4f} -> end {float(np.mean(tail)):.4f} (mean of last {len(tail)} "
       f"steps); validation {val:.4f}")
-  say(f"throughput: {result.throughput} (median step {float(np.median(steady)) * 1e3:.0f} ms; "
-      f"first step incl. compile {step_times[0]:.1f} s)")
+  say(f"throughput: {result.throughput}; median step {float(np.median(steady)) * 1e3:.0f} ms, "
+      f"first step incl. compile {step_times[0]:.1f} s")
   say(format_memory_report(engine.memory_report(state)))
   return 0
 
