@@ -18,8 +18,6 @@ purpose. This notebook trains a small GPT for 12 steps each way on 8 simulated d
 
 jzero.simulate_cpu_devices(8)
 
-from pathlib import Path
-
 import warnings
 
 import jax
@@ -35,7 +33,8 @@ warnings.filterwarnings("ignore", message="offload_optimizer.delayed_update in f
 
 MODEL = GPTConfig(d_model=64, n_layers=2, n_heads=4, seq_len=32)
 STEPS, BATCH = 12, 8
-NODE2X4 = str(Path("..") / "configs" / "mesh" / "node2x4.yaml")
+NODE2X4 = jzero.MeshSpec.from_dict({"axes": {"node": 2, "local": 4}, "zero_axes": ["node", "local"],
+                                    "batch_axes": ["node", "local"]})  # configs/mesh/node2x4.yaml
 corpus = ByteCorpus.load(None, seq_len=MODEL.seq_len, max_bytes=1 << 18)
 data = [corpus.batch(i, BATCH) for i in range(STEPS)]
 

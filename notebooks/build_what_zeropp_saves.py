@@ -32,7 +32,6 @@ jzero.simulate_cpu_devices(8)  # before JAX starts: 8 CPU devices stand in for 2
 
 import functools
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +51,8 @@ from jzero.sharding.plan import flatten_paths
 %matplotlib inline
 
 MODEL = GPTConfig(d_model=128, n_layers=2, n_heads=4, seq_len=32)
-NODE2X4 = str(Path("..") / "configs" / "mesh" / "node2x4.yaml")  # axes: {node: 2, local: 4}
+NODE2X4 = jzero.MeshSpec.from_dict({"axes": {"node": 2, "local": 4}, "zero_axes": ["node", "local"],
+                                    "batch_axes": ["node", "local"]})  # configs/mesh/node2x4.yaml
 N, L = 2, 4  # nodes, devices per node
 corpus = ByteCorpus.load(None, seq_len=MODEL.seq_len, max_bytes=1 << 18)"""),
     new_markdown_cell("""## The compiled step, five ways

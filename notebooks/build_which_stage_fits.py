@@ -3,7 +3,9 @@
 
 from nbformat.v4 import new_code_cell, new_markdown_cell
 
-from notebook_build import execute_and_write
+from notebook_build import HERE, execute_and_write
+
+RECORD = (HERE / "data" / "aot_7b_h100.json").read_text().strip()  # a compile for 8 x H100
 
 CELLS = [
     new_markdown_cell("""# Which ZeRO stage fits?
@@ -90,17 +92,17 @@ The estimator counts model states; a GPU also needs room for the step's temporar
 layers, activations kept for the backward, the gradients while they are reduced). XLA's CUDA
 compiler says how much, for the real train step of a 7B GPT (bf16, fp32 master, AdamW,
 micro-batch 1 x 2048 tokens, activation checkpointing) on 8 x H100, compiled on a machine
-without a GPU by `jzero.analysis.aot.compile_for` (README, "GPU plans without a GPU"). Compiling four stages
-takes minutes on a fresh machine, so this notebook plots a **committed record** of that compile,
-`data/aot_7b_h100.json`, written by `python bench/aot_7b.py --record
-notebooks/data/aot_7b_h100.json` (the gpu-aot extra); its first line says when and with which
-jax. Bars: XLA's arguments (the state that lives between steps) and temp (the step's
-temporaries) per device; the black marks are the estimator's model states for the same Psi; the
-dashed line is the memory JAX preallocates (75% of the part's)."""),
-    new_code_cell("""import json
-
-record = json.loads(open("data/aot_7b_h100.json").read())
-print("record:", record["source"])
+without a GPU by `jzero.analysis.aot.compile_for` (README, "GPU plans without a GPU"). Compiling
+four stages takes minutes on a fresh machine, so this notebook plots a **committed record** of that
+compile, `notebooks/data/aot_7b_h100.json` (written by `python bench/aot_7b.py --record
+notebooks/data/aot_7b_h100.json`, the gpu-aot extra; copied into the cell below when the notebook
+is built, so that it runs from any directory); its first line says when and with which jax. Bars:
+XLA's arguments (the state that lives between steps) and temp (the step's temporaries) per device;
+the black marks are the estimator's model states for the same Psi; the dashed line is the memory
+JAX preallocates (75% of the part's)."""),
+    new_code_cell("import json\n\n"
+                  f'record = json.loads("""\n{RECORD}\n""")\n'  # (no backslash, no triple quote)
+                  """print("record:", record["source"])
 stages = record["stages"]
 for row in stages:  # the estimator at this Psi against the plan the compiler was given
     predicted = estimate(record["num_params"], row["stage"], record["devices"]).model_states

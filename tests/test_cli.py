@@ -119,6 +119,8 @@ def test_train_summary_checkpoint_and_resume(tmp_path):
   out = first.stdout
   assert "[jzero] step 10: loss" in out  # steps_per_print = 10 in the config
   assert "loss: start" in out and "tokens/s" in out
+  assert re.search(r"throughput: [\d,]+ tokens/s, [\d.,]+ samples/s, MFU [\d.]+% of [\d.]+ TFLOP/s "
+                   r"\(measured on this host", out)
   assert "measured/predicted" in out and "checkpoint at step 10" in out
   second = _jzero("train", "--config", str(CONFIGS / "zero3.json"), "--steps", "12",
                   "--checkpoint-dir", str(ckpt), *TINY)

@@ -354,12 +354,12 @@ def test_each_unknown_top_level_key_warns_once():
   """DeepSpeed's keys that change nothing here, and unknown keys not close enough to a known one
   to be its misspelling, are dropped with a warning each."""
   with pytest.warns(JZeroWarning) as record:
-    Config.load({"tensorboard": {"enabled": True}, "wandb": {}, "steps_per_log": 10,
+    Config.load({"flops_profiler": {"enabled": True}, "comms_logger": {}, "steps_per_log": 10,
                  "cuda_visible_devices": 0})
   messages = [str(w.message) for w in record]
   assert messages == [
-      "'tensorboard': jzero ignores this top-level key",
-      "'wandb': jzero ignores this top-level key",
+      "'flops_profiler': jzero ignores this top-level key",
+      "'comms_logger': jzero ignores this top-level key",
       "'steps_per_log': jzero ignores this top-level key; did you mean 'steps_per_print'?",
       "'cuda_visible_devices': jzero ignores this top-level key",
   ]
@@ -457,7 +457,7 @@ def test_config_warnings_point_at_the_users_call():
   pydantic's frames, however deep the warning is raised."""
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")
-    config = Config.load({"tensorboard": {}, "fp16": {"enabled": "auto"},  # load, nested block
+    config = Config.load({"flops_profiler": {}, "fp16": {"enabled": "auto"},  # load, nested block
                           "zero_optimization": {"cpu_offload": True, "stage": 1,
                                                 "contiguous_gradients": False}})
     line = sys._getframe().f_lineno - 3

@@ -135,7 +135,7 @@ def test_warnings_of_initialize_point_at_the_users_call():
   CPU) names the line of the jzero.initialize call, not a line of jzero."""
   cfg = ds_config(2)
   cfg["zero_optimization"].update({"reduce_bucket_size": 1000, "contiguous_gradients": False})
-  cfg.update({"tensorboard": {"enabled": True}, "gradient_clipping": "auto"})
+  cfg.update({"flops_profiler": {"enabled": True}, "gradient_clipping": "auto"})
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")
     jzero.initialize(gpt_factory(SMALL), lm_loss, cfg)

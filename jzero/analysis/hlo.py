@@ -53,7 +53,7 @@ from jzero.analysis.tables import html_table, require_pyplot, text_table
 from jzero.sharding.mesh import ZeroMesh
 
 __all__ = ["Collective", "CommVolume", "StepTiming", "collectives", "comm_volume", "zero_theory",
-           "unordered_collectives", "COMPUTE_OPS"]
+           "unordered_collectives", "matmul_flops", "COMPUTE_OPS"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
@@ -317,6 +317,52 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
                               overlapped_matmuls=matmuls, computation=comp,
                               payload=_payload(outputs)))
   return found
+
+
+def matmul_flops(hlo_text: str) -> float:
+  """FLOPs of the matrix multiplications one run of an optimized HLO module does (one device's
+  program, under SPMD): ``2 x result elements x contracted elements`` per ``dot`` (also inside
+  fusions) and per GPU gemm custom call (cuBLAS carries its dot's dimension numbers), each times
+  the runs of its computation -- ``known_trip_count`` for a loop body.
+
+  XLA's ``compiled.cost_analysis()["flops"]`` counts a loop body once (a 4-layer ``lax.scan``
+  reports one layer's FLOPs), so it undercounts a step whose layers or micro-batches are scanned;
+  this count does not. Elementwise work and convolutions are not counted (a transformer's are a
+  few percent of its matmuls; model-FLOPs formulas leave them out too).
+  """
+  comps, calls, entry = _parse_module(hlo_text)
+  runs: dict[str, int] = collections.defaultdict(int)
+
+  def visit(comp: str, mult: int) -> None:
+    runs[comp] += mult
+    for callee, trips in calls.get(comp, ()):
+      if callee in comps:
+        visit(callee, mult * trips)
+
+  visit(entry, 1)
+  total = 0.0
+  for comp, insts in comps.items():
+    if not runs.get(comp):
+      continue
+    types = {name: type_str for name, type_str, _, _ in insts}
+    for _, type_str, op, rest in insts:
+      if op == "dot":
+        found = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+      elif op == "custom-call" and "dot_dimension_numbers" in rest:
+        found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
+      else:
+        continue
+      lhs = types.get(next(iter(_operands(rest)), ""), "")
+      lhs_dims = _ARRAY.search(lhs)
+      out_dims = _ARRAY.search(_tuple_elements(type_str)[0])
+      if found is None or lhs_dims is None or out_dims is None:
+        continue
+      lhs_shape = [int(d) for d in lhs_dims.group(2).split(",") if d]
+      contracted = math.prod(lhs_shape[int(d.strip('" '))] for d in found.group(1).split(",")
+                             if d.strip('" '))
+      out = math.prod(int(d) for d in out_dims.group(2).split(",") if d)
+      total += 2.0 * out * contracted * runs[comp]
+  return total
 
 
 def _compute_in_flight(insts: list[tuple[str, str, str, str]], start: int,

@@ -211,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
   engine = initialize(model=job.model, loss_fn=job.loss_fn, config=config, mesh=args.mesh,
                       total_num_steps=args.steps, auto_values=auto, init_inputs=job.init_inputs,
                       sample_batch=sample if job.corpus is not None else None,
-                      training_data=job.dataset, seed=args.seed)
+                      training_data=job.dataset, seed=args.seed,
+                      tokens_per_sample=job.corpus.seq_len if job.corpus is not None else None)
   if args.model is not None:
     _check_loss_on_batches(engine, job, sample, args.model)
   cfg = engine.config
@@ -277,13 +278,11 @@ def run(args: argparse.Namespace) -> int:
     val = val[0] if isinstance(val, tuple) else val
     say(f"loss: start {losses[0]:.4f} -> end {float(np.mean(tail)):.4f} (mean of last "
         f"{len(tail)} steps); validation {val:.4f}")
-    rate = f"{cfg.train_batch_size * job.corpus.seq_len / step_s:,.0f} tokens/s"
   else:
     say(f"loss: start {losses[0]:.4f} -> end {float(np.mean(tail)):.4f} (mean of last "
         f"{len(tail)} steps)")
-    rate = f"{cfg.train_batch_size / step_s:,.1f} samples/s"
-  say(f"throughput: {rate} (median step {step_s * 1e3:.0f} ms; first step incl. compile "
-      f"{step_times[0]:.1f} s)")
+  say(f"throughput: {result.throughput}; median step {step_s * 1e3:.0f} ms, first step incl. "
+      f"compile {step_times[0]:.1f} s")
   say(format_memory_report(engine.memory_report(state)))
   return 0
 

@@ -13,7 +13,12 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationI
 
 from jzero.config.messages import show, suggest, warn
 
-__all__ = ["Auto", "DType", "Flag", "AutoFlag", "Size", "AutoSize", "AutoInt", "AutoReal", "AutoFraction", "BatchSize", "number", "replace_key", "OffloadParamConfig", "OffloadOptimizerConfig", "LeafModuleConfig", "ZeroConfig", "Fp16Config", "Bf16Config", "DataTypesConfig", "OptimizerConfig", "SchedulerConfig", "ActivationCheckpointingConfig", "AioConfig", "CheckpointConfig"]
+__all__ = ["Auto", "DType", "Flag", "AutoFlag", "Size", "AutoSize", "AutoInt", "AutoReal",
+           "AutoFraction", "BatchSize", "number", "replace_key", "OffloadParamConfig",
+           "OffloadOptimizerConfig", "LeafModuleConfig", "ZeroConfig", "Fp16Config", "Bf16Config",
+           "DataTypesConfig", "OptimizerConfig", "SchedulerConfig",
+           "ActivationCheckpointingConfig", "AioConfig", "CheckpointConfig", "TensorBoardConfig",
+           "CsvMonitorConfig", "WandbConfig", "CometConfig", "TrackioConfig"]
 
 Auto = Literal["auto"]
 DType = Literal["fp32", "fp16", "bf16"]
@@ -364,3 +369,52 @@ class CheckpointConfig(_LenientBlock):
     if isinstance(mode, str) and mode.capitalize() in ("Warn", "Ignore", "Fail"):
       return mode.capitalize()
     raise ValueError(f"expected Warn, Ignore or Fail (any case), got {show(mode)}")
+
+
+# --- monitors: DeepSpeed's deepspeed/monitor/config.py (pydantic: unknown keys are errors) -------
+
+
+class TensorBoardConfig(_Block):
+  """``tensorboard``: event files in ``output_path/job_name`` (:mod:`jzero.train.monitor`)."""
+
+  enabled: Flag = False
+  output_path: str = ""  # "" (DeepSpeed's default): job_name relative to the working directory
+  job_name: str = "DeepSpeedJobName"
+
+
+class CsvMonitorConfig(_Block):
+  """``csv_monitor``: one CSV file per metric in ``output_path/job_name``."""
+
+  enabled: Flag = False
+  output_path: str = ""
+  job_name: str = "DeepSpeedJobName"
+
+
+class WandbConfig(_Block):
+  """``wandb``: a Weights & Biases run (``WANDB_MODE=offline`` keeps it local)."""
+
+  enabled: Flag = False
+  group: str | None = None
+  team: str | None = None  # wandb's entity
+  project: str = "deepspeed"
+
+
+class CometConfig(_Block):
+  """``comet`` (read so that its keys are checked; enabling it is refused)."""
+
+  enabled: Flag = False
+  samples_log_interval: int = 100
+  project: str | None = None
+  workspace: str | None = None
+  api_key: str | None = None
+  experiment_name: str | None = None
+  experiment_key: str | None = None
+  online: bool | None = None
+  mode: str | None = None
+
+
+class TrackioConfig(_Block):
+  """``trackio`` (read so that its keys are checked; enabling it is refused)."""
+
+  enabled: Flag = False
+  project: str = "deepspeed"

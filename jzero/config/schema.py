@@ -13,8 +13,8 @@ with the defaults, aliases and deprecations of DeepSpeed 0.19.6. A config goes t
    it names, so it is an error. DeepSpeed's features that change what is trained (tensor and
    sequence parallelism, MoQ, compression, random-LTD, sparse attention, ...) are fields, read
    only so that step 3 can refuse them when they are on; DeepSpeed's keys that change nothing
-   here (monitoring, profiling, DeepSpeed's own tuning: :data:`IGNORED_KEYS`) are dropped with a
-   warning.
+   here (profiling, DeepSpeed's own tuning: :data:`IGNORED_KEYS`) are dropped with a warning; the
+   monitors (``tensorboard``, ``csv_monitor``, ``wandb``) are fields (:mod:`jzero.train.monitor`).
 2. ``Config.resolve`` replaces Hugging Face's ``"auto"`` values (kept as values until then) with
    numbers taken from the data-parallel size, the model's hidden size and ``auto_values``, and
    completes the batch-size triple exactly as DeepSpeed does (:mod:`jzero.config.auto`). The
@@ -43,21 +43,22 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from jzero.config import auto, support
 from jzero.config.blocks import (ActivationCheckpointingConfig, AioConfig, AutoReal, BatchSize,
-                                 Bf16Config, CheckpointConfig, DataTypesConfig, DType, Flag,
-                                 Fp16Config, OptimizerConfig, SchedulerConfig, ZeroConfig, number,
-                                 replace_key)
+                                 Bf16Config, CheckpointConfig, CometConfig, CsvMonitorConfig,
+                                 DataTypesConfig, DType, Flag, Fp16Config, OptimizerConfig,
+                                 SchedulerConfig, TensorBoardConfig, TrackioConfig, WandbConfig,
+                                 ZeroConfig, number, replace_key)
 from jzero.config.messages import report, show, suggest, warn
 from jzero.errors import ConfigError
 
 __all__ = ["Config", "IGNORED_KEYS"]
 
-# DeepSpeed's top-level keys that change nothing jzero trains: monitoring and profiling, the tuning
+# DeepSpeed's top-level keys that change nothing jzero trains: profiling, the tuning
 # of DeepSpeed's own machinery, and engines jzero does not have (inference, pipeline modules).
 # Each is dropped with a warning, as an unknown key is.
 IGNORED_KEYS = (
-    "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "flops_profiler", "timers",
-    "log_level", "autotuning", "nebula", "datastates", "compile", "graph_harvesting",
-    "disable_allgather", "sparse_gradients", "managed_gradient_accumulation",
+    "comms_logger", "flops_profiler", "timers", "log_level", "autotuning", "nebula", "datastates",
+    "compile", "graph_harvesting", "disable_allgather", "sparse_gradients",
+    "managed_gradient_accumulation",
     "use_data_before_expert_parallelism", "seq_parallel_communication_data_type",
     "data_parallel_size", "hybrid_engine", "pipeline", "weight_quantization",
 )
@@ -118,6 +119,12 @@ class Config(BaseModel):
   amp: dict[str, Any] | None = None
   elasticity: dict[str, Any] | None = None
   expert_parallel: dict[str, Any] | None = None
+  # monitors (jzero.train.monitor): process 0 writes every step's metrics
+  tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+  csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
+  wandb: WandbConfig = Field(default_factory=WandbConfig)
+  comet: CometConfig = Field(default_factory=CometConfig)
+  trackio: TrackioConfig = Field(default_factory=TrackioConfig)
 
   _source: str | None = PrivateAttr(default=None)
 

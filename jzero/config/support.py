@@ -81,6 +81,8 @@ _COMPRESSION = ("DeepSpeed's compression library quantizes, prunes or removes pa
                 "while it trains; jzero trains the model as written")
 _COMPRESSION_TECHNIQUES = ("weight_quantization", "activation_quantization", "sparse_pruning",
                            "row_pruning", "head_pruning", "channel_pruning")
+_MONITORS = ("the {} monitor is not implemented; tensorboard, csv_monitor and wandb are "
+             "(jzero.train.monitor)")
 _OPTIMIZERS = ("adam", "adamw", "lion", "sgd")
 _SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest")
 
@@ -247,6 +249,8 @@ SUPPORT_TABLE: tuple[_Rule, ...] = (
     _Rule("aio.overlap_events", NO_EFFECT,
           "tensorstore completes requests as futures; jzero overlaps reads and writes with the "
           "update by offload_optimizer.pipeline_read / pipeline_write", when=_any_nvme),
+    _Rule("comet.enabled", REFUSED, _MONITORS.format("Comet")),
+    _Rule("trackio.enabled", REFUSED, _MONITORS.format("Trackio")),
     _Rule("aio.use_gds", REFUSED,
           "GPUDirect Storage is not implemented: the NVMe tier reads into host memory and "
           "copies to the device", when=_any_nvme),

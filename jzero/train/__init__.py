@@ -11,6 +11,8 @@ resumable loop.
 * :mod:`jzero.train.optim`, :mod:`jzero.train.precision` -- DeepSpeed's optimizers and schedules
   on optax; fp16 / bf16 and the loss scaler.
 * :mod:`jzero.train.loop` -- :func:`train_loop`: checkpoints, resume, preemption (``jzero train``).
+* :mod:`jzero.train.monitor` -- the config's tensorboard / csv_monitor / wandb monitors, written
+  every step; throughput and MFU.
 """
 
 __all__: list[str] = []

@@ -26,6 +26,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jzero import checkpoint
+from jzero.analysis import flops as flops_lib
 from jzero.analysis import memory_report as memory_report_lib
 from jzero.analysis.hlo import StepTiming
 from jzero.comm import zeropp as zpp
@@ -40,6 +41,7 @@ from jzero.sharding.plan import LeafPlan, Plan, flatten_paths, make_plan
 from jzero.tiers import registry
 from jzero.tiers.base import Tier
 from jzero.train import input_checks
+from jzero.train import monitor as monitor_lib
 from jzero.train.model_adapter import ModelAdapter
 from jzero.train.precision import DTYPES, LossScaler
 from jzero.train.state import TrainState
@@ -97,6 +99,18 @@ class Engine(StepBuilder):
   _warned_skip: bool = dataclasses.field(default=False, repr=False)
   _polls_seen: int | None = dataclasses.field(default=None, repr=False)  # should_stop calls
   _saved: tuple[Path, int] | None = dataclasses.field(default=None, repr=False)  # (dir, step)
+  # the config's tensorboard / csv_monitor / wandb writers (jzero.train.monitor), from initialize
+  monitor: monitor_lib.Monitor = dataclasses.field(default_factory=monitor_lib.Monitor)
+  tokens_per_sample: int | None = None  # tokens/s = samples/s x this (initialize's argument)
+  # throughput: (step, time) when the last report on a step was done; a step compiled since
+  _clock: tuple[int, float] | None = dataclasses.field(default=None, repr=False)
+  _compiled_since_clock: bool = dataclasses.field(default=False, repr=False)
+  # per step variant: the jitted functions with the abstract arguments to lower them again, and
+  # their matmul FLOPs per device (jzero.analysis.flops)
+  _flops_args: dict = dataclasses.field(default_factory=dict, repr=False)
+  _flops: dict = dataclasses.field(default_factory=dict, repr=False)
+  _flops_key: Any = dataclasses.field(default=None, repr=False)  # the variant that ran last
+  _reported_memory: bool = dataclasses.field(default=False, repr=False)
 
   # -- configuration read by the step --------------------------------------------------------------
   @property
@@ -382,10 +396,12 @@ class Engine(StepBuilder):
   def train_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch (leading dim ``train_batch_size``). Donates ``state``.
 
-    Every ``steps_per_print`` steps the step's metrics are logged (logger ``jzero``). With
-    ``wall_clock_breakdown`` the step runs as two jits, forward+backward+reduction then the
-    update, each timed to completion (``block_until_ready``); the timings are appended to
-    ``engine.timings`` and logged with the metrics.
+    Every ``steps_per_print`` steps the step's metrics are logged (logger ``jzero``) with the
+    throughput since the last log. With ``wall_clock_breakdown`` the step runs as two jits,
+    forward+backward+reduction then the update, each timed to completion
+    (``block_until_ready``); the timings are appended to ``engine.timings`` and logged with the
+    metrics. With a monitor in the config (``tensorboard``, ``csv_monitor``, ``wandb``) every
+    step's metrics are written to it (:mod:`jzero.train.monitor`).
     """
     self._check_batch(batch)
     self.check_live(state, "train_step")
@@ -396,17 +412,29 @@ class Engine(StepBuilder):
       key = tuple(sorted(variants.items()))
       if key not in self._split_fns:
         self._split_fns[key] = self._build_split_step(batch, variants)
+        self._compiled_since_clock = True
       grads_fn, update_fn = self._split_fns[key]
+      self._flops_key = ("split", key)
+      lowered = self._flops_args.setdefault(self._flops_key, [])
+      if not lowered:
+        lowered.append((grads_fn, _abstract((state, batch))))
       t0 = time.perf_counter()
       grads = jax.block_until_ready(grads_fn(state, batch))
       t1 = time.perf_counter()
+      if len(lowered) == 1:
+        lowered.append((update_fn, _abstract((state, *grads))))
       state, metrics, outputs = jax.block_until_ready(update_fn(state, *grads))
       state = self._after_step(state, metrics, outputs)
       self.timings.append(StepTiming(step=self._host_step + 1, forward_backward_s=t1 - t0,
                                      optimizer_s=time.perf_counter() - t1))
     else:
       variants = self._variants(state, self._host_step)
-      state, metrics, outputs = self._step_fn(batch, variants)(state, batch)
+      self._flops_key = tuple(sorted(variants.items()))
+      self._compiled_since_clock |= self._flops_key not in self._step_fns
+      step_fn = self._step_fn(batch, variants)
+      if self._flops_key not in self._flops_args:
+        self._flops_args[self._flops_key] = [(step_fn, _abstract((state, batch)))]
+      state, metrics, outputs = step_fn(state, batch)
       state = self._after_step(state, metrics, outputs)
       for tier in self.tiers:
         tier.seen(state, variants.get(tier.name))
@@ -416,9 +444,60 @@ class Engine(StepBuilder):
     if jax.process_count() > 1:
       self._stop_if_preempted(state)
     every = self.config.steps_per_print
-    if every and self._host_step % every == 0 and jax.process_index() == 0:  # one report per job
-      self._log_step(metrics)
+    printing = every and self._host_step % every == 0 and jax.process_index() == 0  # one per job
+    if printing or self.monitor.enabled:  # (the monitor writes on process 0 only)
+      throughput = self._measure_throughput(metrics)
+      if self.monitor.enabled:
+        self._monitor_step(state, metrics, throughput)
+      if printing:
+        self._log_step(metrics, throughput)
+      self._clock = (self._host_step, time.perf_counter())  # the reporting is not the step's time
     return state, metrics
+
+  def throughput(self, step_seconds: float) -> monitor_lib.Throughput:
+    """What steps of ``step_seconds`` each make per second -- samples, tokens (with
+    ``tokens_per_sample``), model FLOPs utilization -- for the step variant that ran last (after a
+    :meth:`train_step`). The FLOPs are read once per variant from its compiled program
+    (:mod:`jzero.analysis.flops`), lowered again from its abstract arguments: XLA's compilation
+    cache returns the program that ran, except for a step with host callbacks (the NVMe tiers),
+    which compiles once more. The peak comes from the device or a measurement of it."""
+    if self._flops_key is None:
+      raise JZeroError("engine.throughput(...) needs a step first: it reads the FLOPs of the step "
+                       "that ran (state, metrics = engine.train_step(state, batch)).")
+    if self._flops_key not in self._flops:
+      self._flops[self._flops_key] = sum(flops_lib.step_flops(fn.lower(*args).compile())
+                                         for fn, args in self._flops_args[self._flops_key])
+    devices = [d for d in self.mesh.mesh.devices.flat if d.process_index == jax.process_index()]
+    return monitor_lib.Throughput(
+        step_seconds=step_seconds, samples_per_step=self.global_batch_size,
+        tokens_per_step=(self.global_batch_size * self.tokens_per_sample
+                         if self.tokens_per_sample else None),
+        flops_per_step=self._flops[self._flops_key], devices=len(devices),
+        peak=flops_lib.peak_flops(self.compute_dtype, devices))
+
+  def _measure_throughput(self, metrics: dict) -> monitor_lib.Throughput | None:
+    """Waits for the step; the throughput since the last step reported on (None for the first,
+    or when a step compiled in between)."""
+    jax.block_until_ready(metrics["loss"])
+    now, step, previous = time.perf_counter(), self._host_step, self._clock
+    compiled, self._compiled_since_clock = self._compiled_since_clock, False
+    if previous is None or compiled or step <= previous[0]:
+      return None
+    return self.throughput((now - previous[1]) / (step - previous[0]))
+
+  def _monitor_step(self, state: TrainState, metrics: dict,
+                    throughput: monitor_lib.Throughput | None) -> None:
+    """Writes the step's events to the monitor; at its first step, the memory report's too."""
+    local = next(d for d in self.mesh.mesh.devices.flat if d.process_index == jax.process_index())
+    timing = self.timings[-1] if self.config.wall_clock_breakdown and self.timings else None
+    events = monitor_lib.step_events(
+        self._host_step, self.global_batch_size, metrics, fp16=self.config.precision == "fp16",
+        throughput=throughput, timing=timing, memory_stats=local.memory_stats())
+    if not self._reported_memory:
+      self._reported_memory = True
+      events += monitor_lib.memory_events(self.memory_report(state),
+                                          self._host_step * self.global_batch_size)
+    self.monitor.write_events(events)
 
   def _stop_if_preempted(self, state: TrainState) -> None:
     """Preemption for a script that does not handle it (several processes; see
@@ -467,7 +546,7 @@ class Engine(StepBuilder):
           f"out of an embedding's range, or a loss that divides by zero.", JZeroWarning,
           stacklevel=3)
 
-  def _log_step(self, metrics: dict) -> None:
+  def _log_step(self, metrics: dict, throughput: monitor_lib.Throughput | None) -> None:
     lr = float(metrics["lr"])
     line = (f"step {self._host_step}: loss {float(metrics['loss']):.4f} | grad_norm "
             f"{float(metrics['grad_norm']):.3f}{'' if np.isnan(lr) else f' | lr {lr:.3e}'} | "
@@ -477,6 +556,11 @@ class Engine(StepBuilder):
       t = self.timings[-1]
       line += (f" | time (ms) fwd+bwd {t.forward_backward_s * 1e3:.1f} | optimizer "
                f"{t.optimizer_s * 1e3:.1f} | total {t.total_s * 1e3:.1f}")
+    if throughput is not None:
+      rate = throughput.tokens_per_second
+      line += (f" | {rate:,.0f} tokens/s" if rate is not None
+               else f" | {throughput.samples_per_second:,.1f} samples/s")
+      line += "" if throughput.mfu is None else f" | MFU {throughput.mfu:.1%}"
     logger.info(line)
 
   def jitted_step(self, batch: PyTree):
@@ -655,3 +739,10 @@ class Engine(StepBuilder):
   def bind(self, params: PyTree) -> Any:
     """The user's model built from logical params (e.g. :meth:`logical_params`), for evaluation."""
     return self.model.bind(params)
+
+
+def _abstract(tree: PyTree) -> PyTree:
+  """``tree``'s arrays as ShapeDtypeStructs with their shardings: what lowers a jitted step again
+  after its arguments were donated."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                                     sharding=getattr(x, "sharding", None)), tree)

@@ -26,6 +26,7 @@ from jzero.runtime.distributed import init_distributed
 from jzero.sharding.mesh import MeshSpec, ZeroMesh
 from jzero.tiers import delayed, nvme_settings, registry
 from jzero.train.engine import Engine
+from jzero.train.monitor import Monitor, check_packages
 from jzero.train.model_adapter import as_model
 from jzero.train.optim import build_optimizer
 from jzero.train.precision import LossScaler
@@ -59,7 +60,8 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
                stacked_layers: str | Sequence[str] | None = None, hidden_size: int | None = None,
                total_num_steps: int | None = None, auto_values: dict | None = None,
                init_inputs: Callable[[Any], tuple] | None = None, sample_batch: Any = None,
-               training_data: Any = None, shuffle: bool = True, seed: int = 0) -> Engine:
+               training_data: Any = None, shuffle: bool = True, seed: int = 0,
+               tokens_per_sample: int | None = None) -> Engine:
   """Builds a ZeRO engine, DeepSpeed-style: ``engine = jzero.initialize(model=..., ...)``.
 
   Everything about the input is checked here, before any device work: the config is parsed and
@@ -89,10 +91,16 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
       ``engine.training_dataloader`` then yields global batches placed on the mesh
       (:class:`jzero.runtime.data.DataLoader`: shuffled with ``seed`` unless ``shuffle=False``, a
       pure function of the optimizer step, each process reading only its rows).
+    tokens_per_sample: tokens one sample trains on (a language model's sequence length): the
+      engine then reports tokens/s beside samples/s (its log, monitors, ``jzero.train_loop``).
+
+  The config's monitors (``tensorboard``, ``csv_monitor``, ``wandb``) are opened here, on process
+  0, and written every step (:mod:`jzero.train.monitor`).
   """
   init_distributed()  # joins the other processes when launched as one of several (jzero launch, SLURM...)
   given = config if isinstance(config, Config) else Config.load(config)
   given.check_supported()
+  check_packages(given)  # an enabled monitor's package
   with warnings.catch_warnings():  # refusals only: the engine's plan warns once, when it is built
     warnings.simplefilter("ignore", JZeroWarning)
     registry.check_config(given)  # e.g. offload the stage cannot have: refused
@@ -150,7 +158,8 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
     stacked_layers = adapter.stacked_layers
   engine = Engine(config=cfg, mesh=zmesh, model=adapter, loss_fn=loss_fn, tx=tx,
                   schedule=schedule, scaler=scaler, stacked_layers=_as_prefixes(stacked_layers),
-                  training_dataloader=loader, zeropp=zeropp, nvme_settings=nvme)
+                  training_dataloader=loader, zeropp=zeropp, nvme_settings=nvme,
+                  monitor=Monitor.from_config(cfg), tokens_per_sample=tokens_per_sample)
   if loader is not None:
     loader.check = engine._check_input_ids
   return engine

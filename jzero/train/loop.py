@@ -8,7 +8,9 @@ file or a pipe it would add two lines a step, so there only the engine's loss li
 stopped when the loss scale can back off no further (DeepSpeed stops there too), and preemption:
 when any process gets SIGTERM every process stops after the same step
 (:func:`jzero.runtime.distributed.should_stop`), saves it and returns, so running the same command
-again resumes (:func:`init_or_resume`).
+again resumes (:func:`init_or_resume`). The result says how fast the steps ran
+(:class:`~jzero.train.monitor.Throughput`: tokens/s, samples/s and model FLOPs utilization, from the
+median step after the first); the config's monitors get every step from the engine.
 
 ::
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,6 +36,7 @@ from jzero import checkpoint
 from jzero.errors import JZeroError
 from jzero.runtime import distributed
 from jzero.train.engine import Engine
+from jzero.train.monitor import Throughput
 from jzero.train.precision import MIN_SCALE_ERROR
 from jzero.train.state import TrainState
 
@@ -50,6 +54,9 @@ class LoopResult:
     start: the step the loop started from.
     losses: each step's loss, in order.
     step_times: each step's wall time in seconds (the first includes compiling).
+    throughput: what the median step after the first (the only one, if one) makes per second:
+      tokens (with ``initialize(tokens_per_sample=...)``), samples, model FLOPs utilization and the
+      peak it is measured against (:meth:`Engine.throughput`); None when no step ran.
     preempted: the loop stopped early for SIGTERM (saved when ``checkpoint_dir`` was given).
     exit_status: 0, or 143 when preempted with no ``checkpoint_dir`` to save to.
   """
@@ -58,6 +65,7 @@ class LoopResult:
   start: int
   losses: list[float]
   step_times: list[float]
+  throughput: Throughput | None = None
   preempted: bool = False
   exit_status: int = 0
 
@@ -147,7 +155,7 @@ def train_loop(engine: Engine, state: TrainState, batch_at: Callable[[int], Any]
           print(f"jzero: process {jax.process_index()}: stopped by SIGTERM after step {step + 1}; "
                 f"nothing saved (no --checkpoint-dir)", file=sys.stderr)
           result.exit_status = PREEMPTED_UNSAVED
-          return result
+          return _with_throughput(engine, result)
         if not saved:
           engine.save_checkpoint(result.state, checkpoint_dir, keep=keep)
         engine.wait_for_checkpoints()
@@ -155,8 +163,15 @@ def train_loop(engine: Engine, state: TrainState, batch_at: Callable[[int], Any]
           print(f"jzero: preempted (SIGTERM): every process stopped after step {step + 1}; "
                 f"checkpoint at step {checkpoint.latest_step(checkpoint_dir)} in "
                 f"{checkpoint_dir}; run the same command again to resume")
-        return result
+        return _with_throughput(engine, result)
   bar.close()
   if checkpoint_dir:
     engine.wait_for_checkpoints()
+  return _with_throughput(engine, result)
+
+
+def _with_throughput(engine: Engine, result: LoopResult) -> LoopResult:
+  if result.step_times:
+    steady = result.step_times[1:] or result.step_times
+    result.throughput = engine.throughput(statistics.median(steady))
   return result
