@@ -9,6 +9,7 @@ import csv
 import logging
 import re
 import struct
+import time
 import types
 
 import jax
@@ -151,6 +152,20 @@ def _wandb_records(path):
   return records
 
 
+def _wandb_run_file(root, timeout_s: float = 60.0):
+  """The records of the one offline run under ``root``, once its exit record (finish's last) is
+  written: wandb's service process writes the file, and under load it may still be writing when
+  finish() returns."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    paths = list(root.glob("wandb/offline-run-*/run-*.wandb"))
+    records = _wandb_records(paths[0]) if len(paths) == 1 else []
+    if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+      assert len(paths) == 1, paths
+      return records
+    time.sleep(0.5)
+
+
 def test_wandb_offline_run_logs_every_step(tmp_path, monkeypatch):
   pytest.importorskip("wandb")  # the monitor extra (in the test extra)
   for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
@@ -164,8 +179,7 @@ def test_wandb_offline_run_logs_every_step(tmp_path, monkeypatch):
     losses.append(float(metrics["loss"]))
   engine.monitor.close()  # finishes the run: its file is complete
 
-  (path,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-  records = _wandb_records(path)
+  records = _wandb_run_file(tmp_path)
   run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
   assert (run.project, run.run_group) == ("jzero-test", "tiny")
   history = collections.defaultdict(list)
