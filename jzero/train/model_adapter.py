@@ -194,7 +194,8 @@ class LinenModel(ModelAdapter):
 
   def bind(self, params, units=frozenset()):
     module = self._module
-    interceptor = units_lib.linen_units(set(units))
+    name = type(module).__name__
+    interceptor = units_lib.LinenUnits(set(units))
 
     def apply(*args, **kwargs):
       try:
@@ -204,10 +205,22 @@ class LinenModel(ModelAdapter):
         if not units_lib.holds_partitions(params):
           raise
         raise NotSupportedError(
-            f"{type(module).__name__}: a layer read its ZeRO-3 partition where it needs the full "
-            f"parameter ({e}). Layers stacked under a scan must be listed in `stacked_layers` "
-            f"(jzero then never splits the layer axis) and built with jzero.linen_scan_layers, "
-            f"or run as modules jzero gathers when they are called.") from None
+            f"{name}: a layer read its ZeRO-3 partition where it needs the full parameter ({e}). "
+            f"Layers stacked under a scan must be listed in `stacked_layers` (jzero then never "
+            f"splits the layer axis) and built with jzero.linen_scan_layers, or run as modules "
+            f"jzero gathers when they are called.") from None
+      except AttributeError as e:
+        deferred = [f"{path} ({cls.__name__})" for path, cls in
+                    interceptor.deferred_setup.items() if f'"{cls.__name__}" object' in str(e)]
+        if not deferred:
+          raise
+        raise NotSupportedError(
+            f"{name}: a module read an attribute that `setup` defines from outside that "
+            f"module's methods ({e}). {', '.join(deferred)} is a ZeRO-3 gather unit: jzero "
+            f"runs its `setup` inside each of its methods, where its parameters are gathered, so "
+            f"what `setup` defines exists there only. Read it through a method of that module "
+            f"(for a tied output layer, nn.Embed.attend), or name the module reading it in "
+            f"zero_optimization.leaf_module so both gather as one unit.") from None
 
     return apply
 
