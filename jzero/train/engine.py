@@ -534,9 +534,10 @@ class Engine(StepBuilder):
     """Mean loss of ``batch`` (leading dim a multiple of the data-parallel size), no update.
 
     Returns what the loss returns, averaged over the batch: a float, or ``(loss, aux)`` with each
-    aux value a float (a Python number per leaf). A loss with an ``rng`` parameter gets
-    ``rng=None`` here -- evaluation, as ``model.eval()`` in PyTorch: dropout must be off when it
-    has no key (``nnx.Dropout(rate)(x, deterministic=rng is None, rngs=rng)``, README).
+    aux value a float (a Python number per leaf). Evaluation, as ``model.eval()`` in PyTorch: an
+    NNX model is called in its eval mode (nnx's ``model.eval()``: Dropout deterministic, for this
+    call only), and a loss with an ``rng`` parameter gets ``rng=None`` (a Linen model's dropout is
+    off when the loss passes ``deterministic=rng is None``, README).
     """
     plan = self._require_plan()
     self.check_live(state, "eval_loss")
@@ -548,7 +549,7 @@ class Engine(StepBuilder):
     if self._eval_fn is None:
       def local_loss(params, secondary, mb):
         with engine_context(LayerPolicy()):
-          model = self._bind(self._grad_targets(params), params, secondary)
+          model = self.model.evaluating(self._bind(self._grad_targets(params), params, secondary))
           out = self.loss_fn(model, mb, rng=None) if self.loss_takes_rng else self.loss_fn(model, mb)
         loss, aux = split_loss(out)
         mean = lambda x: lax.pmean(jnp.asarray(x).astype(jnp.float32), self.mesh.batch_axes)

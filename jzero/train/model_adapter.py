@@ -67,6 +67,12 @@ class ModelAdapter(abc.ABC):
   def set_sample_batch(self, batch: Any) -> None:
     """A batch to create the parameters from when ``init`` gets none (Linen needs one)."""
 
+  def evaluating(self, model: Any) -> Any:
+    """``model`` (from :meth:`bind`) as ``engine.eval_loss`` calls it, with no rng: in evaluation
+    mode. Linen: as it is -- ``deterministic`` is an argument of the user's call, which the loss
+    sets from ``rng is None``."""
+    return model
+
 
 def _hidden_size(obj: Any) -> int | None:
   for owner in (obj, getattr(obj, "config", None), getattr(obj, "cfg", None)):
@@ -125,6 +131,13 @@ class NnxModel(ModelAdapter):
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(self._graphdef, state)
     units_lib.nnx_units(model, units)
+    return model
+
+  def evaluating(self, model):
+    """nnx's ``model.eval()``: ``deterministic=True`` on every module that has it (Dropout,
+    attention), ``use_running_average=True`` likewise. ``bind`` builds a new model each time, so
+    the one training uses keeps its own mode."""
+    model.eval()
     return model
 
 
