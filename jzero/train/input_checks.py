@@ -106,6 +106,8 @@ def check_new_shapes(batch: PyTree, seen: list[dict[str, tuple]],
       changed = [f"batch leaf {path or 'batch'} has shape {shape}; the step was compiled for "
                  f"{first[path]}" for path, shape in shapes.items()
                  if path in first and shape[1:] != first[path][1:]]
+      changed = changed or [f"the batch's leaves have shapes {shapes}; the step was compiled for "
+                            f"{first}"]
       cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
       raise DataError(
           f"{'; '.join(changed)}, and the model cannot take the new shape ({type(e).__name__}: "
