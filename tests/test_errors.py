@@ -9,7 +9,11 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import linen as nn
+from flax import nnx
 
 import jzero
 from jzero.models import lm_loss
@@ -131,3 +135,74 @@ def test_cli_reports_bad_config_without_traceback(tmp_path):
   assert out.returncode == 2
   assert "zero_optimization.prefetch_bucket" in out.stderr
   assert "Traceback" not in out.stderr and "jax" not in out.stderr.lower()
+
+
+class _Tokens(nnx.Module):
+  """Per-position features (batch, positions, 16) -> logits: any number of positions, width 16."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.proj = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.proj(x)
+
+
+class _LinenTokens(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4)(x)
+
+
+def _mean_square(model, batch):
+  return jnp.mean(model(batch["x"]) ** 2)
+
+
+def test_a_batch_of_python_lists_says_pass_arrays():
+  """Python lists (as a tokenizer returns rows) are not arrays: shard_batch, train_step and
+  eval_loss say which leaf and how to make it one, before any device work."""
+  engine = jzero.initialize(_Tokens, _mean_square, ds_config(1))
+  state = engine.init(jax.random.key(0))
+  rows = [[[float(i)] * 16] * 4 for i in range(8)]
+  calls = {"shard_batch": lambda: engine.shard_batch({"x": rows}),
+           "train_step": lambda: engine.train_step(state, {"x": rows}),
+           "eval_loss": lambda: engine.eval_loss(state, {"x": rows})}
+  for name, call in calls.items():
+    with pytest.raises(jzero.DataError) as e:
+      call()
+    message = str(e.value)
+    assert "batch leaf ['x'] is a Python list" in message, name
+    assert "np.asarray(batch['x'])" in message and "return_tensors='np'" in message, name
+    _one_paragraph(message)
+  state, metrics = engine.train_step(state, engine.shard_batch({"x": np.asarray(rows, np.float32)}))
+  assert np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.parametrize("kind", ["nnx", "linen"])
+def test_a_later_batch_of_another_feature_width_names_the_leaf_and_both_shapes(kind):
+  """The step is compiled for the first batch's shapes; a later batch with more positions is
+  traced anew and trains, but one whose feature width the model cannot take is a DataError naming
+  the leaf, the shape the step was compiled for and the new one (not the model's dot_general
+  TypeError), before any device work: the state is not donated and trains on."""
+  batch = lambda positions, width: {
+      "x": np.random.default_rng(positions).normal(size=(8, positions, width)).astype(np.float32)}
+  config = ds_config(3, stage3_param_persistence_threshold=0)
+  if kind == "nnx":
+    engine = jzero.initialize(_Tokens, _mean_square, config)
+  else:
+    engine = jzero.initialize(_LinenTokens(), _mean_square, config,
+                              init_inputs=lambda b: (b["x"],), sample_batch=batch(4, 16))
+  state = engine.init(jax.random.key(0))
+  state, _ = engine.train_step(state, engine.shard_batch(batch(4, 16)))
+  state, _ = engine.train_step(state, engine.shard_batch(batch(6, 16)))
+  for call in (lambda: engine.shard_batch(batch(4, 24)),
+               lambda: engine.train_step(state, batch(4, 24)),
+               lambda: engine.eval_loss(state, batch(4, 24))):
+    with pytest.raises(jzero.DataError) as e:
+      call()
+    message = str(e.value)
+    assert ("batch leaf ['x'] has shape (8, 4, 24); the step was compiled for (8, 4, 16)"
+            in message), message
+    assert "TypeError" in message or "ScopeParamShapeError" in message, message
+    _one_paragraph(message)
+  state, metrics = engine.train_step(state, engine.shard_batch(batch(4, 16)))
+  assert np.isfinite(float(metrics["loss"]))

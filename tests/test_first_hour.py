@@ -73,6 +73,47 @@ def test_eval_loss_with_rng_loss_turns_dropout_off_and_returns_aux():
   assert 0.0 <= float(metrics["accuracy"]) <= 1.0
 
 
+class TrainModeDropoutNet(nnx.Module):
+  """Dropout as Gemma builds it: `nnx.Dropout(rate, deterministic=False)` (train mode in the
+  module), the key given at call time."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.hidden = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+    self.out = nnx.Linear(WIDTH, CLASSES, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, deterministic=False)
+
+  def __call__(self, x, rng=None):
+    return self.out(self.drop(jax.nn.relu(self.hidden(x)), rngs=rng))
+
+
+def classify_in_mode(model, batch, rng=None):
+  logits = model(batch["x"], rng=rng)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_eval_loss_puts_an_nnx_model_in_eval_mode_for_that_call_only(stage):
+  """A model whose Dropout is in train mode (deterministic=False): ``eval_loss`` evaluates it in
+  ``model.eval()`` mode (dropout off; equal to the eval-mode model on one device), and training
+  afterwards still drops out (the engine's model is not switched to eval)."""
+  engine = jzero.initialize(TrainModeDropoutNet, classify_in_mode, _config(stage))
+  state = engine.init(jax.random.key(0), _batch(0))
+  batch = _batch(1)
+  loss = engine.eval_loss(state, batch)
+
+  params = jax.tree.map(np.asarray, engine.logical_params(state))
+  graphdef, template = nnx.split(nnx.eval_shape(lambda: TrainModeDropoutNet(nnx.Rngs(0))),
+                                 nnx.Param)
+  nnx.replace_by_pure_dict(template, params)
+  reference = nnx.merge(graphdef, template)
+  reference.eval()
+  np.testing.assert_allclose(loss, float(classify_in_mode(reference, batch)), rtol=SAME_MATH)
+
+  state, metrics = engine.train_step(state, engine.shard_batch(batch))
+  assert abs(float(metrics["loss"]) - loss) > 1e-4, "dropout was off in training"
+  assert engine.eval_loss(state, batch) != loss
+
+
 def test_eval_loss_of_a_plain_loss_is_a_float():
   engine = jzero.initialize(DropoutNet, lambda m, b: classify(m, b)[0], _config(1))
   state = engine.init(jax.random.key(0), _batch(0))

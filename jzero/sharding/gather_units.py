@@ -31,7 +31,9 @@ backward), one unit's full parameters and gradients alive at a time. With ``cpu_
 the region's array inputs are what it keeps in ``pinned_host`` (see
 :mod:`jzero.sharding.layer_scan`). A unit inside another unit, or inside a layer scan that already
 gathered its layer, finds nothing left to gather and runs as is. NNX: the bound model's unit modules
-get a subclass whose methods do this. Linen: flax's ``nn.intercept_methods``.
+get a subclass whose methods do this. Linen: flax's ``nn.intercept_methods`` lifts each method as
+flax's own transforms do, so what the unit's ``setup`` creates (``nn.Embed``'s table) is read
+gathered, inside the method's region (:class:`LinenUnits`).
 
 The units' gathers read only the parameter partitions, never the previous unit's output, so XLA is
 free to issue unit i+1's all-gather while unit i computes (``overlap_comm``: the GPU's
@@ -54,12 +56,13 @@ from jax import lax
 from jax.extend.core import get_opaque_trace_state
 from flax import linen as nn
 from flax import nnx
+from flax.core import lift
 
 from jzero.comm.zero_param import ZeroParam
 from jzero.errors import JZeroWarning
 from jzero.sharding.layer_scan import current_layer_policy, current_policy, gather, name_layer_inputs
 
-__all__ = ["ModuleInfo", "UnitRules", "choose_units", "check_units", "nnx_units", "linen_units",
+__all__ = ["ModuleInfo", "UnitRules", "choose_units", "check_units", "nnx_units", "LinenUnits",
            "inside_unit", "holds_partitions"]
 
 
@@ -342,20 +345,48 @@ def linen_modules(module: nn.Module, rng: jax.Array, *args: Any) -> list[ModuleI
   return [ModuleInfo(path, cls) for path, cls in seen.items()]
 
 
-def linen_units(units: set[str]) -> Callable[..., Any]:
-  """A ``nn.intercept_methods`` interceptor that runs the methods of the unit modules as units."""
+def _gathered_scopes(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """A flax core transform (built on ``lift.pack``, as flax's own ``lift.checkpoint``):
+  ``fn(scope, *args)`` runs as a unit (:func:`run_unit`) whose inputs are the scope's variables,
+  gathered inside.
+  The inner scope keeps the module's path and RNG counters, so ``make_rng`` (dropout) draws the
+  same keys as an untransformed call."""
 
-  def interceptor(next_fun, args, kwargs, context):
+  def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
+    def body(groups, a, kw):
+      scope = scope_fn(groups, rng_groups)
+      return fn(scope, *a, **kw), repack_fn(scope)
+    return run_unit(body, variable_groups, args, kwargs)
+
+  return lift.pack(inner, (True,), (True,), (True,), name="zero3_unit", enable_kwargs=True)
+
+
+class LinenUnits:
+  """A ``nn.intercept_methods`` interceptor that runs the methods of the unit modules (by path) as
+  units.
+
+  Linen runs a module's ``setup`` before any interceptor sees the method that triggers it, so a
+  unit holding partitions skips it there (its parameters would be read as partitions: ``nn.Embed``
+  creates its table in ``setup``); each of its methods then runs through a lifted transform
+  (:func:`_gathered_scopes`, as ``nn.remat`` would) on a clone of the module, whose ``setup`` and
+  compact body read the gathered parameters. What ``setup`` defines thus exists inside the unit's
+  methods only: ``deferred_setup`` (path -> class) lists the modules whose ``setup`` was skipped,
+  so a parent reading such an attribute directly can be told why it is missing.
+  """
+
+  def __init__(self, units: set[str]):
+    self.units = units
+    self.deferred_setup: dict[str, type] = {}
+
+  def __call__(self, next_fun, args, kwargs, context):
     module = context.module
-    if (_IN_UNIT.get() or context.method_name == "setup" or module.scope is None
-        or "/".join(module.path) not in units):
+    path = "/".join(module.path) if module.scope is not None else None
+    if (_IN_UNIT.get() or path not in self.units
+        or not holds_partitions(module.variables.get("params", {}))):
       return next_fun(*args, **kwargs)
-    params = module.variables.get("params", {})
-    if not holds_partitions(params):
-      return next_fun(*args, **kwargs)
-    detached = module.clone(parent=None)
-    return run_unit(lambda p, a, kw: detached.apply({"params": p}, *a,
-                                                    method=context.method_name, **kw),
-                    params, args, kwargs)
-
-  return interceptor
+    if context.method_name == "setup":
+      self.deferred_setup[path] = type(module)
+      return None  # runs in the clone, inside each method's unit
+    method = getattr(type(module), context.method_name)
+    return nn.transforms.decorator_lift_transform(_gathered_scopes, method)(module, *args,
+                                                                           **kwargs)

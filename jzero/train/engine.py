@@ -90,6 +90,7 @@ class Engine(StepBuilder):
   _eval_fn: Any = dataclasses.field(default=None, repr=False)
   _host_step: int | None = dataclasses.field(default=None, repr=False)
   _batch_structure: Any = dataclasses.field(default=None, repr=False)
+  _batch_shapes: list = dataclasses.field(default_factory=list, repr=False)  # the steps' shapes
   _refresh_fn: Any = dataclasses.field(default=None, repr=False)
   nvme_settings: NvmeSettings | None = None  # the NVMe tier's (jzero.tiers.nvme)
   nvme_store: NvmeStore | None = dataclasses.field(default=None, repr=False)
@@ -360,10 +361,32 @@ class Engine(StepBuilder):
     input_checks.check_live(state, where)
 
   def _check_batch(self, batch: PyTree) -> None:
+    input_checks.check_arrays(batch)
     if self._batch_structure is None:  # the step is compiled for the first batch's structure
       self._batch_structure = jax.tree.structure(batch)
     input_checks.check_batch(batch, self._batch_structure, self.global_batch_size,
                              self.micro_batch_size, self.gas, self.mesh.dp_size)
+    self._check_new_shapes(batch)
+
+  def _check_new_shapes(self, batch: PyTree) -> None:
+    if self.plan is not None:  # shapes the model cannot take (input_checks.check_new_shapes)
+      input_checks.check_new_shapes(batch, self._batch_shapes, self._trace_loss)
+
+  def _trace_loss(self, batch: PyTree) -> None:
+    """The loss of the model over logical parameters on a micro-batch of ``batch``'s trailing
+    shapes, traced abstractly: the model's own errors on those shapes, with no device work."""
+    plan = self.plan
+    params = plan.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, plan.compute_dtype))
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.micro_batch_size,) + x.shape[1:],
+                                                        x.dtype), batch)
+
+    def loss(params, mb):
+      model = self.model.bind(params)
+      if self.loss_takes_rng:
+        return self.loss_fn(model, mb, rng=jax.random.key(0))
+      return self.loss_fn(model, mb)
+
+    jax.eval_shape(loss, params, micro)
 
   def _check_input_ids(self, batch: PyTree) -> None:
     if self.check_input_ids and self.plan is not None:
@@ -594,6 +617,7 @@ class Engine(StepBuilder):
     each rank loads only its samples). ``process_local=None`` tells them apart by the leading
     dimension.
     """
+    input_checks.check_arrays(batch)
     lead = {np.shape(x)[0] if np.shape(x) else None for x in jax.tree.leaves(batch)}
     if process_local is None:
       process_local = jax.process_count() > 1 and lead != {self.global_batch_size}
@@ -619,21 +643,24 @@ class Engine(StepBuilder):
     """Mean loss of ``batch`` (leading dim a multiple of the data-parallel size), no update.
 
     Returns what the loss returns, averaged over the batch: a float, or ``(loss, aux)`` with each
-    aux value a float (a Python number per leaf). A loss with an ``rng`` parameter gets
-    ``rng=None`` here -- evaluation, as ``model.eval()`` in PyTorch: dropout must be off when it
-    has no key (``nnx.Dropout(rate)(x, deterministic=rng is None, rngs=rng)``, README).
+    aux value a float (a Python number per leaf). Evaluation, as ``model.eval()`` in PyTorch: an
+    NNX model is called in its eval mode (nnx's ``model.eval()``: Dropout deterministic, for this
+    call only), and a loss with an ``rng`` parameter gets ``rng=None`` (a Linen model's dropout is
+    off when the loss passes ``deterministic=rng is None``, README).
     """
     plan = self._require_plan()
     self.check_live(state, "eval_loss")
+    input_checks.check_arrays(batch)
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
       if not np.shape(x) or np.shape(x)[0] % self.mesh.dp_size:
         raise DataError(f"eval batch leaf {jax.tree_util.keystr(path) or 'batch'} has shape "
                         f"{tuple(np.shape(x))}; its leading dimension must be a multiple of the "
                         f"data-parallel size {self.mesh.dp_size}.")
+    self._check_new_shapes(batch)
     if self._eval_fn is None:
       def local_loss(params, secondary, mb):
         with engine_context(LayerPolicy()):
-          model = self._bind(self._grad_targets(params), params, secondary)
+          model = self.model.evaluating(self._bind(self._grad_targets(params), params, secondary))
           out = self.loss_fn(model, mb, rng=None) if self.loss_takes_rng else self.loss_fn(model, mb)
         loss, aux = split_loss(out)
         mean = lambda x: lax.pmean(jnp.asarray(x).astype(jnp.float32), self.mesh.batch_axes)

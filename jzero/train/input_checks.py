@@ -1,18 +1,21 @@
 """Checks of what a user hands the engine, before any device work: initial parameters, a train
-state (not donated already), a batch (its structure and leading dimension), integer inputs (within
-the model's embedding table). Each raises an error that names the leaf and the fix."""
+state (not donated already), a batch (arrays, not Python lists; its structure and leading
+dimension; trailing dimensions the model takes), integer inputs (within the model's embedding
+table). Each raises an error that names the leaf and the fix."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax.tree_util import SequenceKey, keystr
 
 from jzero.errors import ConfigError, DataError, JZeroError
 from jzero.sharding.plan import Plan, flatten_paths
 
-__all__ = ["check_params", "check_live", "check_batch", "check_input_ids"]
+__all__ = ["check_params", "check_live", "check_arrays", "check_batch", "check_new_shapes",
+           "check_input_ids"]
 
 PyTree = Any
 
@@ -44,10 +47,25 @@ def check_live(state: Any, where: str) -> None:
           f"`state, metrics = engine.train_step(state, batch)`, and use that one.")
 
 
+def check_arrays(batch: PyTree) -> None:
+  """Every leaf of ``batch`` an array: a Python list (or tuple) of numbers -- a tokenizer's output
+  -- is a tree of scalars to JAX, so it is named here with the conversion."""
+  for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    if isinstance(x, (bool, int, float, complex)) and path and isinstance(path[-1], SequenceKey):
+      while path and isinstance(path[-1], SequenceKey):
+        path = path[:-1]
+      name = keystr(path)
+      what = f"batch leaf {name}" if name else "the batch"
+      raise DataError(
+          f"{what} is a Python list (or tuple) of numbers; the engine takes arrays, one per "
+          f"leaf: np.asarray(batch{name}) (rows padded to one length; a tokenizer gives arrays "
+          f"with return_tensors='np').")
+
+
 def check_batch(batch: PyTree, first: Any, batch_size: int, micro: int, gas: int,
                 dp_size: int) -> None:
-  """A global batch: the structure of the engine's first batch (``first``) and ``batch_size`` rows
-  in every leaf."""
+  """A global batch of arrays (:func:`check_arrays` first): the structure of the engine's first
+  batch (``first``) and ``batch_size`` rows in every leaf."""
   if jax.tree.structure(batch) != first:
     first_keys = set(flatten_paths(jax.tree.unflatten(first, [0] * first.num_leaves)))
     now = set(flatten_paths(batch))
@@ -64,6 +82,38 @@ def check_batch(batch: PyTree, first: Any, batch_size: int, micro: int, gas: int
           f"batch leaf {name} has shape {tuple(np.shape(x))}; its leading dimension must be "
           f"train_batch_size = {batch_size} (train_micro_batch_size_per_gpu {micro} x "
           f"gradient_accumulation_steps {gas} x data-parallel size {dp_size}).")
+
+
+def check_new_shapes(batch: PyTree, seen: list[dict[str, tuple]],
+                     trace: Callable[[PyTree], Any]) -> None:
+  """A batch whose trailing dimensions differ from those of every batch in ``seen`` (the shapes
+  the step was compiled for, first batch first; ``batch`` is added once it passes): ``trace(batch)``
+  runs the model on it abstractly, and a failure there -- the model cannot take the new shape, as
+  a layer given another feature width -- is a DataError naming the leaves that changed and both
+  shapes. More positions or another sequence length pass: the step is traced anew for them."""
+  shapes = {keystr(path): tuple(np.shape(x))
+            for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]}
+  trailing = lambda s: {path: shape[1:] for path, shape in s.items()}
+  if any(trailing(shapes) == trailing(s) for s in seen):
+    return
+  if seen:
+    try:
+      trace(batch)
+    except JZeroError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  (the model's own error, quoted)
+      first = seen[0]
+      changed = [f"batch leaf {path or 'batch'} has shape {shape}; the step was compiled for "
+                 f"{first[path]}" for path, shape in shapes.items()
+                 if path in first and shape[1:] != first[path][1:]]
+      changed = changed or [f"the batch's leaves have shapes {shapes}; the step was compiled for "
+                            f"{first}"]
+      cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
+      raise DataError(
+          f"{'; '.join(changed)}, and the model cannot take the new shape ({type(e).__name__}: "
+          f"{cause}). Give every batch the trailing dimensions of the first (pad or crop), or "
+          f"build a new engine for the new shape.") from None
+  seen.append(shapes)
 
 
 def check_input_ids(plan: Plan, batch: PyTree) -> None:

@@ -68,6 +68,12 @@ class ModelAdapter(abc.ABC):
   def set_sample_batch(self, batch: Any) -> None:
     """A batch to create the parameters from when ``init`` gets none (Linen needs one)."""
 
+  def evaluating(self, model: Any) -> Any:
+    """``model`` (from :meth:`bind`) as ``engine.eval_loss`` calls it, with no rng: in evaluation
+    mode. Linen: as it is -- ``deterministic`` is an argument of the user's call, which the loss
+    sets from ``rng is None``."""
+    return model
+
 
 def _hidden_size(obj: Any) -> int | None:
   for owner in (obj, getattr(obj, "config", None), getattr(obj, "cfg", None)):
@@ -126,6 +132,13 @@ class NnxModel(ModelAdapter):
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(self._graphdef, state)
     units_lib.nnx_units(model, units)
+    return model
+
+  def evaluating(self, model):
+    """nnx's ``model.eval()``: ``deterministic=True`` on every module that has it (Dropout,
+    attention), ``use_running_average=True`` likewise. ``bind`` builds a new model each time, so
+    the one training uses keeps its own mode."""
+    model.eval()
     return model
 
 
@@ -195,7 +208,8 @@ class LinenModel(ModelAdapter):
 
   def bind(self, params, units=frozenset()):
     module = self._module
-    interceptor = units_lib.linen_units(set(units))
+    name = type(module).__name__
+    interceptor = units_lib.LinenUnits(set(units))
 
     def apply(*args, **kwargs):
       try:
@@ -205,10 +219,22 @@ class LinenModel(ModelAdapter):
         if not units_lib.holds_partitions(params):
           raise
         raise NotSupportedError(
-            f"{type(module).__name__}: a layer read its ZeRO-3 partition where it needs the full "
-            f"parameter ({e}). Layers stacked under a scan must be listed in `stacked_layers` "
-            f"(jzero then never splits the layer axis) and built with jzero.linen_scan_layers, "
-            f"or run as modules jzero gathers when they are called.") from None
+            f"{name}: a layer read its ZeRO-3 partition where it needs the full parameter ({e}). "
+            f"Layers stacked under a scan must be listed in `stacked_layers` (jzero then never "
+            f"splits the layer axis) and built with jzero.linen_scan_layers, or run as modules "
+            f"jzero gathers when they are called.") from None
+      except AttributeError as e:
+        deferred = [f"{path} ({cls.__name__})" for path, cls in
+                    interceptor.deferred_setup.items() if f'"{cls.__name__}" object' in str(e)]
+        if not deferred:
+          raise
+        raise NotSupportedError(
+            f"{name}: a module read an attribute that `setup` defines from outside that "
+            f"module's methods ({e}). {', '.join(deferred)} is a ZeRO-3 gather unit: jzero "
+            f"runs its `setup` inside each of its methods, where its parameters are gathered, so "
+            f"what `setup` defines exists there only. Read it through a method of that module "
+            f"(for a tied output layer, nn.Embed.attend), or name the module reading it in "
+            f"zero_optimization.leaf_module so both gather as one unit.") from None
 
     return apply
 
