@@ -193,13 +193,14 @@ def _bodies(eqn: core.JaxprEqn) -> list[tuple[core.Jaxpr, Callable[[int], int], 
 
 def _flow(jaxpr: core.Jaxpr, sources: dict) -> dict:
   """{var: frozenset of source labels it depends on} through ``jaxpr`` from ``sources`` (var ->
-  frozenset of labels). Precise through regions; a plain primitive's outputs read all inputs."""
+  frozenset of labels: its inputs, or the outputs of one of its equations). Precise through
+  regions; a plain primitive's outputs read all inputs."""
   env = dict(sources)
   get = lambda v: env.get(v, frozenset()) if isinstance(v, core.Var) else frozenset()
   for eqn in jaxpr.eqns:
     ins = [get(v) for v in eqn.invars]
     for v, d in zip(eqn.outvars, _eqn_flow(eqn, ins)):
-      env[v] = d
+      env[v] = get(v) | d  # a source keeps its own label
   return env
 
 
