@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jzero
+import user_script_worker
 from collective_order_worker import BATCH, RUNS, STAGES, STEPS, model_config
 from jzero.analysis.hlo import collectives, unordered_collectives
 from jzero.comm import collective_order
@@ -108,6 +109,18 @@ def test_reduce_scatter_by_all_to_all_is_psum_scatter(axes, tiled):
 def test_the_nvme_tier_step_is_chained(tmp_path, chained):
   config = _no_clip(ds_config(2, offload_optimizer={"device": "nvme", "nvme_path": str(tmp_path)}))
   assert unordered_collectives(_compiled_step(config, None)) == []
+
+
+def test_the_user_script_step_is_chained(chained):
+  """tests/user_script_worker.py's model: its untied head (a gather unit) has a bias, which stays
+  replicated, so the smallest output of the unit's backward region is the bias gradient -- which
+  the region's last collective (the kernel's reduce-scatter) does not feed; the chain must leave
+  the region through the kernel's gradient instead."""
+  script = user_script_worker
+  engine = jzero.initialize(script.build_model, script.loss_fn, script.config(3))
+  state = engine.init(jax.random.key(0), params=script.given_weights())
+  batch = engine.shard_batch({"tokens": np.zeros((script.BATCH, script.SEQ + 1), np.int32)})
+  assert unordered_collectives(engine.compile_step(state, batch).as_text()) == []
 
 
 def test_without_the_chain_the_runtime_may_reorder_them(monkeypatch):

@@ -102,6 +102,15 @@ def loss_fn(model, batch):
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
+def config(stage: int) -> dict:
+  return {
+      "train_batch_size": BATCH,
+      "gradient_clipping": 0.0,
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+      "zero_optimization": {"stage": stage},
+  }
+
+
 def main(process_id: int, num_processes: int, port: int, out: str) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
@@ -114,13 +123,7 @@ def main(process_id: int, num_processes: int, port: int, out: str) -> None:
   given = given_weights()
   data = np.random.default_rng(0).integers(0, VOCAB, (STEPS, BATCH, SEQ + 1), dtype=np.int32)
   for stage in STAGES:
-    config = {
-        "train_batch_size": BATCH,
-        "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
-        "zero_optimization": {"stage": stage},
-    }
-    engine = jzero.initialize(build_model, loss_fn, config)
+    engine = jzero.initialize(build_model, loss_fn, config(stage))
     for run in range(RUNS):
       state = engine.init(jax.random.key(0), params=given)
       losses = []
