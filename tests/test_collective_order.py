@@ -117,7 +117,7 @@ def test_the_user_script_step_is_chained(chained):
   the region's last collective (the kernel's reduce-scatter) does not feed; the chain must leave
   the region through the kernel's gradient instead."""
   script = user_script_worker
-  engine = jzero.initialize(script.build_model, script.loss_fn, script.config(3))
+  engine = jzero.initialize(lambda rngs: script.GPT(rngs), script.loss_fn, script.config(3))
   state = engine.init(jax.random.key(0), params=script.given_weights())
   batch = engine.shard_batch({"tokens": np.zeros((script.BATCH, script.SEQ + 1), np.int32)})
   assert unordered_collectives(engine.compile_step(state, batch).as_text()) == []

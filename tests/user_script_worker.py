@@ -11,11 +11,11 @@ from the same given weights (``engine.init(rng, params=...)``) and feeds the glo
 gradient clipping and AdamW with weight decay, it trains RUNS runs of STEPS steps; process 0 writes
 each run's losses and final logical params to OUT_DIR/stage<S>_run<R>.npz.
 
-The model is small, but its largest leaves (the MLP's [256, 1024] matrices) are 1 MiB, and stage 3
-runs first: gloo's reduce-scatter raced (:mod:`jzero.comm.collective_order`) when a send did not fit
-its socket's buffer at once, and the buffers of the job's connections start small and grow with
-the traffic, so a stage that ran after others raced less often (stage 3 after stages 1 and 2 gave
-the same bits in a 12-step run that differed with stage 3 first).
+The model is small, but its largest leaves (the MLP's [256, 1024] matrices) are 1 MiB: gloo's
+reduce-scatter raced (:mod:`jzero.comm.collective_order`) when a send did not fit its socket's
+buffer at once. Stage 3 runs first because a stage that ran after others raced less often (12
+steps without the fix: stage 3 after stages 1 and 2 gave the same bits twice, stage 3 first did
+not -- likely the connections' socket buffers, small at first, growing with the traffic).
 """
 
 from __future__ import annotations
@@ -26,80 +26,73 @@ import sys
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jzero  # noqa: E402
 
 VOCAB, SEQ, D, LAYERS, HEADS = 512, 32, 256, 2, 4
 BATCH, STEPS, RUNS = 8, 4, 2
 STAGES = (3, 2, 1)
 
 
-def build_model(rngs):
-  import jax.numpy as jnp
-  from flax import nnx
+class Block(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.ln1 = nnx.LayerNorm(D, rngs=rngs)
+    self.qkv = nnx.Linear(D, 3 * D, rngs=rngs)
+    self.proj = nnx.Linear(D, D, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(D, rngs=rngs)
+    self.fc = nnx.Linear(D, 4 * D, rngs=rngs)
+    self.out = nnx.Linear(4 * D, D, rngs=rngs)
 
-  import jzero
-
-  class Block(nnx.Module):
-    def __init__(self, rngs):
-      self.ln1 = nnx.LayerNorm(D, rngs=rngs)
-      self.qkv = nnx.Linear(D, 3 * D, rngs=rngs)
-      self.proj = nnx.Linear(D, D, rngs=rngs)
-      self.ln2 = nnx.LayerNorm(D, rngs=rngs)
-      self.fc = nnx.Linear(D, 4 * D, rngs=rngs)
-      self.out = nnx.Linear(4 * D, D, rngs=rngs)
-
-    def __call__(self, x):
-      b, t, _ = x.shape
-      q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
-      heads = lambda y: y.reshape(b, t, HEADS, D // HEADS)
-      att = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
-      x = x + self.proj(att.reshape(b, t, D))
-      return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
-
-  class GPT(nnx.Module):
-    stacked_layers = ("blocks",)
-
-    def __init__(self, rngs):
-      self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
-      self.pos = nnx.Param(jax.random.normal(rngs.params(), (SEQ, D)) * 0.01)
-
-      @nnx.split_rngs(splits=LAYERS)
-      @nnx.vmap(in_axes=(0,), out_axes=0)
-      def blocks(rngs):
-        return Block(rngs)
-
-      self.blocks = blocks(rngs)
-      self.ln_f = nnx.LayerNorm(D, rngs=rngs)
-      self.head = nnx.Linear(D, VOCAB, rngs=rngs)
-
-    def __call__(self, tokens):
-      x = self.embed(tokens) + self.pos[: tokens.shape[1]]
-      graphdef, stacked = nnx.split(self.blocks)
-      x = jzero.scan_layers(lambda h, p: nnx.merge(graphdef, p)(h), x, stacked)
-      return self.head(self.ln_f(x))
-
-  return GPT(rngs)
+  def __call__(self, x):
+    b, t, _ = x.shape
+    q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
+    heads = lambda y: y.reshape(b, t, HEADS, D // HEADS)
+    att = jax.nn.dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+    x = x + self.proj(att.reshape(b, t, D))
+    return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 
 
-def given_weights():
-  """The weights the script starts from, as numpy arrays (e.g. read from a file): the model's
-  params tree, every leaf drawn from N(0, 0.02) except the LayerNorm scales, which are 1."""
-  import numpy as np
-  from flax import nnx
+class GPT(nnx.Module):
+  stacked_layers = ("blocks",)
 
-  rng = np.random.default_rng(0)
-  shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: build_model(nnx.Rngs(0))),
-                                      nnx.Param))
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: np.ones(x.shape, np.float32) if path[-1].key == "scale"
-      else (0.02 * rng.standard_normal(x.shape)).astype(np.float32), shapes)
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+    self.pos = nnx.Param(jax.random.normal(rngs.params(), (SEQ, D)) * 0.01)
+
+    @nnx.split_rngs(splits=LAYERS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def blocks(rngs):
+      return Block(rngs)
+
+    self.blocks = blocks(rngs)
+    self.ln_f = nnx.LayerNorm(D, rngs=rngs)
+    self.head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+    graphdef, stacked = nnx.split(self.blocks)
+    x = jzero.scan_layers(lambda h, p: nnx.merge(graphdef, p)(h), x, stacked)
+    return self.head(self.ln_f(x))
 
 
-def loss_fn(model, batch):
-  import optax
-
+def loss_fn(model: GPT, batch: dict) -> jax.Array:
   tokens = batch["tokens"]
   logits = model(tokens[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def given_weights() -> dict:
+  """The weights the script starts from, as numpy arrays (e.g. read from a file): the model's
+  params tree, every leaf drawn from N(0, 0.02) except the LayerNorm scales, which are 1."""
+  rng = np.random.default_rng(0)
+  shapes = nnx.to_pure_dict(nnx.state(nnx.eval_shape(lambda: GPT(nnx.Rngs(0))), nnx.Param))
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: np.ones(x.shape, np.float32) if path[-1].key == "scale"
+      else (0.02 * rng.standard_normal(x.shape)).astype(np.float32), shapes)
 
 
 def config(stage: int) -> dict:
@@ -115,15 +108,10 @@ def main(process_id: int, num_processes: int, port: int, out: str) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
                              process_id=process_id, local_device_ids=[0])
-  import numpy as np
-  from flax import nnx
-
-  import jzero
-
   given = given_weights()
   data = np.random.default_rng(0).integers(0, VOCAB, (STEPS, BATCH, SEQ + 1), dtype=np.int32)
   for stage in STAGES:
-    engine = jzero.initialize(build_model, loss_fn, config(stage))
+    engine = jzero.initialize(lambda rngs: GPT(rngs), loss_fn, config(stage))
     for run in range(RUNS):
       state = engine.init(jax.random.key(0), params=given)
       losses = []
