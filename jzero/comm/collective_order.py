@@ -1,4 +1,4 @@
-"""One order of cross-device collectives on every process: :func:`in_one_order`.
+"""Collectives across CPU processes that every process runs alike: :func:`in_one_order`.
 
 Why. Two processes pair collectives by the order each one issues them: gloo (XLA's CPU collectives
 across processes) has no per-collective tag, so the n-th collective one process sends meets the
@@ -30,9 +30,20 @@ arithmetic XLA can see through -- ``float(t != t) * 0``, a full-size dynamic sli
 away and orders nothing.) Cost: one pass over that input (usually a scalar, a
 layer's partition or a gradient XLA fuses it into); ``bench/collective_order.py`` measures the step.
 
+No reduce-scatter. XLA's CPU reduce-scatter across processes is gloo's
+``ReduceScatterHalvingDoubling``, which races with itself: a rank starts sending part of its buffer
+to its peer and, once it has received and reduced the peer's part, copies its own result over the
+start of that buffer without waiting for its send to complete. A send that did not fit the socket
+at once still has its tail there, so the peer adds the overwritten tail (measured with two
+processes and a [1024, 256] fp32 gradient: in some runs the last 118 elements of process 0's
+partition were its own gradient plus process 1's *result*, not process 1's gradient; the smaller
+leaves never raced). :func:`in_one_order` therefore replaces every reduce-scatter
+(``lax.psum_scatter``) by what it computes, with the same bytes on the wire: an all-to-all (gloo
+send / receive, waited for), then each device sums the slices it received.
+
 Where. Only programs over the CPU devices of several processes need it (:func:`needed`): within one
-process the CPU runtime pairs collectives by id, and a GPU runs one stream schedule per program,
-the same on every process, so NCCL pairs collectives in program order.
+process the CPU runtime pairs collectives by id and reduce-scatters in memory, and a GPU runs one
+stream schedule per program, the same on every process, so NCCL pairs collectives in program order.
 """
 
 from __future__ import annotations
@@ -68,15 +79,17 @@ def needed(mesh: jax.sharding.Mesh) -> bool:
 
 
 def in_one_order(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """``fn`` (a ``shard_map`` body) with its collectives chained into one order (module docstring).
+  """``fn`` (a ``shard_map`` body) with its collectives chained into one order and its
+  reduce-scatters done as all-to-all + a local sum (module docstring).
 
-  Same arguments, results and values, bit for bit: ``fn`` is traced to a jaxpr, the chain is
-  inserted, and the jaxpr is evaluated in the caller's trace."""
+  Same arguments and results: ``fn`` is traced to a jaxpr, rewritten, and the jaxpr is evaluated in
+  the caller's trace. The chain keeps every value bit for bit; a reduce-scatter's sum is the same
+  up to the order of its terms (exactly the same with two)."""
 
   @functools.wraps(fn)
   def ordered(*args):
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    chained = core.ClosedJaxpr(_chain(closed.jaxpr), closed.consts)
+    chained = core.ClosedJaxpr(_chain(_without_reduce_scatter(closed.jaxpr)), closed.consts)
     out = core.jaxpr_as_fun(chained)(*jax.tree.leaves(args))
     return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
@@ -93,7 +106,7 @@ def _chain(jaxpr: core.Jaxpr) -> core.Jaxpr:
     if not _bears_collective(eqn):
       eqns.append(eqn)
       continue
-    eqn = eqn.replace(params={k: _chain_param(v) for k, v in eqn.params.items()})
+    eqn = eqn.replace(params={k: _map_jaxprs(_chain, v) for k, v in eqn.params.items()})
     if tokens:
       eqn = _read_after(eqn, tokens, eqns)
     eqns.append(eqn)
@@ -101,13 +114,15 @@ def _chain(jaxpr: core.Jaxpr) -> core.Jaxpr:
   return jaxpr.replace(eqns=eqns)
 
 
-def _chain_param(value: Any) -> Any:
+def _map_jaxprs(rewrite: Callable[[core.Jaxpr], core.Jaxpr], value: Any) -> Any:
+  """An equation parameter with ``rewrite`` applied to the jaxprs it holds (a loop's body, a
+  cond's branches, a call's jaxpr); any other parameter unchanged."""
   if isinstance(value, core.ClosedJaxpr):
-    return value.replace(jaxpr=_chain(value.jaxpr))
+    return value.replace(jaxpr=rewrite(value.jaxpr))
   if isinstance(value, core.Jaxpr):
-    return _chain(value)
+    return rewrite(value)
   if isinstance(value, tuple) and any(isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in value):
-    return tuple(_chain_param(v) for v in value)
+    return tuple(_map_jaxprs(rewrite, v) for v in value)
   return value
 
 
@@ -118,6 +133,36 @@ def _has_collective(jaxpr: core.Jaxpr) -> bool:
 def _bears_collective(eqn: core.JaxprEqn) -> bool:
   return (eqn.primitive.name in COLLECTIVES
           or any(_has_collective(j) for j in list(core.jaxprs_in_params(eqn.params))))
+
+
+# -- reduce-scatter as all-to-all -----------------------------------------------------------------
+def _without_reduce_scatter(jaxpr: core.Jaxpr) -> core.Jaxpr:
+  """``jaxpr`` with every reduce-scatter, at every level, replaced by
+  :func:`_reduce_scatter_by_all_to_all` (module docstring: gloo's reduce-scatter races)."""
+  if not _has_collective(jaxpr):
+    return jaxpr
+  eqns = []
+  for eqn in jaxpr.eqns:
+    eqn = eqn.replace(params={k: _map_jaxprs(_without_reduce_scatter, v)
+                              for k, v in eqn.params.items()})
+    if eqn.primitive.name == "reduce_scatter" and eqn.params["axis_index_groups"] is None:
+      params = {k: eqn.params[k] for k in ("axis_name", "scatter_dimension", "axis_size", "tiled")}
+      _inline(functools.partial(_reduce_scatter_by_all_to_all, **params), eqn.invars, eqns,
+              eqn.outvars)
+    else:
+      eqns.append(eqn)
+  return jaxpr.replace(eqns=eqns)
+
+
+def _reduce_scatter_by_all_to_all(x: jax.Array, *, axis_name: Any, scatter_dimension: int,
+                                  axis_size: int, tiled: bool) -> jax.Array:
+  """``lax.psum_scatter(x, axis_name, scatter_dimension=..., tiled=...)``: device i receives
+  every device's i-th slice of ``x`` (one all-to-all, the bytes of a reduce-scatter) and sums
+  them."""
+  d = scatter_dimension
+  if tiled:
+    x = x.reshape(x.shape[:d] + (axis_size, x.shape[d] // axis_size) + x.shape[d + 1:])
+  return lax.all_to_all(x, axis_name, d, d, tiled=False).sum(d)
 
 
 # -- which inputs a region's first collective waits for, which outputs its last one feeds ----------
@@ -148,13 +193,14 @@ def _bodies(eqn: core.JaxprEqn) -> list[tuple[core.Jaxpr, Callable[[int], int], 
 
 def _flow(jaxpr: core.Jaxpr, sources: dict) -> dict:
   """{var: frozenset of source labels it depends on} through ``jaxpr`` from ``sources`` (var ->
-  frozenset of labels). Precise through regions; a plain primitive's outputs read all inputs."""
+  frozenset of labels: its inputs, or the outputs of one of its equations). Precise through
+  regions; a plain primitive's outputs read all inputs."""
   env = dict(sources)
   get = lambda v: env.get(v, frozenset()) if isinstance(v, core.Var) else frozenset()
   for eqn in jaxpr.eqns:
     ins = [get(v) for v in eqn.invars]
     for v, d in zip(eqn.outvars, _eqn_flow(eqn, ins)):
-      env[v] = d
+      env[v] = get(v) | d  # a source keeps its own label
   return env
 
 
@@ -267,15 +313,27 @@ def _read_after(eqn: core.JaxprEqn, tokens: list[core.Var], eqns: list) -> core.
     return eqn
   strong = [c for c in candidates if not c[1].aval.weak_type] or candidates
   index, x = min(strong, key=lambda c: _size(c[1]))
-  template = jax.make_jaxpr(identity_after)(x.aval, *(t.aval for t in tokens)).jaxpr
-  assert not template.constvars, template
-  rename = dict(zip(template.invars, [x, *tokens]))
-  for e in template.eqns:
-    eqns.append(e.replace(invars=[rename.get(v, v) if isinstance(v, core.Var) else v
-                                  for v in e.invars]))
   invars = list(eqn.invars)
-  invars[index] = template.outvars[0]
+  [invars[index]] = _inline(identity_after, [x, *tokens], eqns)
   return eqn.replace(invars=invars)
+
+
+def _inline(fn: Callable[..., Any], invars: list, eqns: list, outvars: list | None = None) -> list:
+  """Appends to ``eqns`` the equations of ``fn`` traced on the avals of ``invars`` and reading
+  them; its results are ``outvars`` when given (else new variables). Returns the results.
+
+  Traced in the caller's context, so ``fn`` may use the mesh axes of the ``shard_map`` being
+  traced."""
+  template = jax.make_jaxpr(fn)(*(v.aval for v in invars)).jaxpr
+  assert not template.constvars, template
+  rename = dict(zip(template.invars, invars))
+  if outvars is not None:
+    rename.update(zip(template.outvars, outvars))
+  for e in template.eqns:
+    eqns.append(e.replace(
+        invars=[rename.get(v, v) if isinstance(v, core.Var) else v for v in e.invars],
+        outvars=[rename.get(v, v) for v in e.outvars]))
+  return [rename.get(v, v) for v in template.outvars]
 
 
 def identity_after(x: jax.Array, *tokens: jax.Array) -> jax.Array:
