@@ -389,7 +389,8 @@ class StepBuilder:
     the moments instead of one. State that is not shaped like the parameters (a client
     optimizer's factored statistics) is selected without the ordering."""
     new_master = jax.tree.map(lambda old, new: jnp.where(keep, old, new), master, new_master)
-    read_after = lambda x, m: collective_order.identity_after(x, m)
+    read_after = lambda x, m: collective_order.identity_after(x, m) if m.size else x  # 0-byte:
+    # a placeholder whose state lives outside the step (the NVMe store)
     old_state = optax.tree_utils.tree_map_params(self.tx, read_after, opt_state, new_master,
                                                  transform_non_params=lambda x: x)
     _, new_state = self.tx.update(grads, old_state, master)
