@@ -465,23 +465,14 @@ def test_kernel_exports_for_cuda(name):
   assert exported.platforms == ("cuda",)
 
 
-def _h100_spec() -> Path | None:
-  from jzero.analysis.aot import SPEC_DIR  # noqa: PLC0415
-  spec = SPEC_DIR / "h100_sxm.txtpb"
-  return spec if spec.is_file() else None
-
-
 def test_kernels_compile_to_ptx_for_h100():
   _triton_or_skip()
-  if importlib.util.find_spec("jax_cuda12_plugin") is None:
+  from jzero.runtime import quiet_start
+  if not quiet_start.cuda_plugin_installed():
     pytest.skip("compiling for a GPU that is not present needs the CUDA compiler plugin: "
                 "pip install 'jax[cuda12-local]' (the test extra)")
-  spec = _h100_spec()
-  if spec is None:
-    pytest.skip("needs XLA's H100 target config at jzero/analysis/gpu_specs/h100_sxm.txtpb")
-  from jax.experimental import topologies  # noqa: PLC0415
-  device = topologies.get_topology_desc(platform="cuda", topology="1 x 1 x 1",
-                                        target_config=spec.read_text()).devices[0]
+  from jzero.analysis import aot  # noqa: PLC0415
+  device = aot.gpu_devices("h100", 1)[0]  # loads the plugin's compiler where it is kept unloaded
   sharding = jax.sharding.SingleDeviceSharding(device)
   for name, (fn, arg, _) in _kernel_cases().items():
     arg = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), arg)
