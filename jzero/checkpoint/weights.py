@@ -207,12 +207,18 @@ def _open_safetensors(file: Path) -> Iterator[Any]:
   """``safe_open`` of ``file`` (memory-mapped until the block ends), its errors as
   :class:`CheckpointError` naming the file."""
   from safetensors import SafetensorError, safe_open
+  def unreadable(e: Exception) -> CheckpointError:
+    return CheckpointError(f"{file} is not a readable safetensors file: {type(e).__name__}: {e}")
+
   try:
-    with safe_open(str(file), framework="numpy") as f:
+    opened = safe_open(str(file), framework="numpy")  # reads and checks the header
+  except (SafetensorError, OSError, ValueError) as e:
+    raise unreadable(e) from None
+  with opened as f:
+    try:
       yield f
-  except (SafetensorError, OSError, ValueError, TypeError) as e:
-    raise CheckpointError(f"{file} is not a readable safetensors file: {type(e).__name__}: "
-                          f"{e}") from None
+    except (SafetensorError, OSError) as e:  # a tensor's data
+      raise unreadable(e) from None
 
 
 def _header(file: Path) -> dict[str, tuple[int, ...]]:
