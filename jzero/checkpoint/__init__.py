@@ -9,7 +9,8 @@ One module per phase:
 * :mod:`jzero.checkpoint.restore` -- :func:`load_checkpoint` into any stage, device count, mesh or
   precision, each device reading only its own shard.
 * :mod:`jzero.checkpoint.weights` -- DeepSpeed's ``zero_to_fp32`` (:func:`consolidate`) and
-  importing plain weights for fine-tuning (:func:`load_weights`).
+  importing plain weights for fine-tuning, each process reading only its shard
+  (:func:`load_weights`).
 * :mod:`jzero.checkpoint.describe` -- ``jzero inspect``.
 * :mod:`jzero.checkpoint.deepspeed` -- DeepSpeed ZeRO checkpoints read without torch
   (:func:`read_deepspeed`, ``.pt`` files through :mod:`jzero.checkpoint.deepspeed_pt`) and

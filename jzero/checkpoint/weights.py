@@ -6,8 +6,9 @@ file, streamed leaf by leaf so the host holds about one leaf at a time, and / or
 checkpoint (which Orbax writes in one call, so that one holds every leaf). With
 ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` a save also writes the consolidated
 weights in the model's compute dtype as a params-only Orbax checkpoint inside the checkpoint
-(``weights16/``). :func:`load_weights` reads either form back into a params tree for
-``engine.init(rng, params=...)``, to fine-tune under any stage.
+(``weights16/``). :func:`load_weights` reads either form -- or a Hugging Face index of several
+safetensors files -- into a params tree for ``engine.init(rng, params=...)``, to fine-tune under any
+stage; :func:`read_weights` reads them whole into numpy.
 
 A params-only Orbax checkpoint is a plain Orbax PyTree of the model's logical weights as nested
 dicts (``ocp.PyTreeCheckpointer().restore(path)`` reads it without jzero), with jzero's description
@@ -15,10 +16,18 @@ in the PyTree's ``custom_metadata``. A safetensors file names its tensors by the
 paths of the model's parameters, as the module names them: Linen's metadata boxes
 (``nn.with_logical_partitioning``) are unboxed on the way out (``.../kernel``, not
 ``.../kernel/value``), so the weights load into the module built with or without them.
+
+**Loading by shard.** :func:`load_weights` never reads the model into one process: it places every
+leaf straight into the engine's plan (``jax.make_array_from_callback`` with the leaf's param
+sharding), and the callback reads only the block a device of this process holds, through
+safetensors' slice API, from a file mapped only while that leaf is read. Under ZeRO-3 each of N
+processes so holds about 1/N of the params, plus one leaf in flight; replicated leaves (stages
+0-2, persistent ZeRO-3 leaves) are read whole by every process, as they are held whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -32,10 +41,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jzero.checkpoint import layout
-from jzero.checkpoint.restore import _root_cause
+from jzero.checkpoint.restore import _root_cause, abstract_state
 from jzero.checkpoint.save import weights_json
 from jzero.errors import CheckpointError
-from jzero.sharding.plan import flatten_paths
+from jzero.sharding.plan import flatten_paths, path_str
 from jzero.train.precision import DTYPES
 
 __all__ = ["ConsolidateReport", "consolidate", "read_weights", "load_weights"]
@@ -43,6 +52,8 @@ __all__ = ["ConsolidateReport", "consolidate", "read_weights", "load_weights"]
 PyTree = Any
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _WRITE_CHUNK_BYTES = 1 << 20
+INDEX_FILE = "model.safetensors.index.json"  # a Hugging Face model directory's names
+SINGLE_FILE = "model.safetensors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,67 +193,235 @@ def consolidate(directory: str | os.PathLike, *, tag: str | int | None = None,
                            outputs=tuple(outputs))
 
 
-def read_weights(path: str | os.PathLike) -> dict[str, np.ndarray]:
-  """Plain weights as ``{'/'-joined leaf path: numpy array}``.
+# -- reading plain weights ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+  """Where one safetensors tensor lies: its file and its shape (from the file's header)."""
 
-  ``path`` is a safetensors file or a params-only Orbax checkpoint (from :func:`consolidate`, a
-  step's ``weights16/``, or any Orbax PyTree of arrays). Only data is read: safetensors' JSON
-  header and raw tensors, Orbax's JSON metadata and zarr arrays.
-  """
+  file: Path
+  shape: tuple[int, ...]
+
+
+@contextlib.contextmanager
+def _open_safetensors(file: Path) -> Iterator[Any]:
+  """``safe_open`` of ``file`` (memory-mapped until the block ends), its errors as
+  :class:`CheckpointError` naming the file."""
+  from safetensors import SafetensorError, safe_open
+  def unreadable(e: Exception) -> CheckpointError:
+    return CheckpointError(f"{file} is not a readable safetensors file: {type(e).__name__}: {e}")
+
+  try:
+    opened = safe_open(str(file), framework="numpy")  # reads and checks the header
+  except (SafetensorError, OSError, ValueError) as e:
+    raise unreadable(e) from None
+  with opened as f:
+    try:
+      yield f
+    except (SafetensorError, OSError) as e:  # a tensor's data
+      raise unreadable(e) from None
+
+
+def _header(file: Path) -> dict[str, tuple[int, ...]]:
+  """{tensor name: shape} of a safetensors file, read from its header alone."""
+  with _open_safetensors(file) as f:
+    return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+
+
+def _index_tensors(index: Path) -> dict[str, _Stored]:
+  """The tensors of a Hugging Face index (``model.safetensors.index.json``): its ``weight_map``
+  names each tensor's file, relative to the index's directory; every file must hold its tensors."""
+  try:
+    weight_map = json.loads(index.read_text())["weight_map"]
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+      raise TypeError("its names and files must be strings")
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise CheckpointError(
+        f"{index} is not a safetensors index: expected JSON with a \"weight_map\" of {{tensor "
+        f"name: file name}}, as Hugging Face's {INDEX_FILE} ({type(e).__name__}: {e}).") from None
+  by_file: dict[str, list[str]] = {}
+  for name, file in weight_map.items():
+    by_file.setdefault(file, []).append(name)
+  tensors = {}
+  for file, names in by_file.items():
+    path = index.parent / file
+    if not path.is_file():
+      raise CheckpointError(f"{index} places {len(names)} tensors (e.g. {names[0]!r}) in {path}, "
+                            f"which does not exist: copy the index with all its files.")
+    header = _header(path)
+    absent = [n for n in names if n not in header]
+    if absent:
+      raise CheckpointError(f"{index} places tensors {absent[:5]} in {path}, which does not hold "
+                            f"them: the index and its files are from different models.")
+    tensors.update((n, _Stored(path, header[n])) for n in names)
+  return {name: tensors[name] for name in weight_map}
+
+
+def _source(path: str | os.PathLike) -> tuple[str, Path]:
+  """("safetensors", a file), ("index", an index file) or ("orbax", a directory) at ``path``: a
+  safetensors file, an index, a params-only Orbax checkpoint, or a Hugging Face model directory
+  (its index, else its one ``model.safetensors``)."""
   if not Path(path).exists():
     raise CheckpointError(f"weights {str(path)!r} do not exist.")
   path = Path(path).absolute()
   if path.is_file():
-    from safetensors import SafetensorError, safe_open
-    try:
-      with safe_open(str(path), framework="numpy") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
-      raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
-  if not (path / "_METADATA").is_file():
-    hint = ("; for a training checkpoint use load_checkpoint(..., params_only=True) or "
-            "convert it first" if (path / layout.LATEST_FILE).exists() or (path / layout.FILES_FILE).exists() else "")
-    raise CheckpointError(f"{path} is not a params-only Orbax checkpoint (no _METADATA){hint}.")
+    return ("index" if path.name.endswith(".index.json") else "safetensors"), path
+  if (path / "_METADATA").is_file():
+    return "orbax", path
+  if (path / INDEX_FILE).is_file():
+    return "index", path / INDEX_FILE
+  if (path / SINGLE_FILE).is_file():
+    return "safetensors", path / SINGLE_FILE
+  hint = ("; for a training checkpoint use load_checkpoint(..., params_only=True) or convert it "
+          "first" if (path / layout.LATEST_FILE).exists() or (path / layout.FILES_FILE).exists()
+          else "")
+  raise CheckpointError(f"{path} is neither a params-only Orbax checkpoint (no _METADATA) nor a "
+                        f"Hugging Face model directory (no {INDEX_FILE} or {SINGLE_FILE}){hint}.")
+
+
+def _safetensors(kind: str, path: Path) -> dict[str, _Stored]:
+  """The tensors of a safetensors file or index, from the headers alone."""
+  if kind == "index":
+    return _index_tensors(path)
+  return {name: _Stored(path, shape) for name, shape in _header(path).items()}
+
+
+def _orbax_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+  """{'/'-joined leaf path: shape} of a params-only Orbax checkpoint, from its metadata."""
+  try:
+    structure = ocp.PyTreeCheckpointHandler().metadata(path).tree
+  except Exception as e:
+    raise CheckpointError(f"{path}: the Orbax checkpoint cannot be read: {type(e).__name__}: "
+                          f"{e}") from e
+  return {name: tuple(m.shape) for name, m in flatten_paths(structure).items()}
+
+
+def _restore_orbax(path: Path, args: Any) -> dict[str, Any]:
+  """An Orbax PyTree restored with ``args(leaf path) -> RestoreArgs``, flattened by leaf path."""
   handler = ocp.PyTreeCheckpointHandler()
   try:
     structure = handler.metadata(path).tree
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), structure)
+    restore_args = jax.tree_util.tree_map_with_path(lambda p, _: args(path_str(p)), structure)
     tree = ocp.Checkpointer(handler).restore(path, args=ocp.args.PyTreeRestore(
-        item=structure, restore_args=args))
+        item=structure, restore_args=restore_args))
   except Exception as e:
     raise CheckpointError(f"{path}: the Orbax checkpoint cannot be read: {type(e).__name__}: "
                           f"{e}") from e
   return flatten_paths(tree)
 
 
-def load_weights(engine: Any, path: str | os.PathLike, *, sample_batch: Any = None) -> PyTree:
-  """Plain weights as a params tree for ``engine.init(rng, params=...)`` (fine-tuning, any stage).
+def read_weights(path: str | os.PathLike) -> dict[str, np.ndarray]:
+  """Plain weights, whole, as ``{'/'-joined leaf path: numpy array}``.
 
-  Checks every leaf of the model is present with its logical shape, and casts to the model's
-  parameter dtypes.
+  ``path`` is a safetensors file, a Hugging Face index of several (``model.safetensors.index.json``,
+  or the directory holding it or one ``model.safetensors``), or a params-only Orbax checkpoint
+  (from :func:`consolidate`, a step's ``weights16/``, or any Orbax PyTree of arrays). Only data is
+  read: safetensors' JSON headers and raw tensors, Orbax's JSON metadata and zarr arrays. Every
+  tensor is read into this process; :func:`load_weights` reads only what its devices hold.
+  """
+  kind, path = _source(path)
+  if kind == "orbax":
+    return _restore_orbax(path, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))
+  tensors = _safetensors(kind, path)
+  out = {}
+  for file in dict.fromkeys(t.file for t in tensors.values()):
+    with _open_safetensors(file) as f:
+      out.update((n, f.get_tensor(n)) for n, t in tensors.items() if t.file == file)
+  return {name: out[name] for name in tensors}
+
+
+def _read_region(f: Any, name: str, region: tuple[slice, ...], shape: tuple[int, ...]
+                 ) -> np.ndarray:
+  """``region`` (slices within ``shape``) of tensor ``name`` of the open file ``f``, read through
+  safetensors' slice API: the only read of tensor data :func:`load_weights` makes."""
+  if all(s.start == 0 and s.stop == n for s, n in zip(region, shape)):
+    return f.get_tensor(name)
+  return f.get_slice(name)[region]
+
+
+def _read_block(f: Any, name: str, shape: tuple[int, ...], bounds: tuple[tuple[int, int], ...],
+                dtype: Any) -> np.ndarray:
+  """The block ``bounds`` ((start, stop) per dimension of the plan's global shape) of the stored
+  tensor ``name`` of logical ``shape``, in ``dtype``: the part within ``shape`` read from the file,
+  the rest -- a partitioned leaf's padding at the end of its shard dimension -- zeros."""
+  region = tuple(slice(min(a, n), min(b, n)) for (a, b), n in zip(bounds, shape))
+  stored = tuple(s.stop - s.start for s in region)
+  wanted = tuple(b - a for a, b in bounds)
+  part = _read_region(f, name, region, shape) if all(stored) else None
+  if stored == wanted:
+    return np.asarray(part, dtype)
+  block = np.zeros(wanted, dtype)
+  if part is not None:
+    block[tuple(slice(0, n) for n in stored)] = part
+  return block
+
+
+def _placed(tensor: _Stored, name: str, target: jax.ShapeDtypeStruct) -> jax.Array:
+  """Tensor ``name`` as a global array of ``target``'s shape, dtype and sharding: each block this
+  process's devices hold read alone (once, when several of them hold it), with the file mapped only
+  while this leaf is read (its pages leave the resident set when it closes)."""
+  blocks: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+  with _open_safetensors(tensor.file) as f:
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+      bounds = tuple(s.indices(n)[:2] for s, n in zip(index, target.shape))
+      if bounds not in blocks:
+        blocks[bounds] = _read_block(f, name, tensor.shape, bounds, target.dtype)
+      return blocks[bounds]
+
+    return jax.make_array_from_callback(target.shape, target.sharding, block)
+
+
+def load_weights(engine: Any, path: str | os.PathLike, *, sample_batch: Any = None) -> PyTree:
+  """Plain weights as a params tree for ``engine.init(rng, params=...)`` (fine-tuning, any stage),
+  each process reading only what its devices hold.
+
+  Checks every leaf of the model is present with its logical shape (from the files' headers /
+  metadata alone), then places each leaf as the engine's plan lays out its compute param: a global
+  ``jax.Array`` in ``plan.param_spec``'s sharding, cast to the model's parameter dtype. A
+  partitioned leaf (ZeRO-3) is built block by block from safetensors' slice API, each process
+  reading only the blocks its devices hold, and comes padded to the plan's shape with zeros (as
+  ``engine.init`` accepts it); a replicated leaf (stages 0-2, ZeRO-3's persistent leaves) is read
+  whole by each process. So a process's host memory peaks near its share of the params plus one
+  leaf, not the model (``bench/weights_rss.py``). An Orbax source is read by Orbax into the same
+  shardings, each process reading its own blocks too.
 
   Args:
-    engine: the engine whose model the weights are for.
-    path: a safetensors file or a params-only Orbax checkpoint (see :func:`read_weights`).
+    engine: the engine whose model the weights are for (its plan is created if it has none).
+    path: a safetensors file, a Hugging Face index of several (``model.safetensors.index.json``,
+      or its directory), or a params-only Orbax checkpoint (see :func:`read_weights`).
     sample_batch: for Linen models, as in ``engine.init``.
 
   Raises:
-    CheckpointError: unreadable weights, or weights of another model (naming the leaves).
+    CheckpointError: unreadable weights, or weights of another model (naming the leaves) --
+      before any tensor is read.
   """
-  flat = read_weights(path)
+  kind, path = _source(path)
+  tensors = _safetensors(kind, path) if kind != "orbax" else {}
+  stored = _orbax_shapes(path) if kind == "orbax" else {n: t.shape for n, t in tensors.items()}
   model = engine.model.abstract_params(jax.random.key(0), sample_batch)
   # by the module's names; a file written with the boxes' names (before they were unboxed) too
-  names = {path: (path if path in flat and name not in flat else name)
-           for path, name in layout.module_names(model).items()}
-  want = {names[path]: x for path, x in flatten_paths(model).items()}
-  missing, unexpected = sorted(set(want) - set(flat)), sorted(set(flat) - set(want))
+  names = {p: (p if p in stored and name not in stored else name)
+           for p, name in layout.module_names(model).items()}
+  want = {names[p]: x for p, x in flatten_paths(model).items()}
+  missing, unexpected = sorted(set(want) - set(stored)), sorted(set(stored) - set(want))
   if missing or unexpected:
     raise CheckpointError(f"weights {path} are for another model: the model's leaves {missing[:5]} "
                           f"are not in them, and their leaves {unexpected[:5]} are not in the "
                           f"model.")
-  bad = [f"{p}: {tuple(flat[p].shape)} in the weights, {tuple(want[p].shape)} in the model"
-         for p in want if tuple(flat[p].shape) != tuple(want[p].shape)]
+  bad = [f"{n}: {stored[n]} in the weights, {tuple(want[n].shape)} in the model"
+         for n in want if stored[n] != tuple(want[n].shape)]
   if bad:
     raise CheckpointError(f"weights {path} do not fit the model's shapes: {'; '.join(bad[:5])}.")
-  leaves = [np.asarray(flat[p], want[p].dtype) for p in want]
-  return jax.tree.unflatten(jax.tree.structure(model), leaves)
+  if engine.plan is None:
+    abstract_state(engine, sample_batch)  # creates the plan
+  plan = engine.plan
+  leaves = {leaf.path: leaf for leaf in plan.leaf_list()}
+  targets = {names[p]: jax.ShapeDtypeStruct(
+      plan.param_shape(leaves[p]), x.dtype, sharding=plan.sharding(plan.param_spec(leaves[p])))
+             for p, x in flatten_paths(model).items()}
+  if kind == "orbax":
+    placed = _restore_orbax(path, lambda n: ocp.ArrayRestoreArgs(
+        sharding=targets[n].sharding, global_shape=targets[n].shape, dtype=targets[n].dtype,
+        strict=False))  # the plan's padding past the stored shape: zeros
+  else:
+    placed = {n: _placed(tensors[n], n, target) for n, target in targets.items()}
+  return jax.tree.unflatten(jax.tree.structure(model), [placed[n] for n in want])

@@ -282,7 +282,9 @@ class Engine(StepBuilder):
       sample_batch: Linen models: a batch to trace ``module.init`` with, unless ``initialize``
         got ``sample_batch`` or ``training_data``.
       params: start from these parameters (the model's logical shapes, e.g. imported weights)
-        instead of the model's initialisation; optimizer state starts fresh.
+        instead of the model's initialisation; optimizer state starts fresh. A partitioned leaf
+        may also come as the plan lays out its param, a jax.Array zero-padded to
+        ``plan.param_shape`` (``checkpoint.load_weights`` places them so): it stays sharded.
     """
     self._host_step = None  # a new state starts its own step count
     if self.plan is None:
@@ -292,7 +294,9 @@ class Engine(StepBuilder):
       tier.prepare(self)
 
     def to_layout(leaf: LeafPlan, x: jax.Array, partitioned: bool) -> jax.Array:
-      return leaf.to_padded(x) if partitioned else x
+      if not partitioned:
+        return leaf.to_logical(x)
+      return x if x.shape == leaf.padded_shape else leaf.to_padded(x)  # given padded: as it is
 
     def make_state(rng, params):
       init_key, train_key = jax.random.split(rng)

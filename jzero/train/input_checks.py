@@ -21,14 +21,19 @@ PyTree = Any
 
 
 def check_params(plan: Plan, params: PyTree) -> None:
-  """Given parameters must have the model's tree structure and logical shapes."""
-  got = {path: np.shape(x) for path, x in flatten_paths(params).items()}
+  """Given parameters must have the model's tree structure and logical shapes; a jax.Array may
+  also have the shape the plan stores the param in (a partitioned leaf zero-padded, as
+  ``checkpoint.load_weights`` places it)."""
+  flat = flatten_paths(params)
+  got = {path: np.shape(x) for path, x in flat.items()}
   want = {l.path: l.shape for l in plan.leaf_list()}
+  laid_out = {l.path: plan.param_shape(l) for l in plan.leaf_list()}
   missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
   if missing or extra:
     raise ConfigError(f"parameters do not match the model: missing {missing[:5]}, unexpected "
                       f"{extra[:5]} (paths are '/'-joined keys of the params tree).")
-  bad = [f"{p}: {got[p]} (model: {want[p]})" for p in want if tuple(got[p]) != want[p]]
+  bad = [f"{p}: {got[p]} (model: {want[p]})" for p in want if tuple(got[p]) != want[p] and not (
+      isinstance(flat[p], jax.Array) and tuple(got[p]) == laid_out[p])]
   if bad:
     raise ConfigError(f"parameters do not match the model's shapes: {'; '.join(bad[:5])}.")
 
