@@ -28,17 +28,6 @@ from jzero.sharding.layer_scan import gather, linen_scan_layers, remat, scan_lay
 from jzero.sharding.mesh import MeshSpec, ZeroMesh, simulate_cpu_devices  # noqa: E402
 from jzero.sharding.plan import Plan, make_plan  # noqa: E402
 from jzero.version import __version__  # noqa: E402,F401  (jzero.__version__)
-from jzero import moved as _moved  # noqa: E402
-
-_moved.install()  # jzero 0.1's module paths (jzero.memory, jzero.offload, ...) for one release
-
-
-def __getattr__(name: str):
-  """``jzero.memory`` and the other 0.1 module names, as attributes (:mod:`jzero.moved`)."""
-  if _moved.new_path(f"jzero.{name}") is None:
-    raise AttributeError(f"module 'jzero' has no attribute {name!r}")
-  import importlib  # noqa: PLC0415
-  return importlib.import_module(f"jzero.{name}")
 
 # Like DeepSpeed's logger: step reports (every steps_per_print) go to stdout unless the user
 # configures the "jzero" logger themselves.

@@ -8,7 +8,7 @@ work starts, so a user never sees a traceback from inside JAX for a mistake in t
 from __future__ import annotations
 
 __all__ = ["JZeroError", "ConfigError", "NotSupportedError", "MeshError", "CheckpointError",
-           "DataError", "JZeroWarning"]
+           "DataError", "Preempted", "JZeroWarning"]
 
 
 class JZeroError(Exception):
@@ -33,6 +33,17 @@ class CheckpointError(JZeroError):
 
 class DataError(JZeroError, ValueError):
   """Training data cannot be read or is too small for the requested batch."""
+
+
+class Preempted(JZeroError):
+  """The job was preempted (SIGTERM) and the script does not poll for it: every process stopped
+  after the same step, ``step``, and saved it in ``directory`` (None: the script had saved
+  nowhere, so nothing was saved). Raised by ``train_step`` after the save is complete; a script
+  that catches it can exit as it likes, one that does not ends with its message."""
+
+  def __init__(self, message: str, *, step: int, directory: str | None):
+    super().__init__(message)
+    self.step, self.directory = step, directory
 
 
 class JZeroWarning(UserWarning):

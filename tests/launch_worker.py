@@ -5,7 +5,7 @@ Usage: python launch_worker.py STEPS [--no-poll] [--save-dir DIR]
 Joins the job through ``jzero.initialize`` alone (no arguments: the ``jzero launch`` or SLURM
 environment says where the others are), prints ``joined via SOURCE as I/N pid PID``, then trains a
 tiny model under ZeRO stage 3 for STEPS steps, printing ``process I step S loss L`` after each and
-stopping early, at the same step on every process, when ``jzero.runtime.distributed.should_stop`` says a
+stopping early, at the same step on every process, when ``engine.reached_preemption`` says a
 process got SIGTERM (``preempted at step S``). With ``--no-poll`` it never asks (the engine's
 own preemption check must stop it); with ``--save-dir DIR`` it saves step 2 there.
 """
@@ -53,7 +53,7 @@ def main(steps: int, polls: bool = True, save_dir: str | None = None) -> None:
     print(f"process {me} step {step} loss {float(metrics['loss'])!r}", flush=True)
     if save_dir and step == 2:
       engine.save_checkpoint(state, save_dir)
-    if polls and distributed.should_stop(step):
+    if polls and engine.reached_preemption(step):
       print(f"process {me} preempted at step {step}", flush=True)
       return
     time.sleep(0.2)

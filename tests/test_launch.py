@@ -205,9 +205,10 @@ def test_sigkill_under_launcher_stops_the_job(tmp_path):
 
 @pytest.mark.parametrize("saves", [True, False], ids=["saved-before", "never-saved"])
 def test_sigterm_stops_a_script_that_never_polls(tmp_path, saves):
-  """SIGTERM to the launcher of a script that never calls should_stop: the engine's own check
-  stops every process at one step boundary -- saving that step where the script saved before
-  (exit 0), or saying it has nowhere to save (exit 143) -- and the launcher says which."""
+  """SIGTERM to the launcher of a script that never polls reached_preemption: the engine's own
+  check stops every process at one step boundary -- saving that step where the script saved
+  before, or saying it had nowhere to save -- by raising jzero.Preempted (the engine never exits
+  the process itself), and the launcher says so."""
   ckpt = tmp_path / "ckpt"
   p, out = _launch(["--num_processes", "2", "--num_cpu_devices", "1", "--master_port",
                     str(free_port()), str(WORKER), "1000", "--no-poll",
@@ -226,17 +227,16 @@ def test_sigterm_stops_a_script_that_never_polls(tmp_path, saves):
   stop = int(stops[0])  # inside train_step of that step, before the script printed it
   assert 4 < stop < 1000 and max(int(m) for m in re.findall(r"process 0 step (\d+) ",
                                                             out.text)) == stop - 1
+  assert code == 1, out.text[-3000:]  # the script ends with the exception it did not catch
+  assert "jzero.errors.Preempted: preempted (SIGTERM)" in out.text
+  assert "after SIGTERM (its log says whether it saved" in out.text
   if saves:
     from jzero import checkpoint
-    assert code == 0, out.text[-3000:]
     assert checkpoint.latest_step(ckpt) == stop and checkpoint.all_tags(ckpt) == ["2", str(stop)]
     assert f"every process stopped after step {stop}, saved in {ckpt}" in out.text
-    assert "every process exited 0 after SIGTERM" in out.text
   else:
-    assert code == 143, out.text[-3000:]
     assert len(set(stops)) == 1  # both processes, at the same step
-    assert "nothing saved: the script neither calls jzero.runtime.distributed.should_stop" in out.text
-    assert "exited with status 143 after SIGTERM, without saving a checkpoint" in out.text
+    assert "nothing saved: the script neither polls engine.reached_preemption" in out.text
 
 
 def test_slurm_job_survivor_exits_naming_the_lost_process():

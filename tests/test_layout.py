@@ -208,24 +208,6 @@ def test_every_module_imports_in_any_order(order):
   assert run.returncode == 0, run.stderr[-3000:]
 
 
-def test_old_module_paths_are_the_new_modules():
-  """jzero 0.1's flat paths import the moved module itself, with a DeprecationWarning."""
-  code = ("import warnings, jzero\nfrom jzero.analysis import estimate\n"
-          "with warnings.catch_warnings(record=True) as w:\n"
-          "  warnings.simplefilter('always')\n"
-          "  import jzero.memory as old\n"
-          "  from jzero.offload import choose_offloaded\n"
-          "assert old is estimate, old\n"
-          "assert jzero.memory is estimate\n"
-          "from jzero.tiers.host_optimizer import choose_offloaded as new\n"
-          "assert choose_offloaded is new\n"
-          "print(sorted(str(x.message).split()[0] for x in w))\n")
-  run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
-  assert run.returncode == 0, run.stderr[-3000:]
-  assert run.stdout.strip() == "['jzero.memory', 'jzero.offload']"
-
-
 if __name__ == "__main__":
   found_graph, found_problems = scan()
   for component in cycles(found_graph):

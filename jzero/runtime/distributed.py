@@ -34,16 +34,17 @@ having nowhere to save, exits 143 at once (``Engine._stop_if_preempted``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
-import sys
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from jzero.errors import JZeroError
 from jzero.sharding.mesh import ENV_NUM_CPU_DEVICES, simulate_cpu_devices
 
-__all__ = ["ProcessInfo", "init_distributed", "should_stop", "cluster_environment"]
+__all__ = ["ProcessInfo", "init_distributed", "should_stop", "cluster_environment",
+           "explained_peer_loss"]
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30
 INIT_TIMEOUT_S = 300
@@ -171,29 +172,30 @@ def init_distributed(coordinator: str | None = None, num_processes: int | None =
                              heartbeat_timeout_seconds=heartbeat,
                              shutdown_timeout_seconds=max(heartbeat, 30))
   _joined = ProcessInfo(jax.process_index(), jax.process_count(), source)
-  _explain_lost_peers()
   return _joined
 
 
-def _explain_lost_peers() -> None:
+@contextlib.contextmanager
+def explained_peer_loss() -> Iterator[None]:
   """A collective that fails because another process is gone surfaces as a bare transport error
-  ("Gloo AllGather failed ... Connection closed by peer"); say what it means and where the name
-  of the lost process will appear."""
-  previous = sys.excepthook
-
-  def hook(kind, value, tb):
-    previous(kind, value, tb)
-    text = str(value)
-    if any(s in text for s in ("Gloo", "Connection closed", "UNAVAILABLE", "heartbeat")):
-      print(f"jzero: process {jax.process_index()}: a collective failed, most likely because "
-            f"another process of the job is gone (killed, crashed, or its machine lost). JAX's "
-            f"coordination service names it ('Task N heartbeat timeout') within "
-            f"{_heartbeat_s} s, then ends this process; if process 0 (the coordinator) is the "
-            f"lost one, it reports the coordination service unreachable ('Socket closed') "
-            f"instead.", file=sys.stderr, flush=True)
-
+  ("Gloo AllGather failed ... Connection closed by peer"); inside this context (the engine's
+  ``train_step``) it becomes a :class:`JZeroError` saying what it means and where the name of the
+  lost process will appear, chained to the original."""
   import jax
-  sys.excepthook = hook
+
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as e:
+    text = str(e)
+    if jax.process_count() == 1 or not any(
+        s in text for s in ("Gloo", "Connection closed", "UNAVAILABLE", "heartbeat")):
+      raise
+    raise JZeroError(
+        f"process {jax.process_index()}: a collective failed, most likely because another process "
+        f"of the job is gone (killed, crashed, or its machine lost). JAX's coordination service "
+        f"names it ('Task N heartbeat timeout') within {_heartbeat_s} s, then ends this process; "
+        f"if process 0 (the coordinator) is the lost one, it reports the coordination service "
+        f"unreachable ('Socket closed') instead.") from e
 
 
 def _on_sigterm(signum, frame) -> None:

@@ -316,8 +316,9 @@ class _Job:
         i = failed[0]
         proc, code = self.procs[i], codes[i]
         others = [j for j, c in enumerate(codes) if c is None]
-        after_sigterm = (" after SIGTERM, without saving a checkpoint (its script neither "
-                         "handles preemption nor saved before)") if self.signals and code == 143 else ""
+        after_sigterm = (" after SIGTERM (its log says whether it saved: a script that does not "
+                         "poll engine.reached_preemption ends with jzero.Preempted, which says "
+                         "where)") if self.signals else ""
         print(f"jzero launch: process {proc.process_id} ({proc.host}, local rank "
               f"{proc.local_rank}) {_describe_exit(code)}{after_sigterm}; "
               + (f"stopping the other {len(others)} process(es): {others}." if others else

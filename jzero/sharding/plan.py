@@ -97,15 +97,7 @@ PyTree = Any
 
 def path_str(path: Sequence[Any]) -> str:
   """'blocks/attn/kernel' for a jax key path."""
-  parts = []
-  for k in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return "/".join(parts)
+  return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def flatten_paths(tree: PyTree) -> dict[str, Any]:

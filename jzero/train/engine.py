@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -31,7 +30,7 @@ from jzero.analysis import memory_report as memory_report_lib
 from jzero.analysis.hlo import StepTiming
 from jzero.comm import zeropp as zpp
 from jzero.config import Config
-from jzero.errors import DataError, JZeroError, JZeroWarning
+from jzero.errors import DataError, JZeroError, JZeroWarning, Preempted
 from jzero.runtime import distributed
 from jzero.runtime.data import DataLoader, local_rows
 from jzero.sharding.gather_units import UnitRules, check_units, choose_units
@@ -429,7 +428,15 @@ class Engine(StepBuilder):
     (``block_until_ready``); the timings are appended to ``engine.timings`` and logged with the
     metrics. With a monitor in the config (``tensorboard``, ``csv_monitor``, ``wandb``) every
     step's metrics are written to it (:mod:`jzero.train.monitor`).
+
+    Several processes: a collective that fails because a peer is gone is a JZeroError that says
+    so; a preemption the script does not poll for raises :class:`jzero.Preempted`
+    (:meth:`reached_preemption`).
     """
+    with distributed.explained_peer_loss():
+      return self._train_step(state, batch)
+
+  def _train_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
     self._check_batch(batch)
     self.check_live(state, "train_step")
     if self._host_step is None:
@@ -469,7 +476,7 @@ class Engine(StepBuilder):
     self._last_lr = metrics["lr"]
     self._warn_first_skip(self._host_step, metrics["overflow"])
     if jax.process_count() > 1:
-      self._stop_if_preempted(state)
+      self._raise_if_preempted(state)
     every = self.config.steps_per_print
     printing = every and self._host_step % every == 0 and jax.process_index() == 0  # one per job
     if printing or self.monitor.enabled:  # (the monitor writes on process 0 only)
@@ -526,13 +533,21 @@ class Engine(StepBuilder):
                                           self._host_step * self.global_batch_size)
     self.monitor.write_events(events)
 
-  def _stop_if_preempted(self, state: TrainState) -> None:
-    """Preemption for a script that does not handle it (several processes; see
-    :mod:`jzero.runtime.distributed`): if the script has not called ``should_stop`` since the last
-    step, the engine asks, with the step number every process shares; at the sync point every
-    process saves this step to the directory of the script's last ``save_checkpoint`` and exits 0,
-    or, with no such directory, says so and exits 143 (SIGTERM's status) before the grace period
-    ends.
+  def reached_preemption(self, step: int) -> bool:
+    """True on every process at the same ``step`` once any process got SIGTERM (a preemption):
+    the flag a training loop reads after each step, as Orbax's ``reached_preemption`` (call it
+    once per step with the same step numbers on every process; :func:`jzero.train.loop.train_loop`
+    does). Then save and stop."""
+    return distributed.should_stop(step)
+
+  def _raise_if_preempted(self, state: TrainState) -> None:
+    """Preemption for a script that does not poll for it (several processes; see
+    :mod:`jzero.runtime.distributed`): if the script has not called :meth:`reached_preemption`
+    (or ``should_stop``) since the last step, the engine asks, with the step number every process
+    shares; at the sync point every process saves this step to the directory of the script's last
+    ``save_checkpoint`` and raises :class:`jzero.Preempted` once the save is complete -- or, with
+    no such directory, raises it at once, saying nothing was saved. The process is the script's
+    to end: the engine never exits it.
     """
     previous, self._polls_seen = self._polls_seen, distributed.polls()
     if previous is None or previous != self._polls_seen:  # first step, or the script checks
@@ -540,21 +555,19 @@ class Engine(StepBuilder):
     step = self._host_step
     if not distributed.reached_sync_point(step):
       return
-    me = jax.process_index()
     if self._saved is None:
-      print(f"jzero: process {me}: preempted (SIGTERM) at step {step}; nothing saved: the script "
-            f"neither calls jzero.runtime.distributed.should_stop nor has saved with "
-            f"engine.save_checkpoint, so jzero has nowhere to save. Exiting with status 143.",
-            file=sys.stderr, flush=True)
-      raise SystemExit(143)
+      raise Preempted(
+          f"preempted (SIGTERM) at step {step}; nothing saved: the script neither polls "
+          f"engine.reached_preemption(step) nor has saved with engine.save_checkpoint, so jzero "
+          f"had nowhere to save. Poll reached_preemption after each step and save when it is "
+          f"true (jzero.train.loop.train_loop does).", step=step, directory=None)
     directory, saved_step = self._saved
     if saved_step != step:
       self.save_checkpoint(state, directory)
     self.wait_for_checkpoints()
-    if me == 0:
-      print(f"jzero: preempted (SIGTERM): every process stopped after step {step}, saved in "
-            f"{directory}; exiting with status 0.", flush=True)
-    raise SystemExit(0)
+    raise Preempted(f"preempted (SIGTERM): every process stopped after step {step}, saved in "
+                    f"{directory}; run the same command to resume from it.", step=step,
+                    directory=str(directory))
 
   def _warn_first_skip(self, step: int, overflow: jax.Array) -> None:
     """Warns the first time a step was skipped for a gradient that was not finite (fp16's loss

@@ -7,7 +7,7 @@ file or a pipe it would add two lines a step, so there only the engine's loss li
 ``save_every`` steps (keeping the last ``keep``), each step's loss appended to a file, an fp16 run
 stopped when the loss scale can back off no further (DeepSpeed stops there too), and preemption:
 when any process gets SIGTERM every process stops after the same step
-(:func:`jzero.runtime.distributed.should_stop`), saves it and returns, so running the same command
+(:meth:`jzero.Engine.reached_preemption`), saves it and returns, so running the same command
 again resumes (:func:`init_or_resume`). The result says how fast the steps ran
 (:class:`~jzero.train.monitor.Throughput`: tokens/s, samples/s and model FLOPs utilization, from the
 median step after the first); the config's monitors get every step from the engine.
@@ -34,7 +34,6 @@ import jax
 
 from jzero import checkpoint
 from jzero.errors import JZeroError
-from jzero.runtime import distributed
 from jzero.train.engine import Engine
 from jzero.train.monitor import Throughput
 from jzero.train.precision import MIN_SCALE_ERROR
@@ -148,7 +147,7 @@ def train_loop(engine: Engine, state: TrainState, batch_at: Callable[[int], Any]
       saved = checkpoint_dir and (step + 1 == steps or (save_every and (step + 1) % save_every == 0))
       if saved:
         engine.save_checkpoint(result.state, checkpoint_dir, keep=keep)  # async
-      if step + 1 < steps and distributed.should_stop(step + 1):  # SIGTERM: all stop here
+      if step + 1 < steps and engine.reached_preemption(step + 1):  # SIGTERM: all stop here
         bar.close()
         result.preempted = True
         if not checkpoint_dir:

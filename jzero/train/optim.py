@@ -36,126 +36,138 @@ from __future__ import annotations
 import difflib
 import math
 import warnings
-from typing import Callable
+from typing import Annotated, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from jzero.config.blocks import Flag, number
+from jzero.config.messages import show
 from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
 
 __all__ = ["Schedule", "build_schedule", "build_optimizer"]
 
 Schedule = Callable[[jax.Array | int], jax.Array]
 
-_REQUIRED = object()  # default of a parameter the config must give
+# -- each type's params: pydantic models with DeepSpeed's (or torch's) defaults -----------------------
 
-_WARMUP = {
-  "warmup_min_lr": 0.0,
-  "warmup_max_lr": None,  # WarmupLR: the optimizer's lr (DeepSpeed >= 0.17.2)
-  "warmup_num_steps": 1000,
-  "warmup_type": "log",
-  "last_batch_iteration": -1,
+Real = Annotated[float, number(False)]
+MaybeReal = Annotated[float | None, number(False, nullable=True)]
+Integer = Annotated[int, number(True)]
+Betas = tuple[Real, Real]
+
+
+class _Params(BaseModel):
+  model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AdamParams(_Params):
+  """FusedAdam's (and torch.optim.Adam / AdamW's) parameters."""
+
+  lr: Real = 1e-3
+  betas: Betas = (0.9, 0.999)
+  eps: Real = 1e-8
+  weight_decay: Real = 0.0
+  bias_correction: Flag = True
+  adam_w_mode: Flag = True
+  amsgrad: Flag = False
+  torch_adam: Flag = False  # torch.optim.Adam(W) instead of FusedAdam: the same math
+  set_grad_none: Flag = True  # FusedAdam.zero_grad behaviour: nothing to do in JAX
+
+
+class LionParams(_Params):
+  """DeepSpeed's FusedLion / DeepSpeedCPULion parameters."""
+
+  lr: Real = 1e-3
+  betas: Betas = (0.9, 0.999)
+  weight_decay: Real = 0.0
+  set_grad_none: Flag = True
+
+
+class SGDParams(_Params):
+  """torch.optim.SGD's parameters (DeepSpeed looks the type up by its exact name)."""
+
+  lr: Real = 1e-3
+  momentum: Real = 0.0
+  dampening: Real = 0.0
+  weight_decay: Real = 0.0
+  nesterov: Flag = False
+
+
+class WarmupLRParams(_Params):
+  warmup_min_lr: Real = 0.0
+  warmup_max_lr: MaybeReal = None  # the optimizer's lr (DeepSpeed >= 0.17.2)
+  warmup_num_steps: Integer = 1000
+  warmup_type: str = "log"
+  last_batch_iteration: Integer = -1
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+  total_num_steps: Integer  # required
+  warmup_max_lr: MaybeReal = 0.001
+
+
+class WarmupCosineLRParams(_Params):
+  total_num_steps: Integer  # required
+  warmup_min_ratio: Real = 0.0
+  warmup_num_steps: Integer = 1000
+  cos_min_ratio: Real = 0.0001
+  warmup_type: str = "log"
+  last_batch_iteration: Integer = -1
+
+
+class LRRangeTestParams(_Params):
+  lr_range_test_min_lr: Real = 1e-3
+  lr_range_test_step_size: Integer = 2000
+  lr_range_test_step_rate: Real = 1.0
+  lr_range_test_staircase: Flag = False
+  last_batch_iteration: Integer = -1
+
+
+_SCHEDULE_PARAMS: dict[str, type[_Params]] = {
+  "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams,
+  "WarmupCosineLR": WarmupCosineLRParams, "LRRangeTest": LRRangeTestParams,
 }
-_SCHEDULE_PARAMS = {
-  "WarmupLR": _WARMUP,
-  "WarmupDecayLR": {**_WARMUP, "total_num_steps": _REQUIRED, "warmup_max_lr": 0.001},
-  "WarmupCosineLR": {
-    "total_num_steps": _REQUIRED,
-    "warmup_min_ratio": 0.0,
-    "warmup_num_steps": 1000,
-    "cos_min_ratio": 0.0001,
-    "warmup_type": "log",
-    "last_batch_iteration": -1,
-  },
-  "LRRangeTest": {
-    "lr_range_test_min_lr": 1e-3,
-    "lr_range_test_step_size": 2000,
-    "lr_range_test_step_rate": 1.0,
-    "lr_range_test_staircase": False,
-    "last_batch_iteration": -1,
-  },
-}
-
-_ADAM = {
-  "lr": 1e-3,
-  "betas": (0.9, 0.999),
-  "eps": 1e-8,
-  "weight_decay": 0.0,
-  "bias_correction": True,
-  "adam_w_mode": True,
-  "amsgrad": False,
-  "torch_adam": False,  # torch.optim.Adam(W) instead of FusedAdam: the same math
-  "set_grad_none": True,  # FusedAdam.zero_grad behaviour: nothing to do in JAX
-}
-_OPTIMIZER_PARAMS = {
-  "adam": _ADAM,
-  "adamw": _ADAM,
-  # DeepSpeed's FusedLion / DeepSpeedCPULion defaults.
-  "lion": {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0, "set_grad_none": True},
-  # torch.optim.SGD, which DeepSpeed looks up by its exact (case-sensitive) name.
-  "SGD": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
+_OPTIMIZER_PARAMS: dict[str, type[_Params]] = {
+  "adam": AdamParams, "adamw": AdamParams, "lion": LionParams, "SGD": SGDParams,
 }
 
 
-def _read_params(block: dict, section: str, defaults: dict) -> dict:
-  """Returns ``block["params"]`` over ``defaults``, each value checked against its default's type.
-
-  Unknown keys and missing required ones raise ConfigError. A float (or None) default takes a
-  number, an int (or required) default an integer, a tuple default two numbers.
-  """
-  given = dict(block.get("params") or {})
-  for key in given:
-    if key not in defaults:
-      close = difflib.get_close_matches(key, list(defaults), n=1)
-      hint = f' Did you mean "{close[0]}"?' if close else ""
-      raise ConfigError(
-        f'{section}.params.{key}: unknown parameter for {section} type "{block["type"]}".{hint} '
-        f"Valid parameters: {', '.join(defaults)}."
-      )
-  params = dict(defaults)
-  for key, default in defaults.items():
-    name = f"{section}.params.{key}"
-    if key not in given:
-      if default is _REQUIRED:
-        raise ConfigError(
-          f'{name}: required by {section} type "{block["type"]}" but missing; add it (for a HF '
-          f"Trainer config, the total number of optimizer steps of the run)."
-        )
-    elif isinstance(default, tuple):
-      params[key] = _pair(given[key], name)
-    elif default is None or isinstance(default, float):
-      params[key] = _float(given[key], name)
-    elif default is _REQUIRED or (isinstance(default, int) and not isinstance(default, bool)):
-      params[key] = _int(given[key], name)
-    else:
-      params[key] = given[key]
-  return params
-
-
-def _float(value: object, key: str) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float)):
-    raise ConfigError(f"{key}: expected a number, got {value!r}; set a number.")
-  return float(value)
-
-
-def _int(value: object, key: str) -> int:
-  if isinstance(value, bool) or not (
-      isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-    raise ConfigError(f"{key}: expected an integer, got {value!r}; set an integer.")
-  return int(value)
+def _read_params(block: dict, section: str, model: type[_Params]) -> _Params:
+  """``block["params"]`` validated by ``model``; every problem (an unknown key with the closest
+  known one, a missing required key, a value of the wrong type) is one line of a ConfigError."""
+  try:
+    return model.model_validate(dict(block.get("params") or {}))
+  except ValidationError as error:
+    known = list(model.model_fields)
+    lines = []
+    for problem in error.errors():
+      name = f"{section}.params.{'.'.join(str(part) for part in problem['loc'])}"
+      if problem["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(str(problem["loc"][0]), known, n=1)
+        hint = f' Did you mean "{close[0]}"?' if close else ""
+        lines.append(f'{name}: unknown parameter for {section} type "{block["type"]}".{hint} '
+                     f"Valid parameters: {', '.join(known)}.")
+      elif problem["type"] == "missing":
+        lines.append(f'{name}: required by {section} type "{block["type"]}" but missing; add it '
+                     f"(for a HF Trainer config, the total number of optimizer steps of the run).")
+      elif problem["type"] == "value_error":
+        lines.append(f"{name}: {problem['ctx']['error']}; set one.")
+      elif problem["type"].startswith(("float", "int")):  # e.g. an "auto" left unresolved
+        expected = "a number" if problem["type"].startswith("float") else "an integer"
+        lines.append(f"{name}: expected {expected}, got {show(problem['input'])}; set one.")
+      else:
+        lines.append(f"{name}: {problem['msg']}, got {show(problem['input'])}.")
+    raise ConfigError("\n".join(lines)) from None
 
 
 def _positive(value: int, key: str) -> int:
   if value <= 0:
     raise ConfigError(f"{key}: must be a positive integer, got {value!r}; set one.")
   return value
-
-
-def _pair(value: object, key: str) -> tuple[float, float]:
-  if not isinstance(value, (list, tuple)) or len(value) != 2:
-    raise ConfigError(f"{key}: expected two numbers [beta1, beta2], got {value!r}; set two.")
-  return _float(value[0], f"{key}[0]"), _float(value[1], f"{key}[1]")
 
 
 def _warmup_type(value: object) -> str:
@@ -200,17 +212,17 @@ def build_schedule(scheduler: dict | None, base_lr: float) -> Schedule:
       f"one of them, or remove the scheduler block and pass your own optax optimizer."
     )
   params = _read_params(scheduler, "scheduler", _SCHEDULE_PARAMS[kind])
-  if params["last_batch_iteration"] != -1:
+  if params.last_batch_iteration != -1:
     raise NotSupportedError(
-      f"scheduler.params.last_batch_iteration: {params['last_batch_iteration']!r} is not "
+      f"scheduler.params.last_batch_iteration: {params.last_batch_iteration!r} is not "
       f"supported; remove it (jzero resumes the schedule from the checkpointed optimizer state)."
     )
 
   if kind == "LRRangeTest":
-    min_lr, rate = params["lr_range_test_min_lr"], params["lr_range_test_step_rate"]
-    step_size = _positive(params["lr_range_test_step_size"],
+    min_lr, rate = params.lr_range_test_min_lr, params.lr_range_test_step_rate
+    step_size = _positive(params.lr_range_test_step_size,
                           "scheduler.params.lr_range_test_step_size")
-    staircase = bool(params["lr_range_test_staircase"])
+    staircase = params.lr_range_test_staircase
 
     def range_test(count):
       # interval = (last_batch_iteration + 1) / step_size = count / step_size
@@ -221,12 +233,12 @@ def build_schedule(scheduler: dict | None, base_lr: float) -> Schedule:
     return range_test
 
   # DeepSpeed master raises for a non-positive warmup_num_steps, then uses max(2, n).
-  num_steps = max(2, _positive(params["warmup_num_steps"], "scheduler.params.warmup_num_steps"))
-  warmup_type = _warmup_type(params["warmup_type"])
+  num_steps = max(2, _positive(params.warmup_num_steps, "scheduler.params.warmup_num_steps"))
+  warmup_type = _warmup_type(params.warmup_type)
 
   if kind == "WarmupCosineLR":
-    decay_steps = max(1, params["total_num_steps"] - num_steps)
-    min_ratio, cos_min = params["warmup_min_ratio"], params["cos_min_ratio"]
+    decay_steps = max(1, params.total_num_steps - num_steps)
+    min_ratio, cos_min = params.warmup_min_ratio, params.cos_min_ratio
 
     def warmup_cosine(count):
       it = jnp.asarray(count, jnp.int32) - 1
@@ -240,9 +252,9 @@ def build_schedule(scheduler: dict | None, base_lr: float) -> Schedule:
 
     return warmup_cosine
 
-  min_lr = params["warmup_min_lr"]
-  max_lr = base_lr if params["warmup_max_lr"] is None else params["warmup_max_lr"]
-  total = params.get("total_num_steps")  # WarmupDecayLR only
+  min_lr = params.warmup_min_lr
+  max_lr = base_lr if params.warmup_max_lr is None else params.warmup_max_lr
+  total = getattr(params, "total_num_steps", None)  # WarmupDecayLR only
 
   def warmup(count):
     # Iteration -1 (the constructor) and iteration 0 both give warmup_min_lr.
@@ -256,47 +268,47 @@ def build_schedule(scheduler: dict | None, base_lr: float) -> Schedule:
   return warmup
 
 
-def _adam(params: dict, decoupled: bool) -> list[optax.GradientTransformation]:
-  if params["amsgrad"]:
+def _adam(params: AdamParams, decoupled: bool) -> list[optax.GradientTransformation]:
+  if params.amsgrad:
     raise NotSupportedError(
       "optimizer.params.amsgrad: true is not supported (DeepSpeed's default FusedAdam refuses it "
       "too, and optax's AMSGrad takes the maximum of bias-corrected moments, unlike torch); set "
       "it to false."
     )
-  if not params["bias_correction"]:
+  if not params.bias_correction:
     raise NotSupportedError(
       "optimizer.params.bias_correction: false is not supported (optax's Adam always corrects "
       "the moment bias); remove it or set it to true."
     )
-  adam = optax.scale_by_adam(*params["betas"], params["eps"])
-  decay = optax.add_decayed_weights(params["weight_decay"])
+  adam = optax.scale_by_adam(*params.betas, params.eps)
+  decay = optax.add_decayed_weights(params.weight_decay)
   # Decoupled (FusedAdam adam_w_mode, torch AdamW): p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd p).
   # Otherwise (FusedAdam mode 0, torch Adam): L2, wd * p added to the gradient before the moments.
   return [adam, decay] if decoupled else [decay, adam]
 
 
-def _lion(params: dict) -> list[optax.GradientTransformation]:
+def _lion(params: LionParams) -> list[optax.GradientTransformation]:
   # FusedLion: p = p * (1 - lr * wd) - lr * sign(b1 * m + (1 - b1) * g); m = b2 * m + (1 - b2) * g
-  return [optax.scale_by_lion(*params["betas"]), optax.add_decayed_weights(params["weight_decay"])]
+  return [optax.scale_by_lion(*params.betas), optax.add_decayed_weights(params.weight_decay)]
 
 
-def _sgd(params: dict) -> list[optax.GradientTransformation]:
-  momentum = params["momentum"]
-  if params["dampening"] != 0:
+def _sgd(params: SGDParams) -> list[optax.GradientTransformation]:
+  momentum = params.momentum
+  if params.dampening != 0:
     raise NotSupportedError(
       "optimizer.params.dampening: only 0 is supported (optax's momentum trace has no "
       "dampening); remove it or set it to 0."
     )
-  if params["nesterov"] and momentum <= 0:
+  if params.nesterov and momentum <= 0:
     raise ConfigError(
       "optimizer.params.nesterov: Nesterov momentum requires a momentum and zero dampening (as "
       "torch.optim.SGD says); set optimizer.params.momentum > 0 or nesterov to false."
     )
   # torch: g += wd * p; buf = momentum * buf + g (buf = g at the first step, as optax's zero-started
   # trace gives); g += momentum * buf if nesterov else g = buf. No momentum, no trace (no memory).
-  stages = [optax.add_decayed_weights(params["weight_decay"])]
+  stages = [optax.add_decayed_weights(params.weight_decay)]
   if momentum:
-    stages.append(optax.trace(momentum, nesterov=bool(params["nesterov"])))
+    stages.append(optax.trace(momentum, nesterov=params.nesterov))
   return stages
 
 
@@ -336,11 +348,11 @@ def build_optimizer(
       "https://www.deepspeed.ai/docs/config-json/#gradient-clipping for more details"
     )
   params = _read_params(optimizer, "optimizer", _OPTIMIZER_PARAMS[kind])
-  schedule = build_schedule(scheduler, params["lr"])
+  schedule = build_schedule(scheduler, params.lr)
   if kind == "lion":
     stages = _lion(params)
   elif kind == "SGD":
     stages = _sgd(params)
   else:  # DeepSpeed: "AdamW" is always decoupled, "Adam" unless adam_w_mode is false.
-    stages = _adam(params, decoupled=kind == "adamw" or bool(params["adam_w_mode"]))
+    stages = _adam(params, decoupled=kind == "adamw" or params.adam_w_mode)
   return optax.chain(*stages, optax.scale_by_learning_rate(schedule)), schedule
