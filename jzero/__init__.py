@@ -23,7 +23,7 @@ from jzero.train.engine import Engine  # noqa: E402
 from jzero.train.state import TrainState  # noqa: E402
 from jzero.train.initialize import initialize  # noqa: E402
 from jzero.errors import (CheckpointError, ConfigError, DataError, JZeroError,  # noqa: E402
-                          JZeroWarning, MeshError, NotSupportedError)
+                          JZeroWarning, MeshError, NotSupportedError, Preempted)
 from jzero.sharding.layer_scan import gather, linen_scan_layers, remat, scan_layers  # noqa: E402
 from jzero.sharding.mesh import MeshSpec, ZeroMesh, simulate_cpu_devices  # noqa: E402
 from jzero.sharding.plan import Plan, make_plan  # noqa: E402
@@ -43,5 +43,5 @@ __all__ = [
     "Config", "Engine", "TrainState", "initialize", "init_distributed", "gather", "remat", "scan_layers",
     "linen_scan_layers", "MeshSpec", "ZeroMesh", "simulate_cpu_devices", "Plan", "make_plan",
     "JZeroError", "ConfigError", "NotSupportedError", "MeshError", "DataError", "CheckpointError",
-    "JZeroWarning",
+    "Preempted", "JZeroWarning",
 ]
