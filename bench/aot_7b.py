@@ -4,7 +4,7 @@
 
 Needs the gpu-aot extra (``pip install -e ".[gpu-aot]"``). For each ZeRO stage 0-3, with bf16
 compute params, an fp32 master and AdamW (K = 12), micro-batch 1 x 2048 tokens and activation
-checkpointing, ``jzero.analysis.aot.compile_for`` compiles the real train step for the topology and the
+checkpointing, ``jzero.planning.aot.compile_for`` compiles the real train step for the topology and the
 script writes one table row: the classic ZeRO model-state figure for Psi = 7e9 (112 / 38.5 /
 26.25 / 14 GB at N = 8), the same formula at this model's own Psi, the plan's model states, XLA's
 per-device argument / temp / peak bytes, whether the peak fits the memory JAX preallocates (75% of
@@ -87,7 +87,7 @@ def main() -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
 
-  from jzero.analysis import aot
+  from jzero.planning import aot
   from jzero.models.gpt import preset
 
   warnings.simplefilter("ignore")  # config notes (e.g. keys jzero ignores) would repeat per stage

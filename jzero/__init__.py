@@ -24,7 +24,7 @@ from jzero.train.state import TrainState  # noqa: E402
 from jzero.train.initialize import initialize  # noqa: E402
 from jzero.errors import (CheckpointError, ConfigError, DataError, JZeroError,  # noqa: E402
                           JZeroWarning, MeshError, NotSupportedError, Preempted)
-from jzero.sharding.layer_scan import gather, linen_scan_layers, remat, scan_layers  # noqa: E402
+from jzero.modeling.layer_scan import gather, linen_scan_layers, remat, scan_layers  # noqa: E402
 from jzero.sharding.mesh import MeshSpec, ZeroMesh, simulate_cpu_devices  # noqa: E402
 from jzero.sharding.plan import Plan, make_plan  # noqa: E402
 from jzero.version import __version__  # noqa: E402,F401  (jzero.__version__)

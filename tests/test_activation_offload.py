@@ -18,7 +18,7 @@ import pytest
 
 import jzero
 from jzero.models import lm_loss
-from jzero.sharding.layer_scan import LayerPolicy
+from jzero.modeling.layer_scan import LayerPolicy
 from test_engine import _LinenScanned, _linen_engine
 from test_units import LoopNet, _regression_batch, mse
 from zero_testing import SAME_MATH, SMALL, batches, ds_config, gpt_factory, max_relative_diff

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jzero.analysis import aot
+from jzero.planning import aot
 from jzero.analysis.hlo import collectives
 from jzero.analysis.tables import format_count
 from jzero.errors import ConfigError, JZeroError
@@ -168,7 +168,7 @@ def test_compile_for_works_in_a_fresh_interpreter_without_jax_platforms():
   """From Python, as documented: no ``JAX_PLATFORMS=cpu`` set by hand on a machine without a GPU;
   the host side still runs on the CPU afterwards."""
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-  code = ("import jax\nfrom jzero import aot\n"
+  code = ("import jax\nfrom jzero.planning import aot\n"
           "from jzero.models import GPTConfig\n"
           "r = aot.compile_for('configs/zero1.json', 'h100', 8, precision='bf16', "
           "model=GPTConfig(d_model=64, n_layers=2, n_heads=2, seq_len=32))\n"

@@ -99,7 +99,7 @@ def test_gpu_compile_loads_the_hidden_plugin():
   script = ("import jzero, jax\n"
             "from jzero.runtime import quiet_start\n"
             "hidden = quiet_start.hidden()\n"
-            "from jzero.analysis import aot\n"
+            "from jzero.planning import aot\n"
             "devices = aot.gpu_devices('h100', 2)\n"
             "print(sorted(hidden), quiet_start.hidden(), len(devices), devices[0].platform, "
             "jax.devices()[0].platform)")

@@ -471,7 +471,7 @@ def test_kernels_compile_to_ptx_for_h100():
   if not quiet_start.cuda_plugin_installed():
     pytest.skip("compiling for a GPU that is not present needs the CUDA compiler plugin: "
                 "pip install 'jax[cuda12-local]' (the test extra)")
-  from jzero.analysis import aot  # noqa: PLC0415
+  from jzero.planning import aot  # noqa: PLC0415
   device = aot.gpu_devices("h100", 1)[0]  # loads the plugin's compiler where it is kept unloaded
   sharding = jax.sharding.SingleDeviceSharding(device)
   for name, (fn, arg, _) in _kernel_cases().items():

@@ -16,7 +16,7 @@ from jzero.errors import ConfigError
 from jzero.models import GPT, GPTConfig, lm_loss
 from jzero.sharding.mesh import MeshSpec
 from jzero.sharding.plan import make_plan
-from jzero.train.model_adapter import as_model
+from jzero.modeling.model_adapter import as_model
 
 GB = 1e9
 SMALL = GPTConfig(d_model=64, n_layers=2, n_heads=4, seq_len=32)

@@ -8,8 +8,10 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jzero.comm import program
+from jzero.comm.program import CPU_OPTIONS
 from jzero.sharding.mesh import MeshSpec
-from jzero.sharding.plan import CPU_OPTIONS, make_plan
+from jzero.sharding.plan import make_plan
 
 
 def _abstract(**shapes):
@@ -81,4 +83,4 @@ def test_multi_axis_zero_spec():
                    persistence_threshold=0)
   assert plan.param_spec(plan.leaf_list()[0]) == P(("node", "local"), None)
   # CPU: no collective combiner to configure; the memory-keeping options (plan.CPU_OPTIONS)
-  assert plan.xla_options() == CPU_OPTIONS
+  assert program.compile_options(plan) == CPU_OPTIONS

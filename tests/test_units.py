@@ -22,7 +22,7 @@ import jzero
 from jzero.analysis import hlo
 from jzero.analysis.memory_report import memory_report
 from jzero.models import GPTConfig, lm_loss
-from jzero.sharding.gather_units import ModuleInfo, UnitRules, choose_units
+from jzero.modeling.gather_units import ModuleInfo, UnitRules, choose_units
 from zero_testing import (SAME_MATH, VS_ONE_DEVICE, batches, ds_config, engine_run, gpt_factory,
                           loss_of_params, max_relative_diff, reference_optimizer)
 

@@ -43,7 +43,7 @@ Counted are the model states that live across steps. Two temporaries of the step
 given: activations (:func:`activation_bytes`) and stage 3's *gathered working set* -- the full
 parameters alive at once: the largest gather unit or one layer of the layer scan (twice when the
 next one is prefetched) plus the parameters gathered at the start of the forward pass
-(:meth:`jzero.sharding.plan.Plan.gathered_working_set`, :mod:`jzero.sharding.gather_units`; ``jzero
+(:meth:`jzero.sharding.plan.Plan.gathered_working_set`, :mod:`jzero.modeling.gather_units`; ``jzero
 estimate`` takes the layer from ``--model``, ``--hidden`` or ``--largest-layer``). Not counted:
 communication buckets, allocator slack; :func:`memory_report` shows the compiled step's
 ``memory_analysis()`` beside the prediction.
@@ -78,7 +78,7 @@ import jax
 from jzero.analysis.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
 from jzero.errors import ConfigError
 from jzero.sharding.plan import path_str
-from jzero.train.precision import DTYPES
+from jzero.config.blocks import DTYPES
 
 __all__ = [
     "PRECISION_BYTES", "CATEGORIES", "TIERS", "DEFAULT_PERSISTENCE_THRESHOLD",

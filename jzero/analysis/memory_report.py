@@ -24,6 +24,7 @@ import optax
 
 from jzero.analysis.estimate import TIERS, CATEGORIES, Estimate, estimate
 from jzero.analysis.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
+from jzero.comm import program
 from jzero.tiers.nvme_params import host_bytes_bound
 
 __all__ = ["REPORT_CATEGORIES", "live_bytes", "state_report", "CompiledMemory", "MemoryReport",
@@ -238,7 +239,7 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
                  optimizer_bytes=master_k + opt_k,
                  persistence_threshold=zero.param_persistence_threshold,
                  model_persistence_threshold=zero.model_persistence_threshold,
-                 gathered=engine.gathered_working_set(), prefetch=plan.prefetches,
+                 gathered=engine.gathered_working_set(), prefetch=program.prefetches(plan),
                  hpz_partition_size=plan.zeropp.hpz,
                  delayed_update=getattr(state, "delayed", None) is not None)
   # Offload: master + optimizer state are predicted over the tiers they live on. jzero's gradient
@@ -277,7 +278,7 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
   return MemoryReport(device=str(engine.mesh.mesh.devices.flat[0]),
                       precision=engine.config.precision, measured=state_report(engine, state),
                       predicted=predicted, estimate=est, optimizer_bytes=master_k + opt_k,
-                      compiled=compiled, prefetch=plan.prefetches, notes=notes)
+                      compiled=compiled, prefetch=program.prefetches(plan), notes=notes)
 
 
 def report_rows(report: MemoryReport) -> tuple[str, list[str], list[list[str]], list[str]]:

@@ -42,7 +42,7 @@ import numpy as np
 from jzero.checkpoint.deepspeed_pt import load_pt
 from jzero.checkpoint.weights import _safetensors_header, _write_chunks
 from jzero.errors import CheckpointError
-from jzero.train.precision import DTYPES
+from jzero.config.blocks import DTYPES
 
 __all__ = ["DeepSpeedCheckpoint", "read_deepspeed", "stream_fp32", "convert_deepspeed",
            "describe_deepspeed", "find_deepspeed"]

@@ -45,7 +45,7 @@ from jzero.checkpoint.restore import _root_cause, abstract_state
 from jzero.checkpoint.save import weights_json
 from jzero.errors import CheckpointError
 from jzero.sharding.plan import flatten_paths, path_str
-from jzero.train.precision import DTYPES
+from jzero.config.blocks import DTYPES
 
 __all__ = ["ConsolidateReport", "consolidate", "read_weights", "load_weights"]
 

@@ -15,7 +15,7 @@ by itself (:mod:`jzero.runtime.distributed`), and stops at a step all processes 
 gets SIGTERM, saving a checkpoint.
 ``jzero estimate --params 7e9 --devices 8`` prints ZeRO's per-device memory table.
 ``jzero aot --config ... --gpu h100 --devices 8`` compiles the step for a GPU topology that is not
-present (:mod:`jzero.analysis.aot`).
+present (:mod:`jzero.planning.aot`).
 ``jzero convert CKPT --safetensors model.safetensors`` consolidates a sharded training checkpoint
 into plain weights (DeepSpeed's ``zero_to_fp32``); ``jzero inspect CKPT`` describes one.
 ``jzero convert --from-deepspeed DIR --safetensors FILE`` is ``zero_to_fp32`` of a DeepSpeed

@@ -1,5 +1,5 @@
 """``jzero aot``: the step compiled for a GPU topology that is not present
-(:mod:`jzero.analysis.aot`)."""
+(:mod:`jzero.planning.aot`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import json
 import sys
 
-from jzero.analysis.aot import DEFAULT_MEMORY_FRACTION, GPU_SPECS, compile_for, format_report
+from jzero.planning.aot import DEFAULT_MEMORY_FRACTION, GPU_SPECS, compile_for, format_report
 from jzero.cli.processes import host_only
 from jzero.errors import ConfigError
 

@@ -105,7 +105,7 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
 def _estimate_inputs(args: argparse.Namespace):
   """(Ψ or leaf shapes, activation shape (s, h, L, a) or None, description of the model)."""
   if args.model:
-    from jzero.train.model_adapter import as_model  # noqa: PLC0415 (only --model needs the model code)
+    from jzero.modeling.model_adapter import as_model  # noqa: PLC0415 (only --model needs the model code)
     from jzero.models import GPT, GPTConfig  # noqa: PLC0415
 
     d = GPTConfig()

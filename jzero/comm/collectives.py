@@ -29,20 +29,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["gather", "attach", "all_gather", "reduce_scatter", "local_slice",
-           "pad_to"]
+from jzero.sharding.plan import pad_to
+
+__all__ = ["gather", "attach", "all_gather", "reduce_scatter", "local_slice"]
 
 Axes = tuple[str, ...]
-
-
-def pad_to(x: jax.Array, dim: int, padded: int) -> jax.Array:
-  """Zero-pads dimension ``dim`` of ``x`` at its end to size ``padded``."""
-  extra = padded - x.shape[dim]
-  if extra == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[dim] = (0, extra)
-  return jnp.pad(x, widths)
 
 
 def all_gather(shard: jax.Array, dim: int, size: int, axes: Axes) -> jax.Array:

@@ -1,7 +1,7 @@
 """:class:`ZeroParam` is a parameter as the plan hands it to the model: ``gather()`` gives the full
 parameter (through :func:`jzero.comm.collectives.gather` or :func:`~jzero.comm.collectives.attach`)
 and the gradient comes back partitioned. It is a pytree whose children have the leaf's shape, so
-``scan`` over a stack of them slices every layer; :mod:`jzero.sharding.layer_scan` decides *where*
+``scan`` over a stack of them slices every layer; :mod:`jzero.modeling.layer_scan` decides *where*
 ``gather()`` runs (one layer of a scan, one module call).
 """
 

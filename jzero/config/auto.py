@@ -25,7 +25,7 @@ __all__ = ["AUTO_VALUE_KEYS", "HIDDEN_SIZE_NAMES", "fill", "batch_triple"]
 AUTO_VALUE_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "gradient_clipping", "lr",
                    "betas", "eps", "weight_decay", "warmup_num_steps", "fp16", "bf16")
 # The attributes a model, or its ``config`` / ``cfg``, gives its width in
-# (jzero.train.model_adapter reads them): Hugging Face, Flax's examples (Gemma: embed_dim), GPTs.
+# (jzero.modeling.model_adapter reads them): Hugging Face, Flax's examples (Gemma: embed_dim), GPTs.
 HIDDEN_SIZE_NAMES = ("hidden_size", "d_model", "embed_dim", "emb_dim")
 # DeepSpeed's FusedAdam defaults: the value of an "auto" optimizer param auto_values lacks.
 _ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}

@@ -8,12 +8,14 @@ import math
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
+import ml_dtypes
+import numpy as np
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
                       field_validator, model_validator)
 
 from jzero.config.messages import show, suggest, warn
 
-__all__ = ["Auto", "DType", "Flag", "AutoFlag", "Size", "AutoSize", "AutoInt", "AutoReal",
+__all__ = ["Auto", "DType", "DTYPES", "Flag", "AutoFlag", "Size", "AutoSize", "AutoInt", "AutoReal",
            "AutoFraction", "BatchSize", "number", "replace_key", "OffloadParamConfig",
            "OffloadOptimizerConfig", "LeafModuleConfig", "ZeroConfig", "Fp16Config", "Bf16Config",
            "DataTypesConfig", "OptimizerConfig", "SchedulerConfig",
@@ -22,6 +24,10 @@ __all__ = ["Auto", "DType", "Flag", "AutoFlag", "Size", "AutoSize", "AutoInt", "
 
 Auto = Literal["auto"]
 DType = Literal["fp32", "fp16", "bf16"]
+DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16),
+          "fp16": np.dtype(np.float16)}
+"""DeepSpeed's precision names ("fp32", "bf16", "fp16": config.precision, data_types,
+communication_data_type) -> dtypes."""
 
 
 # --- scalar types: JSON numbers and booleans, checked the way a DeepSpeed user expects ---------
@@ -146,7 +152,7 @@ class OffloadOptimizerConfig(_Block):
 
 
 class LeafModuleConfig(_Block):
-  """``zero_optimization.leaf_module``: modules ZeRO-3 gathers as one unit (see jzero.sharding.gather_units)."""
+  """``zero_optimization.leaf_module``: modules ZeRO-3 gathers as one unit (see jzero.modeling.gather_units)."""
 
   classes: list[str] = Field(default_factory=lambda: [
       "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",

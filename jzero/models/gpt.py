@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jzero.sharding.layer_scan import scan_layers
+from jzero.modeling.layer_scan import scan_layers
 
 __all__ = ["GPTConfig", "GPT", "lm_loss", "PRESETS", "preset"]
 

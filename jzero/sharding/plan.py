@@ -36,7 +36,7 @@ collective whose backward is the reduce-scatter, so their gradients arrive parti
 
 **Gather units.** Stage-3 leaves are gathered where they are used: a stacked leaf one layer at a
 time inside the layer scan, any other leaf by its *unit* -- the module whose calls gather it
-(:mod:`jzero.sharding.gather_units` chooses them from the module tree; ``LeafPlan.unit``). A
+(:mod:`jzero.modeling.gather_units` chooses them from the module tree; ``LeafPlan.unit``). A
 partitioned leaf in no unit is gathered when the forward pass starts and kept until backward.
 
 **Persistence.** In stage 3, leaves smaller than ``stage3_param_persistence_threshold`` elements
@@ -74,7 +74,6 @@ training keeps an fp32 master in the master layout and casts it to the compute d
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -85,12 +84,10 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jzero import kernels
-from jzero.comm import collective_order
-from jzero.comm.collectives import pad_to
-from jzero.comm.zeropp import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL, Comm, ZeroPP
+from jzero.sharding.zeropp import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL, Comm, ZeroPP
 from jzero.sharding.mesh import ZeroMesh
 
-__all__ = ["LeafPlan", "Plan", "make_plan", "path_str", "flatten_paths"]
+__all__ = ["LeafPlan", "Plan", "make_plan", "path_str", "flatten_paths", "pad_to"]
 
 PyTree = Any
 
@@ -103,6 +100,17 @@ def path_str(path: Sequence[Any]) -> str:
 def flatten_paths(tree: PyTree) -> dict[str, Any]:
   """{'/'-joined key path: leaf} of a pytree (None subtrees have no leaves)."""
   return {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def pad_to(x: jax.Array, dim: int, padded: int) -> jax.Array:
+  """Zero-pads dimension ``dim`` of ``x`` at its end to size ``padded``."""
+  extra = padded - x.shape[dim]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[dim] = (0, extra)
+  return jnp.pad(x, widths)
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +127,7 @@ class LeafPlan:
     state_partitioned: master and optimizer state are partitioned (stage >= 1).
     grad_partitioned: the gradient accumulator is partitioned (stage >= 2).
     unit: path of the module whose calls gather this leaf under stage 3 ('' for the model
-      itself; see :mod:`jzero.sharding.gather_units`), or None when no module call gathers it alone.
+      itself; see :mod:`jzero.modeling.gather_units`), or None when no module call gathers it alone.
     gather: how the partitioned param is gathered: "plain", or "int8" blocks (qwZ).
     secondary: hpZ: the leaf keeps a secondary partition over the local axes, which its
       forward and backward gathers read.
@@ -188,27 +196,6 @@ class LeafPlan:
     if self.shard_dim is None or x.shape[self.shard_dim] == self.shape[self.shard_dim]:
       return x
     return lax.slice_in_dim(x, 0, self.shape[self.shard_dim], axis=self.shard_dim % x.ndim)
-
-
-# The CPU compiler expands optimization barriers before common-subexpression elimination, which
-# then merges each backward re-gather (rematerialised behind JAX's barrier) with the forward gather
-# it repeats: the gathered parameters stay alive until backward. Keeping the barriers keeps the
-# re-gathers. (Its memory-optimised scheduler, `xla_cpu_scheduler_type`, would order the gathers
-# too, but with it this jaxlib's CPU runtime was seen to run different collectives on different
-# devices at once and deadlock; jzero.sharding.gather_units orders them with data dependencies
-# instead.) The GPU compiler keeps the re-gathers and needs neither.
-CPU_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_options() -> dict[str, Any]:
-  """:data:`CPU_OPTIONS`, or {} where this jaxlib's CPU compiler does not know them."""
-  try:
-    probe = jax.device_put(jnp.zeros(()), jax.devices("cpu")[0])
-    jax.jit(lambda x: x + 1).lower(probe).compile(compiler_options=CPU_OPTIONS)
-  except Exception:  # pylint: disable=broad-except  (unknown option names or values)
-    return {}
-  return dict(CPU_OPTIONS)
 
 
 def _choose_shard_dim(shape: tuple[int, ...], stacked: bool, n: int) -> tuple[int | None, int]:
@@ -427,55 +414,6 @@ class Plan:
   def sharding(self, spec: P, memory_kind: str | None = None) -> NamedSharding:
     return NamedSharding(self.mesh.mesh, spec, memory_kind=memory_kind or self.memory_kind())
 
-  # -- how collectives are scheduled ---------------------------------------------------------------
-  def shard_map(self, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable[..., Any]:
-    """``jax.shard_map`` of ``fn`` over the plan's mesh; across CPU processes with its collectives
-    chained into one order, so every process pairs the same ones
-    (:mod:`jzero.comm.collective_order`)."""
-    body = collective_order.in_one_order(fn) if collective_order.needed(self.mesh.mesh) else fn
-    return jax.shard_map(body, mesh=self.mesh.mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)
-
-  def xla_options(self) -> dict[str, Any]:
-    """XLA compile options that carry DeepSpeed's bucket and overlap knobs.
-
-    XLA's collective combiners merge independent collectives up to a byte threshold -- exactly what
-    DeepSpeed's buckets do by hand: ``reduce_bucket_size`` bounds the combined reduce-scatters and
-    all-reduces, the gather bucket the combined all-gathers, all in elements of the full
-    (unpartitioned) buffers, as DeepSpeed counts them. XLA's reduce-scatter threshold bounds the
-    scattered result, so it gets the bucket's bytes divided by the ZeRO size. ``overlap_comm`` on
-    keeps collectives
-    asynchronous (the latency-hiding scheduler places compute between each start and done) and, in
-    stage 3 with a non-zero prefetch bucket, pipelines the layer scan's all-gathers, so the next
-    layer's parameters are gathered while this layer computes (DeepSpeed's prefetch). Off makes
-    every collective synchronous. These passes exist in the GPU compiler; the CPU backend has none
-    of them (and may run independent collectives at once, which :meth:`shard_map` prevents by
-    chaining them), so the options are only passed when compiling for GPU. ``jzero aot`` shows their
-    effect on the scheduled program.
-
-    On CPU the step gets the options that make XLA keep ZeRO's memory promise (see
-    :data:`CPU_OPTIONS`), where this jaxlib knows them.
-    """
-    platform = self.mesh.mesh.devices.flat[0].platform
-    if platform == "cpu":
-      return cpu_options()
-    if platform != "gpu":
-      return {}
-    reduce_bytes = self.reduce_bucket_size * jnp.dtype(self.comm_dtype).itemsize
-    options: dict[str, Any] = {
-        "xla_gpu_reduce_scatter_combine_threshold_bytes": reduce_bytes // self.mesh.zero_size,
-        "xla_gpu_all_reduce_combine_threshold_bytes": reduce_bytes,
-        "xla_gpu_all_gather_combine_threshold_bytes":
-            self.gather_bucket_size * jnp.dtype(self.compute_dtype).itemsize,
-    }
-    if not self.overlap_comm:
-      options["xla_gpu_disable_async_collectives"] = "ALLCOLLECTIVES"
-      return options
-    options["xla_gpu_enable_latency_hiding_scheduler"] = True
-    if self.stage == 3 and self.gather_bucket_size > 0:
-      options["xla_gpu_enable_pipelined_all_gather"] = True
-    return options
-
   # -- per-device accounting -----------------------------------------------------------------------
   def gathered_working_set(self) -> tuple[int, int]:
     """Stage 3: (elements of the largest group gathered at once -- one layer of all stacked leaves,
@@ -494,11 +432,6 @@ class Plan:
         units[leaf.unit] = units.get(leaf.unit, 0) + leaf.numel
     largest = max([stacked, *units.values()])
     return largest, upfront
-
-  @property
-  def prefetches(self) -> bool:
-    """XLA gathers the next layer while this one computes (GPU, see :meth:`xla_options`)."""
-    return bool(self.xla_options().get("xla_gpu_enable_pipelined_all_gather"))
 
   def local_numel(self, leaf: LeafPlan, partitioned: bool) -> int:
     """Elements one device holds of a leaf laid out partitioned or replicated."""
@@ -532,10 +465,10 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
     persistence_threshold: stage 3 leaves with fewer elements per layer keep a replicated param.
     model_persistence_threshold: cap on the total elements of persistent params (None: no cap).
     reduce_scatter: stage 1/2 reduce with reduce-scatter (False: all-reduce, keep own slice).
-    reduce_bucket_size, gather_bucket_size, overlap_comm: see :meth:`Plan.xla_options`.
+    reduce_bucket_size, gather_bucket_size, overlap_comm: see :func:`jzero.comm.program.compile_options`.
     units: leaf path -> path of the module that gathers it
-    (:func:`jzero.sharding.gather_units.choose_units`). zeropp: ZeRO++ settings resolved against the
-    mesh (:func:`jzero.comm.zeropp.resolve`); stage 3. offload:
+    (:func:`jzero.modeling.gather_units.choose_units`). zeropp: ZeRO++ settings resolved against the
+    mesh (:func:`jzero.sharding.zeropp.resolve`); stage 3. offload:
     :class:`jzero.tiers.host_optimizer.OffloadSettings` (None: everything on the device).
     offload_param: :class:`jzero.tiers.host_params.ParamOffloadSettings` (stage 3; None: the
       params stay on the device).
@@ -611,7 +544,7 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
 
 
 def _zeropp_leaf(leaf: LeafPlan, zeropp: ZeroPP, n: int) -> LeafPlan:
-  """A stage-3 leaf with its ZeRO++ collectives chosen (see :mod:`jzero.comm.zeropp`, "What stays
+  """A stage-3 leaf with its ZeRO++ collectives chosen (see :mod:`jzero.sharding.zeropp`, "What stays
   plain"): block sizes come from the per-layer partition, the unit a scan or a gather unit
   moves."""
   if not leaf.grad_partitioned:

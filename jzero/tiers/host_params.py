@@ -19,7 +19,7 @@ without offload. Gathers run where they always do, so the transfers do too: a st
 layer at a time inside :func:`jzero.scan_layers` / ``linen_scan_layers`` (the scan slices the host
 stack; each layer's slice is moved to the device right before its all-gather, again in the
 rematerialised backward), a unit's leaves when the unit is called
-(:mod:`jzero.sharding.gather_units`), any other leaf when the forward pass starts. The device holds
+(:mod:`jzero.modeling.gather_units`), any other leaf when the forward pass starts. The device holds
 one layer's (or unit's) partitions and gathered parameters at a time, plus what persists.
 
 **The update** runs on the device copy of each host leaf (fp32 training: the param partition is

@@ -144,7 +144,7 @@ def _read_group(sources: tuple, slots: tuple, layers: tuple) -> tuple:
 def read_together(params: list) -> list:
   """ZeroParams on the NVMe tier (``source`` set) -> the same ones with their partitions read in
   one host callback (``source`` cleared): the gather of a group
-  (:func:`jzero.sharding.layer_scan.gather`) pays one callback, not one per leaf. Each read value's
+  (:func:`jzero.modeling.layer_scan.gather`) pays one callback, not one per leaf. Each read value's
   gradient still goes to its slot."""
   if len(params) < 2:
     return params

@@ -108,6 +108,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jzero.comm import program
 from jzero.errors import ConfigError, JZeroError
 from jzero.tiers.nvme_settings import (IO_MODE, NVME, NvmeSettings, check_directory, io_context,
                                  settings_from_config)
@@ -531,9 +532,9 @@ class NvmeStore:
       return new_m, [n for n, f in zip(out, flags) if f], params
 
     pspec = [s for s, keep in zip(pspec, in_state) if keep]
-    fn = jax.jit(plan.shard_map(body, (sspec, P(), sspec, [sspec] * n_nodes, [P()] * n_other),
+    fn = jax.jit(program.shard_map(plan, body, (sspec, P(), sspec, [sspec] * n_nodes, [P()] * n_other),
                                 (sspec, [sspec] * n_nodes, pspec)),
-                 donate_argnums=(0, 2, 3), compiler_options=plan.xla_options() or None)
+                 donate_argnums=(0, 2, 3), compiler_options=program.compile_options(plan) or None)
     self._fns[g] = fn
     return fn
 

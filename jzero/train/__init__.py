@@ -7,7 +7,6 @@ resumable loop.
 * :mod:`jzero.train.step` -- what one step computes; its update phase is composed from the tiers'
   hooks (:mod:`jzero.tiers`).
 * :mod:`jzero.train.state` -- :class:`TrainState`.
-* :mod:`jzero.train.model_adapter` -- Flax NNX / Linen / plain functions behind one interface.
 * :mod:`jzero.train.optim`, :mod:`jzero.train.precision` -- DeepSpeed's optimizers and schedules
   on optax; fp16 / bf16 and the loss scaler.
 * :mod:`jzero.train.loop` -- :func:`train_loop`: checkpoints, resume, preemption (``jzero train``).

@@ -28,21 +28,24 @@ from jzero import checkpoint
 from jzero.analysis import flops as flops_lib
 from jzero.analysis import memory_report as memory_report_lib
 from jzero.analysis.hlo import StepTiming
+from jzero.comm import program
 from jzero.comm import zeropp as zpp
 from jzero.config import Config
+from jzero.config.blocks import DTYPES
 from jzero.errors import DataError, JZeroError, JZeroWarning, Preempted
+from jzero.modeling.gather_units import UnitRules, check_units, choose_units
+from jzero.modeling.layer_scan import LayerPolicy, engine_context
+from jzero.modeling.model_adapter import ModelAdapter
 from jzero.runtime import distributed
 from jzero.runtime.data import DataLoader, local_rows
-from jzero.sharding.gather_units import UnitRules, check_units, choose_units
-from jzero.sharding.layer_scan import LayerPolicy, engine_context
 from jzero.sharding.mesh import ZeroMesh
 from jzero.sharding.plan import LeafPlan, Plan, flatten_paths, make_plan
+from jzero.sharding.zeropp import ZeroPP
 from jzero.tiers import registry
 from jzero.tiers.base import Tier
 from jzero.train import input_checks
 from jzero.train import monitor as monitor_lib
-from jzero.train.model_adapter import ModelAdapter
-from jzero.train.precision import DTYPES, LossScaler
+from jzero.train.precision import LossScaler
 from jzero.train.state import TrainState
 from jzero.train.step import StepBuilder, split_loss
 
@@ -78,7 +81,7 @@ class Engine(StepBuilder):
   scaler: LossScaler
   stacked_layers: tuple[str, ...]
   plan: Plan | None = None
-  zeropp: zpp.ZeroPP = dataclasses.field(default_factory=zpp.ZeroPP)
+  zeropp: ZeroPP = dataclasses.field(default_factory=ZeroPP)
   training_dataloader: DataLoader | None = None
   timings: list[StepTiming] = dataclasses.field(default_factory=list)
   # shard_batch refuses integer inputs past the model's largest embedding table (an out-of-range
@@ -344,7 +347,7 @@ class Engine(StepBuilder):
       return state
     if self._refresh_fn is None:  # no compile options: also traced inside eval_shape(init)
       specs, out = plan.param_specs(), plan.secondary_specs()
-      body = plan.shard_map(lambda p: plan.map(self._secondary, p), (specs,), out)
+      body = program.shard_map(plan, lambda p: plan.map(self._secondary, p), (specs,), out)
       to_sharding = lambda tree: jax.tree.map(plan.sharding, tree,
                                               is_leaf=lambda x: isinstance(x, P))
       self._refresh_fn = jax.jit(body, in_shardings=(to_sharding(specs),),
@@ -684,7 +687,7 @@ class Engine(StepBuilder):
         return mean(loss), jax.tree.map(mean, aux)
 
       specs = (plan.param_specs(), plan.secondary_specs(), plan.batch_spec())
-      body = plan.shard_map(local_loss, specs, P())
+      body = program.shard_map(plan, local_loss, specs, P())
       self._eval_fn = jax.jit(body)
     loss, aux = self._eval_fn(state.params, state.secondary,
                               jax.device_put(batch, self.batch_sharding()))

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import optax
 
-from jzero.comm import zeropp as zpp
+from jzero.sharding import zeropp as zpp
 from jzero.config import Config
 from jzero.config.messages import user_stacklevel
 from jzero.errors import ConfigError, JZeroWarning
@@ -27,7 +27,7 @@ from jzero.sharding.mesh import MeshSpec, ZeroMesh
 from jzero.tiers import delayed, nvme_settings, registry
 from jzero.train.engine import Engine
 from jzero.train.monitor import Monitor, check_packages
-from jzero.train.model_adapter import as_model
+from jzero.modeling.model_adapter import as_model
 from jzero.train.optim import build_optimizer
 from jzero.train.precision import LossScaler
 __all__ = ["initialize"]
@@ -166,7 +166,7 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
 
 
 def _warn_gpu_only_knobs(given: Any, zero: Any, mesh: ZeroMesh) -> None:
-  """Bucket sizes and overlap_comm reach XLA as GPU compile options (Plan.xla_options); say so
+  """Bucket sizes and overlap_comm reach XLA as GPU compile options (jzero.comm.program.compile_options); say so
   once when the user set them to something other than DeepSpeed's defaults on another backend
   (values jzero derived from "auto" are not the user's, and are not warned about)."""
   platform = mesh.mesh.devices.flat[0].platform

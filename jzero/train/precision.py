@@ -46,12 +46,7 @@ import jax.numpy as jnp
 
 from jzero.errors import ConfigError
 
-__all__ = ["DTYPES", "MIN_SCALE_ERROR", "LossScaleState", "LossScaler", "has_overflow"]
-
-DTYPES = {"fp32": jnp.dtype(jnp.float32), "bf16": jnp.dtype(jnp.bfloat16),
-          "fp16": jnp.dtype(jnp.float16)}
-"""DeepSpeed's precision names ("fp32", "bf16", "fp16": config.precision, data_types,
-communication_data_type) -> dtypes."""
+__all__ = ["MIN_SCALE_ERROR", "LossScaleState", "LossScaler", "has_overflow"]
 
 MIN_SCALE_ERROR = (
   "Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.")

@@ -53,10 +53,10 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jzero.comm import collective_order, collectives
+from jzero.comm import collective_order, collectives, program
 from jzero.comm.zero_param import ZeroParam
 from jzero.errors import JZeroError, JZeroWarning
-from jzero.sharding.layer_scan import LayerPolicy, engine_context
+from jzero.modeling.layer_scan import LayerPolicy, engine_context
 from jzero.sharding.plan import LeafPlan
 from jzero.train.precision import has_overflow
 from jzero.train.state import TrainState
@@ -85,7 +85,7 @@ class StepBuilder:
   the plan's shardings and memory kinds."""
 
   #: The full-parameter elements of each group stage 3 gathered together while the step was last
-  #: traced (:class:`jzero.sharding.layer_scan.TraceLog`); None before the first trace.
+  #: traced (:class:`jzero.modeling.layer_scan.TraceLog`); None before the first trace.
   traced_gathers: tuple[int, ...] | None = None
 
   def gathered_working_set(self) -> tuple[int, int]:
@@ -158,8 +158,8 @@ class StepBuilder:
     return plan.map(target, params)
 
   def _model_params(self, targets: PyTree, params: PyTree, secondary: PyTree = None) -> PyTree:
-    """What the model sees, per leaf (see :mod:`jzero.sharding.gather_units` and
-    :mod:`jzero.sharding.layer_scan`).
+    """What the model sees, per leaf (see :mod:`jzero.modeling.gather_units` and
+    :mod:`jzero.modeling.layer_scan`).
 
     Stage-3 partitions go to the model as :class:`ZeroParam` partitions: gathered by their unit's
     calls, or one layer at a time by the layer scan; a partition no unit gathers is gathered here.
@@ -429,10 +429,10 @@ class StepBuilder:
     kinds = lambda specs: tuple(state_kinds if isinstance(s, TrainState) else None for s in specs)
     out = out_specs if isinstance(out_specs, tuple) else (out_specs,)
     out_shardings = self._shardings(out, kinds(out))
-    body = plan.shard_map(fn, in_specs, out_specs)
+    body = program.shard_map(plan, fn, in_specs, out_specs)
     return jax.jit(body, in_shardings=self._shardings(in_specs, kinds(in_specs)),
                    out_shardings=out_shardings if isinstance(out_specs, tuple) else out_shardings[0],
-                   donate_argnums=donate, compiler_options=plan.xla_options() or None)
+                   donate_argnums=donate, compiler_options=program.compile_options(plan) or None)
 
   def _build_step(self, batch: PyTree, variants: dict | None = None):
     specs, batch_specs = self.state_specs(), jax.tree.map(lambda _: self.plan.batch_spec(), batch)

@@ -9,7 +9,7 @@ them: SPMD partitioning, fusion, the collective combiners, async collectives and
 latency-hiding scheduler. :func:`compile_for` does that for jzero's own train step:
 
 1. the mesh: a :class:`~jzero.sharding.mesh.ZeroMesh` over the topology's devices (the default
-   one-axis mesh, or a mesh file), so the plan, the shardings and :meth:`Plan.xla_options` (the
+   one-axis mesh, or a mesh file), so the plan, the shardings and :func:`jzero.comm.program.compile_options` (the
    bucket and overlap knobs, passed only when the platform is ``gpu``, which compile-only CUDA
    devices report) are the ones a real run gets;
 2. the engine: :func:`jzero.initialize` with the config, the model (an embedded GPT shape or any
@@ -34,7 +34,7 @@ Limits: memory kinds are dropped on compile-only devices, so host offload cannot
 (``jax.export`` for CUDA shows it instead); the schedule and the overlap are XLA's cost model's
 decisions, not a measurement of a run.
 
-``GPU_SPECS`` are XLA's own GPU target configs (``jzero/analysis/gpu_specs/``; source and licence in
+``GPU_SPECS`` are XLA's own GPU target configs (``jzero/planning/gpu_specs/``; source and licence in
 the README there). ``jzero aot`` is the command line (:mod:`jzero.cli.aot`).
 """
 
@@ -51,6 +51,7 @@ from typing import Any, Callable
 from jzero.analysis.hlo import Collective
 from jzero.analysis.tables import (format_bytes, format_count, html_table, require_pyplot,
                                     text_table)
+from jzero.comm import program
 from jzero.errors import ConfigError, JZeroError
 from jzero.runtime import quiet_start
 
@@ -58,7 +59,7 @@ __all__ = ["GPU_SPECS", "GpuSpec", "gpu_spec", "gpu_devices", "AotReport", "comp
            "report_parts", "format_report", "INSTALL_HINT", "DEFAULT_MEMORY_FRACTION", "SPEC_DIR"]
 
 SPEC_DIR = Path(__file__).parent / "gpu_specs"
-GPU_SPECS = {  # --gpu name -> XLA GPU target config in jzero/analysis/gpu_specs
+GPU_SPECS = {  # --gpu name -> XLA GPU target config in jzero/planning/gpu_specs
     "h100": "h100_sxm.txtpb",
     "h100-sxm": "h100_sxm.txtpb",
     "h100-pcie": "h100_pcie.txtpb",
@@ -512,7 +513,7 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
       temp=analysis.temp_size_in_bytes, alias=analysis.alias_size_in_bytes,
       device_memory=spec.memory_bytes, memory_fraction=memory_fraction, trace_s=t1 - t0,
       lower_s=t2 - t1, compile_s=t3 - t2, collectives=collectives(hlo, zmesh),
-      xla_options=engine.plan.xla_options(), pallas_kernels=pallas_calls(hlo))
+      xla_options=program.compile_options(engine.plan), pallas_kernels=pallas_calls(hlo))
 
 
 def pallas_calls(hlo_text: str) -> int:

@@ -29,7 +29,7 @@ So the gathered parameters are never saved for backward: backward gathers the un
 before its own backward, and its gradient is reduce-scattered right after (the gather's
 backward), one unit's full parameters and gradients alive at a time. With ``cpu_checkpointing``
 the region's array inputs are what it keeps in ``pinned_host`` (see
-:mod:`jzero.sharding.layer_scan`). A unit inside another unit, or inside a layer scan that already
+:mod:`jzero.modeling.layer_scan`). A unit inside another unit, or inside a layer scan that already
 gathered its layer, finds nothing left to gather and runs as is. NNX: the bound model's unit modules
 get a subclass whose methods do this. Linen: flax's ``nn.intercept_methods`` lifts each method as
 flax's own transforms do, so what the unit's ``setup`` creates (``nn.Embed``'s table) is read
@@ -60,7 +60,7 @@ from flax.core import lift
 
 from jzero.comm.zero_param import ZeroParam
 from jzero.errors import JZeroWarning
-from jzero.sharding.layer_scan import current_layer_policy, current_policy, gather, name_layer_inputs
+from jzero.modeling.layer_scan import current_layer_policy, current_policy, gather, name_layer_inputs
 
 __all__ = ["ModuleInfo", "UnitRules", "choose_units", "check_units", "nnx_units", "LinenUnits",
            "inside_unit", "holds_partitions"]

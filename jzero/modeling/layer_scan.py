@@ -15,7 +15,7 @@ scan body, so only one layer is ever full on a device, and each layer's gradient
 reduce-scattered inside the backward scan, so only partitions of it accumulate.
 
 Models that run their layers in a Python loop need nothing of this:
-:mod:`jzero.sharding.gather_units` gathers each module's parameters when it is called.
+:mod:`jzero.modeling.gather_units` gathers each module's parameters when it is called.
 
 Inside an engine (every stage, so stages differ only in placement) the body is rematerialised
 under a policy that saves only the outputs of the layer's matmuls with its weights
@@ -32,7 +32,7 @@ tags every array of its input with ``checkpoint_name(x, LAYER_INPUT)`` (:func:`n
 and the policy is ``save_and_offload_only_these_names`` with that name offloadable from
 ``device`` to ``pinned_host`` and nothing saveable. JAX's remat then copies each layer's input to
 the host in forward (the scan stacks those copies into one host buffer of L inputs) and back to
-the device right before that layer's recompute in backward. :mod:`jzero.sharding.gather_units` tags
+the device right before that layer's recompute in backward. :mod:`jzero.modeling.gather_units` tags
 its regions' inputs the same way, so loop models offload every unit's input. The values and so the
 losses and gradients are unchanged (the copies are exact); only where the residuals live changes.
 The CPU backend drops the placement (no host memory space in its compiled HLO; ``memory_analysis()``
@@ -85,7 +85,7 @@ class LayerPolicy:
     checkpoint_activations: keep only the layer inputs (DeepSpeed activation checkpointing);
       otherwise keep the outputs of the layer's matmuls with its weights and nothing else.
     prefetch: a gather unit may gather while the unit before it computes
-      (``stage3_prefetch_bucket_size`` > 0; see :mod:`jzero.sharding.gather_units`).
+      (``stage3_prefetch_bucket_size`` > 0; see :mod:`jzero.modeling.gather_units`).
     offload_inputs: with ``checkpoint_activations``, keep the layer inputs in ``pinned_host``
       memory between forward and backward (``cpu_checkpointing``).
   """

@@ -13,7 +13,7 @@ into something the user's ``loss_fn(model, batch)`` can call.
   a time.
 
 Each adapter also lists the model's modules (:meth:`ModelAdapter.modules`), from which
-:mod:`jzero.sharding.gather_units` chooses the gather units, and ``bind`` makes those modules gather
+:mod:`jzero.modeling.gather_units` chooses the gather units, and ``bind`` makes those modules gather
 as units.
 
 jzero trains parameters only: a model with other mutable state (batch statistics, RNG counters held
@@ -32,7 +32,7 @@ from flax.errors import ScopeParamShapeError
 
 from jzero.config.auto import HIDDEN_SIZE_NAMES
 from jzero.errors import ConfigError, NotSupportedError
-from jzero.sharding import gather_units as units_lib
+from jzero.modeling import gather_units as units_lib
 
 __all__ = ["ModelAdapter", "NnxModel", "LinenModel", "as_model"]
 

@@ -1,0 +1,98 @@
+"""How a program over the plan's mesh is built and compiled so its collectives behave as ZeRO says.
+
+Every jitted program of jzero whose body runs per device -- the train step, the hpZ refresh, the
+evaluation, the NVMe store's update -- is ``jax.jit(shard_map(body))`` with the options of this
+module:
+
+* :func:`shard_map`: ``jax.shard_map`` over the plan's mesh; across the CPU devices of several
+  processes with the body's collectives chained into one order, so every process pairs the same
+  ones (:mod:`jzero.comm.collective_order`).
+* :func:`compile_options`: the XLA options that carry DeepSpeed's bucket and overlap knobs on GPU,
+  and on CPU the options that keep ZeRO's memory promise (:data:`CPU_OPTIONS`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jzero.comm import collective_order
+
+__all__ = ["CPU_OPTIONS", "compile_options", "prefetches", "shard_map"]
+
+# The CPU compiler expands optimization barriers before common-subexpression elimination, which
+# then merges each backward re-gather (rematerialised behind JAX's barrier) with the forward gather
+# it repeats: the gathered parameters stay alive until backward. Keeping the barriers keeps the
+# re-gathers. (Its memory-optimised scheduler, `xla_cpu_scheduler_type`, would order the gathers
+# too, but with it this jaxlib's CPU runtime was seen to run different collectives on different
+# devices at once and deadlock; jzero.modeling.gather_units orders them with data dependencies
+# instead.) The GPU compiler keeps the re-gathers and needs neither.
+CPU_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_options() -> dict[str, Any]:
+  """:data:`CPU_OPTIONS`, or {} where this jaxlib's CPU compiler does not know them (one probe
+  compile per process, the first time a CPU program is built)."""
+  try:
+    probe = jax.device_put(jnp.zeros(()), jax.devices("cpu")[0])
+    jax.jit(lambda x: x + 1).lower(probe).compile(compiler_options=CPU_OPTIONS)
+  except Exception:  # pylint: disable=broad-except  (unknown option names or values)
+    return {}
+  return dict(CPU_OPTIONS)
+
+
+def shard_map(plan: Any, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Callable:
+  """``jax.shard_map`` of ``fn`` over ``plan``'s mesh (:class:`jzero.sharding.plan.Plan`); across
+  CPU processes with its collectives chained into one order."""
+  mesh = plan.mesh.mesh
+  body = collective_order.in_one_order(fn) if collective_order.needed(mesh) else fn
+  return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def compile_options(plan: Any) -> dict[str, Any]:
+  """XLA compile options that carry DeepSpeed's bucket and overlap knobs for ``plan``.
+
+  XLA's collective combiners merge independent collectives up to a byte threshold -- exactly what
+  DeepSpeed's buckets do by hand: ``reduce_bucket_size`` bounds the combined reduce-scatters and
+  all-reduces, the gather bucket the combined all-gathers, all in elements of the full
+  (unpartitioned) buffers, as DeepSpeed counts them. XLA's reduce-scatter threshold bounds the
+  scattered result, so it gets the bucket's bytes divided by the ZeRO size. ``overlap_comm`` on
+  keeps collectives asynchronous (the latency-hiding scheduler places compute between each start
+  and done) and, in stage 3 with a non-zero prefetch bucket, pipelines the layer scan's
+  all-gathers, so the next layer's parameters are gathered while this layer computes (DeepSpeed's
+  prefetch). Off makes every collective synchronous. These passes exist in the GPU compiler; the
+  CPU backend has none of them (and may run independent collectives at once, which
+  :func:`shard_map` prevents by chaining them), so the options are only passed when compiling for
+  GPU. ``jzero aot`` shows their effect on the scheduled program.
+
+  On CPU a program gets the options that make XLA keep ZeRO's memory promise
+  (:data:`CPU_OPTIONS`), where this jaxlib knows them.
+  """
+  platform = plan.mesh.mesh.devices.flat[0].platform
+  if platform == "cpu":
+    return _cpu_options()
+  if platform != "gpu":
+    return {}
+  reduce_bytes = plan.reduce_bucket_size * jnp.dtype(plan.comm_dtype).itemsize
+  options: dict[str, Any] = {
+      "xla_gpu_reduce_scatter_combine_threshold_bytes": reduce_bytes // plan.mesh.zero_size,
+      "xla_gpu_all_reduce_combine_threshold_bytes": reduce_bytes,
+      "xla_gpu_all_gather_combine_threshold_bytes":
+          plan.gather_bucket_size * jnp.dtype(plan.compute_dtype).itemsize,
+  }
+  if not plan.overlap_comm:
+    options["xla_gpu_disable_async_collectives"] = "ALLCOLLECTIVES"
+    return options
+  options["xla_gpu_enable_latency_hiding_scheduler"] = True
+  if plan.stage == 3 and plan.gather_bucket_size > 0:
+    options["xla_gpu_enable_pipelined_all_gather"] = True
+  return options
+
+
+def prefetches(plan: Any) -> bool:
+  """XLA gathers the next layer while this one computes (GPU, see :func:`compile_options`)."""
+  return bool(compile_options(plan).get("xla_gpu_enable_pipelined_all_gather"))
