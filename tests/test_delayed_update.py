@@ -93,7 +93,7 @@ def _same_stage_delayed_by_hand(stage, gas, update, data, warmup: int = 0):
   engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(
       stage, gas=gas, offload_optimizer={"device": "cpu", "update": update}))
   state = engine.init(jax.random.key(0))
-  grads_fn, update_fn = engine._build_split_step(engine.shard_batch(data[0]))
+  grads_fn, update_fn = engine.jitted_split_step(engine.shard_batch(data[0]))
   carried, out = None, []
   for i, batch in enumerate(data):
     grads = grads_fn(state, engine.shard_batch(batch))

@@ -15,7 +15,7 @@ from jzero.cli import estimate as estimate_cli
 from jzero.errors import ConfigError
 from jzero.models import GPT, GPTConfig, lm_loss
 from jzero.sharding.mesh import MeshSpec
-from jzero.sharding.plan import make_plan
+from jzero.sharding.plan import Dtypes, Layout, make_plan
 from jzero.modeling.model_adapter import as_model
 
 GB = 1e9
@@ -135,9 +135,10 @@ def test_persistence_by_hand():
 def test_persistence_matches_the_plan(threshold, cap):
   adapter = as_model(lambda rngs: GPT(SMALL, rngs=rngs))
   abstract = adapter.abstract_params(None, None)
-  plan = make_plan(abstract, stage=3, mesh=MeshSpec.default().build(), compute_dtype="bfloat16",
-                   stacked=lambda p: p.startswith("blocks/"), persistence_threshold=threshold,
-                   model_persistence_threshold=cap)
+  plan = make_plan(abstract, Layout(stage=3, mesh=MeshSpec.default().build(),
+                                     stacked=lambda p: p.startswith("blocks/"),
+                                     persistence_threshold=threshold,
+                                     model_persistence_threshold=cap), Dtypes("bfloat16"))
   in_plan = sum(l.numel for l in plan.leaf_list() if not l.param_partitioned)
   shapes = estimator.param_shapes(abstract, adapter.stacked_layers)
   assert [(s.shape, s.stacked) for s in shapes] == [(l.shape, l.stacked) for l in plan.leaf_list()]

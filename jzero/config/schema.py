@@ -190,6 +190,12 @@ class Config(BaseModel):
       return "fp16"
     return "bf16" if self.bf16.enabled is True else "fp32"
 
+  @property
+  def checks_overflow(self) -> bool:
+    """fp16, or bf16 with ``check_grad_overflow``: a step whose gradient is not finite is skipped
+    and the loss scaler backs off."""
+    return self.precision == "fp16" or (self.precision == "bf16" and self.bf16.check_grad_overflow)
+
   def __eq__(self, other: object) -> bool:
     return isinstance(other, Config) and self.to_dict() == other.to_dict()
 

@@ -65,8 +65,7 @@ from flax import linen as nn
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jzero.comm.zero_param import ZeroParam
-from jzero.tiers.nvme_params import read_together
+from jzero.comm.zero_param import ZeroParam, read_sources
 
 __all__ = ["gather", "remat", "scan_layers", "linen_scan_layers", "engine_context", "TraceLog",
            "LayerPolicy", "current_layer_policy", "current_policy", "name_layer_inputs", "LAYER_INPUT"]
@@ -158,9 +157,7 @@ def gather(tree: Any) -> Any:
     gathered = sum(math.prod(x.shape) for x in leaves if is_param(x) and x.full is None)
     if gathered:
       log.gathered.append(gathered)
-  on_nvme = [i for i, x in enumerate(leaves) if is_param(x) and x.source is not None]
-  for i, x in zip(on_nvme, read_together([leaves[i] for i in on_nvme])):  # one host callback
-    leaves[i] = x
+  leaves = read_sources(leaves)  # e.g. the NVMe tier's partitions: one host callback
   return jax.tree.unflatten(treedef, [x.gather() if is_param(x) else x for x in leaves])
 
 

@@ -75,7 +75,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -84,10 +84,11 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jzero import kernels
-from jzero.sharding.zeropp import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL, Comm, ZeroPP
 from jzero.sharding.mesh import ZeroMesh
+from jzero.sharding.zeropp import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL, Comm, ZeroPP
 
-__all__ = ["LeafPlan", "Plan", "make_plan", "path_str", "flatten_paths", "pad_to"]
+__all__ = ["CommSettings", "Dtypes", "LeafPlan", "Layout", "Placement", "Plan", "make_plan",
+           "path_str", "flatten_paths", "pad_to"]
 
 PyTree = Any
 
@@ -264,6 +265,21 @@ class Plan:
     """tree.map over (LeafPlan, *matching leaves of trees)."""
     return jax.tree.map(fn, self.leaves, *trees, is_leaf=lambda x: isinstance(x, LeafPlan))
 
+  def placed(self, placement: Placement) -> Plan:
+    """This plan with its leaves in the tiers ``placement`` names. Only a partitioned param can
+    leave the device (a replicated one is every device's whole copy)."""
+    def place(leaf: LeafPlan) -> LeafPlan:
+      param_tier = placement.param_tiers.get(leaf.path, "device")
+      if param_tier != "device" and not leaf.param_partitioned:
+        raise ValueError(f"{leaf.path}: only a partitioned param can be placed in a tier, not "
+                         f"{param_tier!r}")
+      return dataclasses.replace(leaf, state_tier=placement.state_tiers.get(leaf.path, "device"),
+                                 param_tier=param_tier)
+    return dataclasses.replace(self, leaves=self.map(place),
+                               host_memory_kind=placement.host_memory_kind,
+                               param_host_memory_kind=placement.param_host_memory_kind,
+                               offload_update=placement.offload_update)
+
   # -- memory tiers (ZeRO-Offload, jzero.tiers.host_optimizer) -------------------------------------
   @property
   def offloads(self) -> bool:
@@ -414,6 +430,16 @@ class Plan:
   def sharding(self, spec: P, memory_kind: str | None = None) -> NamedSharding:
     return NamedSharding(self.mesh.mesh, spec, memory_kind=memory_kind or self.memory_kind())
 
+  def shardings(self, specs: PyTree, kinds: PyTree = None) -> PyTree:
+    """NamedShardings of a spec tree; ``kinds``: a prefix tree of memory kinds (None: the
+    device's)."""
+    is_spec = lambda x: isinstance(x, P)
+    if kinds is None:
+      return jax.tree.map(self.sharding, specs, is_leaf=is_spec)
+    def expand(kind, sub):
+      return jax.tree.map(lambda spec: self.sharding(spec, kind), sub, is_leaf=is_spec)
+    return jax.tree.map(expand, kinds, specs, is_leaf=lambda x: x is None or isinstance(x, str))
+
   # -- per-device accounting -----------------------------------------------------------------------
   def gathered_working_set(self) -> tuple[int, int]:
     """Stage 3: (elements of the largest group gathered at once -- one layer of all stacked leaves,
@@ -444,55 +470,90 @@ class Plan:
     return math.prod(leaf.padded_shape) // self.zeropp.hpz if leaf.secondary else 0
 
 
-def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dtype: Any,
-              grad_accum_dtype: Any = jnp.float32, comm_dtype: Any | None = None,
-              stacked: Callable[[str], bool] = lambda path: False,
-              persistence_threshold: int = 100_000, model_persistence_threshold: int | None = None,
-              reduce_scatter: bool = True, reduce_bucket_size: int = 500_000_000,
-              gather_bucket_size: int = 500_000_000, overlap_comm: bool = False,
-              units: dict[str, str] | None = None, zeropp: ZeroPP = ZeroPP(),
-              offload: Any = None, offload_param: Any = None) -> Plan:
-  """Builds the plan for a params pytree.
+def _nothing_stacked(path: str) -> bool:
+  return False
 
-  Args:
-    abstract_params: params pytree (arrays or ShapeDtypeStructs) in the model's logical shapes.
-    stage: ZeRO stage 0..3.
-    mesh: mesh with its ZeRO / batch axes.
-    compute_dtype: dtype of the compute params.
-    grad_accum_dtype: dtype of the gradient accumulator.
-    comm_dtype: dtype gradients are reduced in (default: the compute dtype).
-    stacked: path -> whether the leaf carries a leading layer axis gathered per layer by a scan.
-    persistence_threshold: stage 3 leaves with fewer elements per layer keep a replicated param.
-    model_persistence_threshold: cap on the total elements of persistent params (None: no cap).
-    reduce_scatter: stage 1/2 reduce with reduce-scatter (False: all-reduce, keep own slice).
-    reduce_bucket_size, gather_bucket_size, overlap_comm: see :func:`jzero.comm.program.compile_options`.
-    units: leaf path -> path of the module that gathers it
-    (:func:`jzero.modeling.gather_units.choose_units`). zeropp: ZeRO++ settings resolved against the
-    mesh (:func:`jzero.sharding.zeropp.resolve`); stage 3. offload:
-    :class:`jzero.tiers.host_optimizer.OffloadSettings` (None: everything on the device).
-    offload_param: :class:`jzero.tiers.host_params.ParamOffloadSettings` (stage 3; None: the
-      params stay on the device).
-  """
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How leaves are split: the ZeRO ``stage`` and ``mesh``; ``stacked``: path -> whether the leaf
+  carries a leading layer axis gathered per layer by a scan; stage-3 leaves with fewer elements
+  per layer than ``persistence_threshold`` keep a replicated param, at most
+  ``model_persistence_threshold`` elements in all (None: no cap); ``units``: leaf path -> path of
+  the module that gathers it (:func:`jzero.modeling.gather_units.choose_units`)."""
+
+  stage: int
+  mesh: ZeroMesh
+  stacked: Callable[[str], bool] = _nothing_stacked
+  persistence_threshold: int = 100_000
+  model_persistence_threshold: int | None = None
+  units: Mapping[str, str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Dtypes:
+  """The compute params' dtype, the gradient accumulator's, and the one gradients are reduced in
+  (None: the compute dtype)."""
+
+  compute: Any
+  grad_accum: Any = jnp.float32
+  comm: Any | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CommSettings:
+  """How gradients and params move: stage 1/2 reduce with reduce-scatter (False: all-reduce, keep
+  the own slice); the bucket sizes and overlap (:func:`jzero.comm.program.compile_options`);
+  ZeRO++ resolved against the mesh (:func:`jzero.sharding.zeropp.resolve`; stage 3)."""
+
+  reduce_scatter: bool = True
+  reduce_bucket_size: int = 500_000_000
+  gather_bucket_size: int = 500_000_000
+  overlap_comm: bool = False
+  zeropp: ZeroPP = ZeroPP()
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where the tiers put leaves (data; :func:`jzero.tiers.registry.placement` computes it from a
+  plan and the config): leaf path -> tier of its master and optimizer state / of its partitioned
+  param (absent: "device"), the memory kinds of host-tier state and params, and how host-tier
+  state is updated."""
+
+  state_tiers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  param_tiers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  host_memory_kind: str = "pinned_host"
+  param_host_memory_kind: str = "pinned_host"
+  offload_update: str = "stream"
+
+
+def make_plan(abstract_params: PyTree, layout: Layout, dtypes: Dtypes,
+              comm: CommSettings = CommSettings()) -> Plan:
+  """The plan of a params pytree (arrays or ShapeDtypeStructs in the model's logical shapes), with
+  every leaf on the device; :meth:`Plan.placed` moves leaves to the tiers."""
+  stage, zeropp, n = layout.stage, comm.zeropp, layout.mesh.zero_size
   if stage not in (0, 1, 2, 3):
     raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
-  n = mesh.zero_size
+  if zeropp.enabled and stage != 3:
+    raise ValueError(f"ZeRO++ needs ZeRO stage 3, got stage {stage}")
   flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
   drafts = []
   for path, x in flat:
     p = path_str(path)
     shape = tuple(x.shape)
-    is_stacked = bool(stacked(p)) and len(shape) >= 1
+    is_stacked = bool(layout.stacked(p)) and len(shape) >= 1
     dim, padded = _choose_shard_dim(shape, is_stacked, n)
     drafts.append((p, shape, is_stacked, dim, padded))
 
   persistent: set[str] = set()
   if stage == 3:
-    budget = math.inf if model_persistence_threshold is None else model_persistence_threshold
+    cap = layout.model_persistence_threshold
+    budget = math.inf if cap is None else cap
     small = []
     for p, shape, is_stacked, dim, _ in drafts:
       numel = math.prod(shape)
       per_layer = numel // shape[0] if is_stacked else numel
-      if dim is not None and per_layer < persistence_threshold:
+      if dim is not None and per_layer < layout.persistence_threshold:
         small.append((numel, p))
     for numel, p in sorted(small):
       if numel > budget:
@@ -500,47 +561,23 @@ def make_plan(abstract_params: PyTree, *, stage: int, mesh: ZeroMesh, compute_dt
       persistent.add(p)
       budget -= numel
 
-  if zeropp.enabled and stage != 3:
-    raise ValueError(f"ZeRO++ needs ZeRO stage 3, got stage {stage}")
-  host: set[str] = set()
-  if offload is not None and offload.ratio > 0 and stage >= 1:
-    from jzero.tiers.host_optimizer import choose_offloaded  # pylint: disable=import-outside-toplevel
-    host = choose_offloaded({p: math.prod(shape) for p, shape, _, dim, _ in drafts
-                             if dim is not None}, offload.ratio)
-
-  if offload_param is not None and stage != 3:
-    raise ValueError(f"parameter offload needs ZeRO stage 3, got stage {stage}")
   leaves = []
   for p, shape, is_stacked, dim, padded in drafts:
     splittable = dim is not None and stage >= 1
-    param_partitioned = splittable and stage == 3 and p not in persistent
-    param_tier = offload_param.tier if param_partitioned and offload_param is not None else "device"
-    # a partition on the NVMe tier keeps its master and optimizer state in the store beside it,
-    # unless offload_optimizer puts them in host memory (the store then holds a copy of the
-    # param: jzero.tiers.nvme_params)
-    if param_tier == "nvme" and not (offload is not None and offload.ratio > 0
-                                     and offload.tier == "host"):
-      state_tier = "nvme"
-    else:
-      state_tier = getattr(offload, "tier", "host") if p in host else "device"
     leaf = LeafPlan(
         path=p, shape=shape, stacked=is_stacked, shard_dim=dim if splittable else None,
         padded=padded if splittable else 0,
-        param_partitioned=param_partitioned,
+        param_partitioned=splittable and stage == 3 and p not in persistent,
         state_partitioned=splittable,
         grad_partitioned=splittable and stage >= 2,
-        unit=(units or {}).get(p),
-        state_tier=state_tier, param_tier=param_tier)
+        unit=(layout.units or {}).get(p))
     leaves.append(_zeropp_leaf(leaf, zeropp, n) if zeropp.enabled else leaf)
-  return Plan(stage=stage, mesh=mesh, leaves=jax.tree_util.tree_unflatten(treedef, leaves),
-              compute_dtype=jnp.dtype(compute_dtype), grad_accum_dtype=jnp.dtype(grad_accum_dtype),
-              comm_dtype=jnp.dtype(comm_dtype or compute_dtype), reduce_scatter=reduce_scatter,
-              reduce_bucket_size=reduce_bucket_size, gather_bucket_size=gather_bucket_size,
-              overlap_comm=overlap_comm, zeropp=zeropp,
-              host_memory_kind=offload.memory_kind if offload is not None else "pinned_host",
-              offload_update=offload.update if offload is not None else "stream",
-              param_host_memory_kind=(offload_param.memory_kind if offload_param is not None
-                                      else "pinned_host"))
+  return Plan(stage=stage, mesh=layout.mesh, leaves=jax.tree_util.tree_unflatten(treedef, leaves),
+              compute_dtype=jnp.dtype(dtypes.compute), grad_accum_dtype=jnp.dtype(dtypes.grad_accum),
+              comm_dtype=jnp.dtype(dtypes.comm or dtypes.compute),
+              reduce_scatter=comm.reduce_scatter, reduce_bucket_size=comm.reduce_bucket_size,
+              gather_bucket_size=comm.gather_bucket_size, overlap_comm=comm.overlap_comm,
+              zeropp=zeropp)
 
 
 def _zeropp_leaf(leaf: LeafPlan, zeropp: ZeroPP, n: int) -> LeafPlan:

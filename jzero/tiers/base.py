@@ -13,9 +13,9 @@ Where a leaf lives is the plan's (:attr:`jzero.sharding.plan.LeafPlan.state_tier
 tier's, through hooks the engine calls at fixed points; every hook of this base class does nothing,
 so a tier overrides only the phases it changes:
 
-* **config** (:meth:`Tier.check_config`, :meth:`Tier.plan_settings`, :meth:`Tier.check_plan`):
-  refusals before any device work; what the plan needs to place the tier's leaves; what the plan,
-  once built, made of the tier's block (said once).
+* **config** (:meth:`Tier.check_config`, :meth:`Tier.place`, :meth:`Tier.check_plan`):
+  refusals before any device work; which leaves the tier takes (placement data the plan records);
+  what the plan, once built, made of the tier's block (said once).
 * **the forward pass** (:meth:`Tier.grad_target`, :meth:`Tier.gather_inputs`): where a leaf's
   partition comes from when its gather runs.
 * **step variants** (:meth:`Tier.variant`, :meth:`Tier.seen`): the engine compiles one step per
@@ -42,7 +42,8 @@ so a tier overrides only the phases it changes:
   placeholders in the TrainState, the real arrays written to a store.
 
 A tier talks to the engine only through :class:`EngineView`: its plan, mesh, config, optimizer,
-the NVMe settings and store, and four methods. It never reads the engine's private attributes
+the NVMe settings and store, and the hpZ refresh; the layout changes a tier's update needs are
+:mod:`jzero.comm.layouts`'. It never reads the engine's private attributes
 (``tests/test_layout.py``).
 """
 
@@ -71,15 +72,6 @@ class EngineView(Protocol):
   nvme_settings: Any
   nvme_store: Any
 
-  def local_master(self, leaf: Any, p: jax.Array) -> jax.Array:
-    """fp32 training, inside the step: this device's partition of param ``p``, as its master."""
-
-  def compute_param(self, leaf: Any, m: jax.Array) -> jax.Array:
-    """Inside the step: an updated master partition -> the compute param in the param layout."""
-
-  def checks_overflow(self) -> bool:
-    """fp16, or bf16 with ``check_grad_overflow``: a non-finite gradient skips the step."""
-
   def with_secondary(self, state: Any) -> Any:
     """``state`` with its hpZ secondary partitions recomputed from its params."""
 
@@ -96,15 +88,13 @@ class Tier:
   @classmethod
   def check_config(cls, config: Any) -> None:
     """Refuses (ConfigError) what the tier's config block asks and it cannot do, before any
-    device work (``config``: the Config as given, "auto" values still in it). By default: reading
-    the tier's :meth:`plan_settings`, which refuse what they cannot represent."""
-    cls.plan_settings(config.zero_optimization)
+    device work (``config``: the Config as given, "auto" values still in it)."""
 
   @classmethod
-  def plan_settings(cls, zero: Any) -> dict:
-    """Keyword arguments of :func:`jzero.sharding.plan.make_plan` from the resolved
-    ``zero_optimization`` block: which leaves the tier takes (e.g. ``offload=``)."""
-    return {}
+  def place(cls, plan: Any, zero: Any, placement: Any) -> Any:
+    """``placement`` (a :class:`jzero.sharding.plan.Placement`) with the leaves of ``plan`` (all
+    on the device) that the tier takes, by the resolved ``zero_optimization`` block ``zero``."""
+    return placement
 
   @classmethod
   def check_plan(cls, plan: Any, zero: Any) -> None:
@@ -154,7 +144,8 @@ class Tier:
 
   def gather_inputs(self, engine: EngineView, leaf: Any, p: jax.Array) -> dict | None:
     """Extra :class:`jzero.comm.zero_param.ZeroParam` arguments for a partitioned leaf whose
-    param the tier holds (``host=``, ``source=``, ``layer=``); None: not the tier's leaf."""
+    param the tier holds: ``source=`` (a :class:`jzero.comm.zero_param.PartitionSource`) and
+    ``stored=`` (what it reads); None: not the tier's leaf."""
     return None
 
   # -- step variants (host side) ---------------------------------------------------------------
@@ -206,7 +197,7 @@ class Tier:
   def new_param(self, engine: EngineView, leaf: Any, m_device: jax.Array, m: jax.Array,
                 old: jax.Array) -> jax.Array | None:
     """A leaf's new param after the update, or None to leave it to the next tier (and at last to
-    :meth:`EngineView.compute_param` of ``m_device``). ``m``: the new master where it is stored;
+    :func:`jzero.comm.layouts.compute_param` of ``m_device``). ``m``: the new master where it is stored;
     ``old``: the state's param."""
     return None
 

@@ -201,7 +201,7 @@ class DelayedUpdateTier(Tier):
     zero = engine.config.zero_optimization
     if not enabled(zero):
       return None
-    return cls(warmup_steps(zero), None if engine.checks_overflow() else True)
+    return cls(warmup_steps(zero), None if engine.config.checks_overflow else True)
 
   # -- the carried gradient --------------------------------------------------------------------
   def carries(self) -> bool:

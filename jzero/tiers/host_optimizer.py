@@ -46,6 +46,7 @@ each host leaf's output stays on the host: every buffer keeps its kind, and ever
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -53,6 +54,7 @@ import optax
 from jax import lax
 
 from jzero.errors import ConfigError
+from jzero.sharding.plan import Placement
 from jzero.tiers.base import EngineView, Tier
 
 __all__ = ["DEFAULT_UPDATE", "UPDATE_MODES", "OffloadSettings", "settings_from_config",
@@ -286,8 +288,21 @@ class HostOptimizerTier(Tier):
   needs_cond = True
 
   @classmethod
-  def plan_settings(cls, zero: Any) -> dict:
-    return {"offload": settings_from_config(zero)}
+  def check_config(cls, config: Any) -> None:
+    settings_from_config(config.zero_optimization)
+
+  @classmethod
+  def place(cls, plan: Any, zero: Any, placement: Placement) -> Placement:
+    """The largest splittable leaves' state, up to the offload ratio (:func:`choose_offloaded`),
+    in the offload's tier."""
+    offload = settings_from_config(zero)
+    if offload.ratio <= 0 or plan.stage < 1:
+      return placement
+    chosen = choose_offloaded({l.path: l.numel for l in plan.leaf_list()
+                               if l.shard_dim is not None}, offload.ratio)
+    return dataclasses.replace(
+        placement, state_tiers={**placement.state_tiers, **dict.fromkeys(chosen, offload.tier)},
+        host_memory_kind=offload.memory_kind, offload_update=offload.update)
 
   @classmethod
   def create(cls, engine: EngineView) -> HostOptimizerTier | None:

@@ -48,6 +48,7 @@ since the config then does not do what it asks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from typing import Any
@@ -58,6 +59,8 @@ import jax.numpy as jnp
 from jzero.config.messages import user_stacklevel
 from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
 from jzero.tiers.base import EngineView, Tier
+from jzero.sharding.plan import Placement
+from jzero.tiers import host_optimizer
 from jzero.tiers.host_optimizer import to_device, to_host
 
 __all__ = ["ParamOffloadSettings", "settings_from_config", "fetch", "HostParamsTier"]
@@ -140,6 +143,18 @@ def _fetch_jvp(primals, tangents):
   return to_device(host), slot_dot
 
 
+@dataclasses.dataclass(frozen=True)
+class HostSource:
+  """The :class:`jzero.comm.zero_param.PartitionSource` of a partition in host memory: the
+  ZeroParam stores the host partition, :func:`fetch` moves it to the device."""
+
+  def fetch(self, slot: jax.Array, host: jax.Array) -> jax.Array:
+    return fetch(host, slot)
+
+
+FROM_HOST = HostSource()
+
+
 class HostParamsTier(Tier):
   """Stage-3 partitions in host memory (module docstring): the step differentiates a zero slot on
   the device, the gather fetches the host partition, and the new partitions go back to the host.
@@ -150,8 +165,26 @@ class HostParamsTier(Tier):
   needs_cond = True
 
   @classmethod
-  def plan_settings(cls, zero: Any) -> dict:
-    return {"offload_param": settings_from_config(zero)}
+  def check_config(cls, config: Any) -> None:
+    settings_from_config(config.zero_optimization)
+
+  @classmethod
+  def place(cls, plan: Any, zero: Any, placement: Placement) -> Placement:
+    """Every partitioned param in the offload's tier. A partition on the NVMe tier keeps its
+    master and optimizer state in the store beside it, unless offload_optimizer put them in host
+    memory (the store then holds a copy of the param: :mod:`jzero.tiers.nvme_params`)."""
+    settings = settings_from_config(zero)
+    if settings is None:
+      return placement
+    moved = [l.path for l in plan.leaf_list() if l.param_partitioned]
+    states = dict(placement.state_tiers)
+    optimizer = host_optimizer.settings_from_config(zero)
+    if settings.tier == "nvme" and not (optimizer.ratio > 0 and optimizer.tier == "host"):
+      states.update(dict.fromkeys(moved, "nvme"))
+    return dataclasses.replace(
+        placement, state_tiers=states,
+        param_tiers={**placement.param_tiers, **dict.fromkeys(moved, settings.tier)},
+        param_host_memory_kind=settings.memory_kind)
 
   @classmethod
   def check_plan(cls, plan: Any, zero: Any) -> None:
@@ -188,7 +221,7 @@ class HostParamsTier(Tier):
     return jnp.zeros(p.shape, p.dtype) if leaf.param_tier == "host" else None
 
   def gather_inputs(self, engine: EngineView, leaf: Any, p: jax.Array) -> dict | None:
-    return {"host": p} if leaf.param_tier == "host" else None
+    return {"source": FROM_HOST, "stored": p} if leaf.param_tier == "host" else None
 
   def place_params(self, engine: EngineView, params: PyTree, master: PyTree) -> PyTree:
     plan = engine.plan

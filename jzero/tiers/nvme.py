@@ -84,7 +84,7 @@ class NvmeTier(Tier):
     if leaf.param_tier != NVME:
       return None
     return {"source": ParamSource(engine.nvme_store.reader, leaf.path, engine.mesh.zero_axes),
-            "layer": jnp.arange(leaf.shape[0]) if leaf.stacked else jnp.zeros((), jnp.int32)}
+            "stored": jnp.arange(leaf.shape[0]) if leaf.stacked else jnp.zeros((), jnp.int32)}
 
   # -- the update phase ------------------------------------------------------------------------
   def take_outputs(self, engine: EngineView, state: Any, grads: PyTree,

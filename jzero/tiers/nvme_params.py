@@ -79,7 +79,7 @@ from jax import lax
 
 from jzero.errors import ConfigError
 
-__all__ = ["ParamSource", "ParamReader", "fetch", "fetch_group", "read_together",
+__all__ = ["ParamSource", "ParamReader", "fetch", "fetch_group",
            "host_bytes_bound", "NVME"]
 
 NVME = "nvme"
@@ -98,6 +98,11 @@ class ParamSource:
   def fetch(self, slot: jax.Array, layer: jax.Array) -> jax.Array:
     """The partition (this device's; layer ``layer`` of a stack) in ``slot``'s dtype."""
     return fetch(self, slot, layer)
+
+  @staticmethod
+  def fetch_many(sources: tuple, slots: tuple, layers: tuple) -> tuple:
+    """Several leaves' partitions in one host callback (:func:`fetch_group`)."""
+    return fetch_group(sources, slots, layers)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -139,18 +144,6 @@ def _read_group(sources: tuple, slots: tuple, layers: tuple) -> tuple:
     return tuple(reader.read(path, l, part, shape) for (path, shape), l in zip(requests, layers))
   values = jax.pure_callback(read, out, layers, part)
   return tuple(v.astype(s.dtype) for v, s in zip(values, slots))
-
-
-def read_together(params: list) -> list:
-  """ZeroParams on the NVMe tier (``source`` set) -> the same ones with their partitions read in
-  one host callback (``source`` cleared): the gather of a group
-  (:func:`jzero.modeling.layer_scan.gather`) pays one callback, not one per leaf. Each read value's
-  gradient still goes to its slot."""
-  if len(params) < 2:
-    return params
-  values = fetch_group(tuple(p.source for p in params), tuple(p.partition for p in params),
-                       tuple(p.layer for p in params))
-  return [p.with_partition(v) for p, v in zip(params, values)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,7 +108,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jzero.comm import program
+from jzero.comm import layouts, program
 from jzero.errors import ConfigError, JZeroError
 from jzero.tiers.nvme_settings import (IO_MODE, NVME, NvmeSettings, check_directory, io_context,
                                  settings_from_config)
@@ -184,7 +184,7 @@ def step_outputs(engine: Any, state: Any, grads: PyTree, factor: jax.Array | Non
          "factor": jnp.ones((), jnp.float32) if factor is None else factor}
   if not plan.has_master:  # (a param on the NVMe tier has its master in the store)
     flat_p = dict(zip([l.path for l in plan.leaf_list()], jax.tree.leaves(state.params)))
-    out["master"] = {l.path: engine.local_master(l, flat_p[l.path]) for l in nvme
+    out["master"] = {l.path: layouts.local_master(plan, l, flat_p[l.path]) for l in nvme
                      if l.param_tier != NVME}
   _, nodes, flags = split_state(state.opt_state, _params_def(plan))
   out["nodes"] = [n for n, f in zip(nodes, flags) if not f]
@@ -528,7 +528,8 @@ class NvmeStore:
       updates, state = engine.tx.update(g_list, state, m_list)
       new_m = optax.apply_updates(m_list, updates)
       out = node_def.flatten_up_to(state)
-      params = [engine.compute_param(l, x) for l, x, keep in zip(leaves, new_m, in_state) if keep]
+      params = [layouts.compute_param(plan, l, x)
+                for l, x, keep in zip(leaves, new_m, in_state) if keep]
       return new_m, [n for n, f in zip(out, flags) if f], params
 
     pspec = [s for s, keep in zip(pspec, in_state) if keep]

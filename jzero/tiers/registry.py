@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from jzero.sharding.plan import Placement, Plan
 from jzero.tiers.base import EngineView, Tier
 from jzero.tiers.delayed import DelayedUpdateTier
 from jzero.tiers.host_optimizer import HostOptimizerTier
 from jzero.tiers.host_params import HostParamsTier
 from jzero.tiers.nvme import NvmeTier
 
-__all__ = ["TIERS", "active", "check_config", "plan_settings", "check_plan"]
+__all__ = ["TIERS", "active", "check_config", "placement", "check_plan"]
 
 TIERS: tuple[type[Tier], ...] = (
     HostOptimizerTier,
@@ -32,12 +33,13 @@ def check_config(config: Any) -> None:
     tier.check_config(config)
 
 
-def plan_settings(zero: Any) -> dict:
-  """Every tier's :meth:`Tier.plan_settings` for :func:`jzero.sharding.plan.make_plan`."""
-  settings = {}
+def placement(plan: Plan, zero: Any) -> Placement:
+  """Where the tiers put ``plan``'s leaves (all on the device), by the resolved
+  ``zero_optimization`` block: every tier's :meth:`Tier.place`, in :data:`TIERS`' order."""
+  placed = Placement()
   for tier in TIERS:
-    settings.update(tier.plan_settings(zero))
-  return settings
+    placed = tier.place(plan, zero, placed)
+  return placed
 
 
 def check_plan(plan: Any, zero: Any) -> None:

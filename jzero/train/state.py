@@ -1,17 +1,22 @@
-"""The train state: :class:`TrainState`, everything one optimizer step reads and writes."""
+"""The train state: :class:`TrainState`, everything one optimizer step reads and writes, and where
+the plan puts each of its leaves (:func:`state_specs`, :func:`state_memory_kinds`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
 
+from jzero.sharding.plan import Plan
 from jzero.train.precision import LossScaleState
 
 if TYPE_CHECKING:  # annotations only: the carrying tier defines the carried state
   from jzero.tiers.delayed import DelayedGrads
 
-__all__ = ["TrainState"]
+__all__ = ["TrainState", "logical_params", "state_memory_kinds", "state_specs"]
 
 PyTree = Any
 
@@ -44,3 +49,43 @@ class TrainState(NamedTuple):
   rng: jax.Array
   secondary: PyTree | None = None
   delayed: DelayedGrads | None = None
+
+
+def state_specs(plan: Plan, tx: optax.GradientTransformation, carrier: Any = None,
+                view: Any = None) -> TrainState:
+  """PartitionSpecs of every TrainState leaf (prefix tree); ``carrier``: the tier whose state the
+  TrainState carries between steps (``delayed``; its hooks receive ``view``)."""
+  return TrainState(step=P(), skipped=P(), params=plan.param_specs(),
+                    master=plan.state_specs() if plan.has_master else None,
+                    opt_state=plan.opt_specs(tx), loss_scale=P(), rng=P(),
+                    secondary=plan.secondary_specs(),
+                    delayed=carrier.carried_specs(view) if carrier else None)
+
+
+def state_memory_kinds(plan: Plan, tx: optax.GradientTransformation, carrier: Any = None,
+                       view: Any = None) -> TrainState:
+  """Memory kind of every TrainState leaf (prefix tree; None: JAX's default, the device). The
+  master and optimizer state of host-tier leaves are on the host
+  (:mod:`jzero.tiers.host_optimizer`), as are host-tier params (:mod:`jzero.tiers.host_params`)."""
+  device = plan.memory_kind()
+  if not plan.uses_host:
+    return jax.tree.map(lambda _: device, state_specs(plan, tx, carrier, view),
+                        is_leaf=lambda x: isinstance(x, P))
+  return TrainState(step=device, skipped=device, params=plan.map(plan.param_memory_kind),
+                    master=plan.map(plan.state_memory_kind) if plan.has_master else None,
+                    opt_state=plan.opt_memory_kinds(tx), loss_scale=device, rng=device,
+                    secondary=jax.tree.map(lambda _: device, plan.secondary_specs(),
+                                           is_leaf=lambda x: isinstance(x, P)),
+                    delayed=carrier.carried_memory_kinds(view, device) if carrier else None)
+
+
+def logical_params(plan: Plan, full_state: TrainState, dtype: Any = jnp.float32) -> PyTree:
+  """Parameters in the model's own shapes (padding removed), replicated, in ``dtype``, from a
+  state with every array in it (:meth:`jzero.Engine.full_state`): the fp32 master in mixed
+  precision, the params themselves in fp32. Host-memory arrays (offload) are read on the device:
+  a copy of the partitions, then gathered."""
+  source = full_state.master if plan.has_master else full_state.params
+  source = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device"))
+                        if x.sharding.memory_kind not in (None, "device") else x, source)
+  unpad = lambda leaf, x: leaf.to_logical(x).astype(dtype)
+  return jax.jit(lambda s: plan.map(unpad, s), out_shardings=plan.sharding(P()))(source)
