@@ -157,12 +157,14 @@ class Candidate:
 
 def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...] = (0, 1, 2, 3),
                micro_batches: tuple[int, ...] | None = None,
-               offload_tiers: tuple[str, ...] = ("cpu", "nvme")) -> list[Candidate]:
+               offload_tiers: tuple[str, ...] = ("cpu", "nvme"),
+               checkpointing: tuple[str, ...] = CHECKPOINTING) -> list[Candidate]:
   """Every valid candidate for ``job`` on ``devices`` (in all) over ``nodes``.
 
   Micro-batches: the powers of two that divide the sequences per device (default), each with the
   accumulation that makes the global batch. ZeRO++ variants only with more than one node.
-  ``offload_tiers`` are the tiers offload may use (``()``: no offload variants).
+  ``offload_tiers`` are the tiers offload may use (``()``: no offload variants);
+  ``checkpointing`` the activation checkpointing choices (:data:`CHECKPOINTING`).
   """
   if job.global_batch < 1 or job.global_batch % devices:
     raise ConfigError(f"--global-batch {job.global_batch}: the global batch must be a positive "
@@ -180,7 +182,7 @@ def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...
     params = [None] + [t for t in ("cpu", "nvme") if stage == 3 and t in offload_tiers]
     zeropp = _ZEROPP if nodes > 1 and stage == 3 else ((),)
     for (opt, ratio), param, plus, ckpt, mb in itertools.product(opts, params, zeropp,
-                                                                 CHECKPOINTING, micro_batches):
+                                                                 checkpointing, micro_batches):
       if plus and param:  # ZeRO++ gathers device-resident partitions
         continue
       out.append(Candidate(stage, mb, per_device // mb, ckpt, opt, ratio, param, plus))

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from jzero.errors import ConfigError
-from jzero.planning.candidates import (Candidate, Estimated, Job, _leaves, candidates, estimated,
+from jzero.planning.candidates import (CHECKPOINTING, Candidate, Estimated, Job, _leaves, candidates, estimated,
                                        gpt_for_params)
 from jzero.planning.compiled import Compiled, compile_candidate
 from jzero.planning.cost import Hardware, Prediction, Resources, gpu_hardware, predict
@@ -166,7 +166,8 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
              compile: bool = True, compile_top: int = DEFAULT_COMPILE_TOP,
              margin: float = DEFAULT_MARGIN, stages: tuple[int, ...] = (0, 1, 2, 3),
              micro_batches: tuple[int, ...] | None = None,
-             offload_tiers: tuple[str, ...] = ("cpu", "nvme"), base_config: dict | None = None,
+             offload_tiers: tuple[str, ...] = ("cpu", "nvme"),
+             checkpointing: tuple[str, ...] = CHECKPOINTING, base_config: dict | None = None,
              cache_dir: str | Path | None = None,
              progress: Callable[[Any], Any] | None = None) -> Plan:
   """Plans a job: which ZeRO config runs it fastest on the target (see the module docstring).
@@ -184,7 +185,7 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
     compile: compile the plausible candidates (False: rank by arithmetic alone).
     compile_top: how many estimator-fitting candidates to compile, least predicted time first.
     margin: share of each memory left free.
-    stages, micro_batches, offload_tiers: narrow the candidates.
+    stages, micro_batches, offload_tiers, checkpointing: narrow the candidates.
     base_config: the config blocks the plan keeps (optimizer, scheduler, clipping).
     cache_dir: where compiles are cached (:func:`jzero.planning.compiled.default_cache_dir`).
     progress: wraps the list of candidates to compile (e.g. ``tqdm.tqdm``).
@@ -213,7 +214,7 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
   leaves = _leaves(gpt)
   priced = []
   for cand in candidates(job, n, hardware.nodes, stages=stages, micro_batches=micro_batches,
-                         offload_tiers=offload_tiers):
+                         offload_tiers=offload_tiers, checkpointing=checkpointing):
     e = estimated(cand, job, hardware, leaves)
     problem = _fit_problem(e.device_bytes, e.host_bytes, e.nvme_bytes, hardware, 0.0,
                            "estimate") or _fit_problem(0, e.host_bytes, e.nvme_bytes, hardware,
