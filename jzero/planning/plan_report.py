@@ -48,28 +48,33 @@ def why_chosen(plan: Any) -> str:
             "table. More devices or nodes, host memory or NVMe, or a smaller batch would help.")
   if second is None:
     return f"{best.name} is the only candidate that fits; predicted {best.prediction.seconds:.4g} s."
-  diffs = {k: second.prediction.terms[k] - v for k, v in best.prediction.terms.items()}
-  term = max(diffs, key=lambda k: abs(diffs[k]))
-  what = {"compute": "FLOPs", "network": "collective bytes", "pcie": "host<->device bytes",
-          "host": "host optimizer bytes", "nvme": "NVMe bytes"}[term]
-  b, s = best.resources, second.resources
-  amounts = {"compute": (b.flops, s.flops, format_count),
-             "network": (b.intra_node_bytes + b.inter_node_bytes,
-                         s.intra_node_bytes + s.inter_node_bytes, format_bytes),
-             "pcie": (b.pcie_bytes, s.pcie_bytes, format_bytes),
-             "host": (b.host_update_bytes, s.host_update_bytes, format_bytes),
-             "nvme": (b.nvme_traffic, s.nvme_traffic, format_bytes)}[term]
-  fmt = amounts[2]
-  return (f"{best.name} beat the runner-up {second.name}: predicted {best.prediction.seconds:.4g} "
-          f"s against {second.prediction.seconds:.4g} s per step (predictions of the cost model, "
-          f"not measurements). The largest difference is the {term} term, {diffs[term]:+.3g} s "
-          f"for the runner-up: {what} {fmt(amounts[0])} against {fmt(amounts[1])} per "
-          f"device. Overlap of collectives with compute: {b.overlap:.0%} against "
-          f"{s.overlap:.0%}. Terms of the chosen: {_seconds_terms(best)}; of the runner-up: "
+  parts_b, parts_s = _parts(best), _parts(second)
+  diffs = {k: parts_s[k] - v for k, v in parts_b.items()}
+  part = max(diffs, key=lambda k: abs(diffs[k]))
+  tied = best.prediction.seconds >= 0.999 * second.prediction.seconds
+  verdict = ("ties with" if tied else "beat") + f" the runner-up {second.name}"
+  return (f"{best.name} {verdict}: predicted {best.prediction.seconds:.4g} s against "
+          f"{second.prediction.seconds:.4g} s per step (predictions of the cost model, not "
+          f"measurements){'; the tie goes to less work over all terms' if tied else ''}. The "
+          f"largest difference is {part}: {diffs[part]:+.3g} s for the runner-up. Per device, the "
+          f"chosen moves {_moves(best.resources)}; the runner-up {_moves(second.resources)}. "
+          f"Terms of the chosen: {_seconds_terms(best)}; of the runner-up: "
           f"{_seconds_terms(second)}. Both fit: {format_bytes(best.device_bytes)} and "
           f"{format_bytes(second.device_bytes)} per device of "
           f"{format_bytes(plan.hardware.usable_device_memory * (1 - plan.margin))}.")
 
+
+def _moves(r: Any) -> str:
+  return (f"{format_count(r.flops)} FLOPs, {format_bytes(r.intra_node_bytes + r.inter_node_bytes)}"
+          f" of collectives ({r.overlap:.0%} overlapped), {format_bytes(r.pcie_bytes)} over PCIe")
+
+
+def _parts(row: Any) -> dict[str, float]:
+  """A predicted step in the parts it adds up from (:func:`jzero.planning.cost.predict`)."""
+  t, overlap = row.prediction.terms, row.resources.overlap
+  return {"compute with the collectives it hides": max(t["compute"], overlap * t["network"]),
+          "exposed collectives": (1 - overlap) * t["network"],
+          "offload streams": max(t["pcie"], t["host"], t["nvme"])}
 
 def _head(plan: Any) -> list[str]:
   hw, job = plan.hardware, plan.job
