@@ -22,7 +22,7 @@ try:
 except ImportError:
   HAVE_PLUGIN = False
 TINY = GPTConfig(d_model=64, n_layers=2, n_heads=2, seq_len=32)
-SMALL = GPTConfig(n_layers=2, seq_len=32)  # d 256: its MLP leaves are over the persistence threshold
+SMALL = GPTConfig(n_layers=2, seq_len=32)  # d 256: MLP leaves over the persistence threshold
 
 
 def _rows(plan, **fields):

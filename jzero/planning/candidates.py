@@ -52,7 +52,8 @@ def gpt_for_params(count: float) -> Any:
   """The embedded GPT's shape for about ``count`` parameters: a preset (or the ZeRO-Infinity
   paper's 1T model, 128 layers of hidden 25,600) within 10% of it, else
   hidden size and depth at the ZeRO-Infinity paper's aspect ratio (1T: 128 layers of 25,600,
-  hidden / layers = 200), hidden a multiple of 128, heads of 128, sequence 2048, vocabulary 50257."""
+  hidden / layers = 200), hidden a multiple of 128, heads of 128, sequence 2048, vocabulary
+  50257."""
   from jzero.models.gpt import PRESETS, GPTConfig  # noqa: PLC0415
 
   ZERO_INFINITY_1T = _zero_infinity_1t()  # noqa: N806

@@ -47,7 +47,8 @@ def why_chosen(plan: Any) -> str:
     return ("Nothing fits: every candidate is pruned or over memory, each with its numbers in the "
             "table. More devices or nodes, host memory or NVMe, or a smaller batch would help.")
   if second is None:
-    return f"{best.name} is the only candidate that fits; predicted {best.prediction.seconds:.4g} s."
+    return (f"{best.name} is the only candidate that fits; predicted "
+            f"{best.prediction.seconds:.4g} s.")
   parts_b, parts_s = _parts(best), _parts(second)
   diffs = {k: parts_s[k] - v for k, v in parts_b.items()}
   part = max(diffs, key=lambda k: abs(diffs[k]))

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from jzero.errors import ConfigError
-from jzero.planning.candidates import (CHECKPOINTING, Candidate, Estimated, Job, _leaves, candidates, estimated,
-                                       gpt_for_params)
+from jzero.planning.candidates import (CHECKPOINTING, Candidate, Estimated, Job, _leaves,
+                                       candidates, estimated, gpt_for_params)
 from jzero.planning.compiled import Compiled, compile_candidate
 from jzero.planning.cost import Hardware, Prediction, Resources, gpu_hardware, predict
 
@@ -157,7 +157,8 @@ def _with_compiled(e: Estimated, c: Compiled) -> Resources:
   the larger of the compiled count and the arithmetic: in XLA's GPU program of a stage-3 step the
   HLO count misses about half the matmuls (gemms inside loops whose trip count the scheduled
   program no longer states), so it is a lower bound there."""
-  return dataclasses.replace(e.resources, flops=max(c.flops, e.resources.flops), intra_node_bytes=c.intra_node_bytes,
+  return dataclasses.replace(e.resources, flops=max(c.flops, e.resources.flops),
+                             intra_node_bytes=c.intra_node_bytes,
                              inter_node_bytes=c.inter_node_bytes, overlap=c.overlap,
                              source="compiled")
 
