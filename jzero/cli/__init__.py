@@ -14,6 +14,8 @@ there and resumes from the latest one.
 by itself (:mod:`jzero.runtime.distributed`), and stops at a step all processes agree on when one
 gets SIGTERM, saving a checkpoint.
 ``jzero estimate --params 7e9 --devices 8`` prints ZeRO's per-device memory table.
+``jzero plan --params 7e9 --gpu h100 --devices 8`` searches the ZeRO configs for that target and
+writes the best as a DeepSpeed config (:mod:`jzero.planning.search`).
 ``jzero aot --config ... --gpu h100 --devices 8`` compiles the step for a GPU topology that is not
 present (:mod:`jzero.planning.aot`).
 ``jzero convert CKPT --safetensors model.safetensors`` consolidates a sharded training checkpoint
@@ -31,13 +33,13 @@ import argparse
 import sys
 from typing import Sequence
 
-from jzero.cli import aot, checkpoint, estimate, launch, train
+from jzero.cli import aot, checkpoint, estimate, launch, plan, train
 from jzero.errors import JZeroError
 
 __all__ = ["build_parser", "main"]
 
 #: The subcommands, in ``jzero --help``'s order: each module's ``add_parser(subparsers)``.
-COMMANDS = (train, launch, estimate, aot, checkpoint)
+COMMANDS = (train, launch, estimate, aot, plan, checkpoint)
 
 
 def build_parser() -> argparse.ArgumentParser:

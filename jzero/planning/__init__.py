@@ -1,7 +1,16 @@
-"""Plans for hardware you may not have: the real step compiled for a GPU topology.
+"""Plans for hardware you may not have: the real step compiled for a GPU topology, and the search
+for the config that runs a job fastest there.
 
 * :mod:`jzero.planning.aot` -- the step compiled for a GPU topology that is not present
   (``jzero aot``; GPU target configs in ``gpu_specs/``).
+* :mod:`jzero.planning.search` -- ``jzero plan``: candidates pruned by arithmetic
+  (:mod:`~jzero.planning.candidates`), the plausible ones compiled
+  (:mod:`~jzero.planning.compiled`),
+  ranked by the cost model (:mod:`~jzero.planning.cost`), reported by
+  :mod:`~jzero.planning.plan_report`. :func:`plan_for` is its Python entry point; it lives here,
+  not in ``jzero.analysis``, because it builds engines and ``analysis`` sits below ``train``.
 """
 
-__all__: list[str] = []
+from jzero.planning.search import Plan, plan_for
+
+__all__ = ["Plan", "plan_for"]

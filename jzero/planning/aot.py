@@ -163,6 +163,8 @@ class AotReport:
     collectives: every collective of the scheduled program.
     pallas_kernels: the Pallas (Triton) kernel calls in the compiled program -- ZeRO++'s int8 /
       int4 block kernels (``kernels/``); 0 without qwZ / qgZ.
+    matmul_flops: FLOPs of the program's matrix multiplications per device per step, recompute
+      included (:func:`jzero.analysis.hlo.matmul_flops`).
     xla_options: the compile options the plan passed (bucket and overlap knobs).
   """
 
@@ -192,6 +194,7 @@ class AotReport:
   collectives: list[Collective]
   xla_options: dict[str, Any]
   pallas_kernels: int = 0
+  matmul_flops: float = 0.0
 
   @property
   def kinds(self) -> tuple[str, ...]:
@@ -498,7 +501,7 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
   compiled = lowered.compile()
   t3 = time.perf_counter()
   say(f"compiled in {t3 - t2:.1f} s")
-  from jzero.analysis.hlo import collectives  # noqa: PLC0415
+  from jzero.analysis.hlo import collectives, matmul_flops  # noqa: PLC0415
 
   analysis = compiled.memory_analysis()
   hlo = compiled.as_text()
@@ -513,7 +516,8 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
       temp=analysis.temp_size_in_bytes, alias=analysis.alias_size_in_bytes,
       device_memory=spec.memory_bytes, memory_fraction=memory_fraction, trace_s=t1 - t0,
       lower_s=t2 - t1, compile_s=t3 - t2, collectives=collectives(hlo, zmesh),
-      xla_options=program.compile_options(engine.plan), pallas_kernels=pallas_calls(hlo))
+      xla_options=program.compile_options(engine.plan), pallas_kernels=pallas_calls(hlo),
+      matmul_flops=matmul_flops(hlo))
 
 
 def pallas_calls(hlo_text: str) -> int:

@@ -1,0 +1,123 @@
+"""``jzero plan``: which ZeRO config runs a job fastest on a GPU topology you may not have
+(:mod:`jzero.planning.search`): the table of every candidate, the chosen config written as a
+DeepSpeed JSON, and why it beat the runner-up."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from jzero.cli.estimate import parse_bytes, parse_count
+from jzero.errors import ConfigError
+
+__all__ = ["add_parser", "add_plan_arguments", "run_plan"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+  p = sub.add_parser("plan", help="search ZeRO stages, offload, checkpointing and micro-batch "
+                     "for a GPU topology: fit and predicted step time per candidate, the best "
+                     "written as a DeepSpeed config (gpu-aot extra to compile)")
+  add_plan_arguments(p)
+  p.set_defaults(func=run_plan)
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+  """Adds the ``jzero plan`` flags to ``parser`` (see :func:`run_plan`)."""
+  from jzero.models.gpt import PRESETS  # noqa: PLC0415
+  from jzero.planning.aot import GPU_SPECS  # noqa: PLC0415
+  from jzero.planning.search import DEFAULT_COMPILE_TOP, DEFAULT_MARGIN  # noqa: PLC0415
+
+  m = parser.add_argument_group("model (the embedded GPT)")
+  what = m.add_mutually_exclusive_group()
+  what.add_argument("--params", type=parse_count, default=None,
+                    help="parameter count, e.g. 7e9 or 1e12: a preset within 10%%, else a GPT "
+                         "at the ZeRO-Infinity paper's aspect ratio")
+  what.add_argument("--model", choices=sorted(PRESETS), default=None,
+                    help="shape preset (default: default, the embedded 6.4M model)")
+  for flag, field in (("--layers", "n_layers"), ("--d-model", "d_model"), ("--heads", "n_heads"),
+                      ("--seq-len", "seq_len"), ("--vocab-size", "vocab_size"),
+                      ("--mlp-dim", "mlp_dim")):
+    m.add_argument(flag, type=int, default=None, dest=field, help=f"GPTConfig.{field}")
+  t = parser.add_argument_group("target (defaults: the GPU's datasheet and DGX node, printed)")
+  t.add_argument("--gpu", default="h100", help=f"GPU part: {', '.join(sorted(GPU_SPECS))}")
+  t.add_argument("--devices", type=int, default=8, help="GPUs per node (default 8)")
+  t.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+  t.add_argument("--host-memory", type=parse_bytes, default=None, help="host memory per node")
+  t.add_argument("--nvme", type=parse_bytes, default=None, dest="nvme_bytes",
+                 help="NVMe bytes per node")
+  t.add_argument("--nvme-bandwidth", type=parse_bytes, default=None,
+                 help="NVMe bytes/s per node, e.g. 25GB")
+  j = parser.add_argument_group("job and search")
+  j.add_argument("--global-batch", type=int, default=None,
+                 help="sequences per step (default 4 per GPU)")
+  j.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+  j.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to try (default 0,1,2,3)")
+  j.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                 help=f"share of each memory left free (default {DEFAULT_MARGIN})")
+  j.add_argument("--compile-top", type=int, default=DEFAULT_COMPILE_TOP,
+                 help=f"candidates compiled for the target, least predicted time first (default "
+                      f"{DEFAULT_COMPILE_TOP}); 0 ranks by arithmetic alone")
+  j.add_argument("--cache-dir", default=None,
+                 help="compile cache (default $JZERO_CACHE_DIR or ~/.cache/jzero/plan)")
+  o = parser.add_argument_group("output")
+  o.add_argument("--out", default="plan_config.json",
+                 help="where the chosen DeepSpeed config is written (default plan_config.json)")
+  o.add_argument("--nvme-path", default=None, help="nvme_path in the written config (default "
+                 "/local_nvme, DeepSpeed's tutorials')")
+  o.add_argument("--report", default=None, help="also write the whole plan as JSON here")
+  o.add_argument("--all", action="store_true", help="print every candidate (default: 40)")
+
+
+def _model(args: argparse.Namespace):
+  from jzero.models.gpt import preset  # noqa: PLC0415
+  from jzero.planning.candidates import gpt_for_params  # noqa: PLC0415
+
+  base = gpt_for_params(args.params) if args.params is not None else preset(args.model or "default")
+  fields = {f: getattr(args, f) for f in ("n_layers", "d_model", "n_heads", "seq_len",
+                                          "vocab_size", "mlp_dim") if getattr(args, f) is not None}
+  bad = [f"{k}={v}" for k, v in fields.items() if v < 1]
+  if bad:
+    raise ConfigError(f"model shape flags must be positive: {', '.join(bad)}.")
+  model = dataclasses.replace(base, **fields)
+  if model.d_model % model.n_heads:
+    raise ConfigError(f"--d-model {model.d_model} is not a multiple of --heads {model.n_heads}.")
+  return model
+
+
+def run_plan(args: argparse.Namespace) -> int:
+  """``jzero plan``: prints the table, writes the chosen config to ``--out``."""
+  from tqdm import tqdm  # noqa: PLC0415
+
+  from jzero.cli.processes import host_only  # noqa: PLC0415
+  from jzero.planning import plan_for  # noqa: PLC0415
+  from jzero.planning.plan_report import format_plan  # noqa: PLC0415
+
+  host_only()
+  try:
+    stages = tuple(int(s) for s in args.stages.split(","))
+  except ValueError:
+    stages = (-1,)
+  if not stages or not set(stages) <= {0, 1, 2, 3}:
+    raise ConfigError(f"--stages {args.stages!r}: give ZeRO stages 0-3 separated by commas, "
+                      f"e.g. --stages 1,2,3.")
+  if args.compile_top < 0:
+    raise ConfigError(f"--compile-top {args.compile_top}: give 0 or more candidates to compile.")
+  progress = lambda todo: tqdm(todo, desc="jzero plan: compiling", unit="candidate",  # noqa: E731
+                               file=sys.stderr)
+  plan = plan_for(_model(args), gpu=args.gpu, devices=args.devices, nodes=args.nodes,
+                  global_batch=args.global_batch, precision=args.precision,
+                  host_memory=args.host_memory, nvme_bytes=args.nvme_bytes,
+                  nvme_bandwidth=args.nvme_bandwidth, compile=args.compile_top > 0,
+                  compile_top=args.compile_top, margin=args.margin, stages=stages,
+                  cache_dir=args.cache_dir, progress=progress)
+  print(format_plan(plan, limit=None if args.all else 40))
+  if args.report:
+    Path(args.report).write_text(json.dumps(plan.to_json(), indent=1))
+  if plan.chosen is None:
+    return 1
+  Path(args.out).write_text(json.dumps(plan.deepspeed_config(args.nvme_path), indent=2) + "\n")
+  print(f"written: {args.out} (jzero train --config {args.out})")
+  return 0

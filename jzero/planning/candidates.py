@@ -1,0 +1,269 @@
+"""The configurations ``jzero plan`` chooses among, and what each costs by ZeRO's arithmetic.
+
+A :class:`Job` is the model (the embedded GPT's shape) and the global batch; a :class:`Candidate`
+is one way to run it: ZeRO stage 0-3, ZeRO++'s parts (more than one node, stage 3), optimizer
+offload (none / cpu, whole or half / nvme), parameter offload (stage 3: none / cpu / nvme),
+activation checkpointing (none / per block / per block with the inputs on the host) and the
+micro-batch, which sets the gradient accumulation. :func:`candidates` lists every valid one;
+:meth:`Candidate.deepspeed_config` writes it as the DeepSpeed JSON ``jzero train`` and
+``jzero.initialize`` take.
+
+:func:`estimated` prices a candidate without compiling it: memory per tier from
+:func:`jzero.analysis.estimate.estimate` (activations by Korthikanti et al., stage 3's gathered
+layers), FLOPs from the GPT's shapes (6 per parameter and token, the attention scores, one forward
+more when blocks are recomputed), collective bytes from ZeRO's communication analysis (2Ψ per step
+for stages 0-2, 3Ψ per micro-batch for stage 3; ZeRO++ as its paper counts: qwZ halves the
+forward gather, hpZ keeps the backward gather inside the node, qgZ sends a quarter of the
+gradient bytes across nodes), and the offload streams from the bytes each tier moves per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+from jzero.analysis import estimate as est
+from jzero.errors import ConfigError
+from jzero.planning.cost import Hardware, Resources
+
+__all__ = ["Job", "Candidate", "candidates", "estimated", "Estimated", "gpt_for_params",
+           "param_buffer_size",
+           "CHECKPOINTING", "DEFAULT_NVME_PATH"]
+
+CHECKPOINTING = ("none", "block", "offload")  # activation checkpointing choices
+DEFAULT_NVME_PATH = "/local_nvme"  # DeepSpeed's tutorials' nvme_path: change it to your drive
+_OPTIMIZER_OFFLOAD = ((None, 1.0), ("cpu", 1.0), ("cpu", 0.5), ("nvme", 1.0))
+_ZEROPP = ((), ("hpz",), ("qwz", "qgz"), ("hpz", "qwz", "qgz"))
+_BUFFER_COUNT = 5  # offload_param.buffer_count, DeepSpeed's default
+_BASE_CONFIG = {"gradient_clipping": 1.0, "steps_per_print": 10,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95],
+                                                          "weight_decay": 0.1}}}
+
+
+def _zero_infinity_1t() -> Any:
+  from jzero.models.gpt import GPTConfig  # noqa: PLC0415
+
+  return GPTConfig(vocab_size=50257, seq_len=2048, d_model=25600, n_layers=128, n_heads=160)
+
+
+def gpt_for_params(count: float) -> Any:
+  """The embedded GPT's shape for about ``count`` parameters: a preset (or the ZeRO-Infinity
+  paper's 1T model, 128 layers of hidden 25,600) within 10% of it, else
+  hidden size and depth at the ZeRO-Infinity paper's aspect ratio (1T: 128 layers of 25,600,
+  hidden / layers = 200), hidden a multiple of 128, heads of 128, sequence 2048, vocabulary
+  50257."""
+  from jzero.models.gpt import PRESETS, GPTConfig  # noqa: PLC0415
+
+  ZERO_INFINITY_1T = _zero_infinity_1t()  # noqa: N806
+  if not count >= 1e5:
+    raise ConfigError(f"--params {count:g}: give a parameter count of at least 1e5, e.g. 7e9.")
+  for cfg in (*PRESETS.values(), ZERO_INFINITY_1T):
+    if abs(cfg.num_params() - count) <= 0.1 * count:
+      return cfg
+  d_model = max(128, round((200 * count / 12) ** (1 / 3) / 128) * 128)
+  layers = max(1, round(count / (12 * d_model * d_model)))
+  return GPTConfig(vocab_size=50257, seq_len=2048, d_model=d_model, n_layers=layers,
+                   n_heads=d_model // 128)
+
+
+def param_buffer_size(model: Any, devices: int) -> int:
+  """``offload_param.buffer_size`` for parameters on NVMe: DeepSpeed's 1e8 elements, or one
+  layer's partition when that is larger (jzero refuses a buffer smaller than a partition)."""
+  m = model
+  embeddings = m.d_model * (m.vocab_size * (1 + (not m.tie_embeddings)) + m.seq_len)
+  return max(100_000_000, math.ceil((m.num_params() - embeddings) / m.n_layers / devices))
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """What to train: the GPT's shape, the global batch (sequences per step), the precision, and
+  the config blocks a plan keeps as given (optimizer, scheduler, clipping)."""
+
+  model: Any  # jzero.models.GPTConfig
+  global_batch: int
+  precision: str = "bf16"
+  base_config: dict = dataclasses.field(default_factory=lambda: dict(_BASE_CONFIG))
+
+  @property
+  def param_bytes(self) -> int:
+    return est.PRECISION_BYTES[self.precision]
+
+  @property
+  def optimizer_bytes(self) -> int:
+    """K: Adam's two moments, plus an fp32 master under bf16 / fp16."""
+    return 8 if self.precision == "fp32" else 12
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One way to run a job (see the module docstring)."""
+
+  stage: int
+  micro_batch: int
+  gradient_accumulation: int
+  checkpointing: str = "none"
+  offload_optimizer: str | None = None
+  offload_ratio: float = 1.0
+  offload_param: str | None = None
+  zeropp: tuple[str, ...] = ()
+
+  @property
+  def name(self) -> str:
+    """'ZeRO-3 +hpZ+qwZ opt->cpu(0.5) param->nvme ckpt=block mb 2x4'."""
+    parts = ["DDP" if self.stage == 0 else f"ZeRO-{self.stage}"]
+    parts += [f"+{p[:-1]}{p[-1].upper()}" for p in self.zeropp]
+    if self.offload_optimizer:
+      ratio = f"({self.offload_ratio:g})" if self.offload_ratio != 1 else ""
+      parts.append(f"opt->{self.offload_optimizer}{ratio}")
+    if self.offload_param:
+      parts.append(f"param->{self.offload_param}")
+    if self.checkpointing != "none":
+      parts.append(f"ckpt={self.checkpointing}")
+    parts.append(f"mb {self.micro_batch}x{self.gradient_accumulation}")
+    return " ".join(parts)
+
+  def deepspeed_config(self, job: Job, devices: int, nvme_path: str = DEFAULT_NVME_PATH) -> dict:
+    """The candidate as a DeepSpeed config for ``devices`` devices (the job's base blocks kept)."""
+    zero: dict[str, Any] = {"stage": self.stage, "overlap_comm": self.stage == 3}
+    if self.offload_optimizer:
+      zero["offload_optimizer"] = {"device": self.offload_optimizer, "pin_memory": True}
+      if self.offload_ratio != 1:
+        zero["offload_optimizer"]["ratio"] = self.offload_ratio
+      if self.offload_optimizer == "nvme":
+        zero["offload_optimizer"]["nvme_path"] = nvme_path
+    if self.offload_param:
+      zero["offload_param"] = {"device": self.offload_param, "pin_memory": True}
+      if self.offload_param == "nvme":
+        zero["offload_param"].update(nvme_path=nvme_path, buffer_count=_BUFFER_COUNT,
+                                     buffer_size=param_buffer_size(job.model, devices))
+    if "hpz" in self.zeropp:
+      zero["zero_hpz_partition_size"] = "auto"
+    if "qwz" in self.zeropp:
+      zero["zero_quantized_weights"] = True
+    if "qgz" in self.zeropp:
+      zero["zero_quantized_gradients"] = True
+    config = dict(job.base_config)
+    config.update({
+        "train_batch_size": self.micro_batch * self.gradient_accumulation * devices,
+        "train_micro_batch_size_per_gpu": self.micro_batch,
+        "gradient_accumulation_steps": self.gradient_accumulation,
+        "bf16": {"enabled": job.precision == "bf16"}, "fp16": {"enabled": job.precision == "fp16"},
+        "zero_optimization": zero})
+    if self.checkpointing != "none":
+      config["activation_checkpointing"] = {"cpu_checkpointing": self.checkpointing == "offload"}
+    return config
+
+
+def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...] = (0, 1, 2, 3),
+               micro_batches: tuple[int, ...] | None = None,
+               offload_tiers: tuple[str, ...] = ("cpu", "nvme"),
+               checkpointing: tuple[str, ...] = CHECKPOINTING) -> list[Candidate]:
+  """Every valid candidate for ``job`` on ``devices`` (in all) over ``nodes``.
+
+  Micro-batches: the powers of two that divide the sequences per device (default), each with the
+  accumulation that makes the global batch. ZeRO++ variants only with more than one node.
+  ``offload_tiers`` are the tiers offload may use (``()``: no offload variants);
+  ``checkpointing`` the activation checkpointing choices (:data:`CHECKPOINTING`).
+  """
+  if job.global_batch < 1 or job.global_batch % devices:
+    raise ConfigError(f"--global-batch {job.global_batch}: the global batch must be a positive "
+                      f"multiple of the {devices} devices, e.g. --global-batch {4 * devices}.")
+  per_device = job.global_batch // devices
+  if micro_batches is None:
+    micro_batches = tuple(2**i for i in range(per_device.bit_length()) if per_device % 2**i == 0)
+  bad = [m for m in micro_batches if m < 1 or per_device % m]
+  if bad:
+    raise ConfigError(f"micro-batches {bad} do not divide the {per_device} sequences per device "
+                      f"of the global batch {job.global_batch}.")
+  out = []
+  for stage in stages:
+    opts = [(o, r) for o, r in _OPTIMIZER_OFFLOAD if o is None or (stage and o in offload_tiers)]
+    params = [None] + [t for t in ("cpu", "nvme") if stage == 3 and t in offload_tiers]
+    zeropp = _ZEROPP if nodes > 1 and stage == 3 else ((),)
+    for (opt, ratio), param, plus, ckpt, mb in itertools.product(opts, params, zeropp,
+                                                                 checkpointing, micro_batches):
+      if plus and param:  # ZeRO++ gathers device-resident partitions
+        continue
+      out.append(Candidate(stage, mb, per_device // mb, ckpt, opt, ratio, param, plus))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimated:
+  """A candidate priced by arithmetic: its memory per tier and its :class:`Resources`."""
+
+  device_bytes: float  # per device: model states + gathered layers + activations
+  host_bytes: float  # per node
+  nvme_bytes: float  # per node
+  resources: Resources
+  estimate: est.Estimate
+
+
+def _leaves(model: Any) -> list[est.ParamShape]:
+  from jzero.modeling.model_adapter import as_model  # noqa: PLC0415
+  from jzero.models import GPT  # noqa: PLC0415
+
+  adapter = as_model(lambda rngs: GPT(model, rngs=rngs))
+  return est.param_shapes(adapter.abstract_params(None, None), adapter.stacked_layers)
+
+
+def estimated(c: Candidate, job: Job, hw: Hardware, leaves: list | None = None) -> Estimated:
+  """Memory and resources of ``c`` by ZeRO's arithmetic (the module docstring); ``leaves``
+  (:func:`jzero.analysis.estimate.param_shapes` of the model) saves building them again."""
+  m, p, k = job.model, job.param_bytes, job.optimizer_bytes
+  leaves = leaves if leaves is not None else _leaves(m)
+  n, per_node = hw.devices, hw.devices_per_node
+  acts = est.activation_bytes(c.micro_batch, m.seq_len, m.d_model, m.n_layers, m.n_heads,
+                              bytes_per_element=p, checkpointing=c.checkpointing != "none")
+  logits = 4 * c.micro_batch * m.seq_len * m.vocab_size  # fp32 logits of one micro-batch
+  e = est.estimate(leaves, c.stage, per_node, hw.nodes, param_bytes=p, optimizer_bytes=k,
+                   offload_optimizer=c.offload_optimizer, offload_param=c.offload_param,
+                   offload_ratio=c.offload_ratio,
+                   activations=(0.0 if c.checkpointing == "offload" else acts) + logits,
+                   gathered=(est.largest_gathered_numel(leaves), 0), prefetch=True,
+                   hpz_partition_size=per_node if "hpz" in c.zeropp else 1,
+                   param_buffer_elements=_BUFFER_COUNT * param_buffer_size(m, n),
+                   param_cache_elements=1e9)
+  psi = e.num_params
+  host_acts = acts if c.checkpointing == "offload" else 0.0
+  tokens = job.global_batch * m.seq_len / n
+  forward = 2 * psi * tokens + 4 * m.n_layers * m.seq_len * m.d_model * tokens
+  flops = forward * (3 + (c.checkpointing != "none"))
+  shard = psi / n if c.stage else psi
+  r = c.offload_ratio if c.offload_optimizer else 0.0
+  gas = c.gradient_accumulation
+  ring = (n - 1) / n
+  if c.stage == 3:  # forward gather, backward gather, gradient reduce-scatter, per micro-batch
+    parts = {"fwd": gas * psi * p * (0.5 if "qwz" in c.zeropp else 1),
+             "bwd": gas * psi * p, "grad": gas * psi * p}
+  elif c.stage == 2:
+    parts = {"fwd": psi * p, "bwd": 0.0, "grad": gas * psi * p}
+  else:
+    parts = {"fwd": psi * p, "bwd": 0.0, "grad": psi * p}
+  inter = intra = 0.0
+  for part, nbytes in parts.items():
+    nbytes *= ring
+    if hw.nodes == 1 or (part == "bwd" and "hpz" in c.zeropp):
+      intra += nbytes
+    elif part == "grad" and "qgz" in c.zeropp:
+      intra, inter = intra + nbytes / 2, inter + nbytes / 4
+    else:
+      inter += nbytes
+  pcie = r * shard * (p + p)  # gradient partition down, updated params up
+  if c.offload_param:
+    pcie += gas * 2 * p * (psi - e.persistent_params) / n  # each layer's partition, fwd and bwd
+  pcie += 2 * host_acts * gas
+  update = shard * (2 * k + p + p)  # read + write master and moments, read grads, write params
+  nvme = 0.0
+  if c.offload_optimizer == "nvme":
+    nvme += per_node * r * shard * 2 * k
+  if c.offload_param == "nvme":
+    nvme += per_node * e.tier_total("nvme") * gas * 2
+  resources = Resources(
+      flops=flops, device_update_bytes=(1 - r) * update, intra_node_bytes=intra,
+      inter_node_bytes=inter, overlap=1.0 if c.stage == 3 else 0.0, pcie_bytes=pcie,
+      host_update_bytes=per_node * r * update, nvme_traffic=nvme, source="estimator")
+  return Estimated(device_bytes=e.device_total, host_bytes=e.host_per_node + per_node * host_acts,
+                   nvme_bytes=e.tier_total("nvme") * per_node, resources=resources, estimate=e)

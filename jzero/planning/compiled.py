@@ -1,0 +1,139 @@
+"""A candidate's step compiled for the target, read for what the cost model needs, and cached.
+
+For a GPU target the step is compiled by :func:`jzero.planning.aot.compile_for` (XLA's GPU
+compiler, compile-only devices, no GPU needed); for the CPU target, on this process's own devices
+through :meth:`jzero.Engine.compile_step` with the state abstract (nothing is allocated). From the
+compiled program :class:`Compiled` keeps the per-device peak (``memory_analysis()``: arguments +
+outputs + temporaries - aliased), the matmul FLOPs with their loop counts (recompute included),
+the collective bytes sent per step split into those inside a node and those crossing nodes (by the
+mesh axes their replica groups span: a collective over a ``node`` axis, or over the flat data
+axis of a multi-node topology, crosses), and the share of those bytes the schedule overlaps with
+compute.
+
+Offload on a GPU target: compile-only devices drop memory kinds and XLA's GPU compiler cannot
+schedule host copies for them, so a candidate that offloads is compiled as its *device twin* (the
+same step with the offload removed: the same collectives and FLOPs) and the bytes its offload takes
+off the device (the estimator's host and NVMe tiers) are subtracted from the twin's peak. Host and
+NVMe bytes and the PCIe / NVMe streams always come from the arithmetic
+(:mod:`jzero.planning.candidates`), which says so in the plan's table.
+
+Compiles are cached as small JSON files keyed by the config, the target, the model's shape and
+the jax / jzero versions (``cache_dir``; default ``$JZERO_CACHE_DIR`` or
+``~/.cache/jzero/plan``), so planning again, or a candidate whose twin was compiled, costs nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Compiled", "compile_candidate", "device_twin", "default_cache_dir"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """What the compiled step of one config uses per device (see the module docstring)."""
+
+  peak: float
+  flops: float
+  intra_node_bytes: float
+  inter_node_bytes: float
+  overlap: float
+  compile_s: float
+  cached: bool = False
+
+
+def default_cache_dir() -> Path:
+  return Path(os.environ.get("JZERO_CACHE_DIR") or Path.home() / ".cache" / "jzero" / "plan")
+
+
+def device_twin(config: dict) -> dict:
+  """``config`` with the optimizer and parameter offload removed (what a GPU target compiles)."""
+  zero = {k: v for k, v in config["zero_optimization"].items()
+          if k not in ("offload_optimizer", "offload_param")}
+  return dict(config, zero_optimization=zero)
+
+
+def _key(config: dict, target: str, devices: int, nodes: int, model: Any) -> str:
+  import jax  # noqa: PLC0415
+
+  from jzero.version import __version__  # noqa: PLC0415
+
+  text = json.dumps([config, target, devices, nodes, dataclasses.asdict(model), jax.__version__,
+                     __version__], sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _split(collectives: list, nodes: int) -> tuple[float, float, float]:
+  """(intra-node bytes, inter-node bytes, overlapped share) of a program's collectives."""
+  intra = inter = hidden = 0.0
+  for c in collectives:
+    crosses = nodes > 1 and set(c.axes) != {"local"}
+    if crosses:
+      inter += c.step_bytes
+    else:
+      intra += c.step_bytes
+    hidden += c.step_bytes if c.overlapped else 0.0
+  total = intra + inter
+  return intra, inter, hidden / total if total else 0.0
+
+
+def _compile_gpu(config: dict, gpu: str, devices: int, nodes: int, model: Any) -> Compiled:
+  from jzero.planning.aot import compile_for  # noqa: PLC0415
+
+  report = compile_for(config, gpu, devices, nodes=nodes, model=model)
+  intra, inter, overlap = _split(report.collectives, nodes)
+  return Compiled(peak=report.peak, flops=report.matmul_flops, intra_node_bytes=intra,
+                  inter_node_bytes=inter, overlap=overlap,
+                  compile_s=report.trace_s + report.lower_s + report.compile_s)
+
+
+def _compile_cpu(config: dict, model: Any) -> Compiled:
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from jzero.analysis.hlo import collectives, matmul_flops  # noqa: PLC0415
+  from jzero.models import GPT, lm_loss  # noqa: PLC0415
+  from jzero.train.initialize import initialize  # noqa: PLC0415
+
+  t0 = time.perf_counter()
+  engine = initialize(model=lambda rngs: GPT(model, rngs=rngs), loss_fn=lm_loss, config=config)
+  state = jax.eval_shape(engine.init, jax.random.key(0))
+  batch = {"tokens": jax.ShapeDtypeStruct((engine.global_batch_size, model.seq_len + 1),
+                                          jnp.int32, sharding=engine.batch_sharding())}
+  compiled = engine.compile_step(state, batch)
+  analysis = compiled.memory_analysis()
+  hlo = compiled.as_text()
+  intra, inter, overlap = _split(collectives(hlo, engine.mesh), 1)
+  peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+          + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
+  return Compiled(peak=peak, flops=matmul_flops(hlo), intra_node_bytes=intra,
+                  inter_node_bytes=inter, overlap=overlap, compile_s=time.perf_counter() - t0)
+
+
+def compile_candidate(config: dict, target: str, devices: int, nodes: int, model: Any, *,
+                      cache_dir: Path | None = None) -> Compiled:
+  """The compiled step of ``config`` on ``target`` ("cpu": this process's devices; else a
+  ``--gpu`` name for :func:`jzero.planning.aot.compile_for`), from the cache when it is there.
+  A GPU target compiles the config's :func:`device_twin`."""
+  if target != "cpu":
+    config = device_twin(config)
+  cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+  path = cache / f"{_key(config, target, devices, nodes, model)}.json"
+  if path.is_file():
+    return dataclasses.replace(Compiled(**json.loads(path.read_text())), cached=True)
+  result = (_compile_cpu(config, model) if target == "cpu"
+            else _compile_gpu(config, target, devices, nodes, model))
+  if not all(math.isfinite(v) for v in (result.peak, result.flops, result.overlap)):
+    return result
+  cache.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(dataclasses.asdict(result)))
+  tmp.replace(path)
+  return result

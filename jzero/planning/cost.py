@@ -1,0 +1,282 @@
+"""The cost model of ``jzero plan``: a step's predicted time from the bytes and FLOPs it moves.
+
+A candidate's step is described by what it uses per device (:class:`Resources`): matmul FLOPs
+(recompute included), collective bytes sent inside a node and across nodes, bytes over PCIe between
+host and device, bytes the host-side optimizer touches in host memory, and bytes read from and
+written to NVMe. Each is turned into seconds by one rate of the target (:class:`Hardware`), and the
+step is
+
+    compute  = FLOPs / (peak x matmul_efficiency) + device optimizer bytes / HBM bandwidth
+    network  = intra-node bytes / intra-node bandwidth + inter-node bytes / inter-node bandwidth
+    offload  = max(PCIe bytes / PCIe bandwidth, host update bytes / host memory bandwidth,
+                   NVMe bytes / NVMe bandwidth)
+    step     = max(compute, overlap x network) + (1 - overlap) x network + offload
+
+``overlap`` is the share of the collective bytes that the compiled schedule runs with compute in
+flight (:attr:`jzero.planning.aot.AotReport.overlap_fraction`; without a compile, 1 where the
+config asks for ``overlap_comm`` in stage 3 and 0 otherwise, as jzero's defaults compile). The
+offload streams overlap one another (a pipeline of PCIe, host memory and NVMe) but not the device's
+compute: jzero runs the host optimizer step after the backward pass. The *bound* of a step is its
+largest term. Times are **predictions**, not measurements.
+
+Every rate is a :class:`Constant` with its source: the GPU's XLA spec (HBM bandwidth), NVIDIA's
+datasheets (peak FLOP/s, NVLink, PCIe, the DGX node's network, host memory and NVMe), a paper's
+measurement (matmul efficiency, NVMe bandwidth), or a measurement on this machine
+(:func:`cpu_hardware`, for validating the model where a step can be run: the CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import NamedTuple
+
+from jzero.analysis.flops import GPU_PEAKS
+from jzero.errors import ConfigError
+
+__all__ = ["Constant", "Hardware", "Resources", "Prediction", "gpu_hardware", "cpu_hardware",
+           "predict", "measure_memory_bandwidth", "describe_constants",
+           "NODE_DATASHEETS", "MATMUL_EFFICIENCY"]
+
+
+class Constant(NamedTuple):
+  """A named rate or size of the target, and where its value comes from."""
+
+  value: float
+  source: str
+
+
+# Per-GPU links and per-node resources of the DGX node each part ships in (NVIDIA datasheets).
+NODE_DATASHEETS: dict[str, dict[str, Constant]] = {
+    "H100": {
+        "intra_node_bandwidth": Constant(450e9, "NVLink 4: 900 GB/s bidirectional per GPU, "
+                                         "450 GB/s each way (H100 SXM datasheet)"),
+        "inter_node_bandwidth": Constant(50e9, "one 400 Gb/s ConnectX-7 NIC per GPU (DGX H100 "
+                                         "datasheet)"),
+        "pcie_bandwidth": Constant(64e9, "PCIe Gen5 x16: 128 GB/s bidirectional, 64 GB/s each "
+                                   "way (H100 SXM datasheet)"),
+        "host_bandwidth": Constant(614e9, "2 x Xeon 8480C, 8 channels of DDR5-4800 each: "
+                                   "2 x 8 x 38.4 GB/s (DGX H100 datasheet, Intel ark)"),
+        "host_memory": Constant(2e12, "2 TB system memory (DGX H100 datasheet)"),
+        "nvme_bytes": Constant(30.72e12, "8 x 3.84 TB U.2 NVMe data drives (DGX H100 datasheet)"),
+        "nvme_bandwidth": Constant(25e9, "about 25 GB/s aggregate read of a DGX node's NVMe "
+                                   "array (ZeRO-Infinity paper, Rajbhandari et al. 2021, Sec. 2)"),
+    },
+    "A100": {
+        "intra_node_bandwidth": Constant(300e9, "NVLink 3: 600 GB/s bidirectional per GPU, "
+                                         "300 GB/s each way (A100 datasheet)"),
+        "inter_node_bandwidth": Constant(25e9, "one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100 "
+                                         "datasheet)"),
+        "pcie_bandwidth": Constant(32e9, "PCIe Gen4 x16: 64 GB/s bidirectional, 32 GB/s each "
+                                   "way (A100 datasheet)"),
+        "host_bandwidth": Constant(410e9, "2 x AMD EPYC 7742, 8 channels of DDR4-3200 each: "
+                                   "2 x 8 x 25.6 GB/s (DGX A100 datasheet, AMD spec)"),
+        "host_memory": Constant(2e12, "2 TB system memory (DGX A100 640 GB datasheet)"),
+        "nvme_bytes": Constant(30.72e12, "8 x 3.84 TB U.2 NVMe data drives (DGX A100 640 GB "
+                                         "datasheet)"),
+        "nvme_bandwidth": Constant(25e9, "about 25 GB/s aggregate read of a DGX node's NVMe "
+                                   "array (ZeRO-Infinity paper, Rajbhandari et al. 2021, Sec. 2)"),
+    },
+}
+MATMUL_EFFICIENCY = Constant(0.5, "the share of peak a large transformer's matmuls reach: 52% on "
+                             "A100 (Narayanan et al. 2021, Megatron-LM, Table 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  """The target's rates and sizes, per device unless said otherwise, each with its source.
+
+  Attributes:
+    name: what it is, e.g. "8 x NVIDIA H100 80GB HBM3 (1 node)".
+    devices_per_node, nodes: the topology.
+    device_memory: bytes per device; memory_fraction: the part a step may use.
+    peak_flops: matmul FLOP/s per device in the compute dtype; matmul_efficiency: the share of it
+      a step reaches.
+    hbm_bandwidth: device memory bytes/s (the optimizer update is memory-bound).
+    intra_node_bandwidth, inter_node_bandwidth: bytes/s one device sends over each link kind.
+    pcie_bandwidth: host <-> device bytes/s per device, one way.
+    host_bandwidth: host memory bytes/s per node; host_memory: bytes per node.
+    nvme_bandwidth: NVMe bytes/s per node; nvme_bytes: NVMe capacity per node.
+  """
+
+  name: str
+  devices_per_node: int
+  nodes: int
+  device_memory: Constant
+  memory_fraction: Constant
+  peak_flops: Constant
+  matmul_efficiency: Constant
+  hbm_bandwidth: Constant
+  intra_node_bandwidth: Constant
+  inter_node_bandwidth: Constant
+  pcie_bandwidth: Constant
+  host_bandwidth: Constant
+  host_memory: Constant
+  nvme_bandwidth: Constant
+  nvme_bytes: Constant
+
+  @property
+  def devices(self) -> int:
+    return self.devices_per_node * self.nodes
+
+  @property
+  def usable_device_memory(self) -> float:
+    return self.device_memory.value * self.memory_fraction.value
+
+  def constants(self) -> dict[str, Constant]:
+    """Every named constant, in field order (what the CLI prints and the README lists)."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), Constant)}
+
+
+def gpu_hardware(gpu: str, devices_per_node: int, nodes: int = 1, *, precision: str = "bf16",
+                 memory_fraction: float = 0.75, **overrides: float | None) -> Hardware:
+  """The rates of ``devices_per_node`` x ``nodes`` GPUs of one part (a ``--gpu`` name).
+
+  ``overrides`` (host_memory, nvme_bytes, nvme_bandwidth, ... in bytes or bytes/s; None keeps the
+  default) replace a datasheet value; their source then reads "given".
+  """
+  from jzero.planning.aot import gpu_spec  # noqa: PLC0415
+
+  spec = gpu_spec(gpu)
+  family = next((f for f in NODE_DATASHEETS if f in spec.description), None)
+  peak = next(((p, h, t) for p, h, t in GPU_PEAKS if p in spec.description), None)
+  if family is None or peak is None:
+    raise ConfigError(f"--gpu {gpu!r} ({spec.description}): jzero plan has datasheet rates for "
+                      f"{sorted(NODE_DATASHEETS)} parts only; give --gpu h100 or a100.")
+  part, half, tf32 = peak
+  flops = Constant((tf32 if precision == "fp32" else half) * 1e12,
+                   f"{part} dense {'tf32' if precision == 'fp32' else 'bf16/fp16'} tensor-core "
+                   f"peak (NVIDIA datasheet)")
+  bandwidth = float(spec.text.split("memory_bandwidth:")[1].split()[0])
+  rates = dict(NODE_DATASHEETS[family])
+  for key, value in overrides.items():
+    if key not in rates:
+      raise TypeError(f"gpu_hardware: unknown override {key!r}")
+    if value is not None:
+      rates[key] = Constant(float(value), "given")
+  return Hardware(
+      name=f"{devices_per_node * nodes} x {spec.description} ({nodes} node{'s' * (nodes > 1)})",
+      devices_per_node=devices_per_node, nodes=nodes,
+      device_memory=Constant(spec.memory_bytes, f"device_memory_size of XLA's GPU spec "
+                             f"({spec.name})"),
+      memory_fraction=Constant(memory_fraction, "what JAX preallocates (XLA_PYTHON_CLIENT_MEM_"
+                               "FRACTION default)" if memory_fraction == 0.75 else "given"),
+      peak_flops=flops, matmul_efficiency=MATMUL_EFFICIENCY,
+      hbm_bandwidth=Constant(bandwidth, f"memory_bandwidth of XLA's GPU spec ({spec.name})"),
+      **rates)
+
+
+def measure_memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+  """This machine's memory bandwidth, bytes/s: the best of ``repeats`` copies of a large array
+  (read + write counted)."""
+  import numpy as np  # noqa: PLC0415
+
+  src = np.ones(megabytes * 2**20 // 8)
+  dst = np.empty_like(src)
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    best = min(best, time.perf_counter() - t0)
+  return 2 * src.nbytes / best
+
+
+def cpu_hardware(devices: int, *, flops_per_second: float | None = None,
+                 memory_bandwidth: float | None = None, memory_bytes: float = 4e9) -> Hardware:
+  """This machine's CPU as the target: ``devices`` simulated devices sharing its cores, so each
+  gets 1/devices of the measured FLOP rate and memory bandwidth. Collectives, host transfers and
+  the host update are memory copies here: every link is the memory bandwidth's share.
+
+  Args:
+    flops_per_second: all devices together (default: measured, :func:`jzero.analysis.flops.
+      peak_flops` in fp32).
+    memory_bandwidth: bytes/s of the host (default: measured, :func:`measure_memory_bandwidth`).
+    memory_bytes: what each simulated device may hold (a budget: CPU devices share host memory).
+  """
+  import jax  # noqa: PLC0415
+
+  from jzero.analysis.flops import peak_flops  # noqa: PLC0415
+
+  if flops_per_second is None:
+    flops_per_second = peak_flops("float32", jax.local_devices()[:1]).flops_per_second
+    flops_source = "measured: best of 3 fp32 matmuls on this CPU, shared by the devices"
+  else:
+    flops_source = "given"
+  if memory_bandwidth is None:
+    memory_bandwidth = measure_memory_bandwidth()
+    bw_source = "measured: numpy copy of 256 MiB on this CPU, shared by the devices"
+  else:
+    bw_source = "given"
+  share = Constant(memory_bandwidth / devices, bw_source)
+  node = Constant(memory_bandwidth, bw_source)
+  return Hardware(
+      name=f"{devices} simulated CPU devices", devices_per_node=devices, nodes=1,
+      device_memory=Constant(memory_bytes, "given budget per simulated device"),
+      memory_fraction=Constant(1.0, "CPU devices do not preallocate"),
+      peak_flops=Constant(flops_per_second / devices, flops_source),
+      matmul_efficiency=Constant(1.0, "the measured rate is already what a matmul reaches"),
+      hbm_bandwidth=share, intra_node_bandwidth=share, inter_node_bandwidth=share,
+      pcie_bandwidth=share, host_bandwidth=node, host_memory=Constant(64e9, "given"),
+      nvme_bandwidth=node, nvme_bytes=Constant(1e12, "given"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+  """What one step of a candidate uses, per device unless said otherwise.
+
+  Attributes:
+    flops: matmul FLOPs (recomputed forward included).
+    device_update_bytes: bytes the on-device optimizer update reads and writes.
+    intra_node_bytes, inter_node_bytes: collective bytes one device sends within / across nodes.
+    overlap: share of the collective bytes the schedule runs with compute in flight.
+    pcie_bytes: bytes between host and device, both ways.
+    host_update_bytes: host memory bytes the host-side optimizer reads and writes, per node.
+    nvme_traffic: bytes read from and written to NVMe per node.
+    source: "estimator" (arithmetic) or "compiled" (read from the compiled program).
+  """
+
+  flops: float
+  device_update_bytes: float
+  intra_node_bytes: float
+  inter_node_bytes: float
+  overlap: float
+  pcie_bytes: float
+  host_update_bytes: float
+  nvme_traffic: float
+  source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """A step's predicted seconds: each term, the total, and the term that bounds it."""
+
+  terms: dict[str, float]  # compute, network, pcie, host, nvme
+  seconds: float
+  bound: str
+
+
+def predict(r: Resources, hw: Hardware) -> Prediction:
+  """The step time :class:`Resources` predict on ``hw`` (the formula: module docstring)."""
+  compute = (r.flops / (hw.peak_flops.value * hw.matmul_efficiency.value)
+             + r.device_update_bytes / hw.hbm_bandwidth.value)
+  network = (r.intra_node_bytes / hw.intra_node_bandwidth.value
+             + r.inter_node_bytes / hw.inter_node_bandwidth.value)
+  terms = {"compute": compute, "network": network,
+           "pcie": r.pcie_bytes / hw.pcie_bandwidth.value,
+           "host": r.host_update_bytes / hw.host_bandwidth.value,
+           "nvme": r.nvme_traffic / hw.nvme_bandwidth.value}
+  offload = max(terms["pcie"], terms["host"], terms["nvme"])
+  seconds = max(compute, r.overlap * network) + (1 - r.overlap) * network + offload
+  return Prediction(terms=terms, seconds=seconds, bound=max(terms, key=terms.get))
+
+
+def describe_constants(hw: Hardware) -> list[tuple[str, str, str]]:
+  """(name, value, source) of every constant: the lines ``jzero plan`` prints."""
+  out = []
+  for name, c in hw.constants().items():
+    unit = ("FLOP/s" if name == "peak_flops" else "B/s" if "bandwidth" in name
+            else "" if name in ("memory_fraction", "matmul_efficiency") else "B")
+    out.append((name, f"{c.value:.4g} {unit}".strip(), c.source))
+  return out
+
