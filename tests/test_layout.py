@@ -158,9 +158,40 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
   return out
 
 
+#: The subpackages in the direction of their imports (README, "Architecture"): each imports only
+#: packages before it.
+PACKAGE_ORDER = ("config", "sharding", "comm", "tiers", "modeling", "analysis", "checkpoint",
+                 "runtime", "train", "models", "planning", "cli")
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+  """The module graph collapsed to subpackages (``jzero.comm``, ...), every import counted; the
+  root's own modules (``jzero.errors``, the public ``__init__``) left out."""
+  out: dict[str, set[str]] = {}
+  for name, targets in graph.items():
+    mine = top_package(name)
+    if mine == "jzero":
+      continue
+    out.setdefault(mine, set()).update(
+        theirs for t in targets if (theirs := top_package(t)) not in ("jzero", mine))
+  return out
+
+
 def test_no_import_cycle():
   graph, _ = scan()
   assert cycles(graph) == []
+
+
+def test_packages_form_a_dag_in_the_documented_order():
+  """No cycle between subpackages either (lazy imports included), and every import points down
+  :data:`PACKAGE_ORDER`."""
+  packages = package_graph(scan()[0])
+  assert sorted(packages) == sorted(f"jzero.{p}" for p in PACKAGE_ORDER)
+  assert cycles(packages) == []
+  rank = {f"jzero.{p}": i for i, p in enumerate(PACKAGE_ORDER)}
+  upward = sorted(f"{a} -> {b}" for a, targets in packages.items() for b in targets
+                  if rank[b] >= rank[a])
+  assert upward == []
 
 
 def test_no_private_name_across_packages_and_all_everywhere():
@@ -184,6 +215,9 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
   """The scanner on a graph with a cycle and on the edge cases of its rules."""
   assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
   assert cycles({"a": {"b"}, "b": set()}) == []
+  modules_graph = {"jzero.comm.x": {"jzero.tiers.y"}, "jzero.tiers.y": {"jzero.comm.z"},
+                   "jzero.comm.z": set(), "jzero.errors": {"jzero.comm.x"}}
+  assert cycles(package_graph(modules_graph)) == [["jzero.comm", "jzero.tiers"]]
   assert top_package("jzero.tiers.nvme_store") == "jzero.tiers"
   assert top_package("jzero.errors") == "jzero"
   tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n  from jzero.a import B\n"
