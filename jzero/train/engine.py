@@ -184,7 +184,8 @@ class Engine:
 
   @property
   def loss_takes_rng(self) -> bool:
-    return self._parts().loss_takes_rng
+    """Whether the loss has an ``rng`` parameter (:func:`jzero.train.step.takes_rng`)."""
+    return step_lib.takes_rng(self.loss_fn)
 
   def state_specs(self) -> TrainState:
     """PartitionSpecs of every TrainState leaf (prefix tree)."""
@@ -289,7 +290,7 @@ class Engine:
     """
     input_checks.check_arrays(batch)
     self._check_input_ids(batch)
-    return self._batches.shard(batch, self.batch_sharding(), process_local,
+    return self._batches.shard(batch, self.batch_sharding, process_local,
                                self._trace_loss if self.plan is not None else None)
 
   # -- steps ------------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ from jzero.train.precision import LossScaler
 from jzero.train.state import TrainState
 
 __all__ = ["BuiltStep", "StepParts", "StepSettings", "StepTrace", "build_eval", "build_split_step",
-           "build_step", "split_loss"]
+           "build_step", "split_loss", "takes_rng"]
 
 PyTree = Any
 
@@ -70,6 +70,12 @@ def split_loss(out: Any) -> tuple[jax.Array, Any]:
         f"mean over the batch it is given (as DeepSpeed's loss.backward() does): return "
         f"loss.mean().")
   return loss, aux
+
+
+def takes_rng(loss_fn: Callable[..., Any]) -> bool:
+  """Whether a loss has an ``rng`` parameter: a per-device, per-micro-batch key in training,
+  ``None`` in evaluation."""
+  return "rng" in inspect.signature(loss_fn).parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +121,7 @@ class StepParts:
 
   @property
   def loss_takes_rng(self) -> bool:
-    """Whether the loss has an ``rng`` parameter: a per-device, per-micro-batch key in training,
-    ``None`` in evaluation."""
-    return "rng" in inspect.signature(self.loss_fn).parameters
+    return takes_rng(self.loss_fn)
 
   def call_loss(self, model: Any, batch: PyTree, rng: jax.Array | None) -> Any:
     return self.loss_fn(model, batch, rng=rng) if self.loss_takes_rng else self.loss_fn(model, batch)
