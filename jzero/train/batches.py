@@ -68,16 +68,17 @@ class Batches:
     """The rows of the global batch this process's devices hold, ascending."""
     return local_rows(self.mesh.sharding(self.mesh.batch_spec()), self.global_size)
 
-  def shard(self, batch: PyTree, sharding: jax.sharding.Sharding, process_local: bool | None,
-            trace_loss: Callable[[PyTree], Any] | None) -> PyTree:
+  def shard(self, batch: PyTree, sharding: Callable[[], jax.sharding.Sharding],
+            process_local: bool | None, trace_loss: Callable[[PyTree], Any] | None) -> PyTree:
     """``batch`` (the global batch, or this process's rows; None: told apart by the leading
-    dimension) placed by ``sharding`` (see :meth:`jzero.Engine.shard_batch`)."""
+    dimension) placed by ``sharding()``, asked once the batch passed its checks (see
+    :meth:`jzero.Engine.shard_batch`)."""
     lead = {np.shape(x)[0] if np.shape(x) else None for x in jax.tree.leaves(batch)}
     if process_local is None:
       process_local = jax.process_count() > 1 and lead != {self.global_size}
     if not process_local:
       self.check(batch, trace_loss)
-      return jax.device_put(batch, sharding)
+      return jax.device_put(batch, sharding())
     n_local = len(self.local_rows())
     if lead != {n_local}:
       raise DataError(
@@ -90,5 +91,6 @@ class Batches:
     shape = lambda x: (self.global_size,) + np.shape(x)[1:]
     self.check(jax.tree.map(lambda x: np.broadcast_to(np.zeros((), np.asarray(x).dtype),
                                                       shape(x)), batch), trace_loss)
+    placed = sharding()
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
-        sharding, np.asarray(x), shape(x)), batch)
+        placed, np.asarray(x), shape(x)), batch)

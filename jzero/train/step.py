@@ -55,7 +55,7 @@ from jzero.train.precision import LossScaler
 from jzero.train.state import TrainState
 
 __all__ = ["BuiltStep", "StepParts", "StepSettings", "StepTrace", "build_eval", "build_split_step",
-           "build_step", "split_loss"]
+           "build_step", "split_loss", "takes_rng", "trace_loss"]
 
 PyTree = Any
 
@@ -70,6 +70,12 @@ def split_loss(out: Any) -> tuple[jax.Array, Any]:
         f"mean over the batch it is given (as DeepSpeed's loss.backward() does): return "
         f"loss.mean().")
   return loss, aux
+
+
+def takes_rng(loss_fn: Callable[..., Any]) -> bool:
+  """Whether a loss has an ``rng`` parameter: a per-device, per-micro-batch key in training,
+  ``None`` in evaluation."""
+  return "rng" in inspect.signature(loss_fn).parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +121,7 @@ class StepParts:
 
   @property
   def loss_takes_rng(self) -> bool:
-    """Whether the loss has an ``rng`` parameter: a per-device, per-micro-batch key in training,
-    ``None`` in evaluation."""
-    return "rng" in inspect.signature(self.loss_fn).parameters
+    return takes_rng(self.loss_fn)
 
   def call_loss(self, model: Any, batch: PyTree, rng: jax.Array | None) -> Any:
     return self.loss_fn(model, batch, rng=rng) if self.loss_takes_rng else self.loss_fn(model, batch)
@@ -276,6 +280,17 @@ def local_grads(parts: StepParts, trace: StepTrace, state: TrainState, batch: Py
     loss, aux = loss / gas, jax.tree.map(lambda a: a / gas, aux)
   mean = lambda x: lax.pmean(x, axes.batch_axes)
   return plan.map(functools.partial(_reduce_final, plan), grads), mean(loss), jax.tree.map(mean, aux)
+
+
+def trace_loss(parts: StepParts, batch: PyTree) -> None:
+  """The loss over logical parameters on a micro-batch of ``batch``'s trailing shapes, traced
+  abstractly: the model's own errors on those shapes, with no device work."""
+  plan = parts.plan
+  params = plan.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, plan.compute_dtype))
+  micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (parts.settings.micro_batch_size,) + x.shape[1:], x.dtype), batch)
+  loss = lambda p, mb: parts.call_loss(parts.model.bind(p), mb, jax.random.key(0))
+  jax.eval_shape(loss, params, micro)
 
 
 # -- jit(shard_map(...)) ---------------------------------------------------------------------------
