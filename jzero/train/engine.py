@@ -12,6 +12,7 @@ reads parameters back, and saves / restores checkpoints (:mod:`jzero.checkpoint`
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -91,6 +92,7 @@ class Engine:
   # the config's tensorboard / csv_monitor / wandb writers (jzero.train.monitor), from initialize
   monitor: monitor_lib.Monitor = dataclasses.field(default_factory=monitor_lib.Monitor)
   tokens_per_sample: int | None = None  # tokens/s = samples/s x this (initialize's argument)
+  _step_parts: step_lib.StepParts | None = dataclasses.field(default=None, repr=False)
   _steps: dict = dataclasses.field(default_factory=dict, repr=False)  # variant -> BuiltStep
   _split_steps: dict = dataclasses.field(default_factory=dict, repr=False)  # variant -> 2 jits
   _eval_fn: Any = dataclasses.field(default=None, repr=False)
@@ -177,10 +179,14 @@ class Engine:
     return next((t for t in self.tiers if t.carries()), None)
 
   def _parts(self) -> step_lib.StepParts:
-    return step_lib.StepParts(
-        plan=self._require_plan(), model=self.model, loss_fn=self.loss_fn, tx=self.tx,
-        schedule=self.schedule, scaler=self.scaler, tiers=self.tiers,
-        settings=step_lib.StepSettings.from_config(self.config), tier_view=self)
+    """What the engine's steps compute with (made once per plan)."""
+    plan = self._require_plan()
+    if self._step_parts is None or self._step_parts.plan is not plan:
+      self._step_parts = step_lib.StepParts(
+          plan=plan, model=self.model, loss_fn=self.loss_fn, tx=self.tx, schedule=self.schedule,
+          scaler=self.scaler, tiers=self.tiers,
+          settings=step_lib.StepSettings.from_config(self.config), tier_view=self)
+    return self._step_parts
 
   @property
   def loss_takes_rng(self) -> bool:
@@ -258,17 +264,11 @@ class Engine:
     input_checks.check_live(state, where)
 
   def _check_batch(self, batch: PyTree) -> None:
-    self._batches.check(batch, self._trace_loss if self.plan is not None else None)
+    self._batches.check(batch, self._tracer())
 
-  def _trace_loss(self, batch: PyTree) -> None:
-    """The loss over logical parameters on a micro-batch of ``batch``'s trailing shapes, traced
-    abstractly: the model's own errors on those shapes, with no device work."""
-    plan, parts = self.plan, self._parts()
-    params = plan.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, plan.compute_dtype))
-    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.micro_batch_size,) + x.shape[1:],
-                                                        x.dtype), batch)
-    loss = lambda p, mb: parts.call_loss(self.model.bind(p), mb, jax.random.key(0))
-    jax.eval_shape(loss, params, micro)
+  def _tracer(self) -> Callable[[PyTree], None] | None:
+    """What checks a batch of new shapes against the model (None before the plan exists)."""
+    return functools.partial(step_lib.trace_loss, self._parts()) if self.plan is not None else None
 
   def _check_input_ids(self, batch: PyTree) -> None:
     if self.check_input_ids and self.plan is not None:
@@ -291,7 +291,7 @@ class Engine:
     input_checks.check_arrays(batch)
     self._check_input_ids(batch)
     return self._batches.shard(batch, self.batch_sharding, process_local,
-                               self._trace_loss if self.plan is not None else None)
+                               self._tracer())
 
   # -- steps ------------------------------------------------------------------------------------------
   def _variants(self, state: TrainState | None, step: int | None, fused: bool = True) -> dict:
@@ -369,7 +369,8 @@ class Engine:
         key = tuple(sorted(variants.items()))
         built = key in self._steps
         fn = self._step(batch, variants)
-        self._reporter.running(key, not built, lambda: [(fn, reporting.abstract_arguments((state, batch)))])
+        lowering = lambda: [(fn, reporting.abstract_arguments((state, batch)))]
+        self._reporter.running(key, not built, lowering)
         state, metrics, outputs = fn(state, batch)
         state = self._after_step(state, metrics, outputs)
         for tier in self.tiers:
@@ -415,7 +416,7 @@ class Engine:
     """
     self._require_plan()
     self.check_live(state, "eval_loss")
-    self._batches.check_eval(batch, self._trace_loss)
+    self._batches.check_eval(batch, self._tracer())
     if self._eval_fn is None:
       self._eval_fn = step_lib.build_eval(self._parts())
     loss, aux = self._eval_fn(state.params, state.secondary,

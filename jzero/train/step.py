@@ -55,7 +55,7 @@ from jzero.train.precision import LossScaler
 from jzero.train.state import TrainState
 
 __all__ = ["BuiltStep", "StepParts", "StepSettings", "StepTrace", "build_eval", "build_split_step",
-           "build_step", "split_loss", "takes_rng"]
+           "build_step", "split_loss", "takes_rng", "trace_loss"]
 
 PyTree = Any
 
@@ -280,6 +280,17 @@ def local_grads(parts: StepParts, trace: StepTrace, state: TrainState, batch: Py
     loss, aux = loss / gas, jax.tree.map(lambda a: a / gas, aux)
   mean = lambda x: lax.pmean(x, axes.batch_axes)
   return plan.map(functools.partial(_reduce_final, plan), grads), mean(loss), jax.tree.map(mean, aux)
+
+
+def trace_loss(parts: StepParts, batch: PyTree) -> None:
+  """The loss over logical parameters on a micro-batch of ``batch``'s trailing shapes, traced
+  abstractly: the model's own errors on those shapes, with no device work."""
+  plan = parts.plan
+  params = plan.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, plan.compute_dtype))
+  micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      (parts.settings.micro_batch_size,) + x.shape[1:], x.dtype), batch)
+  loss = lambda p, mb: parts.call_loss(parts.model.bind(p), mb, jax.random.key(0))
+  jax.eval_shape(loss, params, micro)
 
 
 # -- jit(shard_map(...)) ---------------------------------------------------------------------------

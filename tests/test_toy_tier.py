@@ -1,0 +1,97 @@
+"""A new tier is one class plus one registry entry, and touches no library file.
+
+The toy tier below (``NumpySgd``) places the largest leaf's state in a tier of its own,
+``"numpy"``, through placement data (:meth:`jzero.tiers.base.Tier.place`), and updates that leaf
+on the host with numpy: the step hands the leaf's clipped gradient out of the jit
+(``take_outputs``) and updates the others on the device as usual; after the step the tier writes
+``p - lr * g`` into the state (``after_step``). Registered by adding it to ``registry.TIERS``, it
+trains the run SGD trains on the device -- every parameter equal to float rounding, the numpy
+leaf among them -- and the plan records where the leaf lives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import jzero
+from jzero.models import lm_loss
+from jzero.tiers import registry
+from jzero.tiers.base import Tier
+from zero_testing import SMALL, batches, gpt_factory
+
+N, LR = 8, 0.1
+
+
+class NumpySgd(Tier):
+  """SGD of the largest leaf in numpy on the host, after each step."""
+
+  name = "numpy_sgd"
+
+  @classmethod
+  def place(cls, plan, zero, placement):
+    largest = max(plan.leaf_list(), key=lambda l: l.numel).path
+    return dataclasses.replace(placement, state_tiers={**placement.state_tiers, largest: "numpy"})
+
+  @classmethod
+  def create(cls, engine):
+    leaves = [l for l in engine.plan.leaf_list() if l.state_tier == "numpy"]
+    return cls(leaves[0]) if leaves else None
+
+  def __init__(self, leaf):
+    self.leaf = leaf
+
+  def _index(self, plan):
+    return [l.path for l in plan.leaf_list()].index(self.leaf.path)
+
+  def take_outputs(self, engine, state, grads, factor):
+    flat, treedef = jax.tree.flatten(grads)
+    i = self._index(engine.plan)
+    out = flat[i] if factor is None else flat[i] * factor
+    flat[i] = jax.numpy.zeros_like(flat[i])  # the device's SGD leaves this leaf as it is
+    return jax.tree.unflatten(treedef, flat), out
+
+  def output_specs(self, engine):
+    return engine.plan.state_spec(self.leaf)
+
+  def after_step(self, engine, state, metrics, grad):
+    flat, treedef = jax.tree.flatten(state.params)
+    i = self._index(engine.plan)
+    grad = np.asarray(self.leaf.to_logical(grad))
+    flat[i] = jax.device_put(np.asarray(flat[i]) - np.float32(LR) * grad, flat[i].sharding)
+    return state._replace(params=jax.tree.unflatten(treedef, flat))
+
+
+def _run(data):
+  config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": 2}}
+  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, config, optimizer=optax.sgd(LR))
+  state = engine.init(jax.random.key(0))
+  losses = []
+  for batch in data:
+    state, metrics = engine.train_step(state, engine.shard_batch(batch))
+    losses.append(float(metrics["loss"]))
+  return engine, state, losses
+
+
+def test_a_toy_tier_places_a_leaf_and_updates_it(monkeypatch):
+  data = batches(SMALL.seq_len, N, 3)
+  plain, plain_state, plain_losses = _run(data)
+  monkeypatch.setattr(registry, "TIERS", registry.TIERS + (NumpySgd,))
+  engine, state, losses = _run(data)
+  (tier,) = engine.tiers
+  assert isinstance(tier, NumpySgd)
+  assert [l.path for l in engine.plan.leaf_list() if l.state_tier == "numpy"] == [tier.leaf.path]
+  assert all(l.state_tier == "device" for l in plain.plan.leaf_list())
+  np.testing.assert_allclose(losses, plain_losses, rtol=1e-6)
+  before = jax.tree.leaves(plain.logical_params(plain.init(jax.random.key(0))))
+  ours = jax.tree.leaves(engine.logical_params(state))
+  theirs = jax.tree.leaves(plain.logical_params(plain_state))
+  index = [l.path for l in engine.plan.leaf_list()].index(tier.leaf.path)
+  assert not np.allclose(ours[index], before[index])  # the numpy update moved the leaf
+  for a, b in zip(ours, theirs):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
