@@ -130,7 +130,7 @@ def test_cpu_target_compiles_candidates_reads_recompute_and_caches(tmp_path):
   plan = plan_for(SMALL, **kwargs)
   compiled = {(r.candidate.stage, r.candidate.checkpointing): r for r in plan.rows if r.compiled}
   assert len(compiled) == 3 and all(r.resources.source == "compiled" for r in compiled.values())
-  # compile_top: the one with the most predicted time (stage 1 recomputes, gathers nothing) waits
+  # compile_top 3: the candidate with the most predicted time (at these rates) is not compiled
   assert [(r.candidate.stage, r.candidate.checkpointing, r.status) for r in plan.rows
           if not r.compiled] == [(1, "block", "not compiled")]
   # the blocks' forward once more (not the output head's): between 1.1x and 4/3 the matmul FLOPs
