@@ -13,7 +13,7 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 @pytest.mark.parametrize("name", ["which_stage_fits", "same_loss", "what_zeropp_saves",
-                                  "where_everything_lives"])
+                                  "where_everything_lives", "plan_candidates"])
 def test_notebook_executes_and_is_committed_with_its_plots(name, tmp_path):
   import nbclient
   import nbformat
