@@ -26,7 +26,7 @@ from jzero.models import lm_loss
 
 from zero_testing import SMALL, ds_config, gpt_factory
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 class LinenMLP(nn.Module):

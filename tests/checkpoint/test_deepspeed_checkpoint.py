@@ -30,7 +30,7 @@ from jzero.checkpoint.deepspeed_pt import load_pt
 from jzero.cli import main as cli_main
 from jzero.errors import CheckpointError, JZeroWarning
 
-DATA = Path(__file__).parent / "data" / "deepspeed"
+DATA = Path(__file__).parents[1] / "data" / "deepspeed"
 FP32 = ("zero1_fp32_w2", "zero2_fp32_w2", "zero3_fp32_w2")
 BF16 = ("zero2_bf16_w2", "zero3_bf16_w2")
 SAVED_AT = 5  # DeepSpeed saved after step 5; losses.jsonl holds steps 1-10
@@ -530,7 +530,7 @@ def test_notebook_deepspeed_resume_executes_and_is_committed_with_its_plot():
   import nbclient
   import nbformat
 
-  path = Path(__file__).parents[1] / "notebooks" / "deepspeed_resume.ipynb"
+  path = Path(__file__).parents[2] / "notebooks" / "deepspeed_resume.ipynb"
   committed = nbformat.read(path, as_version=4)
   outputs = lambda nb: [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
   assert any("image/png" in o.get("data", {}) for o in outputs(committed)), (

@@ -34,7 +34,7 @@ from checkpoint_helpers import (RESUME_AT, RESUME_JOBS, RESUME_STEPS, flat, resu
                                 wide_engine)
 from zero_testing import SMALL, batches, ds_config, gpt_factory
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 HELPER = TESTS / "checkpoint_helpers.py"
 
 

@@ -26,7 +26,7 @@ from jzero.errors import CheckpointError, ConfigError
 from jzero.sharding.plan import flatten_paths
 from zero_testing import ds_config, free_port, subprocess_env
 
-WORKER = Path(__file__).with_name("weights_worker.py")
+WORKER = Path(__file__).parents[1] / "weights_worker.py"
 
 
 class _Odd(nnx.Module):

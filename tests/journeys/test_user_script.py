@@ -23,7 +23,7 @@ import pytest
 from user_script_worker import RUNS, STAGES, STEPS
 from zero_testing import SAME_MATH, free_port, max_relative_diff, subprocess_env
 
-WORKER = Path(__file__).with_name("user_script_worker.py")
+WORKER = Path(__file__).parents[1] / "user_script_worker.py"
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2x1", "4x1"])

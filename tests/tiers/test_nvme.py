@@ -28,7 +28,7 @@ from nvme_worker import batch, config, loss_fn, model_factory
 from zero_testing import SAME_MATH, max_relative_diff
 
 STEPS = 3
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 
 
 def _engine(stage, nvme_path=None, precision="fp32", **offload):

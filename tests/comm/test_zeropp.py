@@ -24,7 +24,7 @@ from jzero.sharding.plan import flatten_paths
 from zero_testing import (SAME_MATH, SMALL, batches, ds_config, engine_run, gpt_factory,
                           max_relative_diff, multiprocess_job)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NODE2X4 = str(ROOT / "configs" / "mesh" / "node2x4.yaml")
 STEPS, BATCH = 20, 8
 COMM_MODEL = GPTConfig(d_model=128, n_layers=2, n_heads=4, seq_len=32)

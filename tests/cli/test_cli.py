@@ -15,8 +15,8 @@ import pytest
 from jzero import cli
 from zero_testing import free_port
 
-CONFIGS = Path(__file__).parents[1] / "configs"
-OWN_MODEL = Path(__file__).with_name("own_model.py")
+CONFIGS = Path(__file__).parents[2] / "configs"
+OWN_MODEL = Path(__file__).parents[1] / "own_model.py"
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--no-progress"]
 
 

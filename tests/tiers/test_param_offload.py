@@ -28,12 +28,13 @@ import jzero
 from jzero.errors import ConfigError, NotSupportedError
 from jzero.models import lm_loss
 from jzero.sharding.plan import flatten_paths
+from models_testing import LinenScanned, linen_engine
 from zero_testing import SAME_MATH, SMALL, batches, ds_config, gpt_factory, max_relative_diff
 
 N = 8
 STEPS = 20
 THRESHOLD = 1000
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ds_zero3_offload.json"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ds_zero3_offload.json"
 # configs/ds_zero3_offload.json's offload blocks: parameters and optimizer state to the cpu.
 DS_ZERO3_OFFLOAD = {k: v for k, v in json.loads(CONFIG.read_text())["zero_optimization"].items()
                     if k.startswith("offload_")}
@@ -152,11 +153,10 @@ def test_step_exported_for_cuda_keeps_params_on_the_host_and_fetches_one_layer_a
 def test_linen_scan_layers_fetch_each_layer_from_the_host():
   """The same per-layer transfer for a Linen model's jzero.linen_scan_layers (export only)."""
   from jax import export
-  from test_engine import _LinenScanned, _linen_engine
   rng = np.random.default_rng(0)
   batch = {"x": rng.normal(size=(N, 16, 12)).astype(np.float32),
            "y": rng.normal(size=(N, 16, 3)).astype(np.float32)}
-  engine = _linen_engine(_LinenScanned(), ds_config(
+  engine = linen_engine(LinenScanned(), ds_config(
       3, stage3_param_persistence_threshold=0, offload_param={"device": "cpu"}))
   state = engine.init(jax.random.key(0), batch)
   kinds = {p: x.sharding.memory_kind for p, x in flatten_paths(state.params).items()}

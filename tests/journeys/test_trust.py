@@ -23,7 +23,7 @@ from jzero.sharding.plan import flatten_paths
 
 from zero_testing import SMALL, batches, ds_config, gpt_factory
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 SCENARIOS = TESTS / "exit_scenarios.py"
 
 

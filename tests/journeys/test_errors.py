@@ -19,7 +19,7 @@ import jzero
 from jzero.models import lm_loss
 from zero_testing import SMALL, ds_config, gpt_factory
 
-DS_CONFIGS = Path(__file__).parent / "data" / "ds_configs"
+DS_CONFIGS = Path(__file__).parents[1] / "data" / "ds_configs"
 
 
 def _init(config, **kw):
@@ -96,7 +96,7 @@ def test_zero_infinity_config_is_refused_only_for_its_missing_nvme_directory():
 def test_shipped_offload_configs_both_run():
   """ds_zero2_offload.json (optimizer offload) and ds_zero3_offload.json (optimizer and
   parameter offload), the DeepSpeed docs' examples, build engines whose plans offload."""
-  configs = Path(__file__).parents[1] / "configs"
+  configs = Path(__file__).parents[2] / "configs"
   engine = _init(str(configs / "ds_zero2_offload.json"))
   engine.init(jax.random.key(0))
   assert engine.plan.offloads and engine.plan.host_memory_kind == "pinned_host"
@@ -111,7 +111,7 @@ def test_shipped_offload_configs_both_run():
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_shipped_stage_configs_resolve(stage):
-  path = Path(__file__).parents[1] / "configs" / f"zero{stage}.json"
+  path = Path(__file__).parents[2] / "configs" / f"zero{stage}.json"
   engine = _init(str(path), total_num_steps=100)
   assert engine.config.zero_optimization.stage == stage and engine.global_batch_size == 32
 

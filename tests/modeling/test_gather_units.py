@@ -23,35 +23,11 @@ from jzero.analysis import hlo
 from jzero.analysis.memory_report import memory_report
 from jzero.models import GPTConfig, lm_loss
 from jzero.modeling.gather_units import ModuleInfo, UnitRules, choose_units
+from models_testing import N, WIDE, Block, LoopNet, mse, regression_batch
 from zero_testing import (SAME_MATH, VS_ONE_DEVICE, batches, ds_config, engine_run, gpt_factory,
                           loss_of_params, max_relative_diff, reference_optimizer)
 
-N = 8
-WIDE = 512  # the issue's loop model: residual MLP blocks of width 512 (two 512 x 2048 kernels)
-
-
 # --- models written the ordinary way -------------------------------------------------------------
-
-
-class Block(nnx.Module):
-  def __init__(self, d: int, rngs: nnx.Rngs):
-    self.up = nnx.Linear(d, 4 * d, rngs=rngs)
-    self.down = nnx.Linear(4 * d, d, rngs=rngs)
-
-  def __call__(self, x):
-    return x + self.down(jax.nn.gelu(self.up(x)))
-
-
-class LoopNet(nnx.Module):
-  """L blocks in an nnx.List run by a Python loop."""
-
-  def __init__(self, rngs: nnx.Rngs, layers: int = 4, d: int = WIDE):
-    self.blocks = nnx.List([Block(d, rngs) for _ in range(layers)])
-
-  def __call__(self, x):
-    for block in self.blocks:
-      x = block(x)
-    return x
 
 
 class LinenBlock(nn.Module):
@@ -100,20 +76,10 @@ class TiedLoopLM(nnx.Module):
     return self.embed.attend(x)
 
 
-def mse(model, batch):
-  return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-
 def tied_loss(model, batch):
   tokens = batch["tokens"]
   logits = model(tokens[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-
-def _regression_batch(n: int = N, d: int = WIDE, seed: int = 0) -> dict:
-  rng = np.random.default_rng(seed)
-  return {"x": rng.normal(size=(n, d)).astype(np.float32),
-          "y": rng.normal(size=(n, d)).astype(np.float32)}
 
 
 def _stage3(stage: int = 3, **zero) -> dict:
@@ -165,9 +131,9 @@ def _compiled(kind: str, layers: int, prefetch: bool = True):
     engine = jzero.initialize(lambda rngs: LoopNet(rngs, layers), mse, cfg)
   else:
     engine = jzero.initialize(LinenLoopNet(layers), mse, cfg,
-                              init_inputs=lambda b: (b["x"],), sample_batch=_regression_batch())
+                              init_inputs=lambda b: (b["x"],), sample_batch=regression_batch())
   state = engine.init(jax.random.key(0))
-  compiled = engine.compile_step(state, engine.shard_batch(_regression_batch()))
+  compiled = engine.compile_step(state, engine.shard_batch(regression_batch()))
   return engine, state, compiled
 
 
@@ -277,9 +243,9 @@ def _reference(init_params: dict, loss_of_params, data: list[dict]):
 STEPS = 8
 CASES = {
     "nnx-loop": (lambda: (lambda rngs: LoopNet(rngs, 3, 64)), mse,
-                 lambda: [_regression_batch(2 * N, 64, i) for i in range(STEPS)]),
+                 lambda: [regression_batch(2 * N, 64, i) for i in range(STEPS)]),
     "linen-loop": (lambda: LinenLoopNet(3, 64), mse,
-                   lambda: [_regression_batch(2 * N, 64, i) for i in range(STEPS)]),
+                   lambda: [regression_batch(2 * N, 64, i) for i in range(STEPS)]),
     "tied-loop+scan": (lambda: (lambda rngs: TiedLoopLM(rngs)), tied_loss,
                        lambda: batches(32, 2 * N, STEPS)),
 }
@@ -335,7 +301,7 @@ def test_a_models_own_scan_gathers_its_units_per_layer():
   """A Linen model's own nn.scan over a declared stack trains under ZeRO-3 as under DDP: jzero
   never splits the layer axis, the scan hands each layer its partitions and the Dense units inside
   gather them."""
-  data = [_regression_batch(N, 32, i) for i in range(3)]
+  data = [regression_batch(N, 32, i) for i in range(3)]
   results = []
   for stage in (0, 3):
     engine = jzero.initialize(PlainScanNet(), mse, _stage3(stage=stage),
@@ -357,7 +323,7 @@ def test_a_models_own_scan_reports_one_layer_of_its_largest_unit(model):
   """Inside a model's own nn.scan each Dense unit gathers one layer's slice per call, declared
   stack or not: the memory report's working set (read from the traced step) is the largest
   Dense's one layer -- the plan alone would say the whole layer (declared) or the whole stack."""
-  batch = _regression_batch(N, 32)
+  batch = regression_batch(N, 32)
   engine = jzero.initialize(model(), mse, _stage3(), init_inputs=lambda b: (b["x"],),
                             sample_batch=batch)
   state = engine.init(jax.random.key(0))

@@ -194,7 +194,7 @@ def test_shipped_infinity_config_says_its_offload_moves_nothing_on_a_small_model
   """configs/ds_zero3_infinity.json on the small GPT: every leaf is under the default
   stage3_param_persistence_threshold (1e5), so every parameter persists on the device and the NVMe
   store gets none. engine.init says so, with the numbers, at the user's line (it was silent)."""
-  cfg = json.loads((Path(__file__).parents[1] / "configs" / "ds_zero3_infinity.json").read_text())
+  cfg = json.loads((Path(__file__).parents[2] / "configs" / "ds_zero3_infinity.json").read_text())
   cfg["zero_optimization"]["offload_param"]["nvme_path"] = str(tmp_path)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", JZeroWarning)  # the config's keys without effect here

@@ -10,7 +10,7 @@ import pytest
 from jzero.errors import MeshError
 from jzero.sharding.mesh import MeshSpec, simulate_cpu_devices
 
-MESHES = Path(__file__).parents[1] / "configs" / "mesh"
+MESHES = Path(__file__).parents[2] / "configs" / "mesh"
 
 
 def test_default_mesh_is_one_data_axis():

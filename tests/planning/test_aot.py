@@ -28,7 +28,7 @@ from jzero.errors import ConfigError, JZeroError
 from jzero.models import GPT, GPTConfig
 from jzero.models.gpt import PRESETS
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = Path(__file__).parents[2] / "configs"
 try:
   importlib.import_module("jax_plugins.xla_cuda12")
   HAVE_PLUGIN = True

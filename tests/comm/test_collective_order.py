@@ -34,8 +34,8 @@ from jzero.sharding.plan import flatten_paths
 from zero_testing import (SMALL, batches, ds_config, engine_run, free_port, gpt_factory,
                           subprocess_env)
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("collective_order_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).parents[1] / "collective_order_worker.py"
 NODE2X4 = str(ROOT / "configs" / "mesh" / "node2x4.yaml")
 
 

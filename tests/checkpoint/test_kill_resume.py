@@ -14,7 +14,7 @@ import pytest
 from jzero import checkpoint
 from jzero.errors import CheckpointError
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]
 CONFIG = HERE.parents[0] / "configs" / "zero3.json"
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--no-progress"]
 

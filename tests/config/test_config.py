@@ -14,7 +14,7 @@ from jzero.config import Config
 from jzero.config.support import SUPPORT_TABLE
 from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
 
-DATA = Path(__file__).parent / "data" / "ds_configs"
+DATA = Path(__file__).parents[1] / "data" / "ds_configs"
 RESOLVE = dict(dp_world_size=8, hidden_size=256, total_num_steps=100,
                auto_values={"micro_batch_size": 4, "warmup_num_steps": 10})
 NVME = "deepspeedai_DeepSpeedExamples__inference_sglang_ds_offload_nvme_aio.json"

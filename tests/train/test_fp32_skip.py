@@ -4,37 +4,12 @@ costs no state-sized temporary in the compiled step (jzero.train.step, ``_skippa
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import jzero
+from models_testing import LoopNet, mse
 from zero_testing import ds_config
-
-
-class Block(nnx.Module):
-  def __init__(self, d: int, rngs: nnx.Rngs):
-    self.up, self.down = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
-
-  def __call__(self, x):
-    return x + self.down(jax.nn.gelu(self.up(x)))
-
-
-class LoopNet(nnx.Module):
-  """Residual MLP blocks in a Python loop (the issue's model, at width ``d``)."""
-
-  def __init__(self, rngs: nnx.Rngs, layers: int, d: int):
-    self.blocks = nnx.List([Block(d, rngs) for _ in range(layers)])
-
-  def __call__(self, x):
-    for block in self.blocks:
-      x = block(x)
-    return x
-
-
-def mse(model, batch):
-  return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
 
 def _batch(seed: int, d: int) -> dict:

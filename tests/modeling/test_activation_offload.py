@@ -19,8 +19,7 @@ import pytest
 import jzero
 from jzero.models import lm_loss
 from jzero.modeling.layer_scan import LayerPolicy
-from test_engine import _LinenScanned, _linen_engine
-from test_units import LoopNet, _regression_batch, mse
+from models_testing import LinenScanned, LoopNet, linen_engine, mse, regression_batch
 from zero_testing import SAME_MATH, SMALL, batches, ds_config, gpt_factory, max_relative_diff
 
 N = 8
@@ -79,7 +78,7 @@ def test_scanned_gpt_with_cpu_checkpointing_equals_plain_checkpointing():
 
 
 def test_loop_model_through_units_with_cpu_checkpointing_equals_plain_checkpointing():
-  data = [_regression_batch(N, 64, i) for i in range(STEPS)]
+  data = [regression_batch(N, 64, i) for i in range(STEPS)]
   factory = lambda rngs: LoopNet(rngs, 3, 64)  # noqa: E731
   cfg = lambda offload: _config(3, offload, stage3_param_persistence_threshold=0)  # noqa: E731
   _assert_same(_train(jzero.initialize(factory, mse, cfg(True)), data),
@@ -124,7 +123,7 @@ def test_linen_scan_layers_and_units_tag_their_inputs():
   rng = np.random.default_rng(0)
   batch = {"x": rng.normal(size=(N, 16, 12)).astype(np.float32),
            "y": rng.normal(size=(N, 16, 3)).astype(np.float32)}
-  engine = _linen_engine(_LinenScanned(), _config(3, True, stage3_param_persistence_threshold=0))
+  engine = linen_engine(LinenScanned(), _config(3, True, stage3_param_persistence_threshold=0))
   text = _cuda_text(engine, batch, (batch,))
   assert _placements(text, "pinned_host") == 4
   assert len(re.findall(r'pinned_host"}} : \(tensor<1x16x32xf32>', text)) == 2  # scan, Dense_1
@@ -135,4 +134,4 @@ def test_cpu_checkpointing_that_offloads_nothing_warns():
   engine = jzero.initialize(lambda rngs: LoopNet(rngs, 2, 64), mse, _config(1, True))
   state = engine.init(jax.random.key(0))
   with pytest.warns(jzero.JZeroWarning, match="cpu_checkpointing.*no activation was offloaded"):
-    engine.train_step(state, engine.shard_batch(_regression_batch(N, 64, 0)))
+    engine.train_step(state, engine.shard_batch(regression_batch(N, 64, 0)))

@@ -31,8 +31,8 @@ from jzero.runtime import launch
 from launch_worker import Tiny, loss_fn
 from zero_testing import SAME_MATH, free_port, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("launch_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).parents[1] / "launch_worker.py"
 FAILURE_BOUND_S = 60
 TRAIN = ["--config", str(ROOT / "configs" / "zero3.json"), "--layers", "1", "--d-model", "32",
          "--heads", "2", "--seq-len", "16", "--no-progress"]
@@ -387,7 +387,7 @@ def _worker_job(out: Path, devices: int) -> tuple[np.ndarray, dict[str, np.ndarr
   """tests/multiprocess_worker.py (ZeRO-3 GPT, per-layer gathers in the layer scan, save + restore
   half-way) as 2 processes x ``devices``; its losses and final parameters."""
   port = free_port()
-  worker = Path(__file__).with_name("multiprocess_worker.py")
+  worker = Path(__file__).parents[1] / "multiprocess_worker.py"
   procs = [subprocess.Popen([sys.executable, str(worker), str(i), "2", str(port), str(devices),
                              str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=_env()) for i in range(2)]

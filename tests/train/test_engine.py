@@ -19,6 +19,7 @@ from flax import linen as nn
 import jzero
 from jzero.analysis.hlo import collectives
 from jzero.models import GPTConfig, lm_loss
+from models_testing import LinenScanned, linen_engine, linen_loss
 from zero_testing import (SAME_MATH, SMALL, VS_ONE_DEVICE, batches, ds_config, engine_run,
                           gpt_factory, max_relative_diff, reference_optimizer, reference_run)
 
@@ -253,54 +254,24 @@ def test_linen_model_through_its_apply_function():
   assert abs(results[1][1] - results[0][1]) <= VS_ONE_DEVICE * results[0][1]
 
 
-class _LinenBlock(nn.Module):
-  width: int
-
-  @nn.compact
-  def __call__(self, x, _):
-    h = nn.Dense(4 * self.width)(nn.LayerNorm()(x))
-    return x + nn.Dense(self.width)(nn.gelu(h)), None
-
-
-class _LinenScanned(nn.Module):
-  """A Linen model whose layers run under nn.scan, built with jzero.linen_scan_layers."""
-  width: int = 32
-  layers: int = 3
-  stacked_layers = ("blocks",)
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.Dense(self.width)(x)
-    x, _ = jzero.linen_scan_layers(_LinenBlock, self.layers)(self.width, name="blocks")(x, None)
-    return nn.Dense(3)(x)
-
-
-def _linen_loss(apply, batch):
-  return jnp.mean((apply(batch["x"]) - batch["y"]) ** 2)
-
-
-def _linen_engine(module: nn.Module, config: dict):
-  return jzero.initialize(module, _linen_loss, config, init_inputs=lambda b: (b["x"],))
-
-
 def test_linen_scanned_layers_match_a_plain_optax_loop():
   """Stages 0-3 on a Linen nn.scan model equal optax on module.apply (where the layers are a plain
   nn.scan) in fp32."""
   rng = np.random.default_rng(0)
   data = [{"x": rng.normal(size=(N, 16, 12)).astype(np.float32),
            "y": rng.normal(size=(N, 16, 3)).astype(np.float32)} for _ in range(4)]
-  module = _LinenScanned()
+  module = LinenScanned()
   tx = reference_optimizer()
 
   @jax.jit
   def step(p, opt, batch):
     value, grads = jax.value_and_grad(
-        lambda p: _linen_loss(lambda x: module.apply({"params": p}, x), batch))(p)
+        lambda p: linen_loss(lambda x: module.apply({"params": p}, x), batch))(p)
     updates, opt = tx.update(grads, opt, p)
     return optax.apply_updates(p, updates), opt, value
 
   for stage in (0, 1, 2, 3):
-    engine = _linen_engine(module, ds_config(stage, stage3_param_persistence_threshold=0))
+    engine = linen_engine(module, ds_config(stage, stage3_param_persistence_threshold=0))
     state = engine.init(jax.random.key(0), data[0])
     params = jax.tree.map(np.asarray, engine.logical_params(state))
     assert params["blocks"]["Dense_0"]["kernel"].shape == (3, 32, 128)  # stacked over layers
@@ -320,7 +291,7 @@ def test_linen_stage3_gathers_one_layer_at_a_time():
 
   def temp_and_params(layers: int, checkpointing: bool):
     zero = {"activation_checkpointing": {}} if checkpointing else {}
-    engine = _linen_engine(_LinenScanned(width=256, layers=layers), {**ds_config(3), **zero})
+    engine = linen_engine(LinenScanned(width=256, layers=layers), {**ds_config(3), **zero})
     state = engine.init(jax.random.key(0), batch)
     compiled = engine.compile_step(state, engine.shard_batch(batch))
     return compiled.memory_analysis().temp_size_in_bytes, 4 * sum(
