@@ -9,13 +9,13 @@ import pytest
 
 import jzero
 from jzero.analysis.hlo import collectives, comm_volume, zero_theory
-from jzero.models import GPTConfig, lm_loss
-from zero_testing import SMALL, batches, ds_config, gpt_factory
+from jzero.models import GPTConfig
+from zero_testing import SMALL, batches, ds_config, make_engine
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(stage: int, cfg: GPTConfig = GPTConfig(), mesh=None, gas: int = 1, **zero):
-  engine = jzero.initialize(gpt_factory(cfg), lm_loss, ds_config(stage, gas=gas, **zero), mesh=mesh)
+  engine = make_engine(ds_config(stage, gas=gas, **zero), model=cfg, mesh=mesh)
   state = engine.init(jax.random.key(0))
   batch = engine.shard_batch(batches(cfg.seq_len, 8 * gas, 1)[0])
   return engine, engine.compile_step(state, batch)

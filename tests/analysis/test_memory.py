@@ -7,16 +7,16 @@ import jax
 import numpy as np
 import pytest
 
-import jzero
 from jzero.analysis import estimate as estimator
 from jzero.analysis import memory_report
 from jzero.analysis.estimate import ParamShape, estimate
 from jzero.cli import estimate as estimate_cli
 from jzero.errors import ConfigError
-from jzero.models import GPT, GPTConfig, lm_loss
+from jzero.models import GPT, GPTConfig
 from jzero.sharding.mesh import MeshSpec
 from jzero.sharding.plan import make_plan
 from jzero.modeling.model_adapter import as_model
+from zero_testing import make_engine
 
 GB = 1e9
 SMALL = GPTConfig(d_model=64, n_layers=2, n_heads=4, seq_len=32)
@@ -33,7 +33,7 @@ def _config(stage: int, bf16: bool = False) -> dict:
 
 
 def _engine(cfg: GPTConfig, stage: int, bf16: bool = False):
-  engine = jzero.initialize(lambda rngs: GPT(cfg, rngs=rngs), lm_loss, _config(stage, bf16))
+  engine = make_engine(_config(stage, bf16), model=cfg)
   return engine, engine.init(jax.random.key(0))
 
 

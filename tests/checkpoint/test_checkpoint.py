@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 import shutil
 import signal
 import subprocess
@@ -28,11 +27,11 @@ from jzero.checkpoint.layout import opt_leaves
 from jzero.checkpoint.restore import abstract_state, broadcast
 from jzero.cli import main as cli_main
 from jzero.errors import CheckpointError, JZeroWarning
-from jzero.models import GPTConfig, lm_loss
+from jzero.models import GPTConfig
 
 from checkpoint_helpers import (RESUME_AT, RESUME_JOBS, RESUME_STEPS, flat, resume_engine, train,
                                 wide_engine)
-from zero_testing import SMALL, batches, ds_config, gpt_factory
+from zero_testing import SMALL, batches, ds_config, make_engine
 
 TESTS = Path(__file__).parents[1]
 HELPER = TESTS / "checkpoint_helpers.py"
@@ -45,7 +44,7 @@ def _mesh(n: int) -> jzero.ZeroMesh:
 def _engine(stage: int, n: int, precision: str = "fp32", model: GPTConfig = SMALL, **kw):
   cfg = ds_config(stage, precision=precision)
   cfg.update(kw)
-  return jzero.initialize(gpt_factory(model), lm_loss, cfg, mesh=_mesh(n))
+  return make_engine(cfg, model=model, mesh=_mesh(n))
 
 
 def _subprocess(*args: str, timeout: float = 300) -> str:
@@ -61,8 +60,7 @@ def _subprocess(*args: str, timeout: float = 300) -> str:
 
 def _truth(seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
   """Logical fp32 params and Adam moments for SMALL, random, so every element is distinct."""
-  abstract = flat(jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(0)).model
-                  .abstract_params(None, None))
+  abstract = flat(make_engine(0).model.abstract_params(None, None))
   rng = np.random.default_rng(seed)
   return {group: {p: rng.standard_normal(x.shape).astype(np.float32) * scale
                   for p, x in abstract.items()}
@@ -364,8 +362,7 @@ class _Tiny(nnx.Module):
 @pytest.fixture(scope="module")
 def tiny_state():
   """A stage-3 engine of an 8 x 4 model and its initial state (saves take ~0.1 s)."""
-  engine = jzero.initialize(_Tiny, lambda model, batch: jnp.mean(model(batch["x"]) ** 2),
-                            ds_config(3))
+  engine = make_engine(3, _Tiny, lambda model, batch: jnp.mean(model(batch["x"]) ** 2))
   return engine, engine.init(jax.random.key(0))
 
 
@@ -406,9 +403,9 @@ def test_boxed_linen_weights_convert_under_the_modules_names(tmp_path):
   batch = {"x": np.ones((8, 8), np.float32)}
 
   def engine(boxed: bool):
-    return jzero.initialize(_BoxedMlp(boxed), lambda model, b: jnp.mean(model(b["x"]) ** 2),
-                            ds_config(3, stage3_gather_16bit_weights_on_model_save=True),
-                            sample_batch=batch, init_inputs=lambda b: (b["x"],))
+    return make_engine(ds_config(3, stage3_gather_16bit_weights_on_model_save=True),
+                       _BoxedMlp(boxed), lambda model, b: jnp.mean(model(b["x"]) ** 2),
+                       sample_batch=batch, init_inputs=lambda b: (b["x"],))
 
   boxed = engine(True)
   state = boxed.init(jax.random.key(0))

@@ -29,6 +29,7 @@ from jzero import checkpoint
 from jzero.checkpoint.deepspeed_pt import load_pt
 from jzero.cli import main as cli_main
 from jzero.errors import CheckpointError, JZeroWarning
+from zero_testing import make_engine
 
 DATA = Path(__file__).parents[1] / "data" / "deepspeed"
 FP32 = ("zero1_fp32_w2", "zero2_fp32_w2", "zero3_fp32_w2")
@@ -140,9 +141,9 @@ def _engine(name: str, stage: int, devices: int, offload: dict | None = None, **
     m = _json(name, "model.json")
     mesh = jzero.MeshSpec.from_dict({"axes": {"data": devices}}).build(
         devices=jax.devices()[:devices])
-    _ENGINES[key] = jzero.initialize(
-        lambda rngs: TorchGPT(m["vocab"], m["d_model"], m["n_layers"], m["n_heads"],
-                              m["seq_len"], rngs), loss_fn, cfg, mesh=mesh)
+    _ENGINES[key] = make_engine(
+        cfg, lambda rngs: TorchGPT(m["vocab"], m["d_model"], m["n_layers"], m["n_heads"],
+                                   m["seq_len"], rngs), loss_fn, mesh=mesh)
   return _ENGINES[key]
 
 

@@ -19,12 +19,11 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-import jzero
 from jzero import checkpoint
 from jzero.checkpoint.layout import nest
 from jzero.errors import CheckpointError, ConfigError
 from jzero.sharding.plan import flatten_paths
-from zero_testing import ds_config, free_port, subprocess_env
+from zero_testing import ds_config, free_port, make_engine, subprocess_env
 
 WORKER = Path(__file__).parents[1] / "weights_worker.py"
 
@@ -45,8 +44,8 @@ class _Odd(nnx.Module):
 
 def _engine(stage: int, precision: str = "fp32"):
   zero = {"stage3_param_persistence_threshold": 30} if stage == 3 else {}
-  return jzero.initialize(_Odd, lambda model, batch: jnp.mean(model(batch["x"]) ** 2),
-                          ds_config(stage, precision=precision, **zero))
+  return make_engine(ds_config(stage, precision=precision, **zero), _Odd,
+                     lambda model, batch: jnp.mean(model(batch["x"]) ** 2))
 
 
 def _weights(engine) -> dict[str, np.ndarray]:

@@ -23,15 +23,13 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jzero
 import user_script_worker
 from collective_order_worker import BATCH, RUNS, STAGES, STEPS, model_config
 from jzero.analysis.hlo import collectives, unordered_collectives
 from jzero.comm import collective_order
-from jzero.models import lm_loss
 from jzero.sharding.mesh import MeshSpec
 from jzero.sharding.plan import flatten_paths
-from zero_testing import (SMALL, batches, ds_config, engine_run, free_port, gpt_factory,
+from zero_testing import (SMALL, batches, ds_config, engine_run, free_port, make_engine,
                           subprocess_env)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +57,7 @@ SETTINGS = {
 
 
 def _compiled_step(config: dict, mesh) -> str:
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, config, mesh=mesh)
+  engine = make_engine(config, mesh=mesh)
   state = engine.init(jax.random.key(0))
   batch = engine.shard_batch(batches(SMALL.seq_len, engine.global_batch_size, 1)[0])
   return engine._build_step(batch).lower(state, batch).compile().as_text()
@@ -117,7 +115,7 @@ def test_the_user_script_step_is_chained(chained):
   the region's last collective (the kernel's reduce-scatter) does not feed; the chain must leave
   the region through the kernel's gradient instead."""
   script = user_script_worker
-  engine = jzero.initialize(lambda rngs: script.GPT(rngs), script.loss_fn, script.config(3))
+  engine = make_engine(script.config(3), lambda rngs: script.GPT(rngs), script.loss_fn)
   state = engine.init(jax.random.key(0), params=script.given_weights())
   batch = engine.shard_batch({"tokens": np.zeros((script.BATCH, script.SEQ + 1), np.int32)})
   assert unordered_collectives(engine.compile_step(state, batch).as_text()) == []
@@ -171,8 +169,7 @@ def _run(out: Path, stage: int, run: int) -> dict[str, np.ndarray]:
 def _one_process(stage: int, devices: int) -> dict[str, np.ndarray]:
   cfg = model_config()
   config = _no_clip(ds_config(stage, micro=BATCH // devices // 2, gas=2))
-  engine = jzero.initialize(gpt_factory(cfg), lm_loss, config,
-                            mesh=MeshSpec.default().build(jax.devices()[:devices]))
+  engine = make_engine(config, model=cfg, mesh=MeshSpec.default().build(jax.devices()[:devices]))
   _, params, losses = engine_run(engine, batches(cfg.seq_len, BATCH, STEPS))
   return {"losses": np.array(losses), **flatten_paths(params)}
 

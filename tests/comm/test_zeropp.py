@@ -19,9 +19,9 @@ import pytest
 import jzero
 from jzero.analysis.hlo import comm_volume
 from jzero.errors import ConfigError, JZeroWarning
-from jzero.models import GPTConfig, lm_loss
+from jzero.models import GPTConfig
 from jzero.sharding.plan import flatten_paths
-from zero_testing import (SAME_MATH, SMALL, batches, ds_config, engine_run, gpt_factory,
+from zero_testing import (SAME_MATH, SMALL, batches, ds_config, engine_run, make_engine,
                           max_relative_diff, multiprocess_job)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ MODES = {
 
 def _engine(mode: str, precision: str = "fp32", cfg: GPTConfig = SMALL, mesh=NODE2X4, **extra):
   config = ds_config(3, precision=precision, **ALL_LEAVES, **MODES[mode], **extra)
-  return jzero.initialize(gpt_factory(cfg), lm_loss, config, mesh=mesh)
+  return make_engine(config, model=cfg, mesh=mesh)
 
 
 # --- config rules (no device work) -----------------------------------------------------------------
@@ -60,21 +60,21 @@ def _engine(mode: str, precision: str = "fp32", cfg: GPTConfig = SMALL, mesh=NOD
 def test_config_rules_name_the_key_and_sizes(zero, words):
   config = ds_config(**zero)
   with pytest.raises(ConfigError) as e:
-    jzero.initialize(gpt_factory(SMALL), lm_loss, config)
+    make_engine(config)
   for w in words:
     assert w in str(e.value), str(e.value)
 
 
 def test_hpz_group_of_the_whole_world_warns_and_is_off():
   with pytest.warns(JZeroWarning, match="zero_hpz_partition_size=8"):
-    engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, zero_hpz_partition_size=8))
+    engine = make_engine(ds_config(3, zero_hpz_partition_size=8))
   assert not engine.zeropp.enabled
 
 
 def test_unhonoured_zeropp_keys_are_refused():
   config = ds_config(3, zero_quantized_nontrainable_weights=True)
   with pytest.raises(jzero.NotSupportedError, match="zero_quantized_nontrainable_weights"):
-    jzero.initialize(gpt_factory(SMALL), lm_loss, config)
+    make_engine(config)
 
 
 def test_plan_records_each_leafs_collectives():
@@ -226,12 +226,10 @@ def test_three_nodes_of_two():
                                    "batch_axes": ["node", "local"]})
   zero = {**ALL_LEAVES, **MODES["all"], "zero_hpz_partition_size": 2}
   devices = jax.devices()[:6]
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **zero),
-                            mesh=mesh.build(devices))
+  engine = make_engine(ds_config(3, **zero), mesh=mesh.build(devices))
   assert engine.zeropp.hierarchy.nodes == 3 and engine.zeropp.hierarchy.local == 2
   _, _, losses = engine_run(engine, batches(SMALL.seq_len, 6, 8))
-  plain = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **ALL_LEAVES),
-                           mesh=mesh.build(devices))
+  plain = make_engine(ds_config(3, **ALL_LEAVES), mesh=mesh.build(devices))
   _, _, plain_losses = engine_run(plain, batches(SMALL.seq_len, 6, 8))
   assert np.all(np.isfinite(losses))
   # qwZ rounds every weight to its int8 block's step (max|w| / 127, <= 0.4% of the block's largest
@@ -256,11 +254,11 @@ def test_two_processes_match_one_process(tmp_path):
   Measured on an AMD EPYC: 4.6e-5 between the layouts."""
   from multiprocess_worker import BATCH as MP_BATCH, STAGE3, STEPS as MP_STEPS, ZEROPP
   losses, params = multiprocess_job(tmp_path, "zeropp")
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **ZEROPP))
+  engine = make_engine(ds_config(3, **ZEROPP))
   assert engine.zeropp.hierarchy.nodes == 2
   data = batches(SMALL.seq_len, MP_BATCH, MP_STEPS)
   _, single, single_losses = engine_run(engine, data)
-  plain_engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **STAGE3))
+  plain_engine = make_engine(ds_config(3, **STAGE3))
   _, plain, plain_losses = engine_run(plain_engine, data)
   np.testing.assert_allclose(losses[0], single_losses[0], rtol=SAME_MATH)  # before any update
   relative = lambda a, b: np.max(np.abs(np.asarray(a) - b) / np.abs(b))

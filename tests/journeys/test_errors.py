@@ -16,14 +16,9 @@ from flax import linen as nn
 from flax import nnx
 
 import jzero
-from jzero.models import lm_loss
-from zero_testing import SMALL, ds_config, gpt_factory
+from zero_testing import ds_config, make_engine
 
 DS_CONFIGS = Path(__file__).parents[1] / "data" / "ds_configs"
-
-
-def _init(config, **kw):
-  return jzero.initialize(gpt_factory(SMALL), lm_loss, config, **kw)
 
 
 def _one_paragraph(message: str) -> None:
@@ -41,7 +36,7 @@ def _one_paragraph(message: str) -> None:
 ])
 def test_bad_config_names_the_key(config, key):
   with pytest.raises(jzero.ConfigError) as e:
-    _init(config)
+    make_engine(config)
   assert key in str(e.value)
   _one_paragraph(str(e.value))
 
@@ -50,7 +45,7 @@ def test_batch_mismatch_names_all_three_numbers():
   cfg = {**ds_config(2), "train_batch_size": 33, "train_micro_batch_size_per_gpu": 2,
          "gradient_accumulation_steps": 2}
   with pytest.raises(jzero.ConfigError) as e:
-    _init(cfg)
+    make_engine(cfg)
   for text in ("33", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "8"):
     assert text in str(e.value)
 
@@ -58,7 +53,7 @@ def test_batch_mismatch_names_all_three_numbers():
 def test_missing_config_file(tmp_path):
   missing = tmp_path / "nope.json"
   with pytest.raises(jzero.ConfigError) as e:
-    _init(str(missing))
+    make_engine(str(missing))
   assert str(missing) in str(e.value)
 
 
@@ -66,7 +61,7 @@ def test_mesh_that_does_not_fit_the_devices(tmp_path):
   mesh = tmp_path / "mesh.yaml"
   mesh.write_text("axes: {node: 3, local: 2}\n")
   with pytest.raises(jzero.MeshError) as e:
-    _init(ds_config(2), mesh=str(mesh))
+    make_engine(2, mesh=str(mesh))
   assert str(mesh) in str(e.value) and "8 are present" in str(e.value)
   _one_paragraph(str(e.value))
 
@@ -86,7 +81,7 @@ def test_zero_infinity_config_is_refused_only_for_its_missing_nvme_directory():
   mesh = jzero.MeshSpec.from_dict({"axes": {"data": 1}}).build(jax.devices()[:1])
   name = "deepspeedai_DeepSpeedExamples__inference_sglang_ds_offload_nvme_aio.json"
   with pytest.raises(jzero.ConfigError) as e:
-    _init(str(DS_CONFIGS / name), mesh=mesh)
+    make_engine(str(DS_CONFIGS / name), mesh=mesh)
   message = str(e.value)
   assert "zero_optimization.offload_param.nvme_path=/local_nvme/sglang: no such directory" in message
   assert "mkdir -p /local_nvme/sglang" in message
@@ -97,10 +92,10 @@ def test_shipped_offload_configs_both_run():
   """ds_zero2_offload.json (optimizer offload) and ds_zero3_offload.json (optimizer and
   parameter offload), the DeepSpeed docs' examples, build engines whose plans offload."""
   configs = Path(__file__).parents[2] / "configs"
-  engine = _init(str(configs / "ds_zero2_offload.json"))
+  engine = make_engine(str(configs / "ds_zero2_offload.json"))
   engine.init(jax.random.key(0))
   assert engine.plan.offloads and engine.plan.host_memory_kind == "pinned_host"
-  engine = _init(str(configs / "ds_zero3_offload.json"))
+  engine = make_engine(str(configs / "ds_zero3_offload.json"))
   engine.init(jax.random.key(0))
   # every leaf of this small model is under the config's persistence threshold (1e5), so the
   # params stay on the device as DeepSpeed keeps persistent params (tests/test_param_offload.py
@@ -112,12 +107,12 @@ def test_shipped_offload_configs_both_run():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_shipped_stage_configs_resolve(stage):
   path = Path(__file__).parents[2] / "configs" / f"zero{stage}.json"
-  engine = _init(str(path), total_num_steps=100)
+  engine = make_engine(str(path), total_num_steps=100)
   assert engine.config.zero_optimization.stage == stage and engine.global_batch_size == 32
 
 
 def test_wrong_batch_shape_is_a_data_error():
-  engine = _init(ds_config(1))
+  engine = make_engine(1)
   with pytest.raises(jzero.DataError, match="train_batch_size = 8"):
     engine.shard_batch({"tokens": __import__("numpy").zeros((7, 33), "int32")})
 
@@ -160,7 +155,7 @@ def _mean_square(model, batch):
 def test_a_batch_of_python_lists_says_pass_arrays():
   """Python lists (as a tokenizer returns rows) are not arrays: shard_batch, train_step and
   eval_loss say which leaf and how to make it one, before any device work."""
-  engine = jzero.initialize(_Tokens, _mean_square, ds_config(1))
+  engine = make_engine(1, _Tokens, _mean_square)
   state = engine.init(jax.random.key(0))
   rows = [[[float(i)] * 16] * 4 for i in range(8)]
   calls = {"shard_batch": lambda: engine.shard_batch({"x": rows}),
@@ -187,10 +182,10 @@ def test_a_later_batch_of_another_feature_width_names_the_leaf_and_both_shapes(k
       "x": np.random.default_rng(positions).normal(size=(8, positions, width)).astype(np.float32)}
   config = ds_config(3, stage3_param_persistence_threshold=0)
   if kind == "nnx":
-    engine = jzero.initialize(_Tokens, _mean_square, config)
+    engine = make_engine(config, _Tokens, _mean_square)
   else:
-    engine = jzero.initialize(_LinenTokens(), _mean_square, config,
-                              init_inputs=lambda b: (b["x"],), sample_batch=batch(4, 16))
+    engine = make_engine(config, _LinenTokens(), _mean_square,
+                         init_inputs=lambda b: (b["x"],), sample_batch=batch(4, 16))
   state = engine.init(jax.random.key(0))
   state, _ = engine.train_step(state, engine.shard_batch(batch(4, 16)))
   state, _ = engine.train_step(state, engine.shard_batch(batch(6, 16)))

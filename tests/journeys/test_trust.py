@@ -14,14 +14,12 @@ import jax
 import numpy as np
 import pytest
 
-import jzero
 from jzero import checkpoint
 from jzero.cli import main as cli_main
 from jzero.errors import CheckpointError, DataError, JZeroWarning
-from jzero.models import lm_loss
 from jzero.sharding.plan import flatten_paths
 
-from zero_testing import SMALL, batches, ds_config, gpt_factory
+from zero_testing import SMALL, batches, ds_config, make_engine
 
 TESTS = Path(__file__).parents[1]
 SCENARIOS = TESTS / "exit_scenarios.py"
@@ -31,10 +29,6 @@ def _scenario(*args: str, cwd: Path) -> subprocess.CompletedProcess:
   env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
   return subprocess.run([sys.executable, str(SCENARIOS), *args], capture_output=True, text=True,
                         env=env, cwd=cwd, timeout=300)
-
-
-def _engine(stage: int = 2, **kw):
-  return jzero.initialize(gpt_factory(SMALL), lm_loss, {**ds_config(stage), **kw})
 
 
 # --- the end of the program ----------------------------------------------------------------------
@@ -82,7 +76,7 @@ def test_reusing_a_donated_state_raises_and_the_process_survives(tmp_path):
 
 def test_relative_paths_through_save_load_resume_convert_inspect(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
-  engine = _engine()
+  engine = make_engine(2)
   state = engine.init(jax.random.key(0))
   engine.save_checkpoint(state, "ckpt")
   engine.wait_for_checkpoints()
@@ -108,7 +102,7 @@ def test_relative_paths_through_save_load_resume_convert_inspect(tmp_path, monke
 def saved(tmp_path_factory):
   """A finalized stage-2 checkpoint of SMALL after one training step, and the engine."""
   directory = tmp_path_factory.mktemp("saved")
-  engine = _engine()
+  engine = make_engine(2)
   state, _ = engine.train_step(engine.init(jax.random.key(0)),
                                engine.shard_batch(batches(SMALL.seq_len, 8, 1)[0]))
   engine.save_checkpoint(state, directory)
@@ -186,8 +180,7 @@ def test_tags_client_state_and_latest(saved, tmp_path):
 def test_fp32_weights_on_model_save_keep_the_model_dtype(tmp_path):
   """stage3_gather_16bit_weights_on_model_save in fp32 training writes fp32 weights, as DeepSpeed
   saves the module's own dtype; the written weights equal the parameters exactly."""
-  engine = _engine(3, zero_optimization={"stage": 3,
-                                         "stage3_gather_16bit_weights_on_model_save": True})
+  engine = make_engine(ds_config(3, stage3_gather_16bit_weights_on_model_save=True))
   state = engine.init(jax.random.key(0))
   engine.save_checkpoint(state, tmp_path)
   engine.wait_for_checkpoints()
@@ -201,7 +194,7 @@ def test_fp32_weights_on_model_save_keep_the_model_dtype(tmp_path):
 
 def test_resume_with_another_global_batch_warns_with_both_sizes(saved):
   directory, _ = saved
-  other = _engine(gradient_accumulation_steps=2)  # global batch 16 instead of 8
+  other = make_engine({**ds_config(2), "gradient_accumulation_steps": 2})  # global batch 16 instead of 8
   with pytest.warns(JZeroWarning, match="global batch of 8 samples per step; this engine uses 16"):
     other.load_checkpoint(directory)
 

@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero.models import lm_loss
 from jzero.modeling.layer_scan import LayerPolicy
 from models_testing import LinenScanned, LoopNet, linen_engine, mse, regression_batch
-from zero_testing import SAME_MATH, SMALL, batches, ds_config, gpt_factory, max_relative_diff
+from zero_testing import SAME_MATH, SMALL, batches, ds_config, make_engine, max_relative_diff
 
 N = 8
 STEPS = 2
@@ -48,7 +47,7 @@ def _gpt_data():
 
 @functools.lru_cache(maxsize=None)
 def _gpt_engine(stage: int, offload: bool):
-  return jzero.initialize(gpt_factory(SMALL), lm_loss, _config(stage, offload))
+  return make_engine(_config(stage, offload))
 
 
 def _assert_same(run, ref):
@@ -81,8 +80,8 @@ def test_loop_model_through_units_with_cpu_checkpointing_equals_plain_checkpoint
   data = [regression_batch(N, 64, i) for i in range(STEPS)]
   factory = lambda rngs: LoopNet(rngs, 3, 64)  # noqa: E731
   cfg = lambda offload: _config(3, offload, stage3_param_persistence_threshold=0)  # noqa: E731
-  _assert_same(_train(jzero.initialize(factory, mse, cfg(True)), data),
-               _train(jzero.initialize(factory, mse, cfg(False)), data))
+  _assert_same(_train(make_engine(cfg(True), factory, mse), data),
+               _train(make_engine(cfg(False), factory, mse), data))
 
 
 def _cuda_text(engine, batch=None, init_args=()) -> str:
@@ -131,7 +130,7 @@ def test_linen_scan_layers_and_units_tag_their_inputs():
 
 def test_cpu_checkpointing_that_offloads_nothing_warns():
   """A loop model in stage 1 has no gather units and no scan: nothing to offload, so a warning."""
-  engine = jzero.initialize(lambda rngs: LoopNet(rngs, 2, 64), mse, _config(1, True))
+  engine = make_engine(_config(1, True), lambda rngs: LoopNet(rngs, 2, 64), mse)
   state = engine.init(jax.random.key(0))
   with pytest.warns(jzero.JZeroWarning, match="cpu_checkpointing.*no activation was offloaded"):
     engine.train_step(state, engine.shard_batch(regression_batch(N, 64, 0)))

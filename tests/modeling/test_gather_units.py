@@ -21,11 +21,11 @@ from flax import nnx
 import jzero
 from jzero.analysis import hlo
 from jzero.analysis.memory_report import memory_report
-from jzero.models import GPTConfig, lm_loss
+from jzero.models import GPTConfig
 from jzero.modeling.gather_units import ModuleInfo, UnitRules, choose_units
 from models_testing import N, WIDE, Block, LoopNet, mse, regression_batch
-from zero_testing import (SAME_MATH, VS_ONE_DEVICE, batches, ds_config, engine_run, gpt_factory,
-                          loss_of_params, max_relative_diff, reference_optimizer)
+from zero_testing import (SAME_MATH, VS_ONE_DEVICE, batches, ds_config, engine_run, loss_of_params,
+                          make_engine, max_relative_diff, reference_optimizer)
 
 # --- models written the ordinary way -------------------------------------------------------------
 
@@ -128,10 +128,10 @@ def _compiled(kind: str, layers: int, prefetch: bool = True):
   is ``stage3_prefetch_bucket_size: 0``."""
   cfg = _stage3(**({} if prefetch else {"stage3_prefetch_bucket_size": 0}))
   if kind == "nnx":
-    engine = jzero.initialize(lambda rngs: LoopNet(rngs, layers), mse, cfg)
+    engine = make_engine(cfg, lambda rngs: LoopNet(rngs, layers), mse)
   else:
-    engine = jzero.initialize(LinenLoopNet(layers), mse, cfg,
-                              init_inputs=lambda b: (b["x"],), sample_batch=regression_batch())
+    engine = make_engine(cfg, LinenLoopNet(layers), mse, init_inputs=lambda b: (b["x"],),
+                         sample_batch=regression_batch())
   state = engine.init(jax.random.key(0))
   compiled = engine.compile_step(state, engine.shard_batch(regression_batch()))
   return engine, state, compiled
@@ -263,7 +263,7 @@ def test_loop_models_match_plain_optax_in_every_stage(case):
     kw = ({"init_inputs": lambda b: (b["x"],), "sample_batch": data[0]}
           if case == "linen-loop" else {})
     cfg = ds_config(stage, gas=2, stage3_param_persistence_threshold=0)
-    runs[stage] = engine_run(jzero.initialize(model(), loss_fn, cfg, **kw), data)
+    runs[stage] = engine_run(make_engine(cfg, model(), loss_fn, **kw), data)
   initial = runs[0][0]
   if case == "linen-loop":
     module = model()
@@ -304,8 +304,8 @@ def test_a_models_own_scan_gathers_its_units_per_layer():
   data = [regression_batch(N, 32, i) for i in range(3)]
   results = []
   for stage in (0, 3):
-    engine = jzero.initialize(PlainScanNet(), mse, _stage3(stage=stage),
-                              init_inputs=lambda b: (b["x"],), sample_batch=data[0])
+    engine = make_engine(_stage3(stage=stage), PlainScanNet(), mse,
+                         init_inputs=lambda b: (b["x"],), sample_batch=data[0])
     results.append(engine_run(engine, data))
   assert all(l.stacked for l in engine.plan.leaf_list())
   np.testing.assert_allclose(results[1][2], results[0][2], rtol=SAME_MATH)
@@ -324,8 +324,7 @@ def test_a_models_own_scan_reports_one_layer_of_its_largest_unit(model):
   stack or not: the memory report's working set (read from the traced step) is the largest
   Dense's one layer -- the plan alone would say the whole layer (declared) or the whole stack."""
   batch = regression_batch(N, 32)
-  engine = jzero.initialize(model(), mse, _stage3(), init_inputs=lambda b: (b["x"],),
-                            sample_batch=batch)
+  engine = make_engine(_stage3(), model(), mse, init_inputs=lambda b: (b["x"],), sample_batch=batch)
   state = engine.init(jax.random.key(0))
   report = memory_report(engine, state, engine.shard_batch(batch))
   one_layer_of_dense_0 = 32 * 64 + 64  # ScannedBlock: Dense(64) on width 32, then Dense(32)
@@ -339,7 +338,7 @@ def test_a_models_own_scan_reports_one_layer_of_its_largest_unit(model):
 @functools.lru_cache(maxsize=None)
 def _default_bf16(stage: int):
   cfg = GPTConfig()
-  engine = jzero.initialize(gpt_factory(cfg), lm_loss, ds_config(stage, precision="bf16"))
+  engine = make_engine(ds_config(stage, precision="bf16"), model=cfg)
   state = engine.init(jax.random.key(0))
   batch = engine.shard_batch(batches(cfg.seq_len, engine.global_batch_size, 1)[0])
   lowered = engine.jitted_step(batch).lower(state, batch)
@@ -392,16 +391,16 @@ class OneBigMatrix(nnx.Module):
 def test_a_structure_that_defeats_per_unit_gathering_is_named():
   with pytest.warns(jzero.JZeroWarning, match=r"read directly by a module that has submodules of "
                     r"its own \(head\).*submodule of its own"):
-    engine = jzero.initialize(OneBigMatrix, lambda m, b: jnp.mean(m(b["x"]) ** 2), _stage3())
+    engine = make_engine(_stage3(), OneBigMatrix, lambda m, b: jnp.mean(m(b["x"]) ** 2))
     engine.init(jax.random.key(0))
   with pytest.warns(jzero.JZeroWarning, match=r"unit blocks/0 holds 1,049,600 parameters, more "
                     r"than stage3_max_live_parameters = 1,000,000"):
-    engine = jzero.initialize(OneBigMatrix, lambda m, b: jnp.mean(m(b["x"]) ** 2),
-                              _stage3(stage3_max_live_parameters=1_000_000))
+    engine = make_engine(_stage3(stage3_max_live_parameters=1_000_000), OneBigMatrix,
+                         lambda m, b: jnp.mean(m(b["x"]) ** 2))
     engine.init(jax.random.key(0))
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    engine = jzero.initialize(lambda rngs: LoopNet(rngs, 4), mse, _stage3())
+    engine = make_engine(_stage3(), lambda rngs: LoopNet(rngs, 4), mse)
     engine.init(jax.random.key(0))
 
 
@@ -523,8 +522,8 @@ def lm1b_loss(model, batch, rng=None):
 
 
 def _lm1b_engine(config: dict, model: TransformerLM, batch: dict):
-  return jzero.initialize(model, lm1b_loss, config, init_inputs=lambda b: (b["tokens"],),
-                          sample_batch=batch)
+  return make_engine(config, model, lm1b_loss, init_inputs=lambda b: (b["tokens"],),
+                     sample_batch=batch)
 
 
 def _reference_with_dropout(module, loss_fn, init_params: dict, data: list[dict], gas: int,
@@ -626,8 +625,8 @@ def test_reading_a_units_setup_attribute_from_outside_names_the_unit_and_the_fix
   the reading module in leaf_module (one unit with the Embed) trains."""
   batch = {"tokens": np.arange(N * 4, dtype=np.int32).reshape(N, 4) % 64}
   loss = lambda model, b: jnp.mean(model(b["tokens"]) ** 2)
-  make = lambda **zero: jzero.initialize(TableReadDirectly(), loss, _stage3(**zero),
-                                         init_inputs=lambda b: (b["tokens"],), sample_batch=batch)
+  make = lambda **zero: make_engine(_stage3(**zero), TableReadDirectly(), loss,
+                                    init_inputs=lambda b: (b["tokens"],), sample_batch=batch)
   engine = make()
   state = engine.init(jax.random.key(0))
   with pytest.raises(jzero.NotSupportedError, match=r"TableReadDirectly: a module read an "

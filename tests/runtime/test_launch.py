@@ -29,7 +29,7 @@ from jzero import cli
 from jzero.errors import JZeroError
 from jzero.runtime import launch
 from launch_worker import Tiny, loss_fn
-from zero_testing import SAME_MATH, free_port, subprocess_env
+from zero_testing import SAME_MATH, free_port, make_engine, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parents[1] / "launch_worker.py"
@@ -351,7 +351,7 @@ def test_preempted_job_resumes_in_one_process_on_4_devices(uninterrupted, preemp
   the losses continue; with the config's micro batch kept instead, the warning says what changed."""
   from jzero.config import Config
   from jzero.runtime.data import ByteCorpus
-  from jzero.models import GPT, GPTConfig, lm_loss
+  from jzero.models import GPTConfig
 
   ckpt, _, _ = preempted
   step = jzero.checkpoint.latest_step(ckpt)
@@ -360,12 +360,10 @@ def test_preempted_job_resumes_in_one_process_on_4_devices(uninterrupted, preemp
   base = Config.load(ROOT / "configs" / "zero3.json").to_dict()
   with pytest.warns(jzero.JZeroWarning, match="global batch of 32 samples per step; this engine "
                     "uses 16"):
-    engine = jzero.initialize(lambda rngs: GPT(model_cfg, rngs=rngs), lm_loss, base, mesh=mesh,
-                              total_num_steps=STEPS)
+    engine = make_engine(base, model=model_cfg, mesh=mesh, total_num_steps=STEPS)
     engine.load_checkpoint(ckpt)
   pinned = {**base, "train_batch_size": 32, "train_micro_batch_size_per_gpu": 8}
-  engine = jzero.initialize(lambda rngs: GPT(model_cfg, rngs=rngs), lm_loss, pinned, mesh=mesh,
-                            total_num_steps=STEPS)
+  engine = make_engine(pinned, model=model_cfg, mesh=mesh, total_num_steps=STEPS)
   state = engine.load_checkpoint(ckpt)
   corpus = ByteCorpus.load(None, seq_len=16)
   for s in range(step, STEPS):
@@ -375,8 +373,8 @@ def test_preempted_job_resumes_in_one_process_on_4_devices(uninterrupted, preemp
 
 def test_shard_batch_takes_this_process_rows():
   """In one process the local rows are the whole batch; a wrong row count is refused clearly."""
-  engine = jzero.initialize(Tiny, loss_fn, {"train_batch_size": 8, "optimizer": {
-      "type": "SGD", "params": {"lr": 0.1}}})
+  engine = make_engine({"train_batch_size": 8, "optimizer": {
+      "type": "SGD", "params": {"lr": 0.1}}}, Tiny, loss_fn)
   np.testing.assert_array_equal(engine.local_rows(), np.arange(8))
   with pytest.raises(jzero.DataError, match="must have 8 rows"):
     engine.shard_batch({"x": np.zeros((3, 8), np.float32)}, process_local=True)
@@ -402,10 +400,9 @@ def test_stage3_across_processes_is_bitwise_reproducible(tmp_path):
   """The same 2-process x 1-device stage-3 run twice: bitwise-identical losses and parameters,
   and within 1e-6 of one process on 2 devices. (2 x 4 devices against one process on 8:
   tests/test_multiprocess.py.)"""
-  from jzero.models import lm_loss
   from jzero.sharding.plan import flatten_paths
   from multiprocess_worker import BATCH, STAGE3, STEPS as WORKER_STEPS
-  from zero_testing import SMALL, batches, ds_config, engine_run, gpt_factory, max_relative_diff
+  from zero_testing import SMALL, batches, ds_config, engine_run, max_relative_diff
 
   runs = [_worker_job(tmp_path / f"run{r}", 1) for r in range(2)]
   (losses, params), (losses2, params2) = runs
@@ -414,8 +411,7 @@ def test_stage3_across_processes_is_bitwise_reproducible(tmp_path):
   for k in params:
     np.testing.assert_array_equal(params[k], params2[k], err_msg=k)
   mesh = jzero.MeshSpec.from_dict({"axes": {"data": 2}}).build(jax.devices()[:2])
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, micro=BATCH // 2, **STAGE3),
-                            mesh=mesh)
+  engine = make_engine(ds_config(3, micro=BATCH // 2, **STAGE3), mesh=mesh)
   _, single, single_losses = engine_run(engine, batches(SMALL.seq_len, BATCH, WORKER_STEPS))
   np.testing.assert_allclose(losses, single_losses, rtol=SAME_MATH)
   assert max_relative_diff(params, flatten_paths(single)) <= SAME_MATH

@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 
 import jzero
-from jzero.models import lm_loss
 from jzero.sharding.plan import flatten_paths
 from multiprocess_worker import BATCH, STAGE3, STEPS
-from zero_testing import (SAME_MATH, SMALL, batches, ds_config, engine_run, gpt_factory,
+from zero_testing import (SAME_MATH, SMALL, batches, ds_config, engine_run, make_engine,
                           max_relative_diff, multiprocess_job)
 
 PROCESSES, DEVICES_PER_PROCESS = 2, 4
@@ -39,7 +38,7 @@ def _result(job: Path) -> tuple[np.ndarray, dict[str, np.ndarray]]:
 
 def test_two_processes_match_one_process(job):
   losses, params = _result(job)
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **STAGE3))
+  engine = make_engine(ds_config(3, **STAGE3))
   _, single, single_losses = engine_run(engine, batches(SMALL.seq_len, BATCH, STEPS))
   assert len(losses) == STEPS
   np.testing.assert_allclose(losses, single_losses, rtol=SAME_MATH)
@@ -64,7 +63,7 @@ def test_multiprocess_checkpoint_restores_in_one_process(job):
   _, params = _result(job)
   for stage, devices in ((3, 8), (1, 4)):
     mesh = jzero.MeshSpec.from_dict({"axes": {"data": devices}}).build(jax.devices()[:devices])
-    engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(stage, **STAGE3), mesh=mesh)
+    engine = make_engine(ds_config(stage, **STAGE3), mesh=mesh)
     state = engine.load_checkpoint(job / "ckpt")
     assert int(state.step) == STEPS
     restored = flatten_paths(jax.tree.map(np.asarray, engine.logical_params(state)))

@@ -18,10 +18,9 @@ import pytest
 import jzero
 from jzero.analysis.memory_report import format_memory_report
 from jzero.errors import ConfigError
-from jzero.models import lm_loss
 from jzero.tiers.delayed import WARMUP
 from zero_testing import (SAME_MATH, SMALL, VS_ONE_DEVICE, batches, ds_config, gpt_factory,
-                          loss_of_params, max_relative_diff, reference_optimizer)
+                          loss_of_params, make_engine, max_relative_diff, reference_optimizer)
 
 N = 8
 STEPS = 3
@@ -34,9 +33,8 @@ def _data(gas: int = 1):
 @functools.lru_cache(maxsize=None)  # one engine per setting: its compiled steps are reused
 def _engine(stage: int, gas: int = 1, update: str = "stream"):
   offload_optimizer = {"update": update}
-  return jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(
-      stage, gas=gas, offload_optimizer={"device": "cpu", "delayed_update": True,
-                                         **offload_optimizer}))
+  return make_engine(ds_config(stage, gas=gas, offload_optimizer={
+      "device": "cpu", "delayed_update": True, **offload_optimizer}))
 
 
 def _logical(engine, state):
@@ -90,8 +88,8 @@ def _same_stage_delayed_by_hand(stage, gas, update, data, warmup: int = 0):
   two jits (the engine's wall_clock_breakdown pair) and fed by hand: step t computes g_t, then
   updates with g_{t-1} (the first ``warmup`` steps update with their own g_t). Same reductions as
   the engine, so fp32 results agree to rounding."""
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(
-      stage, gas=gas, offload_optimizer={"device": "cpu", "update": update}))
+  engine = make_engine(ds_config(stage, gas=gas,
+                                 offload_optimizer={"device": "cpu", "update": update}))
   state = engine.init(jax.random.key(0))
   grads_fn, update_fn = engine._build_split_step(engine.shard_batch(data[0]))
   carried, out = None, []
@@ -147,7 +145,7 @@ def test_warmup_runs_plain_steps_before_the_delayed_update():
   """delayed_update_warmup: 1 -- step 1 is a plain step (it applies its own gradient), step 2
   takes the place of the delayed update's first step (it carries g_2 and applies nothing), step 3
   applies g_2: each step's parameters equal the same stage fed by hand so (1e-6, fp32)."""
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(2, offload_optimizer={
+  engine = make_engine(ds_config(2, offload_optimizer={
       "device": "cpu", "delayed_update": True, "delayed_update_warmup": 1}))
   data = _data()
   state = engine.init(jax.random.key(0))
@@ -196,8 +194,7 @@ def test_checkpoint_resumes_exactly_with_the_carried_gradient(tmp_path):
     np.testing.assert_array_equal(np.asarray(leaf.to_logical(a)), np.asarray(
         _leaf(other, leaf.path).to_logical(b)))
 
-  plain = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(2, offload_optimizer={
-      "device": "cpu"}))
+  plain = make_engine(ds_config(2, offload_optimizer={"device": "cpu"}))
   with pytest.warns(jzero.JZeroWarning, match="delayed-update gradient"):
     back = plain.load_checkpoint(tmp_path)
   assert back.delayed is None
@@ -234,5 +231,4 @@ def test_memory_report_counts_the_carried_gradient():
 def test_delayed_update_without_cpu_offload_is_refused(offload_optimizer, match):
   """Before any device work, naming the key and the fix."""
   with pytest.raises(ConfigError, match=match):
-    jzero.initialize(gpt_factory(SMALL), lm_loss,
-                     ds_config(2, offload_optimizer=offload_optimizer))
+    make_engine(ds_config(2, offload_optimizer=offload_optimizer))

@@ -25,14 +25,14 @@ from jzero.errors import ConfigError, NotSupportedError
 from jzero.tiers import nvme_state
 from jzero.tiers import nvme_store
 from nvme_worker import batch, config, loss_fn, model_factory
-from zero_testing import SAME_MATH, max_relative_diff
+from zero_testing import SAME_MATH, make_engine, max_relative_diff
 
 STEPS = 3
 TESTS = Path(__file__).parents[1]
 
 
 def _engine(stage, nvme_path=None, precision="fp32", **offload):
-  return jzero.initialize(model_factory(), loss_fn, config(stage, nvme_path, precision, **offload))
+  return make_engine(config(stage, nvme_path, precision, **offload), model_factory(), loss_fn)
 
 
 def _train(engine, state=None, steps=STEPS):
@@ -65,7 +65,7 @@ def test_fp32_nvme_equals_no_offload_and_lives_in_the_store(stage, sub_group_siz
   the files, equal the estimator's nvme tier."""
   cfg = config(stage, tmp_path)
   cfg["zero_optimization"]["sub_group_size"] = sub_group_size
-  engine = jzero.initialize(model_factory(), loss_fn, cfg)
+  engine = make_engine(cfg, model_factory(), loss_fn)
   state, params, losses = _train(engine)
   _assert_same(params, losses, stage)
   store = engine.nvme_store
@@ -145,7 +145,7 @@ def test_bad_nvme_paths_fail_before_the_first_step(tmp_path, monkeypatch):
   del cfg["zero_optimization"]["offload_optimizer"]["nvme_path"]
   with pytest.raises(ConfigError, match=r"device=nvme needs zero_optimization\.offload_optimizer"
                                         r"\.nvme_path"):
-    jzero.initialize(model_factory(), loss_fn, cfg)
+    make_engine(cfg, model_factory(), loss_fn)
   missing = tmp_path / "no" / "such"
   with pytest.raises(ConfigError, match=rf"nvme_path={missing}: no such directory\. Create it"):
     _engine(2, missing)
@@ -177,16 +177,16 @@ def test_nvme_settings_map_to_tensorstore_or_are_refused(tmp_path):
   cfg = config(2, tmp_path)
   cfg["aio"] = {"queue_depth": 16, "intra_op_parallelism": 4, "block_size": 4096}
   with pytest.warns(jzero.JZeroWarning, match="aio.block_size=4096 has no effect"):
-    engine = jzero.initialize(model_factory(), loss_fn, cfg)
+    engine = make_engine(cfg, model_factory(), loss_fn)
   s = engine.nvme_settings
   assert (s.queue_depth, s.intra_op_parallelism, s.buffer_count, s.sub_group_size) == (16, 4, 2, 60)
   assert s.pipeline_read and s.pipeline_write
   cfg["aio"] = {"use_gds": True}
   with pytest.raises(NotSupportedError, match="aio.use_gds=true .*GPUDirect"):
-    jzero.initialize(model_factory(), loss_fn, cfg)
+    make_engine(cfg, model_factory(), loss_fn)
   import optax
   with pytest.raises(ConfigError, match="client optax optimizer"):
-    jzero.initialize(model_factory(), loss_fn, config(2, tmp_path), optimizer=optax.sgd(0.1))
+    make_engine(config(2, tmp_path), model_factory(), loss_fn, optimizer=optax.sgd(0.1))
 
 
 def test_killed_during_a_step_the_store_holds_the_last_completed_step(tmp_path):

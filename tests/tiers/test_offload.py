@@ -17,10 +17,9 @@ import pytest
 
 import jzero
 from jzero.errors import ConfigError, NotSupportedError
-from jzero.models import lm_loss
 from jzero.sharding.plan import flatten_paths
 from jzero.tiers import host_optimizer
-from zero_testing import SAME_MATH, SMALL, batches, ds_config, gpt_factory, max_relative_diff
+from zero_testing import SAME_MATH, SMALL, batches, ds_config, make_engine, max_relative_diff
 
 N = 8
 STEPS = 3
@@ -33,8 +32,7 @@ def _data():
 
 def _engine(stage: int, precision: str = "fp32", offload: bool = True, **offload_optimizer):
   zero = {"offload_optimizer": {"device": "cpu", **offload_optimizer}} if offload else {}
-  return jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(stage, precision=precision,
-                                                                   **zero))
+  return make_engine(ds_config(stage, precision=precision, **zero))
 
 
 def _train(engine, check_donation: bool = False):
@@ -143,7 +141,7 @@ def test_offloaded_state_checkpoints_restore_across_tiers(tmp_path):
   state, params, _ = _train(engine)
   engine.save_checkpoint(state, tmp_path)
   engine.wait_for_checkpoints()
-  plain = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(2, precision="bf16"))
+  plain = make_engine(ds_config(2, precision="bf16"))
   restored = plain.load_checkpoint(tmp_path)
   assert max_relative_diff(jax.tree.map(np.asarray, plain.logical_params(restored)), params) == 0
   assert {x.sharding.memory_kind for x in jax.tree.leaves(restored.opt_state)} <= {None, "device"}
@@ -184,10 +182,10 @@ def test_offload_settings_jzero_cannot_honour_are_refused(zero, error, match):
   config = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": zero}
   with pytest.raises(error, match=match):
-    jzero.initialize(gpt_factory(SMALL), lm_loss, config)
+    make_engine(config)
 
 
 def test_nvme_only_keys_warn_with_cpu_offload():
   config = ds_config(2, offload_optimizer={"device": "cpu", "buffer_count": 8})
   with pytest.warns(jzero.JZeroWarning, match="buffer_count"):
-    jzero.initialize(gpt_factory(SMALL), lm_loss, config)
+    make_engine(config)

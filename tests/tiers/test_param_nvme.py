@@ -27,11 +27,9 @@ import jax
 import numpy as np
 import pytest
 
-import jzero
 from jzero.errors import ConfigError, JZeroWarning
-from jzero.models import lm_loss
 from jzero.tiers import nvme_params
-from zero_testing import SAME_MATH, SMALL, batches, ds_config, gpt_factory, max_relative_diff
+from zero_testing import SAME_MATH, SMALL, batches, ds_config, make_engine, max_relative_diff
 
 N = 8
 STEPS = 20
@@ -59,7 +57,7 @@ def _data(gas: int = 1):
 
 
 def _engine(variant: str, path=None, precision: str = "fp32", gas: int = 1):
-  return jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(
+  return make_engine(ds_config(
       3, gas=gas, precision=precision, stage3_param_persistence_threshold=THRESHOLD,
       **_zero(variant, path)))
 
@@ -159,7 +157,7 @@ def test_delayed_update_with_params_on_nvme_equals_it_without(tmp_path):
   are written from the delayed masters, and 6 steps give the losses and parameters of the delayed
   update with the params on the device."""
   def run(**offload_param):
-    engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(
+    engine = make_engine(ds_config(
         3, stage3_param_persistence_threshold=THRESHOLD,
         offload_optimizer={"device": "cpu", "delayed_update": True}, **offload_param))
     return _train(engine, steps=6)
@@ -174,13 +172,11 @@ def test_param_nvme_settings_are_checked_before_any_device_work(tmp_path):
                                      offload_param={"device": "nvme", **block})
   with pytest.raises(ConfigError, match=r"offload_param\.device=nvme needs "
                                         r"zero_optimization\.offload_param\.nvme_path"):
-    jzero.initialize(gpt_factory(SMALL), lm_loss, config())
+    make_engine(config())
   with pytest.raises(ConfigError, match=r"zero_optimization\.offload_param\.nvme_path=.*no such "
                                         r"directory"):
-    jzero.initialize(gpt_factory(SMALL), lm_loss,
-                     config(nvme_path=str(tmp_path / "no" / "missing")))
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss,
-                            config(nvme_path=str(tmp_path), buffer_size=100))
+    make_engine(config(nvme_path=str(tmp_path / "no" / "missing")))
+  engine = make_engine(config(nvme_path=str(tmp_path), buffer_size=100))
   with pytest.raises(ConfigError, match=r"offload_param\.buffer_size=100: the parameter .* has "
                                         r"([0-9,]+) elements per device and layer") as info:
     engine.init(jax.random.key(0))
@@ -198,7 +194,7 @@ def test_shipped_infinity_config_says_its_offload_moves_nothing_on_a_small_model
   cfg["zero_optimization"]["offload_param"]["nvme_path"] = str(tmp_path)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", JZeroWarning)  # the config's keys without effect here
-    engine = jzero.initialize(gpt_factory(SMALL), lm_loss, cfg)
+    engine = make_engine(cfg)
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")
     engine.init(jax.random.key(0))
@@ -225,10 +221,10 @@ def test_two_processes_with_params_on_nvme_match_one_process_without_offload(tmp
 
   from jzero.sharding.plan import flatten_paths
   from multiprocess_worker import BATCH as MP_BATCH, STAGE3, STEPS as MP_STEPS
-  from zero_testing import engine_run, multiprocess_job
+  from zero_testing import engine_run, make_engine, multiprocess_job
   (tmp_path / "nvme").mkdir()
   losses, params = multiprocess_job(tmp_path, "param-nvme")
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3, **STAGE3))
+  engine = make_engine(ds_config(3, **STAGE3))
   _, single, single_losses = engine_run(engine, batches(SMALL.seq_len, MP_BATCH, MP_STEPS))
   assert len(losses) == MP_STEPS
   np.testing.assert_allclose(losses, single_losses, rtol=SAME_MATH)

@@ -26,10 +26,9 @@ import pytest
 
 import jzero
 from jzero.errors import ConfigError, NotSupportedError
-from jzero.models import lm_loss
 from jzero.sharding.plan import flatten_paths
 from models_testing import LinenScanned, linen_engine
-from zero_testing import SAME_MATH, SMALL, batches, ds_config, gpt_factory, max_relative_diff
+from zero_testing import SAME_MATH, SMALL, batches, ds_config, make_engine, max_relative_diff
 
 N = 8
 STEPS = 20
@@ -51,7 +50,7 @@ def _data():
 
 
 def _engine(variant: str):
-  return jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(
+  return make_engine(ds_config(
       3, stage3_param_persistence_threshold=THRESHOLD, **VARIANTS[variant]))
 
 
@@ -222,11 +221,11 @@ def test_param_offload_settings_jzero_cannot_honour_are_refused(zero, error, mat
   config = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": zero}
   with pytest.raises(error, match=match):
-    jzero.initialize(gpt_factory(SMALL), lm_loss, config)
+    make_engine(config)
 
 
 @pytest.mark.parametrize("key", ["buffer_count", "buffer_size", "max_in_cpu"])
 def test_nvme_only_param_keys_warn_with_cpu_offload(key):
   config = ds_config(3, offload_param={"device": "cpu", key: 7})
   with pytest.warns(jzero.JZeroWarning, match=rf"offload_param\.{key}=7 has no effect"):
-    jzero.initialize(gpt_factory(SMALL), lm_loss, config)
+    make_engine(config)

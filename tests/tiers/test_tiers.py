@@ -11,11 +11,9 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-import jzero
-from jzero.models import lm_loss
 from jzero.tiers import registry
 from jzero.tiers.base import Tier
-from zero_testing import SMALL, batches, ds_config, gpt_factory
+from zero_testing import SMALL, batches, ds_config, make_engine
 
 N = 8
 
@@ -44,7 +42,7 @@ class ClipFactorLog(Tier):
 
 
 def _run(config, data):
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, config)
+  engine = make_engine(config)
   state = engine.init(jax.random.key(0))
   norms = []
   for batch in data:

@@ -21,7 +21,7 @@ from jzero.analysis.hlo import collectives
 from jzero.models import GPTConfig, lm_loss
 from models_testing import LinenScanned, linen_engine, linen_loss
 from zero_testing import (SAME_MATH, SMALL, VS_ONE_DEVICE, batches, ds_config, engine_run,
-                          gpt_factory, max_relative_diff, reference_optimizer, reference_run)
+                          make_engine, max_relative_diff, reference_optimizer, reference_run)
 
 N = 8
 MODEL = GPTConfig(d_model=128, n_layers=4)  # the default job's GPT at half width and depth
@@ -36,7 +36,7 @@ def _exact_data():
 
 @functools.lru_cache(maxsize=None)
 def _exact_run(stage: int, precision: str = "fp32"):
-  engine = jzero.initialize(gpt_factory(MODEL), lm_loss, ds_config(stage, precision=precision))
+  engine = make_engine(ds_config(stage, precision=precision), model=MODEL)
   return engine_run(engine, _exact_data())
 
 
@@ -119,9 +119,9 @@ def test_bf16_stays_close_to_fp32():
 def test_gradient_accumulation_matches_one_big_micro_batch(stage):
   data = batches(SMALL.seq_len, 8 * N, 2)
   _, one, loss_one = engine_run(
-      jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(stage, micro=8, gas=1)), data)
+      make_engine(ds_config(stage, micro=8, gas=1)), data)
   _, acc, loss_acc = engine_run(
-      jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(stage, micro=2, gas=4)), data)
+      make_engine(ds_config(stage, micro=2, gas=4)), data)
   # micro-batches of 2 x 4 against one of 8: other dot shapes and the sum in another order, as
   # VS_ONE_DEVICE's reasoning
   np.testing.assert_allclose(loss_acc, loss_one, rtol=VS_ONE_DEVICE)
@@ -134,8 +134,7 @@ def _local_numel(x: jax.Array) -> int:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_each_device_holds_its_share(stage):
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss,
-                            ds_config(stage, stage3_param_persistence_threshold=1000))
+  engine = make_engine(ds_config(stage, stage3_param_persistence_threshold=1000))
   state = engine.init(jax.random.key(0))
   plan = engine.plan
   mu = state.opt_state[0].mu  # AdamW's first moment, one leaf per param
@@ -153,7 +152,7 @@ def test_each_device_holds_its_share(stage):
 
 
 def _compiled(stage: int, cfg: GPTConfig = SMALL, **zero):
-  engine = jzero.initialize(gpt_factory(cfg), lm_loss, ds_config(stage, **zero))
+  engine = make_engine(ds_config(stage, **zero), model=cfg)
   state = engine.init(jax.random.key(0))
   batch = engine.shard_batch(batches(cfg.seq_len, N, 1)[0])
   return engine, engine.compile_step(state, batch)
@@ -183,7 +182,7 @@ def test_stage3_gathers_one_layer_at_a_time():
     zero = ds_config(3)
     if checkpointing:
       zero["activation_checkpointing"] = {}
-    engine = jzero.initialize(gpt_factory(cfg), lm_loss, zero)
+    engine = make_engine(zero, model=cfg)
     state = engine.init(jax.random.key(0))
     compiled = engine.compile_step(state, engine.shard_batch(batches(cfg.seq_len, N, 1)[0]))
     full = 4 * sum(l.numel for l in engine.plan.leaf_list())
@@ -202,8 +201,7 @@ def test_uneven_leaves_are_padded_and_exact():
   data = batches(cfg.seq_len, N, 3)
   results = {}
   for stage in (1, 3):
-    engine = jzero.initialize(gpt_factory(cfg), lm_loss,
-                              ds_config(stage, stage3_param_persistence_threshold=0))
+    engine = make_engine(ds_config(stage, stage3_param_persistence_threshold=0), model=cfg)
     results[stage] = engine_run(engine, data)
     assert any(l.pad for l in engine.plan.leaf_list())
   ref_params, ref_losses = reference_run(cfg, results[1][0], data)
@@ -217,7 +215,7 @@ def test_hybrid_mesh_zero_within_node(stage):
   """ZeRO over `local` (4), replicas over `node` (2): still the single-device result."""
   mesh = jzero.MeshSpec.from_dict(
       {"axes": {"node": 2, "local": 4}, "zero_axes": ["local"], "batch_axes": ["node", "local"]})
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(stage), mesh=mesh)
+  engine = make_engine(ds_config(stage), mesh=mesh)
   data = batches(SMALL.seq_len, N, 3)
   initial, params, losses = engine_run(engine, data)
   ref_params, ref_losses = reference_run(SMALL, initial, data)
@@ -244,8 +242,8 @@ def test_linen_model_through_its_apply_function():
            "y": rng.normal(size=(N, 3)).astype(np.float32)} for _ in range(4)]
   results = []
   for stage in (0, 3):
-    engine = jzero.initialize(_LinenMLP(), loss_fn, ds_config(stage, stage3_param_persistence_threshold=0),
-                              init_inputs=lambda b: (b["x"],))
+    engine = make_engine(ds_config(stage, stage3_param_persistence_threshold=0), _LinenMLP(),
+                         loss_fn, init_inputs=lambda b: (b["x"],))
     state = engine.init(jax.random.key(0), data[0])
     for b in data:
       state, metrics = engine.train_step(state, engine.shard_batch(b))
@@ -315,7 +313,7 @@ def test_fp16_dynamic_loss_scale_follows_deepspeed():
   def loss_fn(model, batch):  # `boost` blows the fp16 gradients up on chosen steps
     return lm_loss(model, batch) * batch["boost"][0]
 
-  engine = jzero.initialize(gpt_factory(SMALL), loss_fn, cfg)
+  engine = make_engine(cfg, SMALL, loss_fn)
   state = engine.init(jax.random.key(0))
   reference = DeepSpeedDynamicLossScaler(init_scale=2.0**5, scale_window=2, min_scale=4,
                                          delayed_shift=2, consecutive_hysteresis=False)
@@ -350,8 +348,7 @@ def test_step_lowers_for_cuda(stage):
   """GPU-ready: the step exports for CUDA with its collectives (no GPU needed to lower)."""
   from jax import export
 
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss,
-                            ds_config(stage, stage3_param_persistence_threshold=0))
+  engine = make_engine(ds_config(stage, stage3_param_persistence_threshold=0))
   state = engine.init(jax.random.key(0))
   batch = engine.shard_batch(batches(SMALL.seq_len, N, 1)[0])
   exported = export.export(engine.jitted_step(batch), platforms=("cuda",))(state, batch)
@@ -362,7 +359,7 @@ def test_step_lowers_for_cuda(stage):
 
 def test_bucket_knobs_warn_on_cpu():
   with pytest.warns(jzero.JZeroWarning, match="reduce_bucket_size=10000000.*change nothing"):
-    jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(2, reduce_bucket_size=10**7))
+    make_engine(ds_config(2, reduce_bucket_size=10**7))
 
 
 class _Records(logging.Handler):
@@ -379,9 +376,8 @@ class _Records(logging.Handler):
 
 def test_wall_clock_breakdown_times_both_halves_and_logs():
   data = batches(SMALL.seq_len, N, 4)
-  plain = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(2))
-  timed = jzero.initialize(gpt_factory(SMALL), lm_loss,
-                           {**ds_config(2), "wall_clock_breakdown": True, "steps_per_print": 2})
+  plain = make_engine(2)
+  timed = make_engine({**ds_config(2), "wall_clock_breakdown": True, "steps_per_print": 2})
   logger, captured = logging.getLogger("jzero"), _Records()
   logger.addHandler(captured)
   try:

@@ -9,7 +9,7 @@ import pytest
 
 import jzero
 from models_testing import LoopNet, mse
-from zero_testing import ds_config
+from zero_testing import ds_config, make_engine
 
 
 def _batch(seed: int, d: int) -> dict:
@@ -25,8 +25,8 @@ def _host(state) -> list[np.ndarray]:
 def test_a_non_finite_step_leaves_params_and_optimizer_state_unchanged(stage):
   """One NaN input row: the step is flagged and counted, and every array of the state --
   parameters and Adam's moments and count -- is what it was, bit for bit; the next step trains."""
-  engine = jzero.initialize(lambda rngs: LoopNet(rngs, 2, 32), mse,
-                            ds_config(stage, micro=8, **{"stage3_param_persistence_threshold": 0}))
+  engine = make_engine(ds_config(stage, micro=8, **{"stage3_param_persistence_threshold": 0}),
+                       lambda rngs: LoopNet(rngs, 2, 32), mse)
   state = engine.init(jax.random.key(0))
   state, _ = engine.train_step(state, engine.shard_batch(_batch(0, 32)))
   before = _host((state.params, state.opt_state))
@@ -45,7 +45,7 @@ def test_a_non_finite_step_leaves_params_and_optimizer_state_unchanged(stage):
 
 def _temp_and_state(stage: int, layers: int) -> tuple[int, int]:
   """(compiled step's temp bytes, bytes of the device's state arrays) of the loop model."""
-  engine = jzero.initialize(lambda rngs: LoopNet(rngs, layers, 512), mse, ds_config(stage, micro=8))
+  engine = make_engine(ds_config(stage, micro=8), lambda rngs: LoopNet(rngs, layers, 512), mse)
   state = engine.init(jax.random.key(0))
   compiled = engine.compile_step(state, engine.shard_batch(_batch(0, 512)))
   held = sum(s.data.nbytes for x in jax.tree.leaves(state) for s in x.addressable_shards

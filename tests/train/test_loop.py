@@ -11,19 +11,13 @@ import jax
 import numpy as np
 import pytest
 
-import jzero
 from jzero import checkpoint
 from jzero.errors import JZeroError
-from jzero.models import lm_loss
 from jzero.train.loop import init_or_resume, train_loop
-from zero_testing import SMALL, batches, ds_config, gpt_factory
+from zero_testing import SMALL, batches, make_engine
 
 N = 8
 STEPS = 4
-
-
-def _engine():
-  return jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(3))
 
 
 class _Terminal(io.StringIO):
@@ -35,7 +29,7 @@ def test_resumed_loop_equals_the_straight_one(tmp_path, capsys, monkeypatch):
   """... and the progress bar is drawn on a terminal or in a notebook only: into a log file tqdm
   wrote two lines a step."""
   data = batches(SMALL.seq_len, N, STEPS)
-  engine = _engine()
+  engine = make_engine(3)
   batch_at = lambda step: engine.shard_batch(data[step])
   with pytest.raises(JZeroError, match="no checkpoint"):
     init_or_resume(engine, jax.random.key(0), tmp_path / "none", require=True)

@@ -17,15 +17,14 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-import jzero
 from jzero.analysis import flops
 from jzero.analysis.hlo import matmul_flops
 from jzero.config import Config
 from jzero.errors import ConfigError, NotSupportedError
-from jzero.models import GPTConfig, lm_loss
+from jzero.models import GPTConfig
 from jzero.train.loop import train_loop
 from jzero.train.monitor import step_events
-from zero_testing import batches, ds_config, gpt_factory
+from zero_testing import batches, ds_config, make_engine
 
 TINY = GPTConfig(d_model=32, n_layers=1, n_heads=2, seq_len=16)
 N = 8  # train_batch_size: one sample per simulated device
@@ -33,7 +32,7 @@ N = 8  # train_batch_size: one sample per simulated device
 
 def _engine(**monitors):
   config = {**ds_config(0), "steps_per_print": 1, **monitors}
-  return jzero.initialize(gpt_factory(TINY), lm_loss, config, tokens_per_sample=TINY.seq_len)
+  return make_engine(config, model=TINY, tokens_per_sample=TINY.seq_len)
 
 
 def _tensorboard_events(log_dir):
@@ -203,8 +202,8 @@ def test_an_enabled_monitor_without_its_package_names_the_extra(monkeypatch):
                       lambda name, *a: None if name == "tensorboardX" else real(name, *a))
   with pytest.raises(ConfigError, match=r'tensorboard.enabled: needs the tensorboardX package'
                                         r'(.|\n)*pip install "jzero\[monitor\]"'):
-    jzero.initialize(gpt_factory(TINY), lm_loss, {**ds_config(0), "tensorboard": {"enabled": True}},
-                     mesh=object())  # the mesh is not looked at: the error comes first
+    make_engine({**ds_config(0), "tensorboard": {"enabled": True}}, model=TINY,
+                mesh=object())  # the mesh is not looked at: the error comes first
 
 
 def test_monitor_blocks_are_read_as_deepspeed_reads_them():
