@@ -176,7 +176,8 @@ def test_gradients_are_reduce_scattered_not_all_reduced(stage):
 
 
 def test_stage3_gathers_one_layer_at_a_time():
-  """L vs 2L layers at the default width: temp memory grows by far less than L more full layers."""
+  """L vs 2L layers (2 vs 4) at the default width: temp memory grows by far less than L more full
+  layers."""
   def temp_and_params(layers: int, checkpointing: bool):
     cfg = GPTConfig(n_layers=layers)
     zero = ds_config(3)
@@ -189,9 +190,11 @@ def test_stage3_gathers_one_layer_at_a_time():
     return compiled.memory_analysis().temp_size_in_bytes, full
 
   for checkpointing, bound in ((False, 0.6), (True, 0.25)):
-    temp_l, full_l = temp_and_params(4, checkpointing)
-    temp_2l, full_2l = temp_and_params(8, checkpointing)
+    temp_l, full_l = temp_and_params(2, checkpointing)
+    temp_2l, full_2l = temp_and_params(4, checkpointing)
     extra_params = full_2l - full_l  # what holding the extra layers' full params would cost
+    print(f"checkpointing {checkpointing}: temp grows {(temp_2l - temp_l) / extra_params:.3f}x "
+          f"the extra layers' full params (bound {bound})")
     assert temp_2l - temp_l < bound * extra_params, (checkpointing, temp_l, temp_2l, extra_params)
 
 
