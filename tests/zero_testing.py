@@ -42,7 +42,7 @@ SAME_MATH = 1e-6
 #: in another order: d*u = 1.5e-5 in the worst case, sqrt(d)*u = 1e-6 for random rounding; the
 #: loss mean over the batch adds log2(8) roundings. 1e-5 sits between the typical and the worst
 #: case. (The 20-step exactness test of the default model does not use it: there the reference is
-#: float64, tests/test_engine.py.)
+#: float64, tests/train/test_engine.py.)
 VS_ONE_DEVICE = 1e-5
 
 

@@ -34,7 +34,7 @@ REAL_CONFIGS = {
     BF16_FULL: ["bf16.bf16_master_weights_and_grads=true", "bf16.bf16_optimizer_states=true",
                 "torch_autocast.enabled=true"],
     IMAGENET: ["fp16.auto_cast=true"],
-    # honoured since ZeRO++ exists; its hpZ group of 16 needs 16 devices (tests/test_zeropp.py)
+    # honoured since ZeRO++ exists; its hpZ group of 16 needs 16 devices (tests/comm/test_zeropp.py)
     "deepspeedai_DeepSpeed__docs__tutorials_zeropp.md.json": "ok",
     MEGATRON: "ok",
     "huggingface_accelerate__examples_deepspeed_config_templates_zero_stage2_offload_config.json":

@@ -98,8 +98,8 @@ def test_shipped_offload_configs_both_run():
   engine = make_engine(str(configs / "ds_zero3_offload.json"))
   engine.init(jax.random.key(0))
   # every leaf of this small model is under the config's persistence threshold (1e5), so the
-  # params stay on the device as DeepSpeed keeps persistent params (tests/test_param_offload.py
-  # offloads a model's partitioned params)
+  # params stay on the device as DeepSpeed keeps persistent params
+  # (tests/tiers/test_param_offload.py offloads a model's partitioned params)
   assert engine.plan.offloads and not engine.plan.param_offloads
   assert engine.config.zero_optimization.offload_param.device == "cpu"
 

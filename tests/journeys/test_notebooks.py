@@ -1,7 +1,7 @@
 """The notebooks run top to bottom headless, from any directory (each asserts its own key numbers
 inside), and are committed with their outputs, plots included, so that a reader on GitHub sees
 what they produce.
-(notebooks/zero3_to_flax.ipynb is executed by tests/test_checkpoint.py.)"""
+(notebooks/zero3_to_flax.ipynb is executed by tests/checkpoint/test_checkpoint.py.)"""
 
 from __future__ import annotations
 

@@ -399,7 +399,7 @@ def _worker_job(out: Path, devices: int) -> tuple[np.ndarray, dict[str, np.ndarr
 def test_stage3_across_processes_is_bitwise_reproducible(tmp_path):
   """The same 2-process x 1-device stage-3 run twice: bitwise-identical losses and parameters,
   and within 1e-6 of one process on 2 devices. (2 x 4 devices against one process on 8:
-  tests/test_multiprocess.py.)"""
+  tests/runtime/test_multiprocess.py.)"""
   from jzero.sharding.plan import flatten_paths
   from multiprocess_worker import BATCH, STAGE3, STEPS as WORKER_STEPS
   from zero_testing import SMALL, batches, ds_config, engine_run, max_relative_diff

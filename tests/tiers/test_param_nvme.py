@@ -12,7 +12,7 @@ device work; two processes over gloo (every partition read by the process that h
 devices) against one process without offload. The small GPT (2 scanned layers) with a persistence
 threshold of 1,000 elements: matrices and embeddings go to NVMe, biases and norms persist on the
 device. A process killed during
-a step with params on NVMe is tests/test_nvme.py's kill test (its second process).
+a step with params on NVMe is tests/tiers/test_nvme.py's kill test (its second process).
 """
 
 from __future__ import annotations
