@@ -166,7 +166,7 @@ def test_missing_nvme_path_is_created_when_its_parent_exists(tmp_path):
   missing parent stays an error (test_bad_nvme_paths_fail_before_the_first_step)."""
   path = tmp_path / "swap"
   with pytest.warns(jzero.JZeroWarning) as record:
-    engine = _engine(2, path)
+    engine = jzero.initialize(model_factory(), loss_fn, config(2, path))  # the user's call
   created = [w for w in record if "did not exist: jzero created it" in str(w.message)]
   assert len(created) == 1 and created[0].filename == __file__, [str(w.message) for w in record]
   assert str(path) in str(created[0].message)
