@@ -25,8 +25,7 @@ from flax import nnx
 import jzero
 from jzero import checkpoint
 from jzero.sharding.plan import path_str
-from zero_testing import SMALL, batches, ds_config, gpt_factory
-from jzero.models import lm_loss
+from zero_testing import SMALL, batches, ds_config, make_engine
 
 RESUME_STEPS = 20
 RESUME_AT = 10
@@ -48,7 +47,7 @@ RESUME_JOBS = ("fp32", "fp16")
 
 
 def resume_engine(job: str):
-  return jzero.initialize(gpt_factory(SMALL), lm_loss, resume_config(job))
+  return make_engine(resume_config(job))
 
 
 def flat(tree) -> dict:
@@ -85,7 +84,7 @@ def wide_loss(model: Wide, batch: dict) -> jax.Array:
 
 
 def wide_engine():
-  return jzero.initialize(lambda rngs: Wide(rngs), wide_loss, ds_config(3, micro=1))
+  return make_engine(ds_config(3, micro=1), lambda rngs: Wide(rngs), wide_loss)
 
 
 def _resume(directory: str, out: str) -> None:
@@ -108,7 +107,7 @@ def _save_and_wait(directory: str, step: int) -> None:
 
 
 def _load(directory: str) -> None:
-  engine = jzero.initialize(gpt_factory(SMALL), lm_loss, ds_config(2))
+  engine = make_engine(2)
   try:
     checkpoint.load_checkpoint(engine, directory)
   except jzero.CheckpointError as e:

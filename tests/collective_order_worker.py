@@ -1,4 +1,5 @@
-"""One process of tests/test_collective_order.py's multi-process runs; not a test module itself.
+"""One process of tests/comm/test_collective_order.py's multi-process runs; not a test module
+itself.
 
 Usage: python collective_order_worker.py PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS OUT_DIR
 

@@ -1,4 +1,4 @@
-"""Scripts a migrating user writes, run as subprocesses by tests/test_trust.py.
+"""Scripts a migrating user writes, run as subprocesses by tests/journeys/test_trust.py.
 
 ``python tests/exit_scenarios.py COMMAND ARGS``:
 

@@ -2,7 +2,8 @@
 
 Usage: python kill_during_save.py PHASE TAG -- <jzero train arguments>
 
-The kill is injected at a fixed point of the save code, not by timing (tests/test_kill_resume.py):
+The kill is injected at a fixed point of the save code, not by timing
+(tests/checkpoint/test_kill_resume.py):
 
 * ``before-commit``: when Orbax is about to rename the checkpoint's temporary directory to its tag;
 * ``before-files``: after Orbax's commit, before jzero records the file list (``jzero_files.json``);

@@ -1,4 +1,5 @@
-"""A training script run by tests/test_launch.py as several processes; not a test module itself.
+"""A training script run by tests/runtime/test_launch.py as several processes; not a test module
+itself.
 
 Usage: python launch_worker.py STEPS [--no-poll] [--save-dir DIR]
 

@@ -1,4 +1,5 @@
-"""One process of the multi-process tests (tests/test_multiprocess.py); not a test module itself.
+"""One process of the multi-process tests (tests/runtime/test_multiprocess.py); not a test module
+itself.
 
 Usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS OUT_DIR
 [zeropp | param-nvme]
@@ -9,10 +10,10 @@ trains 2 steps, saves a checkpoint (each process writes its own shards), restore
 state, trains 2 more steps and saves again. Process 0 writes the losses and the final logical
 params to OUT_DIR/result.npz; every process writes the shapes of the shards it held to
 OUT_DIR/shards_<id>.json. With ``zeropp`` the job runs ZeRO++ with qwZ, hpZ (one group per
-process: the default mesh laid out as node = process x local) and qgZ (tests/test_zeropp.py).
+process: the default mesh laid out as node = process x local) and qgZ (tests/comm/test_zeropp.py).
 With ``param-nvme`` the partitions live on the NVMe tier (``offload_param: nvme`` under
-OUT_DIR/nvme, every read from the disk; tests/test_param_nvme.py): each process reads and writes
-its own devices' rows.
+OUT_DIR/nvme, every read from the disk; tests/tiers/test_param_nvme.py): each process reads and
+writes its own devices' rows.
 """
 
 from __future__ import annotations

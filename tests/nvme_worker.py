@@ -1,4 +1,5 @@
-"""A tiny model for the NVMe-tier tests, and a script run as a subprocess by tests/test_nvme.py.
+"""A tiny model for the NVMe-tier tests, and a script run as a subprocess by
+tests/tiers/test_nvme.py.
 
 ``python tests/nvme_worker.py NVME_PATH OUT.npz [optimizer|params|infinity]``: train 2 steps with
 the optimizer state on the NVMe tier (stage 2; ``params``: stage 3 with the params there too;

@@ -1,6 +1,6 @@
 """A model defined outside jzero, for `jzero train --model tests/own_model.py:factory`
-(tests/test_cli.py): a byte-level MLP language model in Flax NNX with its loss beside it, and two
-regressors for .npz data (NNX and Linen) with theirs."""
+(tests/cli/test_cli.py): a byte-level MLP language model in Flax NNX with its loss beside it, and
+two regressors for .npz data (NNX and Linen) with theirs."""
 
 from __future__ import annotations
 

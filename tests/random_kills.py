@@ -1,6 +1,6 @@
 """``jzero train`` SIGKILLed at random moments, then resumed: every run must resume and save again.
-Not part of the default run (minutes); tests/test_kill_resume.py kills at each phase of a save
-deterministically.
+Not part of the default run (minutes); tests/checkpoint/test_kill_resume.py kills at each phase of a
+save deterministically.
 
   python tests/random_kills.py [--trials 20] [--seed 0]
 

@@ -1,4 +1,5 @@
-"""One process of the sharded weight-load test (tests/test_weights.py); not a test module itself.
+"""One process of the sharded weight-load test (tests/checkpoint/test_weights.py); not a test
+module itself.
 
 Usage: python weights_worker.py PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS WEIGHTS OUT_DIR
 

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import jzero
 from jzero.models import GPT, GPTConfig, lm_loss
 from jzero.runtime.data import ByteCorpus
 
@@ -41,7 +42,7 @@ SAME_MATH = 1e-6
 #: in another order: d*u = 1.5e-5 in the worst case, sqrt(d)*u = 1e-6 for random rounding; the
 #: loss mean over the batch adds log2(8) roundings. 1e-5 sits between the typical and the worst
 #: case. (The 20-step exactness test of the default model does not use it: there the reference is
-#: float64, tests/test_engine.py.)
+#: float64, tests/train/test_engine.py.)
 VS_ONE_DEVICE = 1e-5
 
 
@@ -63,6 +64,21 @@ def ds_config(stage: int, *, micro: int = 1, gas: int = 1, precision: str = "fp3
 
 def gpt_factory(cfg: GPTConfig):
   return lambda rngs: GPT(cfg, rngs=rngs)
+
+
+def make_engine(config: dict | int, model=SMALL, loss=lm_loss, **kw) -> jzero.Engine:
+  """The suite's one engine factory: ``jzero.initialize(model, loss, config, **kw)``.
+
+  ``config``: a config dict, or a ZeRO stage for :func:`ds_config`'s config of it. ``model``: a
+  GPTConfig for the in-repo GPT of that shape (SMALL by default, with ``lm_loss``), else what
+  ``jzero.initialize`` takes (an NNX factory or class, a Linen module). ``kw``: initialize's
+  keywords (``mesh``, ``init_inputs``, ``sample_batch``, ...).
+  """
+  if isinstance(config, int):
+    config = ds_config(config)
+  if isinstance(model, GPTConfig):
+    model = gpt_factory(model)
+  return jzero.initialize(model, loss, config, **kw)
 
 
 _CORPUS: dict[int, ByteCorpus] = {}

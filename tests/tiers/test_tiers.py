@@ -1,0 +1,67 @@
+"""The tier interface (jzero.tiers.base): a new tier is its own class plus one registry entry.
+
+A tier that hands each step's clipping factor out of the jitted step (``take_outputs``) and
+collects it after the step (``after_step``), registered by adding it to ``registry.TIERS``: the
+engine's step carries it out unchanged -- the run is bit for bit the plain one -- and every factor
+arrives, equal to DeepSpeed's ``min(1, clip / (norm + 1e-6))`` of the step's own norm."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jzero.tiers import registry
+from jzero.tiers.base import Tier
+from zero_testing import SMALL, batches, ds_config, make_engine
+
+N = 8
+
+
+class ClipFactorLog(Tier):
+  """Each step's clipping factor, taken out of the jit and kept on the host."""
+
+  name = "clip_factor_log"
+
+  def __init__(self):
+    self.factors: list[float] = []
+
+  @classmethod
+  def create(cls, engine):
+    return cls()
+
+  def take_outputs(self, engine, state, grads, factor):
+    return grads, factor
+
+  def output_specs(self, engine):
+    return P()
+
+  def after_step(self, engine, state, metrics, output):
+    self.factors.append(float(output))
+    return state
+
+
+def _run(config, data):
+  engine = make_engine(config)
+  state = engine.init(jax.random.key(0))
+  norms = []
+  for batch in data:
+    state, metrics = engine.train_step(state, engine.shard_batch(batch))
+    norms.append(float(metrics["grad_norm"]))
+  return engine, state, norms
+
+
+def test_a_registered_tier_gets_its_hooks_called(monkeypatch):
+  data = batches(SMALL.seq_len, N, 3)
+  config = {**ds_config(2), "gradient_clipping": 0.05}
+  plain, plain_state, _ = _run(config, data)
+  monkeypatch.setattr(registry, "TIERS", registry.TIERS + (ClipFactorLog,))
+  engine, state, norms = _run(config, data)
+  (log,) = [t for t in engine.tiers if isinstance(t, ClipFactorLog)]
+  assert [t.name for t in plain.tiers] == []
+  assert len(log.factors) == 3
+  np.testing.assert_allclose(log.factors, [min(1.0, 0.05 / (n + 1e-6)) for n in norms], rtol=1e-6)
+  assert min(log.factors) < 1.0  # the clip acted
+  for a, b in zip(jax.tree.leaves(engine.logical_params(state)),
+                  jax.tree.leaves(plain.logical_params(plain_state))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
