@@ -159,7 +159,7 @@ logits: at steps 1-3, where every run evaluates the same initial weights, they s
 from the fp32 run's -- bf16's own error of the loss, about 2^-8 relative -- so two bf16 runs may
 differ by twice that. jzero's bf16 continuation is 0.017 from DeepSpeed's (its loss is computed in
 fp32 from bf16 activations: it lies about 1e-4 (relative) from DeepSpeed's fp32 run).
-`tests/test_deepspeed_checkpoint.py` checks every shared checkpoint at ZeRO stages 1, 2 and 3 on
+`tests/checkpoint/test_deepspeed_checkpoint.py` checks every shared checkpoint at ZeRO stages 1, 2 and 3 on
 2 and 8 devices, the master bit for bit against DeepSpeed's own `zero_to_fp32`, and a crafted
 `.pt` that would run `os.system` (refused by name, nothing run). From here,
 `engine.save_checkpoint(state, dir)` writes a jzero checkpoint."""),

@@ -89,8 +89,8 @@ trajectory, one step behind, which still trains. (At a learning rate of 3e-3 ins
 qgZ's int4 gradients gave this model one bad step -- the loss jumped from 3.48 to 6.06 at step 11
 and recovered by step 12 -- while stage 3 went on smoothly: int4 gradients are coarse, which is
 why ZeRO++ reduces them in two hops with fine blocks.) The suite checks the same properties with
-tighter, reasoned bounds (tests/test_engine.py, tests/test_zeropp.py,
-tests/test_delayed_update.py)."""),
+tighter, reasoned bounds (tests/train/test_engine.py, tests/comm/test_zeropp.py,
+tests/tiers/test_delayed_update.py)."""),
 ]
 
 

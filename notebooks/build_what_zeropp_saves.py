@@ -337,7 +337,7 @@ The price is rounding. Every weight that travels is off by at most half of its i
 (absmax / 128), and every gradient by half of its int4 step (absmax / 8, which is coarse). The
 exception is the top of each block, which clips by up to one step. `same_loss.ipynb` shows what
 that does to a loss curve (within 2% over 12 steps). The suite checks the same bytes on this model
-in bf16 in `tests/test_zeropp.py`."""),
+in bf16 in `tests/comm/test_zeropp.py`."""),
 ]
 
 

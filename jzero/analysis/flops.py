@@ -7,7 +7,7 @@ is per device, and it includes what XLA really computes: the recomputed forward 
 checkpointing, the padding of uneven shards. XLA's own ``compiled.cost_analysis()["flops"]``
 (jax 0.10: a dict with "flops", "bytes accessed", ...) counts the body of a ``while`` loop once,
 so for jzero's scanned layers and micro-batches it reports one layer of one micro-batch; the
-count here agrees with it on a program without loops (tests/test_monitor.py).
+count here agrees with it on a program without loops (tests/train/test_monitor.py).
 
 **The peak** (:func:`peak_flops`) is said with its source, because an MFU is only as good as it:
 
