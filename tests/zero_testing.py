@@ -11,13 +11,21 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import jzero
 from jzero.models import GPT, GPTConfig, lm_loss
+from jzero.runtime import quiet_start
 from jzero.runtime.data import ByteCorpus
 
 LR, BETAS, EPS, WD, CLIP = 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
+
+#: Tests that compile for a GPU topology need XLA's CUDA compiler (the gpu-aot extra, which the
+#: test extra installs).
+needs_cuda_compiler = pytest.mark.skipif(
+    not quiet_start.cuda_plugin_installed(),
+    reason='needs the CUDA compiler plugin: pip install -e ".[gpu-aot]"')
 
 SMALL = GPTConfig(d_model=64, n_layers=2, n_heads=4, seq_len=32)
 

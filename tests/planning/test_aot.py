@@ -7,7 +7,6 @@ deterministic (bytes, counts, flags of the scheduled program); no wall time is a
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -27,15 +26,9 @@ from jzero.analysis.tables import format_count
 from jzero.errors import ConfigError, JZeroError
 from jzero.models import GPT, GPTConfig
 from jzero.models.gpt import PRESETS
+from zero_testing import needs_cuda_compiler
 
 CONFIGS = Path(__file__).parents[2] / "configs"
-try:
-  importlib.import_module("jax_plugins.xla_cuda12")
-  HAVE_PLUGIN = True
-except ImportError:
-  HAVE_PLUGIN = False
-needs_plugin = pytest.mark.skipif(
-    not HAVE_PLUGIN, reason='needs the CUDA compiler plugin: pip install -e ".[gpu-aot]"')
 
 BF16_ADAM = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "bf16": {"enabled": True}}
@@ -56,7 +49,7 @@ def _layer_gathers(report: aot.AotReport) -> list:
   return [c for c in report.collectives if c.kind == "all-gather" and c.count > 1]
 
 
-@needs_plugin
+@needs_cuda_compiler
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_default_model_compiles_for_8_h100_and_arguments_are_the_plans_state(stage):
   r = _compile(f"stage{stage}", stage=stage)
@@ -78,7 +71,7 @@ def test_default_model_compiles_for_8_h100_and_arguments_are_the_plans_state(sta
   assert r.temp > 0 and r.peak == r.argument + r.output + r.temp - r.alias
 
 
-@needs_plugin
+@needs_cuda_compiler
 def test_zeropp_step_calls_the_pallas_kernels():
   """qwZ + qgZ on 2 nodes x 4 H100s: the compiled step calls ZeRO++'s Pallas block kernels as
   Triton kernels (quantize before the int8 gather and the int4 all-to-alls, dequantize-sum after);
@@ -99,7 +92,7 @@ def test_zeropp_step_calls_the_pallas_kernels():
                           '"__gpu$xla.gpu.triton"\n%y = f32[8] add(%k, %k)') == 1
 
 
-@needs_plugin
+@needs_cuda_compiler
 def test_overlap_comm_makes_zero3_layer_gathers_async_and_overlapped():
   on = _compile("stage3", stage=3)  # DeepSpeed's default: overlap_comm true in stage 3
   off = _compile("stage3-no-overlap", stage=3, overlap_comm=False)
@@ -116,7 +109,7 @@ def test_overlap_comm_makes_zero3_layer_gathers_async_and_overlapped():
   assert gathered(on) == pytest.approx(gathered(off), rel=0.01)
 
 
-@needs_plugin
+@needs_cuda_compiler
 def test_smaller_buckets_give_more_smaller_combined_collectives():
   default = _compile("stage2", stage=2)
   # Stage 2 gathers the stacked layers' updated partitions one layer at a time inside a loop, so
@@ -144,7 +137,7 @@ def test_smaller_buckets_give_more_smaller_combined_collectives():
     assert total(ops_small) == pytest.approx(total(ops_default), rel=1e-6), kind
 
 
-@needs_plugin
+@needs_cuda_compiler
 def test_cli_json(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   out = subprocess.run(
@@ -163,7 +156,7 @@ def test_cli_json(tmp_path):
   assert fields <= set(report["collectives"][0])
 
 
-@needs_plugin
+@needs_cuda_compiler
 def test_compile_for_works_in_a_fresh_interpreter_without_jax_platforms():
   """From Python, as documented: no ``JAX_PLATFORMS=cpu`` set by hand on a machine without a GPU;
   the host side still runs on the CPU afterwards."""
@@ -179,7 +172,7 @@ def test_compile_for_works_in_a_fresh_interpreter_without_jax_platforms():
   assert out.stdout.split()[-3:] == ["1", "True", "cpu"]
 
 
-@needs_plugin
+@needs_cuda_compiler
 def test_report_table_names_every_part():
   report = _compile("stage3", stage=3)
   text = aot.format_report(report)
@@ -209,7 +202,7 @@ class _Mlp(nnx.Module):
     return self.down(jax.nn.relu(self.up(x)))
 
 
-@needs_plugin
+@needs_cuda_compiler
 def test_a_factory_model_is_labelled_by_its_class_and_a_readable_count():
   """A factory's model is named by the class it builds (it said 'function, 0.000B params')."""
   r = aot.compile_for(dict(BF16_ADAM, zero_optimization={"stage": 3}), "h100", 8,

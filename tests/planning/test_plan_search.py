@@ -3,7 +3,6 @@ GPU specs; the 7B and 1T reasoning by arithmetic; the cost model's formula; comp
 for the CPU target (cached) and for a GPU topology (device twin of an offload candidate); the
 written config training under `jzero train`; bad input named by its flag. No wall times."""
 
-import importlib
 import json
 
 import pytest
@@ -15,12 +14,8 @@ from jzero.models import GPTConfig
 from jzero.planning import plan_for
 from jzero.planning.candidates import Candidate, Job, candidates, gpt_for_params
 from jzero.planning.cost import Resources, cpu_hardware, gpu_hardware, predict
+from zero_testing import needs_cuda_compiler
 
-try:
-  importlib.import_module("jax_plugins.xla_cuda12")
-  HAVE_PLUGIN = True
-except ImportError:
-  HAVE_PLUGIN = False
 TINY = GPTConfig(d_model=64, n_layers=2, n_heads=2, seq_len=32)
 SMALL = GPTConfig(n_layers=2, seq_len=32)  # d 256: MLP leaves over the persistence threshold
 
@@ -144,8 +139,7 @@ def test_cpu_target_compiles_candidates_reads_recompute_and_caches(tmp_path):
   assert [r.name for r in again.ranked] == [r.name for r in plan.ranked]
 
 
-@pytest.mark.skipif(not HAVE_PLUGIN, reason='needs the CUDA compiler plugin: pip install -e '
-                    '".[gpu-aot]"')
+@needs_cuda_compiler
 def test_gpu_target_compiles_the_device_twin_of_an_offload_candidate(tmp_path):
   plan = plan_for(TINY, gpu="h100", devices=8, stages=(3,), micro_batches=(4,),
                   offload_tiers=("cpu",), checkpointing=("none",), compile_top=40,
