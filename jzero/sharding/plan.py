@@ -573,7 +573,8 @@ def make_plan(abstract_params: PyTree, layout: Layout, dtypes: Dtypes,
         unit=(layout.units or {}).get(p))
     leaves.append(_zeropp_leaf(leaf, zeropp, n) if zeropp.enabled else leaf)
   return Plan(stage=stage, mesh=layout.mesh, leaves=jax.tree_util.tree_unflatten(treedef, leaves),
-              compute_dtype=jnp.dtype(dtypes.compute), grad_accum_dtype=jnp.dtype(dtypes.grad_accum),
+              compute_dtype=jnp.dtype(dtypes.compute),
+              grad_accum_dtype=jnp.dtype(dtypes.grad_accum),
               comm_dtype=jnp.dtype(dtypes.comm or dtypes.compute),
               reduce_scatter=comm.reduce_scatter, reduce_bucket_size=comm.reduce_bucket_size,
               gather_bucket_size=comm.gather_bucket_size, overlap_comm=comm.overlap_comm,
@@ -581,8 +582,8 @@ def make_plan(abstract_params: PyTree, layout: Layout, dtypes: Dtypes,
 
 
 def _zeropp_leaf(leaf: LeafPlan, zeropp: ZeroPP, n: int) -> LeafPlan:
-  """A stage-3 leaf with its ZeRO++ collectives chosen (see :mod:`jzero.sharding.zeropp`, "What stays
-  plain"): block sizes come from the per-layer partition, the unit a scan or a gather unit
+  """A stage-3 leaf with its ZeRO++ collectives chosen (see :mod:`jzero.sharding.zeropp`, "What
+  stays plain"): block sizes come from the per-layer partition, the unit a scan or a gather unit
   moves."""
   if not leaf.grad_partitioned:
     return leaf

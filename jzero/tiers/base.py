@@ -197,8 +197,8 @@ class Tier:
   def new_param(self, engine: EngineView, leaf: Any, m_device: jax.Array, m: jax.Array,
                 old: jax.Array) -> jax.Array | None:
     """A leaf's new param after the update, or None to leave it to the next tier (and at last to
-    :func:`jzero.comm.layouts.compute_param` of ``m_device``). ``m``: the new master where it is stored;
-    ``old``: the state's param."""
+    :func:`jzero.comm.layouts.compute_param` of ``m_device``). ``m``: the new master where it is
+    stored; ``old``: the state's param."""
     return None
 
   def place_params(self, engine: EngineView, params: PyTree, master: PyTree) -> PyTree:

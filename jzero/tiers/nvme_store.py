@@ -533,8 +533,8 @@ class NvmeStore:
       return new_m, [n for n, f in zip(out, flags) if f], params
 
     pspec = [s for s, keep in zip(pspec, in_state) if keep]
-    fn = jax.jit(program.shard_map(plan, body, (sspec, P(), sspec, [sspec] * n_nodes, [P()] * n_other),
-                                (sspec, [sspec] * n_nodes, pspec)),
+    in_specs = (sspec, P(), sspec, [sspec] * n_nodes, [P()] * n_other)
+    fn = jax.jit(program.shard_map(plan, body, in_specs, (sspec, [sspec] * n_nodes, pspec)),
                  donate_argnums=(0, 2, 3), compiler_options=program.compile_options(plan) or None)
     self._fns[g] = fn
     return fn

@@ -159,7 +159,7 @@ class Engine:
     """``wall_clock_breakdown``: each step's forward+backward and update times."""
     return self._reporter.timings
 
-  # -- the plan, the tiers, the step's parts ---------------------------------------------------------
+  # -- the plan, the tiers, the step's parts -------------------------------------------------------
   def _require_plan(self) -> Plan:
     if self.plan is None:
       raise JZeroError("the engine has no plan yet: call engine.init(rng) first (or "
@@ -293,7 +293,7 @@ class Engine:
     return self._batches.shard(batch, self.batch_sharding, process_local,
                                self._tracer())
 
-  # -- steps ------------------------------------------------------------------------------------------
+  # -- steps ---------------------------------------------------------------------------------------
   def _variants(self, state: TrainState | None, step: int | None, fused: bool = True) -> dict:
     """The step variant each tier asks for (:meth:`jzero.tiers.base.Tier.variant`), by name."""
     return {t.name: v for t in self.tiers

@@ -124,7 +124,9 @@ class StepParts:
     return takes_rng(self.loss_fn)
 
   def call_loss(self, model: Any, batch: PyTree, rng: jax.Array | None) -> Any:
-    return self.loss_fn(model, batch, rng=rng) if self.loss_takes_rng else self.loss_fn(model, batch)
+    if self.loss_takes_rng:
+      return self.loss_fn(model, batch, rng=rng)
+    return self.loss_fn(model, batch)
 
 
 @dataclasses.dataclass
@@ -200,7 +202,7 @@ def bind(parts: StepParts, targets: PyTree, params: PyTree, secondary: PyTree = 
   return parts.model.bind(plan.map(leaf_param, targets, params, secondary), units)
 
 
-# -- forward, backward, reduction --------------------------------------------------------------------
+# -- forward, backward, reduction ------------------------------------------------------------------
 def _reduce_micro(plan: Plan, leaf: LeafPlan, g: jax.Array, accumulate: bool) -> jax.Array:
   """A micro-batch's gradient -> what the accumulator holds.
 
@@ -279,7 +281,8 @@ def local_grads(parts: StepParts, trace: StepTrace, state: TrainState, batch: Py
     (loss, aux, grads), _ = lax.scan(accumulate, zeros, (micro_batches, jnp.arange(gas)))
     loss, aux = loss / gas, jax.tree.map(lambda a: a / gas, aux)
   mean = lambda x: lax.pmean(x, axes.batch_axes)
-  return plan.map(functools.partial(_reduce_final, plan), grads), mean(loss), jax.tree.map(mean, aux)
+  grads = plan.map(functools.partial(_reduce_final, plan), grads)
+  return grads, mean(loss), jax.tree.map(mean, aux)
 
 
 def trace_loss(parts: StepParts, batch: PyTree) -> None:

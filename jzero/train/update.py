@@ -48,7 +48,8 @@ def local_update(parts: StepParts, state: TrainState, grads: PyTree, loss: jax.A
   """Overflow check, unscale, clip by the global norm, optimizer update -> (state, metrics,
   outputs): ``outputs`` is what tiers hand out of the jit for their work after it, by tier name
   (``{}`` when none does). ``variants``: the step variant each tier asked for, by name."""
-  plan, axes, tiers, view, settings = parts.plan, parts.plan.mesh, parts.tiers, parts.tier_view, parts.settings
+  plan, tiers, view, settings = parts.plan, parts.tiers, parts.tier_view, parts.settings
+  axes = plan.mesh
   variants = variants or {}
   variant = lambda tier: variants.get(tier.name)
   scale = state.loss_scale.scale
