@@ -14,12 +14,15 @@ module:
 from __future__ import annotations
 
 import functools
+import re
+import warnings
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from jzero.comm import collective_order
+from jzero.errors import JZeroWarning
 
 __all__ = ["CPU_OPTIONS", "compile_options", "prefetches", "shard_map"]
 
@@ -90,7 +93,48 @@ def compile_options(plan: Any) -> dict[str, Any]:
   options["xla_gpu_enable_latency_hiding_scheduler"] = True
   if plan.stage == 3 and plan.gather_bucket_size > 0:
     options["xla_gpu_enable_pipelined_all_gather"] = True
-  return options
+  known = _known_options(plan.mesh.mesh.devices.flat[0], tuple(options))
+  return {name: value for name, value in options.items() if name in known}
+
+
+_UNKNOWN_OPTION = re.compile(r"No such compile option: '(\w+)'")
+
+
+@functools.lru_cache(maxsize=None)
+def _known_options(device: Any, names: tuple[str, ...]) -> frozenset[str]:
+  """The option ``names`` the compiler of ``device`` knows: XLA renames and retires its GPU
+  options between releases (``xla_gpu_enable_pipelined_all_gather`` is gone from jax 0.11's), and
+  an unknown one fails the compile. One probe compile per device kind and option set; each option
+  dropped is said once (a JZeroWarning naming it and what it carried)."""
+  probe = jax.ShapeDtypeStruct((), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+  defaults = {"xla_gpu_disable_async_collectives": "ALLCOLLECTIVES"}
+  known = set(names)
+  while known:
+    try:
+      jax.jit(lambda x: x + 1).lower(probe).compile(
+          compiler_options={n: defaults.get(n, 0 if "bytes" in n else True) for n in known})
+      break
+    except Exception as e:  # pylint: disable=broad-except  (the compiler's own error type)
+      unknown = _UNKNOWN_OPTION.search(str(e))
+      if unknown is None or unknown.group(1) not in known:
+        raise
+      known.discard(unknown.group(1))
+      warnings.warn(f"XLA's compiler for {device.platform} (jax {jax.__version__}) has no option "
+                    f"{unknown.group(1)!r}; jzero compiles without it "
+                    f"({_CARRIES.get(unknown.group(1), 'an XLA tuning option')}).",
+                    JZeroWarning, stacklevel=2)
+  return frozenset(known)
+
+
+# What each GPU option carries, for the warning when a compiler no longer knows it.
+_CARRIES = {
+    "xla_gpu_enable_pipelined_all_gather": "ZeRO-3's prefetch of the next layer's parameters "
+                                           "(stage3_prefetch_bucket_size); XLA's own default "
+                                           "pipelining applies",
+    "xla_gpu_enable_latency_hiding_scheduler": "overlap_comm's scheduling of compute between "
+                                               "each collective's start and done",
+    "xla_gpu_disable_async_collectives": "overlap_comm: false (synchronous collectives)",
+}
 
 
 def prefetches(plan: Any) -> bool:

@@ -47,7 +47,8 @@ each host leaf's output stays on the host: every buffer keeps its kind, and ever
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import inspect
+from typing import Any, Callable
 
 import jax
 import optax
@@ -58,7 +59,7 @@ from jzero.sharding.plan import Placement
 from jzero.tiers.base import EngineView, Tier
 
 __all__ = ["DEFAULT_UPDATE", "UPDATE_MODES", "OffloadSettings", "settings_from_config",
-           "choose_offloaded", "apply_update", "host_compute", "to_device", "to_host", "split_state",
+           "choose_offloaded", "apply_update", "on_host", "to_device", "to_host", "split_state",
            "HostOptimizerTier"]
 
 PyTree = Any
@@ -125,15 +126,20 @@ def choose_offloaded(sizes: dict[str, int], ratio: float) -> set[str]:
   return chosen
 
 
-def host_compute():
-  """``compute_on("device_host")`` as this JAX spells it (a context manager in 0.10; later
-  versions only have the decorator form, which jzero does not use yet)."""
-  from jax.experimental import compute_on as module
-  fn = getattr(module, "compute_on", None)
-  if fn is None:  # pragma: no cover - depends on the JAX version
+def on_host(fn: Callable[..., Any], *args: Any) -> Any:
+  """``fn(*args)`` computed by the host (``compute_on("device_host")``), its results in host
+  memory. JAX 0.10 spells it as a context manager; JAX 0.11 only as a function wrapper that takes
+  the results' memory spaces (0.10's ``compute_on2``)."""
+  from jax.experimental import compute_on as module  # noqa: PLC0415
+
+  wrapper = getattr(module, "compute_on", None)
+  if wrapper is None:  # pragma: no cover - depends on the JAX version
     raise ConfigError("this JAX has no jax.experimental.compute_on.compute_on: use "
                       "zero_optimization.offload_optimizer.update: stream.")
-  return fn("device_host")
+  if "out_memory_spaces" in inspect.signature(wrapper).parameters:
+    return wrapper(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(*args)
+  with wrapper("device_host"):
+    return fn(*args)
 
 
 def to_device(x: jax.Array) -> jax.Array:
@@ -249,10 +255,11 @@ def _host_update(tx, g, s, m, flags, moved, node_def, host_m):
   # count, leaves of a mixed group that stay on the device) goes over and comes back.
   s = [[x if h else to_host(x) for x, h in zip(node, moved)] if f else to_host(node)
        for node, f in zip(s, flags)]
-  with host_compute():
-    state = jax.tree.unflatten(node_def, s)
-    updates, state = tx.update(g, state, m_in)
-    m_out = optax.apply_updates(m_in, updates)
+  def update(g, s, m_in):
+    updates, state = tx.update(g, jax.tree.unflatten(node_def, s), m_in)
+    return optax.apply_updates(m_in, updates), state
+
+  m_out, state = on_host(update, g, s, m_in)
   s_out = node_def.flatten_up_to(state)
   # Device-resident parts of the state (the step count) come back to the device.
   s_out = [[x if h else to_device(x) for x, h in zip(node, moved)] if f else to_device(node)
