@@ -1,11 +1,14 @@
 """Validating ``jzero plan``'s cost model where a step can be run: this machine's CPU.
 
-  python bench/plan_validation.py [--steps 5] [--compile-top 10] [--out bench/out]
+  python bench/plan_validation.py [--steps 3] [--micro-batches 4 1] [--checkpointing none block]
+                                  [--compile-top N] [--out bench/out]
 
 Plans the default job (the embedded GPT, configs/zero3.json's model and micro-batch x 8 devices
 = global batch 32) for 8 simulated CPU devices with this CPU's measured FLOP rate and memory
-bandwidth as the "hardware" (:func:`jzero.planning.cost.cpu_hardware`), compiles the plausible
-candidates, runs every one that fits for ``--steps`` timed steps (after 2 warm-up steps; the
+bandwidth as the "hardware" (:func:`jzero.planning.cost.cpu_hardware`): ZeRO stages 1-3, optimizer
+and parameter offload to the host, the given micro-batches and checkpointing choices. Compiles
+every plausible candidate (``--compile-top``), runs every one that fits for ``--steps`` timed
+steps (after 2 warm-up steps; the
 median is the measured step), and prints predicted against measured with the Spearman rank
 correlation and the chosen candidate's measured time over the best measured. Measured times
 depend on a quiet machine: the table says how many cores this process had, and the spread of
@@ -69,8 +72,10 @@ def measure(config: dict, steps: int) -> list[float]:
 
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--steps", type=int, default=5)
-  p.add_argument("--compile-top", type=int, default=10)
+  p.add_argument("--steps", type=int, default=3)
+  p.add_argument("--compile-top", type=int, default=1000, help="default: every plausible one")
+  p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 1])
+  p.add_argument("--checkpointing", nargs="+", default=["none", "block"])
   p.add_argument("--out", default="bench/out")
   args = p.parse_args()
   import jzero  # noqa: PLC0415
@@ -82,7 +87,9 @@ def main() -> int:
   hw = cpu_hardware(8)
   with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as nvme:
     plan = plan_for("default", gpu=None, hardware=hw, stages=(1, 2, 3), offload_tiers=("cpu",),
-                    compile_top=args.compile_top, cache_dir=cache, global_batch=32)
+                    micro_batches=tuple(args.micro_batches),
+                    checkpointing=tuple(args.checkpointing), compile_top=args.compile_top,
+                    cache_dir=cache, global_batch=32)
     rows = []
     for r in plan.ranked:
       config = r.candidate.deepspeed_config(plan.job, 8, nvme_path=nvme)
@@ -90,8 +97,9 @@ def main() -> int:
       rows.append({"name": r.name, "predicted_s": r.prediction.seconds,
                    "bound": r.prediction.bound, "measured_s": statistics.median(times),
                    "spread": max(times) / min(times)})
-      print(f"{r.name}: predicted {r.prediction.seconds * 1e3:.1f} ms, measured "
-            f"{rows[-1]['measured_s'] * 1e3:.1f} ms", file=sys.stderr, flush=True)
+      print(f"[{len(rows)}/{len(plan.ranked)}] {r.name}: predicted "
+            f"{r.prediction.seconds * 1e3:.1f} ms, measured {rows[-1]['measured_s'] * 1e3:.1f} ms",
+            file=sys.stderr, flush=True)
   rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
   best = min(r["measured_s"] for r in rows)
   chosen_ratio = rows[0]["measured_s"] / best

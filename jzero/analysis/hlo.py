@@ -365,6 +365,59 @@ def matmul_flops(hlo_text: str) -> float:
   return total
 
 
+# Instructions that move no data of their own (views, tuples, control) or are counted elsewhere.
+_NO_TRAFFIC = frozenset((
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional",
+    "call", "after-all", "partition-id", "replica-id", "add-dependency", "opt-barrier",
+    "copy-done", "send-done", "recv-done"))
+
+
+def memory_traffic(hlo_text: str) -> float:
+  """Bytes the non-matmul instructions of one run of an optimized HLO module read and write (one
+  device's program): for every instruction of the entry and of the computations it runs (loop
+  bodies times their ``known_trip_count``, conditional branches, calls) -- not the bodies of
+  fusions or reducers, whose traffic is their fusion's --, its operands' bytes plus its result's.
+  Matrix multiplications (``dot``, fusions and custom calls around one) are left out: their time is
+  the FLOPs' (:func:`matmul_flops`); collectives too (:func:`collectives`). The rest -- elementwise
+  work, normalizations, softmax, the optimizer update, copies between memory kinds -- is bound by
+  memory bandwidth, which this count divides into a time (:func:`jzero.planning.cost.predict`).
+  """
+  comps, calls, entry = _parse_module(hlo_text)
+  fused = set()
+  for insts in comps.values():
+    for _, _, op, rest in insts:
+      if op != "while" and op != "conditional" and op != "call":
+        fused.update(_CALLS.findall(rest))
+  runs: dict[str, int] = collections.defaultdict(int)
+
+  def visit(comp: str, mult: int) -> None:
+    runs[comp] += mult
+    for callee, trips in calls.get(comp, ()):
+      if callee in comps and callee not in fused:
+        visit(callee, mult * trips)
+
+  visit(entry, 1)
+  matmul_bodies = {comp for comp, insts in comps.items()
+                   if any(op in ("dot", "convolution") for _, _, op, _ in insts)}
+  total = 0.0
+  for comp, insts in comps.items():
+    if not runs.get(comp) or comp in fused:
+      continue
+    types = {name: type_str for name, type_str, _, _ in insts}
+    for name, type_str, op, rest in insts:
+      kind = op.removesuffix("-start")
+      if op in _NO_TRAFFIC or kind in KINDS or op.endswith("-done") or op == "dot":
+        continue
+      callee = _CALLEE.search(rest)
+      if op == "custom-call" and _MATMUL.search(callee[1] if callee else ""):
+        continue
+      if op == "fusion" and callee and callee[1] in matmul_bodies:
+        continue
+      read = sum(_type_bytes(types.get(o, "")) for o in _operands(rest))
+      total += (read + _type_bytes(type_str)) * runs[comp]
+  return total
+
+
 def _compute_in_flight(insts: list[tuple[str, str, str, str]], start: int,
                        name: str) -> tuple[int, int]:
   """(compute instructions, of which matmuls) scheduled after ``insts[start]`` and before the done

@@ -165,6 +165,8 @@ class AotReport:
       int4 block kernels (``kernels/``); 0 without qwZ / qgZ.
     matmul_flops: FLOPs of the program's matrix multiplications per device per step, recompute
       included (:func:`jzero.analysis.hlo.matmul_flops`).
+    memory_traffic: bytes its other instructions read and write per device per step
+      (:func:`jzero.analysis.hlo.memory_traffic`).
     xla_options: the compile options the plan passed (bucket and overlap knobs).
   """
 
@@ -195,6 +197,7 @@ class AotReport:
   xla_options: dict[str, Any]
   pallas_kernels: int = 0
   matmul_flops: float = 0.0
+  memory_traffic: float = 0.0
 
   @property
   def kinds(self) -> tuple[str, ...]:
@@ -501,7 +504,7 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
   compiled = lowered.compile()
   t3 = time.perf_counter()
   say(f"compiled in {t3 - t2:.1f} s")
-  from jzero.analysis.hlo import collectives, matmul_flops  # noqa: PLC0415
+  from jzero.analysis.hlo import collectives, matmul_flops, memory_traffic  # noqa: PLC0415
 
   analysis = compiled.memory_analysis()
   hlo = compiled.as_text()
@@ -517,7 +520,7 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
       device_memory=spec.memory_bytes, memory_fraction=memory_fraction, trace_s=t1 - t0,
       lower_s=t2 - t1, compile_s=t3 - t2, collectives=collectives(hlo, zmesh),
       xla_options=program.compile_options(engine.plan), pallas_kernels=pallas_calls(hlo),
-      matmul_flops=matmul_flops(hlo))
+      matmul_flops=matmul_flops(hlo), memory_traffic=memory_traffic(hlo))
 
 
 def pallas_calls(hlo_text: str) -> int:

@@ -199,6 +199,7 @@ class Estimated:
   nvme_bytes: float  # per node
   resources: Resources
   estimate: est.Estimate
+  host_update_share: float = 0.0  # per device: bytes of the update the host tier runs
 
 
 def _leaves(model: Any) -> list[est.ParamShape]:
@@ -262,8 +263,9 @@ def estimated(c: Candidate, job: Job, hw: Hardware, leaves: list | None = None) 
   if c.offload_param == "nvme":
     nvme += per_node * e.tier_total("nvme") * gas * 2
   resources = Resources(
-      flops=flops, device_update_bytes=(1 - r) * update, intra_node_bytes=intra,
+      flops=flops, memory_bytes=(1 - r) * update, intra_node_bytes=intra,
       inter_node_bytes=inter, overlap=1.0 if c.stage == 3 else 0.0, pcie_bytes=pcie,
       host_update_bytes=per_node * r * update, nvme_traffic=nvme, source="estimator")
   return Estimated(device_bytes=e.device_total, host_bytes=e.host_per_node + per_node * host_acts,
-                   nvme_bytes=e.tier_total("nvme") * per_node, resources=resources, estimate=e)
+                   nvme_bytes=e.tier_total("nvme") * per_node, resources=resources, estimate=e,
+                   host_update_share=r * update)

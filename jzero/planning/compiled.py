@@ -4,7 +4,8 @@ For a GPU target the step is compiled by :func:`jzero.planning.aot.compile_for` 
 compiler, compile-only devices, no GPU needed); for the CPU target, on this process's own devices
 through :meth:`jzero.Engine.compile_step` with the state abstract (nothing is allocated). From the
 compiled program :class:`Compiled` keeps the per-device peak (``memory_analysis()``: arguments +
-outputs + temporaries - aliased), the matmul FLOPs with their loop counts (recompute included),
+outputs + temporaries - aliased), the matmul FLOPs with their loop counts (recompute included), the
+bytes the other instructions read and write (:func:`jzero.analysis.hlo.memory_traffic`),
 the collective bytes sent per step split into those inside a node and those crossing nodes (by the
 mesh axes their replica groups span: a collective over a ``node`` axis, or over the flat data
 axis of a multi-node topology, crosses), and the share of those bytes the schedule overlaps with
@@ -42,11 +43,15 @@ class Compiled:
 
   peak: float
   flops: float
+  memory_bytes: float  # non-matmul traffic (jzero.analysis.hlo.memory_traffic)
   intra_node_bytes: float
   inter_node_bytes: float
   overlap: float
   compile_s: float
   cached: bool = False
+
+
+_FORMAT = 2  # of a cached Compiled: 2 added memory_bytes
 
 
 def default_cache_dir() -> Path:
@@ -66,7 +71,7 @@ def _key(config: dict, target: str, devices: int, nodes: int, model: Any) -> str
   from jzero.version import __version__  # noqa: PLC0415
 
   text = json.dumps([config, target, devices, nodes, dataclasses.asdict(model), jax.__version__,
-                     __version__], sort_keys=True, default=str)
+                     __version__, _FORMAT], sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -89,7 +94,8 @@ def _compile_gpu(config: dict, gpu: str, devices: int, nodes: int, model: Any) -
 
   report = compile_for(config, gpu, devices, nodes=nodes, model=model)
   intra, inter, overlap = _split(report.collectives, nodes)
-  return Compiled(peak=report.peak, flops=report.matmul_flops, intra_node_bytes=intra,
+  return Compiled(peak=report.peak, flops=report.matmul_flops,
+                  memory_bytes=report.memory_traffic, intra_node_bytes=intra,
                   inter_node_bytes=inter, overlap=overlap,
                   compile_s=report.trace_s + report.lower_s + report.compile_s)
 
@@ -98,7 +104,7 @@ def _compile_cpu(config: dict, model: Any) -> Compiled:
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
-  from jzero.analysis.hlo import collectives, matmul_flops  # noqa: PLC0415
+  from jzero.analysis.hlo import collectives, matmul_flops, memory_traffic  # noqa: PLC0415
   from jzero.models import GPT, lm_loss  # noqa: PLC0415
   from jzero.train.initialize import initialize  # noqa: PLC0415
 
@@ -113,7 +119,8 @@ def _compile_cpu(config: dict, model: Any) -> Compiled:
   intra, inter, overlap = _split(collectives(hlo, engine.mesh), 1)
   peak = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
           + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
-  return Compiled(peak=peak, flops=matmul_flops(hlo), intra_node_bytes=intra,
+  return Compiled(peak=peak, flops=matmul_flops(hlo), memory_bytes=memory_traffic(hlo),
+                  intra_node_bytes=intra,
                   inter_node_bytes=inter, overlap=overlap, compile_s=time.perf_counter() - t0)
 
 
@@ -130,7 +137,8 @@ def compile_candidate(config: dict, target: str, devices: int, nodes: int, model
     return dataclasses.replace(Compiled(**json.loads(path.read_text())), cached=True)
   result = (_compile_cpu(config, model) if target == "cpu"
             else _compile_gpu(config, target, devices, nodes, model))
-  if not all(math.isfinite(v) for v in (result.peak, result.flops, result.overlap)):
+  if not all(math.isfinite(v) for v in (result.peak, result.flops, result.memory_bytes,
+                                         result.overlap)):
     return result
   cache.mkdir(parents=True, exist_ok=True)
   tmp = path.with_suffix(".tmp")

@@ -6,13 +6,18 @@ host and device, bytes the host-side optimizer touches in host memory, and bytes
 written to NVMe. Each is turned into seconds by one rate of the target (:class:`Hardware`), and the
 step is
 
-    compute  = FLOPs / (peak x matmul_efficiency) + device optimizer bytes / HBM bandwidth
+    compute  = FLOPs / (peak x matmul_efficiency) + memory bytes / HBM bandwidth
     network  = intra-node bytes / intra-node bandwidth + inter-node bytes / inter-node bandwidth
     offload  = max(PCIe bytes / PCIe bandwidth, host update bytes / host memory bandwidth,
                    NVMe bytes / NVMe bandwidth)
     step     = max(compute, overlap x network) + (1 - overlap) x network + offload
 
-``overlap`` is the share of the collective bytes that the compiled schedule runs with compute in
+*FLOPs* are the matrix multiplications' (recompute included); *memory bytes* what the rest of the
+step -- elementwise work, normalizations, softmax, the optimizer update, copies -- reads and writes
+in device memory, each instruction bound by bandwidth rather than arithmetic (the roofline's two
+sides, added because the two kinds of instruction run one after the other). Arithmetic knows only
+the optimizer update's bytes; a compiled candidate's are counted in its program
+(:func:`jzero.analysis.hlo.memory_traffic`). ``overlap`` is the share of the collective bytes that the compiled schedule runs with compute in
 flight (:attr:`jzero.planning.aot.AotReport.overlap_fraction`; without a compile, 1 where the
 config asks for ``overlap_comm`` in stage 3 and 0 otherwise, as jzero's defaults compile). The
 offload streams overlap one another (a pipeline of PCIe, host memory and NVMe) but not the device's
@@ -227,7 +232,8 @@ class Resources:
 
   Attributes:
     flops: matmul FLOPs (recomputed forward included).
-    device_update_bytes: bytes the on-device optimizer update reads and writes.
+    memory_bytes: bytes the non-matmul work reads and writes in device memory: the on-device
+      optimizer update's (estimator), or every non-matmul instruction's of the compiled step.
     intra_node_bytes, inter_node_bytes: collective bytes one device sends within / across nodes.
     overlap: share of the collective bytes the schedule runs with compute in flight.
     pcie_bytes: bytes between host and device, both ways.
@@ -237,7 +243,7 @@ class Resources:
   """
 
   flops: float
-  device_update_bytes: float
+  memory_bytes: float
   intra_node_bytes: float
   inter_node_bytes: float
   overlap: float
@@ -259,7 +265,7 @@ class Prediction:
 def predict(r: Resources, hw: Hardware) -> Prediction:
   """The step time :class:`Resources` predict on ``hw`` (the formula: module docstring)."""
   compute = (r.flops / (hw.peak_flops.value * hw.matmul_efficiency.value)
-             + r.device_update_bytes / hw.hbm_bandwidth.value)
+             + r.memory_bytes / hw.hbm_bandwidth.value)
   network = (r.intra_node_bytes / hw.intra_node_bandwidth.value
              + r.inter_node_bytes / hw.inter_node_bandwidth.value)
   terms = {"compute": compute, "network": network,

@@ -153,11 +153,15 @@ def _offloaded(cand: Candidate, e: Estimated, job: Job, hw: Hardware, leaves: li
 
 
 def _with_compiled(e: Estimated, c: Compiled) -> Resources:
-  """The estimator's resources with the compiled FLOPs, collectives and overlap. The FLOPs are
+  """The estimator's resources with the compiled FLOPs, memory bytes, collectives and overlap.
+  The compiled memory bytes less the update the host tier runs (its bytes are the host term's;
+  on a GPU target the compiled twin runs the whole update on the device). The FLOPs are
   the larger of the compiled count and the arithmetic: in XLA's GPU program of a stage-3 step the
   HLO count misses about half the matmuls (gemms inside loops whose trip count the scheduled
   program no longer states), so it is a lower bound there."""
   return dataclasses.replace(e.resources, flops=max(c.flops, e.resources.flops),
+                             memory_bytes=max(c.memory_bytes - e.host_update_share,
+                                              e.resources.memory_bytes),
                              intra_node_bytes=c.intra_node_bytes,
                              inter_node_bytes=c.inter_node_bytes, overlap=c.overlap,
                              source="compiled")

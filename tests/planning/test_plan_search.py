@@ -69,7 +69,7 @@ def test_cost_model_terms_overlap_and_bound():
   assert hw.peak_flops.value == 989.5e12 and "datasheet" in hw.peak_flops.source
   assert hw.hbm_bandwidth.value == 3.35232e12 and "spec" in hw.hbm_bandwidth.source
   assert all(c.source for c in hw.constants().values())
-  r = Resources(flops=989.5e12 * 0.5, device_update_bytes=0, intra_node_bytes=450e9 * 2,
+  r = Resources(flops=989.5e12 * 0.5, memory_bytes=0, intra_node_bytes=450e9 * 2,
                 inter_node_bytes=0, overlap=0.5, pcie_bytes=64e9 * 0.25, host_update_bytes=0,
                 nvme_traffic=0, source="test")
   p = predict(r, hw)  # compute 1 s, network 2 s half hidden, PCIe 0.25 s after the step
