@@ -187,7 +187,7 @@ def _time(sides: dict, ref: str, this: str, args: argparse.Namespace) -> None:
 def _compare_memory(sides: dict, ref: str, this: str) -> None:
   mem = {name: _memory(*sides[name]) for name in (ref, this)}
   mib = lambda b: f"{b / 2**20:.2f} MiB"
-  print(f"\nCompiled step, fp32, 8 CPU devices: XLA's memory_analysis()\n")
+  print("\nCompiled step, fp32, 8 CPU devices: XLA's memory_analysis()\n")
   print(f"| model | {ref} temp | {this} temp | ratio | {ref} arguments | {this} arguments |")
   print("|---|---|---|---|---|---|")
   for row in mem[ref]:

@@ -113,7 +113,6 @@ def main() -> int:
   import jax
   jax.config.update("jax_num_cpu_devices", args.devices)
   import numpy as np
-  import jzero
   from jzero.runtime.data import ByteCorpus
   from jzero.analysis.estimate import format_bytes
   from jzero.models import GPT, GPTConfig, lm_loss

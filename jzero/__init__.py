@@ -26,7 +26,8 @@ from jzero.errors import (CheckpointError, ConfigError, DataError, JZeroError,  
                           JZeroWarning, MeshError, NotSupportedError, Preempted)
 from jzero.modeling.layer_scan import gather, linen_scan_layers, remat, scan_layers  # noqa: E402
 from jzero.sharding.mesh import MeshSpec, ZeroMesh, simulate_cpu_devices  # noqa: E402
-from jzero.sharding.plan import Plan, make_plan  # noqa: E402
+from jzero.sharding.plan import Plan  # noqa: E402
+from jzero.sharding.planner import make_plan  # noqa: E402
 from jzero.version import __version__  # noqa: E402,F401  (jzero.__version__)
 
 # Like DeepSpeed's logger: step reports (every steps_per_print) go to stdout unless the user

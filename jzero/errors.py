@@ -7,8 +7,10 @@ work starts, so a user never sees a traceback from inside JAX for a mistake in t
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 __all__ = ["JZeroError", "ConfigError", "NotSupportedError", "MeshError", "CheckpointError",
-           "DataError", "Preempted", "JZeroWarning"]
+           "DataError", "Preempted", "JZeroWarning", "refuse_deepspeed_call"]
 
 
 class JZeroError(Exception):
@@ -48,3 +50,18 @@ class Preempted(JZeroError):
 
 class JZeroWarning(UserWarning):
   """A setting jzero accepts but handles differently from DeepSpeed (the message says how)."""
+
+
+_TRAIN_STEP_HINT = (
+    "{call}: jzero's engine has no separate forward, backward and step (DeepSpeed's "
+    "loss = engine(batch); engine.backward(loss); engine.step()). One compiled call does all "
+    "three on the state it returns: state, metrics = engine.train_step(state, batch) "
+    "(metrics['loss'] is the loss; engine.eval_loss(state, batch) evaluates without an update).")
+
+
+def refuse_deepspeed_call(call: str) -> Callable[..., Any]:
+  """A method that refuses DeepSpeed's ``call`` (``engine(batch)``, ``engine.backward(loss)``,
+  ``engine.step()``) with what jzero does instead."""
+  def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+    raise JZeroError(_TRAIN_STEP_HINT.format(call=call))
+  return refuse

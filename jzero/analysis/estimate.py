@@ -65,6 +65,11 @@ How this relates to DeepSpeed's estimators (``estimate_zero2_model_states_mem_ne
   (2 + 12)Ψ/nodes and (2 + 2 + 12)Ψ/nodes, with no buffer factor.
 The measured side -- what a live engine holds next to this prediction -- is
 :mod:`jzero.analysis.memory_report`.
+
+**Why one module of over 500 lines.** The estimator is one model: the per-stage arithmetic, the
+persistence, gathered-layer and activation terms it adds, the offload rules, and the
+recommendation that inverts it read the same constants and are checked together
+(tests/analysis/test_memory.py); the last 70 lines print it as a table.
 """
 
 from __future__ import annotations

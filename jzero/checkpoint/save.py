@@ -61,7 +61,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jzero.checkpoint import layout
 from jzero.checkpoint.layout import (DELETING, FILES_FILE, FORMAT, FORMAT_VERSION, LATEST_FILE,
                                      META_FILE, ORBAX_TMP, WEIGHTS16)
-from jzero.errors import CheckpointError, JZeroWarning
+from jzero.errors import CheckpointError, JZeroError, JZeroWarning
 from jzero.sharding.plan import LeafPlan, Plan, flatten_paths
 from jzero.version import __version__
 
@@ -364,6 +364,12 @@ def save_checkpoint(engine: Any, state: Any, directory: str | os.PathLike,
     client_state: JSON-serialisable user data stored with the checkpoint.
     save_latest: move ``latest`` to this checkpoint (DeepSpeed's ``save_latest``).
   """
+  if directory is None or not hasattr(state, "opt_state"):  # DeepSpeed's (save_dir, tag)
+    given = f"{state!r}" if isinstance(state, (str, os.PathLike)) else type(state).__name__
+    raise JZeroError(
+        f"save_checkpoint({given}, ...): jzero saves the state you pass, first: "
+        f"engine.save_checkpoint(state, directory, tag) (DeepSpeed's save_checkpoint(save_dir, "
+        f"tag) saves the engine's own state; jzero's state is what train_step returned).")
   return _checkpointer(directory, keep).save(engine, state, tag, client_state=client_state,
                                              save_latest=save_latest)
 

@@ -8,7 +8,8 @@ import dataclasses
 import json
 import sys
 
-from jzero.planning.aot import DEFAULT_MEMORY_FRACTION, GPU_SPECS, compile_for, format_report
+from jzero.planning.aot import DEFAULT_MEMORY_FRACTION, GPU_SPECS, compile_for
+from jzero.planning.aot_report import format_report
 from jzero.cli.processes import host_only
 from jzero.errors import ConfigError
 

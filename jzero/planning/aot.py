@@ -19,7 +19,7 @@ latency-hiding scheduler. :func:`compile_for` does that for jzero's own train st
 4. the step: ``engine.jitted_step(batch).trace(state, batch).lower().compile()`` with the batch as
    a ``ShapeDtypeStruct`` carrying its sharding.
 
-The answer (:class:`AotReport`) puts side by side, per device: the model-state bytes by kind as the
+The answer (:class:`jzero.planning.aot_report.AotReport`) puts side by side, per device: the model-state bytes by kind as the
 plan lays them out (params, grads, fp32 master, optimizer state), the estimator's prediction
 (:func:`jzero.analysis.estimate.estimate`, activations by Korthikanti et al. for the GPT shapes),
 XLA's ``memory_analysis()`` (arguments, outputs, temporaries, peak), whether the peak fits the
@@ -41,22 +41,20 @@ the README there). ``jzero aot`` is the command line (:mod:`jzero.cli.aot`).
 from __future__ import annotations
 
 import dataclasses
-import html
 import math
 import re
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from jzero.analysis.hlo import Collective
-from jzero.analysis.tables import (format_bytes, format_count, html_table, require_pyplot,
-                                    text_table)
+from jzero.analysis.tables import format_count
 from jzero.comm import program
 from jzero.errors import ConfigError, JZeroError
+from jzero.planning.aot_report import AotReport
 from jzero.runtime import quiet_start
 
-__all__ = ["GPU_SPECS", "GpuSpec", "gpu_spec", "gpu_devices", "AotReport", "compile_for",
-           "report_parts", "format_report", "INSTALL_HINT", "DEFAULT_MEMORY_FRACTION", "SPEC_DIR"]
+__all__ = ["GPU_SPECS", "GpuSpec", "gpu_spec", "gpu_devices", "compile_for", "INSTALL_HINT",
+           "DEFAULT_MEMORY_FRACTION", "SPEC_DIR"]
 
 SPEC_DIR = Path(__file__).parent / "gpu_specs"
 GPU_SPECS = {  # --gpu name -> XLA GPU target config in jzero/planning/gpu_specs
@@ -72,7 +70,6 @@ INSTALL_HINT = ('pip install -e ".[gpu-aot]" (or pip install "jzero[gpu-aot]"): 
                 'CUDA libraries are needed')
 TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"  # the custom call a Pallas GPU kernel lowers to
 DEFAULT_MEMORY_FRACTION = 0.75  # what JAX preallocates on a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION)
-STATE_KINDS = ("params", "grads", "master", "optimizer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,157 +139,6 @@ def gpu_devices(gpu: str | GpuSpec, devices: int, nodes: int = 1) -> list[Any]:
                      "the plugin's CUDA version check failed then. Import jzero before using JAX in "
                      "this interpreter, or set JAX_PLATFORMS=cpu before starting Python.") from None
   return list(topology.devices)
-
-
-@dataclasses.dataclass(frozen=True)
-class AotReport:
-  """What :func:`compile_for` found; per-device bytes throughout (see the module docstring).
-
-  Attributes:
-    gpu: the part's description; gpu_name: the --gpu name.
-    devices, nodes: the topology; mesh: the mesh, described.
-    stage, precision: from the config.
-    model: the model, described; num_params: Ψ.
-    micro_batch, gradient_accumulation_steps, checkpoint_activations: the step's shape.
-    state: kind (params, grads, master, optimizer) -> bytes as the plan lays them out (grads in the
-      compute dtype, as ZeRO counts them; they live only inside the step).
-    estimate: kind -> bytes the estimator predicts, plus "activations" when it can estimate them.
-    argument, output, temp, alias: XLA's ``memory_analysis()``.
-    device_memory: the part's memory; memory_fraction: the part of it JAX may use.
-    trace_s, lower_s, compile_s: wall times of tracing, lowering and XLA's GPU compile.
-    collectives: every collective of the scheduled program.
-    pallas_kernels: the Pallas (Triton) kernel calls in the compiled program -- ZeRO++'s int8 /
-      int4 block kernels (``kernels/``); 0 without qwZ / qgZ.
-    matmul_flops: FLOPs of the program's matrix multiplications per device per step, recompute
-      included (:func:`jzero.analysis.hlo.matmul_flops`).
-    memory_traffic: bytes its other instructions read and write per device per step
-      (:func:`jzero.analysis.hlo.memory_traffic`).
-    xla_options: the compile options the plan passed (bucket and overlap knobs).
-  """
-
-  gpu: str
-  gpu_name: str
-  devices: int
-  nodes: int
-  mesh: str
-  stage: int
-  precision: str
-  model: str
-  num_params: int
-  micro_batch: int
-  gradient_accumulation_steps: int
-  checkpoint_activations: bool
-  state: dict[str, int]
-  estimate: dict[str, float]
-  argument: int
-  output: int
-  temp: int
-  alias: int
-  device_memory: int
-  memory_fraction: float
-  trace_s: float
-  lower_s: float
-  compile_s: float
-  collectives: list[Collective]
-  xla_options: dict[str, Any]
-  pallas_kernels: int = 0
-  matmul_flops: float = 0.0
-  memory_traffic: float = 0.0
-
-  @property
-  def kinds(self) -> tuple[str, ...]:
-    """:data:`STATE_KINDS`, plus "secondary" with ZeRO++ hpZ."""
-    return STATE_KINDS + (("secondary",) if "secondary" in self.state else ())
-
-  @property
-  def persistent_state(self) -> int:
-    """Bytes of the state that lives across steps: params, fp32 master, optimizer state (and
-    hpZ's secondary copy)."""
-    return (self.state["params"] + self.state["master"] + self.state["optimizer"]
-            + self.state.get("secondary", 0))
-
-  @property
-  def model_states(self) -> int:
-    """ZeRO's model states: params, grads, master and optimizer state (and hpZ's secondary)."""
-    return sum(self.state[k] for k in self.kinds)
-
-  @property
-  def peak(self) -> int:
-    """argument + output + temp - alias (donated buffers reused for outputs count once)."""
-    return self.argument + self.output + self.temp - self.alias
-
-  @property
-  def usable_memory(self) -> float:
-    return self.device_memory * self.memory_fraction
-
-  @property
-  def fits(self) -> bool:
-    return self.peak <= self.usable_memory
-
-  @property
-  def sent_bytes(self) -> float:
-    """Bytes one device sends per step (ring algorithm, run counts through the loops)."""
-    return sum(c.step_bytes for c in self.collectives)
-
-  @property
-  def overlapped_bytes(self) -> float:
-    return sum(c.step_bytes for c in self.collectives if c.overlapped)
-
-  @property
-  def overlap_fraction(self) -> float:
-    """Share of the bytes sent per step by collectives with compute in flight (nan: none sent)."""
-    return self.overlapped_bytes / self.sent_bytes if self.sent_bytes else math.nan
-
-  @property
-  def matmul_overlap_fraction(self) -> float:
-    """Share of the bytes sent per step by collectives with a matmul in flight (nan: none sent)."""
-    hidden = sum(c.step_bytes for c in self.collectives if c.overlapped and c.overlapped_matmuls)
-    return hidden / self.sent_bytes if self.sent_bytes else math.nan
-
-  def __str__(self) -> str:
-    return format_report(self)
-
-  def _repr_html_(self) -> str:
-    out = []
-    for part in report_parts(self):
-      if isinstance(part, str):
-        out.append(f"<div>{html.escape(part)}</div>" if part else "")
-      else:
-        out.append(html_table(part[1], part[2], caption=part[0]))
-    return "".join(out)
-
-  def plot(self, ax: Any = None) -> Any:
-    """Bars of the model state per kind (plan and estimator, GB) and lines for XLA's peak and the
-    usable device memory. Returns the Axes."""
-    plt = require_pyplot()
-    if ax is None:
-      _, ax = plt.subplots(figsize=(6, 3.2))
-    kinds = list(self.kinds)
-    xs = range(len(kinds))
-    ax.bar([x - 0.2 for x in xs], [self.state[k] / 1e9 for k in kinds], 0.4, label="plan")
-    ax.bar([x + 0.2 for x in xs], [self.estimate[k] / 1e9 for k in kinds], 0.4, label="estimator")
-    ax.axhline(self.peak / 1e9, color="r", label="XLA peak")
-    ax.axhline(self.usable_memory / 1e9, color="k", linestyle="--", label="usable memory")
-    ax.set_xticks(list(xs), kinds)
-    ax.set_ylabel("GB per device")
-    ax.set_title(f"{self.devices} x {self.gpu_name}, ZeRO-{self.stage}, {self.model}",
-                 fontsize="medium")
-    ax.legend(fontsize="small")
-    return ax
-
-  def to_json(self) -> dict[str, Any]:
-    """A JSON-serialisable dict: the fields, the derived figures, and each collective."""
-    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-    out["collectives"] = [dict(dataclasses.asdict(c), sent_bytes=c.sent_bytes,
-                               step_bytes=c.step_bytes, overlapped=c.overlapped)
-                          for c in self.collectives]
-    for name in ("persistent_state", "model_states", "peak", "usable_memory", "fits",
-                 "sent_bytes", "overlapped_bytes"):
-      out[name] = getattr(self, name)
-    for name in ("overlap_fraction", "matmul_overlap_fraction"):
-      fraction = getattr(self, name)
-      out[name] = None if math.isnan(fraction) else fraction
-    return out
 
 
 def _config_dict(config: Any, precision: str | None, checkpoint_activations: bool | None,
@@ -527,64 +373,3 @@ def pallas_calls(hlo_text: str) -> int:
   """The Pallas kernels a compiled GPU program calls: its Triton custom calls."""
   return sum(1 for line in hlo_text.splitlines()
              if "custom-call(" in line and TRITON_CALL_TARGET in line)
-
-
-# -- the readable table ----------------------------------------------------------------------------
-def _where(c: Collective) -> str:
-  return "step" if c.count == 1 else f"loop x{c.count}"
-
-
-def report_parts(r: AotReport) -> list[Any]:
-  """The report as a list of parts: a line (str), or a table (caption, header, rows) -- what
-  :func:`format_report` prints and a notebook renders (``AotReport._repr_html_``)."""
-  gib = r.device_memory / 2**30
-  parts: list[Any] = [
-      f"jzero aot: {r.devices} x {r.gpu} ({gib:.2f} GiB each), ZeRO-{r.stage}, {r.precision}, "
-      f"{r.model}, {format_count(r.num_params)} params",
-      f"  mesh {r.mesh}; micro-batch {r.micro_batch} x gas {r.gradient_accumulation_steps}, "
-      f"activation checkpointing {'on' if r.checkpoint_activations else 'off'}",
-      f"  compile: trace {r.trace_s:.1f} s, lower {r.lower_s:.1f} s, XLA GPU compile "
-      f"{r.compile_s:.1f} s", ""]
-  rows = [[k, format_bytes(r.state[k]), format_bytes(r.estimate[k])] for k in r.kinds]
-  rows.append(["total", format_bytes(r.model_states),
-               format_bytes(sum(r.estimate[k] for k in r.kinds))])
-  if "activations" in r.estimate:
-    rows.append(["activations", "-", format_bytes(r.estimate["activations"])])
-  parts.append(("model state per device (grads: in the compute dtype, inside the step)",
-                ["kind", "plan", "estimator"], rows))
-  ratio = r.argument / r.persistent_state if r.persistent_state else math.nan
-  parts += ["", f"XLA memory_analysis per device: arguments {format_bytes(r.argument)} (plan's "
-                f"params + master + optimizer {format_bytes(r.persistent_state)}, ratio "
-                f"{ratio:.4f}), outputs {format_bytes(r.output)}, temp {format_bytes(r.temp)}, "
-                f"aliased {format_bytes(r.alias)}; peak {format_bytes(r.peak)}",
-            f"fits: {'yes' if r.fits else 'NO'} -- peak {format_bytes(r.peak)} of "
-            f"{format_bytes(r.usable_memory)} usable ({r.memory_fraction:.0%} of "
-            f"{format_bytes(r.device_memory)})", ""]
-  rows = []
-  for c in r.collectives:
-    rows.append([c.kind, "x".join(c.axes) or "-", _where(c), str(c.buffers),
-                 format_bytes(c.full_bytes), format_bytes(c.step_bytes),
-                 "async" if c.is_async else "sync",
-                 f"{c.overlapped_ops} ({c.overlapped_matmuls} matmuls)" if c.overlapped else "no"])
-  parts.append(("collectives of the scheduled program (bytes: full buffer per run, sent per "
-                "device per step; overlapped: compute instructions in flight, of which matmuls)",
-                ["collective", "axes", "runs", "buffers", "bytes/run", "sent/step", "mode",
-                 "overlapped"], rows))
-  pct = lambda x: "-" if math.isnan(x) else f"{x:.1%}"  # noqa: E731
-  parts.append(f"overlapped with compute: {pct(r.overlap_fraction)} of "
-               f"{format_bytes(r.sent_bytes)} sent per device per step "
-               f"({pct(r.matmul_overlap_fraction)} with a matmul in flight)")
-  parts.append(f"Pallas kernels (ZeRO++ block quantization, Triton): {r.pallas_kernels} calls")
-  return parts
-
-
-def format_report(r: AotReport) -> str:
-  """The report as text: memory by kind (plan vs estimator), XLA's analysis, fit, collectives."""
-  lines = []
-  for part in report_parts(r):
-    if isinstance(part, str):
-      lines.append(part)
-      continue
-    caption, header, rows = part
-    lines += [caption, text_table(header, rows, indent="  ") if rows else "  none"]
-  return "\n".join(lines)

@@ -179,7 +179,9 @@ def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...
                       f"of the global batch {job.global_batch}.")
   out = []
   for stage in stages:
-    opts = [(o, r) for o, r in _OPTIMIZER_OFFLOAD if o is None or (stage and o in offload_tiers)]
+    # a partial offload (ratio < 1) is stage 3's only, as in DeepSpeed (jzero's config refuses it)
+    opts = [(o, r) for o, r in _OPTIMIZER_OFFLOAD
+            if o is None or (stage and o in offload_tiers and (r == 1 or stage == 3))]
     params = [None] + [t for t in ("cpu", "nvme") if stage == 3 and t in offload_tiers]
     zeropp = _ZEROPP if nodes > 1 and stage == 3 else ((),)
     for (opt, ratio), param, plus, ckpt, mb in itertools.product(opts, params, zeropp,

@@ -51,7 +51,7 @@ class Compiled:
   cached: bool = False
 
 
-_FORMAT = 2  # of a cached Compiled: 2 added memory_bytes
+_FORMAT = 3  # of a cached Compiled: 2 added memory_bytes, 3 counts dynamic slices as slices
 
 
 def default_cache_dir() -> Path:

@@ -18,7 +18,7 @@ in device memory, each instruction bound by bandwidth rather than arithmetic (th
 sides, added because the two kinds of instruction run one after the other). Arithmetic knows only
 the optimizer update's bytes; a compiled candidate's are counted in its program
 (:func:`jzero.analysis.hlo.memory_traffic`). ``overlap`` is the share of the collective bytes that the compiled schedule runs with compute in
-flight (:attr:`jzero.planning.aot.AotReport.overlap_fraction`; without a compile, 1 where the
+flight (:attr:`jzero.planning.aot_report.AotReport.overlap_fraction`; without a compile, 1 where the
 config asks for ``overlap_comm`` in stage 3 and 0 otherwise, as jzero's defaults compile). The
 offload streams overlap one another (a pipeline of PCIe, host memory and NVMe) but not the device's
 compute: jzero runs the host optimizer step after the backward pass. The *bound* of a step is its

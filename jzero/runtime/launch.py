@@ -331,8 +331,8 @@ class _Job:
       if all(c == 0 for c in codes):
         self._drain()
         if self.signals:
-          print(f"jzero launch: every process exited 0 after SIGTERM (stopped at a step they all "
-                f"reached; saved where their script saves).", file=sys.stderr, flush=True)
+          print("jzero launch: every process exited 0 after SIGTERM (stopped at a step they all "
+                "reached; saved where their script saves).", file=sys.stderr, flush=True)
         return 0
       time.sleep(0.1)
 

@@ -13,7 +13,7 @@ processes' devices), or, for qgZ without hpZ in several processes, ``node`` = pr
 node axes first, so the primary partition of device (n, l) is partition ``n * L + l`` -- the
 same layout as plain ZeRO-3, which is why checkpoints and the optimizer do not change.
 
-**What stays plain** (per leaf, decided by :func:`jzero.sharding.plan.make_plan` and recorded in the
+**What stays plain** (per leaf, decided by :func:`jzero.sharding.planner.make_plan` and recorded in the
 plan): the qwZ gather of a partition of fewer than :data:`QWZ_MIN_NUMEL` elements per layer
 (fp32 scales would cost more than the int8 saves, e.g. a LayerNorm scale); the qgZ reduction of
 a leaf that is one-dimensional per layer (DeepSpeed's rule) or whose per-device partition is

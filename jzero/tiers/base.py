@@ -92,7 +92,7 @@ class Tier:
 
   @classmethod
   def place(cls, plan: Any, zero: Any, placement: Any) -> Any:
-    """``placement`` (a :class:`jzero.sharding.plan.Placement`) with the leaves of ``plan`` (all
+    """``placement`` (a :class:`jzero.sharding.planner.Placement`) with the leaves of ``plan`` (all
     on the device) that the tier takes, by the resolved ``zero_optimization`` block ``zero``."""
     return placement
 

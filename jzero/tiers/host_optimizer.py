@@ -55,7 +55,7 @@ import optax
 from jax import lax
 
 from jzero.errors import ConfigError
-from jzero.sharding.plan import Placement
+from jzero.sharding.planner import Placement
 from jzero.tiers.base import EngineView, Tier
 
 __all__ = ["DEFAULT_UPDATE", "UPDATE_MODES", "OffloadSettings", "settings_from_config",

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from jzero.config.messages import user_stacklevel
 from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
 from jzero.tiers.base import EngineView, Tier
-from jzero.sharding.plan import Placement
+from jzero.sharding.planner import Placement
 from jzero.tiers import host_optimizer
 from jzero.tiers.host_optimizer import to_device, to_host
 

@@ -83,6 +83,12 @@ host) exactly. ``logical_params`` reads the master from the store. The memory re
 NVMe bytes from the committed slot's files (per device: a file's size over its rows, split into
 master and optimizer by the layout) next to the estimator's ``nvme`` tier, and prints the process's
 store directory and its bytes on disk.
+
+**Why one module of over 500 lines.** The store's write, read and commit protocol is one piece:
+the two slots, the manifest that commits a step and the reads that trust it are correct only
+together -- a process killed in any phase must leave the last committed step readable
+(tests/checkpoint/test_kill_resume.py kills it in each one) -- so :class:`NvmeStore` is kept whole,
+with the few helpers the step and the NVMe parameter tier share.
 """
 
 from __future__ import annotations

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from jzero.sharding.plan import Placement, Plan
+from jzero.sharding.plan import Plan
+from jzero.sharding.planner import Placement
 from jzero.tiers.base import EngineView, Tier
 from jzero.tiers.delayed import DelayedUpdateTier
 from jzero.tiers.host_optimizer import HostOptimizerTier
 from jzero.tiers.host_params import HostParamsTier
 from jzero.tiers.nvme import NvmeTier
 
-__all__ = ["TIERS", "active", "check_config", "placement", "check_plan"]
+__all__ = ["TIERS", "active", "check_config", "placement", "check_plan", "through"]
 
 TIERS: tuple[type[Tier], ...] = (
     HostOptimizerTier,
@@ -51,3 +52,16 @@ def check_plan(plan: Any, zero: Any) -> None:
 def active(engine: EngineView) -> tuple[Tier, ...]:
   """The tiers ``engine``'s plan and config use, in :data:`TIERS`' order."""
   return tuple(t for t in (cls.create(engine) for cls in TIERS) if t is not None)
+
+
+def through(tiers: tuple[Tier, ...], hook: str, engine: EngineView, state: Any, *args: Any) -> Any:
+  """``state`` passed through every tier's ``hook`` in turn: ``full_state``, ``expand_abstract``,
+  ``absorb``, or ``after_step`` (``args``: the step's metrics and its outputs by tier name, each
+  tier given its own)."""
+  for tier in tiers:
+    if hook == "after_step":
+      metrics, outputs = args
+      state = tier.after_step(engine, state, metrics, outputs.get(tier.name))
+    else:
+      state = getattr(tier, hook)(engine, state)
+  return state

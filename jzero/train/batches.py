@@ -69,10 +69,15 @@ class Batches:
     return local_rows(self.mesh.sharding(self.mesh.batch_spec()), self.global_size)
 
   def shard(self, batch: PyTree, sharding: Callable[[], jax.sharding.Sharding],
-            process_local: bool | None, trace_loss: Callable[[PyTree], Any] | None) -> PyTree:
+            process_local: bool | None, trace_loss: Callable[[PyTree], Any] | None,
+            id_plan: Any = None) -> PyTree:
     """``batch`` (the global batch, or this process's rows; None: told apart by the leading
     dimension) placed by ``sharding()``, asked once the batch passed its checks (see
-    :meth:`jzero.Engine.shard_batch`)."""
+    :meth:`jzero.Engine.shard_batch`); ``id_plan``: the plan whose embedding tables bound the
+    batch's integer ids (:func:`jzero.train.input_checks.check_input_ids`; None: not checked)."""
+    input_checks.check_arrays(batch)
+    if id_plan is not None:
+      input_checks.check_input_ids(id_plan, batch)
     lead = {np.shape(x)[0] if np.shape(x) else None for x in jax.tree.leaves(batch)}
     if process_local is None:
       process_local = jax.process_count() > 1 and lead != {self.global_size}

@@ -1,12 +1,12 @@
 """The training engine: ``jzero.initialize(...)`` -> ``engine.init`` / ``engine.train_step``.
 
 The engine wires; it computes nothing of a step. It owns the configuration, the mesh, the plan
-(:meth:`Engine.init` makes it: the layout, then the tiers' placement) and the steps it built: one
-:class:`jzero.train.step.BuiltStep` per step variant its tiers ask for, from
-:func:`jzero.train.step.build_step` with the :class:`~jzero.train.step.StepParts` it assembles. On
-the host it creates the train state in the plan's placement, shards and checks batches, runs the
-steps and the tiers' work after them, reports on them (:mod:`jzero.train.reporting`), evaluates,
-reads parameters back, and saves / restores checkpoints (:mod:`jzero.checkpoint`).
+(:meth:`Engine.init` makes it: the layout, then the tiers' placement) and the plan's programs
+(:class:`jzero.train.programs.Programs`: the state's layout and one jitted step per step variant
+its tiers ask for, built from the :class:`~jzero.train.step.StepParts` it assembles). On the host
+it creates the train state in the plan's placement, shards and checks batches, runs the steps and
+the tiers' work after them, reports on them (:mod:`jzero.train.reporting`), evaluates, reads
+parameters back, and saves / restores checkpoints (:mod:`jzero.checkpoint`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,9 @@ from jax.sharding import NamedSharding
 from jzero import checkpoint
 from jzero.analysis import memory_report as memory_report_lib
 from jzero.analysis.hlo import StepTiming
-from jzero.comm import layouts, program
 from jzero.config import Config
 from jzero.config.blocks import DTYPES
-from jzero.errors import JZeroError
+from jzero.errors import JZeroError, refuse_deepspeed_call
 from jzero.modeling.model_adapter import ModelAdapter
 from jzero.runtime import distributed
 from jzero.runtime.data import DataLoader
@@ -42,7 +41,8 @@ from jzero.train import state as state_lib
 from jzero.train import step as step_lib
 from jzero.train.batches import Batches
 from jzero.train.precision import LossScaler
-from jzero.train.preemption import PreemptionWatch
+from jzero.train.programs import Programs
+from jzero.train.step_runner import StepRunner
 from jzero.train.state import TrainState
 
 if TYPE_CHECKING:  # annotations only
@@ -52,19 +52,6 @@ if TYPE_CHECKING:  # annotations only
 __all__ = ["Engine"]
 
 PyTree = Any
-
-_TRAIN_STEP_HINT = (
-    "{call}: jzero's engine has no separate forward, backward and step (DeepSpeed's "
-    "loss = engine(batch); engine.backward(loss); engine.step()). One compiled call does all "
-    "three on the state it returns: state, metrics = engine.train_step(state, batch) "
-    "(metrics['loss'] is the loss; engine.eval_loss(state, batch) evaluates without an update).")
-
-
-def _refuse(call: str) -> Callable[..., Any]:
-  def refuse(self, *args, **kwargs):
-    raise JZeroError(_TRAIN_STEP_HINT.format(call=call))
-  return refuse
-
 
 @dataclasses.dataclass
 class Engine:
@@ -92,23 +79,16 @@ class Engine:
   # the config's tensorboard / csv_monitor / wandb writers (jzero.train.monitor), from initialize
   monitor: monitor_lib.Monitor = dataclasses.field(default_factory=monitor_lib.Monitor)
   tokens_per_sample: int | None = None  # tokens/s = samples/s x this (initialize's argument)
-  _step_parts: step_lib.StepParts | None = dataclasses.field(default=None, repr=False)
-  _steps: dict = dataclasses.field(default_factory=dict, repr=False)  # variant -> BuiltStep
-  _split_steps: dict = dataclasses.field(default_factory=dict, repr=False)  # variant -> 2 jits
-  _eval_fn: Any = dataclasses.field(default=None, repr=False)
-  _refresh_fn: Any = dataclasses.field(default=None, repr=False)
+  _built: Programs | None = dataclasses.field(default=None, repr=False)  # the plan's programs
   _tiers: tuple[Tier, ...] | None = dataclasses.field(default=None, repr=False)
-  _host_step: int | None = dataclasses.field(default=None, repr=False)
   _batches: Batches | None = dataclasses.field(default=None, repr=False)
-  _last_lr: Any = dataclasses.field(default=None, repr=False)  # the last step's lr (on device)
-  _preemption: PreemptionWatch = dataclasses.field(default_factory=PreemptionWatch, repr=False)
-  _reporter: reporting.StepReporter | None = dataclasses.field(default=None, repr=False)
+  _runner: StepRunner | None = dataclasses.field(default=None, repr=False)
 
   def __post_init__(self):
     here = [d for d in self.mesh.mesh.devices.flat if d.process_index == jax.process_index()]
     self._batches = Batches(self.config, self.mesh)
-    self._reporter = reporting.StepReporter(self.config, here, DTYPES[self.config.precision],
-                                            self.monitor, self.tokens_per_sample)
+    self._runner = StepRunner(reporting.StepReporter(
+        self.config, here, DTYPES[self.config.precision], self.monitor, self.tokens_per_sample))
 
   # -- the config's numbers, DeepSpeed's engine shapes -------------------------------------------
   @property
@@ -137,27 +117,22 @@ class Engine:
   def global_steps(self) -> int:
     """Optimizer steps taken (DeepSpeed's ``engine.global_steps``), skipped ones included: the
     step number of the last state :meth:`train_step` returned (0 before the first)."""
-    return self._host_step or 0
+    return self._runner.step or 0
 
   def get_lr(self) -> list[float]:
-    """The learning rate of the last step (DeepSpeed's ``engine.get_lr()``: one per param group;
-    jzero has one group). Before the first step: the schedule's (or config's) first value. NaN for a
-    client optimizer without ``optax.inject_hyperparams``."""
-    if self._last_lr is not None:
-      return [float(self._last_lr)]
-    if self.schedule is not None:
-      return [float(self.schedule(0))]
-    lr = (self.config.optimizer.params.get("lr") if self.config.optimizer is not None else None)
-    return [float("nan") if lr is None else float(lr)]
+    """DeepSpeed's ``engine.get_lr()``, one per param group (jzero has one):
+    :meth:`jzero.train.reporting.StepReporter.last_lr`."""
+    return [self._runner.reporter.last_lr(self.schedule)]
 
   # DeepSpeed's loss = engine(batch); engine.backward(loss); engine.step(): one call here
-  __call__ = forward = _refuse("engine(batch)")
-  backward, step = _refuse("engine.backward(loss)"), _refuse("engine.step()")
+  __call__ = forward = refuse_deepspeed_call("engine(batch)")
+  backward = refuse_deepspeed_call("engine.backward(loss)")
+  step = refuse_deepspeed_call("engine.step()")
 
   @property
   def timings(self) -> list[StepTiming]:
     """``wall_clock_breakdown``: each step's forward+backward and update times."""
-    return self._reporter.timings
+    return self._runner.reporter.timings
 
   # -- the plan, the tiers, the step's parts -------------------------------------------------------
   def _require_plan(self) -> Plan:
@@ -174,19 +149,16 @@ class Engine:
       self._tiers = registry.active(self)
     return self._tiers or ()
 
-  def _carrier(self) -> Tier | None:
-    """The tier whose state the TrainState carries between steps (``TrainState.delayed``)."""
-    return next((t for t in self.tiers if t.carries()), None)
-
-  def _parts(self) -> step_lib.StepParts:
-    """What the engine's steps compute with (made once per plan)."""
+  def _programs(self) -> Programs:
+    """The programs of the current plan (:mod:`jzero.train.programs`), made once per plan."""
     plan = self._require_plan()
-    if self._step_parts is None or self._step_parts.plan is not plan:
-      self._step_parts = step_lib.StepParts(
+    if self._built is None or self._built.parts.plan is not plan:
+      parts = step_lib.StepParts(
           plan=plan, model=self.model, loss_fn=self.loss_fn, tx=self.tx, schedule=self.schedule,
           scaler=self.scaler, tiers=self.tiers,
           settings=step_lib.StepSettings.from_config(self.config), tier_view=self)
-    return self._step_parts
+      self._built = Programs(parts)
+    return self._built
 
   @property
   def loss_takes_rng(self) -> bool:
@@ -195,11 +167,11 @@ class Engine:
 
   def state_specs(self) -> TrainState:
     """PartitionSpecs of every TrainState leaf (prefix tree)."""
-    return state_lib.state_specs(self._require_plan(), self.tx, self._carrier(), self)
+    return self._programs().specs
 
   def state_memory_kinds(self) -> TrainState:
     """Memory kind of every TrainState leaf (prefix tree; None: the device)."""
-    return state_lib.state_memory_kinds(self._require_plan(), self.tx, self._carrier(), self)
+    return self._programs().kinds
 
   def state_shardings(self) -> TrainState:
     """NamedShardings of every TrainState leaf (prefix tree), with their memory kinds."""
@@ -209,16 +181,12 @@ class Engine:
     return self._require_plan().sharding(self._require_plan().batch_spec())
 
   def gathered_working_set(self) -> tuple[int, int]:
-    """Stage 3's (largest group gathered at once, elements gathered at the start), as
-    :meth:`jzero.sharding.plan.Plan.gathered_working_set` -- with the largest group as the traced
-    step really gathers it once a step has been traced (a unit inside the model's own ``nn.scan``
-    gathers one layer's slice per call, which the plan cannot see)."""
+    """Stage 3's (largest group gathered at once, elements gathered at the start): the plan's
+    (:meth:`jzero.sharding.plan.Plan.gathered_working_set`), the largest group as a traced step
+    gathers it (a unit inside the model's own ``nn.scan`` gathers one layer's slice per call)."""
     largest, upfront = self._require_plan().gathered_working_set()
-    traces = [b.trace for b in (*self._steps.values(), *(s[0] for s in self._split_steps.values()))]
-    traced = [t.gathered for t in traces if t.gathered is not None]
-    if traced and self.plan.stage == 3:
-      largest = max(traced[-1], default=0)
-    return largest, upfront
+    traced = self._programs().traced_gathered
+    return (traced if traced is not None and self.plan.stage == 3 else largest), upfront
 
   # -- init -------------------------------------------------------------------------------------
   def init(self, rng: jax.Array, sample_batch: Any = None, *, params: PyTree = None) -> TrainState:
@@ -233,7 +201,7 @@ class Engine:
         may also come as the plan lays out its param, a jax.Array zero-padded to
         ``plan.param_shape`` (``checkpoint.load_weights`` places them so): it stays sharded.
     """
-    self._host_step = None  # a new state starts its own step count
+    self._runner.step = None  # a new state starts its own step count
     if self.plan is None:
       self.plan = setup.plan_from_config(self.config, self.mesh, self.model, self.stacked_layers,
                                          self.zeropp, rng, sample_batch)
@@ -247,32 +215,24 @@ class Engine:
     """``state`` with its hpZ secondary partitions computed from its params -- by the code the
     step refreshes them with, so init, restore and a running step agree bit for bit. ``state``
     unchanged without hpZ."""
-    plan = self._require_plan()
-    if plan.zeropp.hpz <= 1:
+    if self._require_plan().zeropp.hpz <= 1:
       return state
-    if self._refresh_fn is None:  # no compile options: also traced inside eval_shape(init)
-      specs, out = plan.param_specs(), plan.secondary_specs()
-      refresh = lambda p: plan.map(lambda l, x: layouts.secondary_partition(plan, l, x), p)
-      self._refresh_fn = jax.jit(program.shard_map(plan, refresh, (specs,), out),
-                                 in_shardings=(plan.shardings(specs),),
-                                 out_shardings=plan.shardings(out))
-    return state._replace(secondary=self._refresh_fn(state.params))
+    return state._replace(secondary=self._programs().refresh()(state.params))
 
   # -- batches (jzero.train.input_checks) ----------------------------------------------------------
   def check_live(self, state: TrainState, where: str) -> None:
     """Raises JZeroError if ``state`` was donated to a train step (its arrays are deleted)."""
     input_checks.check_live(state, where)
 
-  def _check_batch(self, batch: PyTree) -> None:
-    self._batches.check(batch, self._tracer())
+  def _check_input_ids(self, batch: PyTree) -> None:
+    """The data loader's check of a batch's integer ids (``check_input_ids``)."""
+    if self.check_input_ids and self.plan is not None:
+      input_checks.check_input_ids(self.plan, batch)
 
   def _tracer(self) -> Callable[[PyTree], None] | None:
     """What checks a batch of new shapes against the model (None before the plan exists)."""
-    return functools.partial(step_lib.trace_loss, self._parts()) if self.plan is not None else None
-
-  def _check_input_ids(self, batch: PyTree) -> None:
-    if self.check_input_ids and self.plan is not None:
-      input_checks.check_input_ids(self.plan, batch)
+    return (functools.partial(step_lib.trace_loss, self._programs().parts)
+            if self.plan is not None else None)
 
   def local_rows(self) -> np.ndarray:
     """The rows of the global batch this process's devices hold, ascending (all of them in a
@@ -288,52 +248,35 @@ class Engine:
     each rank loads only its samples). ``process_local=None`` tells them apart by the leading
     dimension.
     """
-    input_checks.check_arrays(batch)
-    self._check_input_ids(batch)
-    return self._batches.shard(batch, self.batch_sharding, process_local,
-                               self._tracer())
+    return self._batches.shard(batch, self.batch_sharding, process_local, self._tracer(),
+                               self.plan if self.check_input_ids else None)
 
   # -- steps ---------------------------------------------------------------------------------------
-  def _variants(self, state: TrainState | None, step: int | None, fused: bool = True) -> dict:
-    """The step variant each tier asks for (:meth:`jzero.tiers.base.Tier.variant`), by name."""
-    return {t.name: v for t in self.tiers
-            if (v := t.variant(self, state, step, fused)) is not None}
-
   def variant_for(self, state: TrainState) -> dict:
     """The step variant each tier would run ``state`` with next, by tier name (e.g. the delayed
     update's prime step, ``{"delayed": False}``, for a state that carries no gradient)."""
-    return self._variants(state, self._host_step if self._host_step is not None
-                          else int(state.step))
+    step = self._runner.step
+    return self._runner.variants(self.tiers, self, state,
+                                 step if step is not None else int(state.step))
 
   @property
   def step_variants(self) -> tuple:
     """The variants of the fused step built so far (each a tuple of (tier, variant) pairs; ``()``:
     the plain step)."""
-    return tuple(self._steps)
+    return self._built.variants if self._built is not None else ()
 
   def jitted_step(self, batch: PyTree, variants: dict | None = None):
     """The jitted (not yet compiled) fused step of ``variants`` (default: the steady step, e.g.
     the delayed update's step that applies the carried gradient), to lower or ``jax.export``."""
-    self._check_batch(batch)
-    return self._step(batch, self._variants(None, None) if variants is None else variants)
-
-  def _step(self, batch: PyTree, variants: dict):
-    """The fused step of ``variants`` (:meth:`_variants`), built once per variant."""
-    key = tuple(sorted(variants.items()))
-    if key not in self._steps:
-      self._steps[key] = step_lib.build_step(self._parts(), self.state_specs(),
-                                             self.state_memory_kinds(), batch, variants)
-    return self._steps[key].fn
+    self._batches.check(batch, self._tracer())
+    if variants is None:
+      variants = self._runner.variants(self.tiers, self, None, None)
+    return self._programs().fused(batch, variants)
 
   def jitted_split_step(self, batch: PyTree, variants: dict | None = None) -> tuple:
     """The step as two jits, ``(state, batch) -> grads`` and ``(state, *grads) -> (state,
     metrics, outputs)``: what ``wall_clock_breakdown`` times."""
-    key = tuple(sorted((variants or {}).items()))
-    if key not in self._split_steps:
-      self._split_steps[key] = step_lib.build_split_step(
-          self._parts(), self.state_specs(), self.state_memory_kinds(), batch, variants)
-    grads, update = self._split_steps[key]
-    return grads.fn, update
+    return self._programs().split(batch, variants)
 
   def compile_step(self, state: TrainState, batch: PyTree):
     """The compiled step (for ``memory_analysis()`` and the HLO) without running it."""
@@ -353,42 +296,11 @@ class Engine:
     (:meth:`reached_preemption`).
     """
     with distributed.explained_peer_loss():
-      self._check_batch(batch)
+      self._batches.check(batch, self._tracer())
       self.check_live(state, "train_step")
-      if self._host_step is None:
-        self._host_step = int(state.step)
-      if self.config.wall_clock_breakdown:
-        variants = self._variants(state, self._host_step, fused=False)
-        key = tuple(sorted(variants.items()))
-        built = key in self._split_steps
-        grads_fn, update_fn = self.jitted_split_step(batch, variants)
-        state, metrics = self._reporter.timed(("split", key), not built, grads_fn, update_fn,
-                                              self._after_step, self._host_step + 1, state, batch)
-      else:
-        variants = self._variants(state, self._host_step)
-        key = tuple(sorted(variants.items()))
-        built = key in self._steps
-        fn = self._step(batch, variants)
-        lowering = lambda: [(fn, reporting.abstract_arguments((state, batch)))]
-        self._reporter.running(key, not built, lowering)
-        state, metrics, outputs = fn(state, batch)
-        state = self._after_step(state, metrics, outputs)
-        for tier in self.tiers:
-          tier.seen(state, variants.get(tier.name))
-      self._host_step += 1
-      self._last_lr = metrics["lr"]
-      self._reporter.after_step(self._host_step, metrics, lambda: self.memory_report(state))
-      if jax.process_count() > 1:  # a preemption the script does not poll for
-        self._preemption.after_step(self._host_step, lambda d: self.save_checkpoint(state, d),
-                                    self.wait_for_checkpoints)
-      return state, metrics
-
-  def _after_step(self, state: TrainState, metrics: dict, outputs: dict) -> TrainState:
-    """The tiers' work after the jitted step (e.g. the NVMe store's update of its leaves,
-    committed before the step ends); ``outputs``: what the step returned for them, by name."""
-    for tier in self.tiers:
-      state = tier.after_step(self, state, metrics, outputs.get(tier.name))
-    return state
+      return self._runner.run(self._programs(), self, not self.config.wall_clock_breakdown,
+                              state, batch, self.memory_report, self.save_checkpoint,
+                              self.wait_for_checkpoints)
 
   def throughput(self, step_seconds: float) -> monitor_lib.Throughput:
     """What steps of ``step_seconds`` each make per second -- samples, tokens (with
@@ -396,7 +308,7 @@ class Engine:
     FLOPs are read once per variant from its compiled program (:mod:`jzero.analysis.flops`),
     lowered again from its abstract arguments: XLA's compilation cache returns the program that
     ran, except for a step with host callbacks (the NVMe tiers), which compiles once more."""
-    return self._reporter.throughput(step_seconds)
+    return self._runner.reporter.throughput(step_seconds)
 
   def reached_preemption(self, step: int) -> bool:
     """True on every process at the same ``step`` once any process got SIGTERM (a preemption):
@@ -417,10 +329,8 @@ class Engine:
     self._require_plan()
     self.check_live(state, "eval_loss")
     self._batches.check_eval(batch, self._tracer())
-    if self._eval_fn is None:
-      self._eval_fn = step_lib.build_eval(self._parts())
-    loss, aux = self._eval_fn(state.params, state.secondary,
-                              jax.device_put(batch, self.batch_sharding()))
+    loss, aux = self._programs().evaluate()(state.params, state.secondary,
+                                            jax.device_put(batch, self.batch_sharding()))
     if aux is None:
       return float(loss)
     return float(loss), jax.tree.map(lambda a: np.asarray(a).item() if np.ndim(a) == 0
@@ -436,60 +346,43 @@ class Engine:
   def full_state(self, state: TrainState) -> TrainState:
     """``state`` with the arrays the tiers hold outside it read in (the NVMe store's masters,
     optimizer state and params, laid out by the plan): what checkpoints save."""
-    return self._through_tiers("full_state", state)
+    return registry.through(self.tiers, "full_state", self, state)
 
   def expand_abstract(self, abstract: TrainState) -> TrainState:
     """An abstract TrainState with the real shapes of what :meth:`full_state` reads in."""
-    return self._through_tiers("expand_abstract", abstract)
+    return registry.through(self.tiers, "expand_abstract", self, abstract)
 
   def absorb(self, state: TrainState) -> TrainState:
     """A full state (a restore) -> what the tiers hold taken in, as the step expects it."""
-    return self._through_tiers("absorb", state)
-
-  def _through_tiers(self, hook: str, state: TrainState) -> TrainState:
-    for tier in self.tiers:
-      state = getattr(tier, hook)(self, state)
-    return state
+    return registry.through(self.tiers, "absorb", self, state)
 
   # -- checkpoints (jzero.checkpoint) -------------------------------------------------------------
   def save_checkpoint(self, state: TrainState, directory: str | Path | None = None,
                       tag: str | int | None = None, *, client_state: dict | None = None,
                       keep: int | None = None, save_latest: bool = True) -> str:
-    """Starts an asynchronous sharded save of ``state`` as ``directory/<tag>``; returns the tag.
-
-    DeepSpeed's ``save_checkpoint(save_dir, tag, client_state, save_latest)`` with the state
-    passed explicitly. ``tag`` defaults to the state's step; ``client_state`` is any JSON-able
-    dict, given back by ``load_checkpoint(..., with_client_state=True)``. The save finishes in the
-    background; the program's end waits for it (see :mod:`jzero.checkpoint.save`).
-    """
-    if directory is None or not isinstance(state, TrainState):
-      given = f"{state!r}" if isinstance(state, (str, Path)) else type(state).__name__
-      raise JZeroError(
-          f"save_checkpoint({given}, ...): jzero saves the state you pass, first: "
-          f"engine.save_checkpoint(state, directory, tag) (DeepSpeed's save_checkpoint(save_dir, "
-          f"tag) saves the engine's own state; jzero's state is what train_step returned).")
+    """DeepSpeed's ``save_checkpoint(save_dir, tag, client_state, save_latest)`` with the state
+    passed first: an asynchronous sharded save of ``state`` as ``directory/<tag>`` (default tag:
+    its step); returns the tag (:func:`jzero.checkpoint.save_checkpoint`)."""
     tag = checkpoint.save_checkpoint(self, state, directory, tag, keep=keep,
                                      client_state=client_state, save_latest=save_latest)
-    self._preemption.saved = (Path(directory), int(tag) if str(tag).isdigit() else None)
+    self._runner.preemption.saved = (Path(directory), int(tag) if str(tag).isdigit() else None)
     return tag
 
   def load_checkpoint(self, directory: str | Path, tag: str | int | None = None, *,
                       params_only: bool = False, sample_batch: Any = None,
                       with_client_state: bool = False) -> Any:
-    """Restores a checkpoint of any stage / device count into this engine's placement. ``tag``
-    names the checkpoint (default: the one ``latest`` names). Returns the TrainState, or
-    ``(state, client_state)`` with ``with_client_state=True``."""
-    self._host_step = None  # read from the restored state at its first step
+    """A checkpoint of any stage / device count in this engine's placement: the TrainState, or
+    ``(state, client_state)`` (:func:`jzero.checkpoint.load_checkpoint`)."""
+    self._runner.step = None  # read from the restored state at its first step
     return checkpoint.load_checkpoint(self, directory, tag, params_only=params_only,
                                       sample_batch=sample_batch,
                                       with_client_state=with_client_state)
 
   def import_deepspeed(self, ds: Any, convert: Callable[[dict], PyTree], *,
                        rng: jax.Array | None = None, sample_batch: Any = None) -> TrainState:
-    """Continues a DeepSpeed run: ``ds`` (``checkpoint.read_deepspeed``) placed in this engine's
-    plan, ``convert`` mapping torch names to the params tree
+    """A DeepSpeed run's checkpoint ``ds`` continued in this engine's plan
     (:func:`jzero.checkpoint.import_deepspeed`)."""
-    self._host_step = None  # read from the imported state at its first step
+    self._runner.step = None  # read from the imported state at its first step
     return checkpoint.import_deepspeed(self, ds, convert, rng=rng, sample_batch=sample_batch)
 
   def wait_for_checkpoints(self) -> None:

@@ -50,10 +50,22 @@ class StepReporter:
   _unchecked_skip: Any = dataclasses.field(default=None, repr=False)  # (step, overflow array)
   _warned_skip: bool = dataclasses.field(default=False, repr=False)
   _reported_memory: bool = dataclasses.field(default=False, repr=False)
+  _last_lr: Any = dataclasses.field(default=None, repr=False)  # the last step's lr (on device)
 
   @property
   def batch_size(self) -> int:
     return self.config.train_batch_size
+
+  def last_lr(self, schedule: Callable[[Any], Any] | None) -> float:
+    """The learning rate of the last step; before the first, the ``schedule``'s (or the config's)
+    first value; NaN for a client optimizer without ``optax.inject_hyperparams``."""
+    if self._last_lr is not None:
+      return float(self._last_lr)
+    if schedule is not None:
+      return float(schedule(0))
+    optimizer = self.config.optimizer
+    lr = optimizer.params.get("lr") if optimizer is not None else None
+    return float("nan") if lr is None else float(lr)
 
   def running(self, key: Any, compiled: bool, lowerings: Callable[[], list]) -> None:
     """The step variant ``key`` is about to run (``compiled``: it was just built);
@@ -100,6 +112,7 @@ class StepReporter:
   def after_step(self, step: int, metrics: dict, memory_report: Callable[[], Any]) -> None:
     """Reports on step ``step`` (1-based, just dispatched): the first-skip warning, the log line
     and the monitor's events (``memory_report()`` once, at the first event)."""
+    self._last_lr = metrics["lr"]
     self._warn_first_skip(step, metrics["overflow"])
     every = self.config.steps_per_print
     printing = every and step % every == 0 and jax.process_index() == 0  # one per job

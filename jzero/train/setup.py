@@ -18,8 +18,8 @@ from jzero.config.blocks import DTYPES
 from jzero.modeling.gather_units import UnitRules, check_units, choose_units
 from jzero.modeling.model_adapter import ModelAdapter
 from jzero.sharding.mesh import ZeroMesh
-from jzero.sharding.plan import (CommSettings, Dtypes, Layout, LeafPlan, Plan, flatten_paths,
-                                 make_plan)
+from jzero.sharding.plan import LeafPlan, Plan, flatten_paths
+from jzero.sharding.planner import CommSettings, Dtypes, Layout, make_plan
 from jzero.sharding.zeropp import ZeroPP
 from jzero.tiers import registry
 from jzero.tiers.base import EngineView, Tier

@@ -31,3 +31,16 @@ def test_loop_bodies_count_once_per_trip():
 
 def test_matmuls_are_left_to_the_flops():
   assert memory_traffic(_hlo(lambda a, b: a @ b, jnp.ones((256, 256)), jnp.ones((256, 256)))) == 0
+
+
+def test_a_layer_scan_touches_one_layer_of_its_stacked_buffers_per_trip():
+  # a scan that keeps each layer's activation (ys, stacked [layers, N]) and reads stacked weights:
+  # each trip reads one row of ws and writes one row of ys -- the cost of a trip must not grow with
+  # the number of layers (counted whole, a 16-layer trip would cost about 4 x a 4-layer one)
+  def per_trip(layers):
+    def f(ws, x):
+      return lax.scan(lambda h, w: (jnp.tanh(h * w), h), x, ws)
+    a, b = (memory_traffic(_hlo(f, jnp.ones((k, N)), jnp.ones(N))) for k in (layers, 2 * layers))
+    return (b - a) / layers
+
+  assert per_trip(16) == pytest.approx(per_trip(4), rel=0.02)

@@ -14,7 +14,7 @@ from jzero.cli import estimate as estimate_cli
 from jzero.errors import ConfigError
 from jzero.models import GPT, GPTConfig
 from jzero.sharding.mesh import MeshSpec
-from jzero.sharding.plan import Dtypes, Layout, make_plan
+from jzero.sharding.planner import Dtypes, Layout, make_plan
 from jzero.modeling.model_adapter import as_model
 from zero_testing import make_engine
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp

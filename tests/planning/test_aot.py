@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jzero.planning import aot
+from jzero.planning import aot, aot_report
 from jzero.analysis.hlo import collectives
 from jzero.analysis.tables import format_count
 from jzero.errors import ConfigError, JZeroError
@@ -32,10 +32,10 @@ CONFIGS = Path(__file__).parents[2] / "configs"
 
 BF16_ADAM = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "bf16": {"enabled": True}}
-_REPORTS: dict[str, aot.AotReport] = {}
+_REPORTS: dict[str, aot_report.AotReport] = {}
 
 
-def _compile(name: str, **zero) -> aot.AotReport:
+def _compile(name: str, **zero) -> aot_report.AotReport:
   """compile_for on 8 x H100, the default GPT, bf16 + AdamW; cached per variant."""
   if name not in _REPORTS:
     with warnings.catch_warnings():
@@ -44,7 +44,7 @@ def _compile(name: str, **zero) -> aot.AotReport:
   return _REPORTS[name]
 
 
-def _layer_gathers(report: aot.AotReport) -> list:
+def _layer_gathers(report: aot_report.AotReport) -> list:
   """The all-gathers inside the layer scans (run more than once per step)."""
   return [c for c in report.collectives if c.kind == "all-gather" and c.count > 1]
 
@@ -58,7 +58,7 @@ def test_default_model_compiles_for_8_h100_and_arguments_are_the_plans_state(sta
   # XLA-GPU's argument bytes are the persistent state the plan lays out (+ batch, counters, rng)
   assert r.argument == pytest.approx(r.persistent_state, rel=0.02)
   # the plan's bytes by kind are ZeRO's, which the estimator predicts from the same leaves
-  for kind in aot.STATE_KINDS:
+  for kind in aot_report.STATE_KINDS:
     assert r.state[kind] == pytest.approx(r.estimate[kind], rel=1e-3), kind
   n_params = r.num_params  # bf16 params (stage 3: partitioned, small leaves kept whole)
   if stage < 3:
@@ -87,7 +87,7 @@ def test_zeropp_step_calls_the_pallas_kernels():
   assert plain.pallas_kernels == 0
   assert zeropp.pallas_kernels >= 4  # at least quantize + dequantize for weights and gradients
   assert f"Pallas kernels (ZeRO++ block quantization, Triton): {zeropp.pallas_kernels} calls" in (
-      aot.format_report(zeropp))
+      aot_report.format_report(zeropp))
   assert aot.pallas_calls('%k = f32[8] custom-call(f32[8] %x), custom_call_target='
                           '"__gpu$xla.gpu.triton"\n%y = f32[8] add(%k, %k)') == 1
 
@@ -175,7 +175,7 @@ def test_compile_for_works_in_a_fresh_interpreter_without_jax_platforms():
 @needs_cuda_compiler
 def test_report_table_names_every_part():
   report = _compile("stage3", stage=3)
-  text = aot.format_report(report)
+  text = aot_report.format_report(report)
   for part in ("NVIDIA H100 80GB HBM3", "params", "master", "optimizer", "estimator",
                "XLA memory_analysis", "fits: yes", "all-gather", "reduce-scatter", "async",
                "overlapped with compute"):
@@ -186,7 +186,7 @@ def test_report_table_names_every_part():
   matplotlib.use("Agg")
   assert str(report) == text
   page = report._repr_html_()
-  tables = [p for p in aot.report_parts(report) if not isinstance(p, str)]
+  tables = [p for p in aot_report.report_parts(report) if not isinstance(p, str)]
   assert page.count("<table>") == len(tables) == 2
   for _, header, rows in tables:
     assert all(f">{html.escape(cell)}<" in page for row in [header, *rows] for cell in row)
@@ -209,7 +209,7 @@ def test_a_factory_model_is_labelled_by_its_class_and_a_readable_count():
                       model=lambda rngs: _Mlp(rngs), loss_fn=lambda m, b: jnp.mean(m(b["x"]) ** 2),
                       batch=lambda n: {"x": jax.ShapeDtypeStruct((n, 64), jnp.float32)})
   assert r.model == "_Mlp" and r.num_params == 64 * 128 + 128 + 128 * 64 + 64
-  assert "_Mlp, 16.6K params" in aot.format_report(r)
+  assert "_Mlp, 16.6K params" in aot_report.format_report(r)
   assert [format_count(n) for n in (950, 86_656, 6_390_000, 6.748e9, 999_999)] == [
       "950", "86.7K", "6.39M", "6.75B", "1M"]
 

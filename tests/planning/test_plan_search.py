@@ -83,9 +83,14 @@ def test_candidates_cover_the_issue_and_zeropp_only_across_nodes():
   assert {c.stage for c in one} == {0, 1, 2, 3} and not any(c.zeropp for c in one)
   assert {c.micro_batch * c.gradient_accumulation for c in one} == {4}
   assert {c.checkpointing for c in one} == {"none", "block", "offload"}
-  assert {(c.offload_optimizer, c.offload_ratio) for c in one if c.stage} == {
+  assert {(c.offload_optimizer, c.offload_ratio) for c in one if c.stage == 3} == {
       (None, 1.0), ("cpu", 1.0), ("cpu", 0.5), ("nvme", 1.0)}
+  # a partial offload is stage 3's only (DeepSpeed's rule, which jzero's config enforces)
+  assert {(c.offload_optimizer, c.offload_ratio) for c in one if c.stage in (1, 2)} == {
+      (None, 1.0), ("cpu", 1.0), ("nvme", 1.0)}
   assert not any(c.offload_param for c in one if c.stage != 3)
+  for c in one:  # every candidate is a config jzero takes
+    Config.load(c.deepspeed_config(job, 8)).check_supported()
   two = candidates(job, 16, nodes=2, micro_batches=(2,))
   assert {c.zeropp for c in two if c.stage == 3} >= {("hpz",), ("qwz", "qgz")}
   config = Candidate(3, 2, 1, "offload", "cpu", 0.5, None, ("hpz", "qwz")).deepspeed_config(job, 16)

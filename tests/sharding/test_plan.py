@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from jzero.comm import program
 from jzero.comm.program import CPU_OPTIONS
 from jzero.sharding.mesh import MeshSpec
-from jzero.sharding.plan import Dtypes, Layout, make_plan
+from jzero.sharding.planner import Dtypes, Layout, make_plan
 
 
 def _abstract(**shapes):

@@ -1,0 +1,73 @@
+"""Driving the jitted steps from the host: :class:`StepRunner`.
+
+Per ``train_step`` call, on the host: the step count (read from the state once, then counted), the
+step variant each tier asks for (:meth:`jzero.tiers.base.Tier.variant`), the fused step -- or with
+``wall_clock_breakdown`` the two timed jits -- of that variant, the tiers' work after the jitted
+step (:meth:`jzero.tiers.base.Tier.after_step`), the report on it
+(:class:`jzero.train.reporting.StepReporter`), and across processes the preemption save
+(:class:`jzero.train.preemption.PreemptionWatch`). The engine owns one runner; the programs, the
+tiers and the engine view the tiers' hooks receive are its arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+from jzero.tiers import registry
+from jzero.train import reporting
+from jzero.train.preemption import PreemptionWatch
+from jzero.train.programs import Programs, variant_key
+
+__all__ = ["StepRunner"]
+
+PyTree = Any
+
+
+@dataclasses.dataclass
+class StepRunner:
+  """An engine's host-side step driver (module docstring). ``step``: steps taken by the state the
+  last call returned (None: read from the next state given)."""
+
+  reporter: reporting.StepReporter
+  preemption: PreemptionWatch = dataclasses.field(default_factory=PreemptionWatch)
+  step: int | None = None
+
+  def variants(self, tiers: tuple, view: Any, state: Any | None, step: int | None,
+               fused: bool = True) -> dict:
+    """The step variant each tier asks for, by tier name (``state`` and ``step`` None: the
+    steady step)."""
+    return {t.name: v for t in tiers if (v := t.variant(view, state, step, fused)) is not None}
+
+  def run(self, programs: Programs, view: Any, fused: bool, state: Any, batch: PyTree,
+          memory_report: Callable[[Any], Any], save: Callable[[Any, Any], Any],
+          wait: Callable[[], None]) -> tuple[Any, dict]:
+    """One step of ``state`` on ``batch`` (in one jit, or the two timed ones when not
+    ``fused``); ``memory_report(state)``, ``save(state, directory)`` and ``wait()``: the
+    engine's, for the report and the preemption save."""
+    tiers = programs.parts.tiers
+    if self.step is None:
+      self.step = int(state.step)
+    variants = self.variants(tiers, view, state, self.step, fused=fused)
+    built, key = programs.has(variants, fused), variant_key(variants)
+    after = lambda s, metrics, outputs: registry.through(tiers, "after_step", view, s, metrics,
+                                                         outputs)
+    if not fused:
+      grads_fn, update_fn = programs.split(batch, variants)
+      state, metrics = self.reporter.timed(("split", key), not built, grads_fn, update_fn, after,
+                                           self.step + 1, state, batch)
+    else:
+      fn = programs.fused(batch, variants)
+      lowering = lambda: [(fn, reporting.abstract_arguments((state, batch)))]
+      self.reporter.running(key, not built, lowering)
+      state, metrics, outputs = fn(state, batch)
+      state = after(state, metrics, outputs)
+      for tier in tiers:
+        tier.seen(state, variants.get(tier.name))
+    self.step += 1
+    self.reporter.after_step(self.step, metrics, lambda: memory_report(state))
+    if jax.process_count() > 1:  # a preemption the script does not poll for
+      self.preemption.after_step(self.step, lambda d: save(state, d), wait)
+    return state, metrics
