@@ -25,6 +25,7 @@ import optax
 from jzero.analysis.estimate import TIERS, CATEGORIES, Estimate, estimate
 from jzero.analysis.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
 from jzero.comm import program
+from jzero.tiers import where
 from jzero.tiers.nvme_params import host_bytes_bound
 
 __all__ = ["REPORT_CATEGORIES", "live_bytes", "state_report", "CompiledMemory", "MemoryReport",
@@ -227,11 +228,11 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
   # max_in_cpu of them in fp32
   cached = (sum(e.numel for p, e in reader.entries.items() if p in reader.cached)
             if reader is not None else 0)
-  optimizer_tier = ("nvme" if on_nvme and (plan.params_on_nvme or not host)
+  optimizer_tier = ("nvme" if on_nvme and (where.params_on_nvme(plan) or not host)
                     else "cpu" if host else None)
   est = estimate(leaves, plan.stage, engine.mesh.zero_size, offload_optimizer=optimizer_tier,
-                 offload_param=("nvme" if plan.params_on_nvme else
-                                "cpu" if plan.param_offloads else None),
+                 offload_param=("nvme" if where.params_on_nvme(plan) else
+                                "cpu" if where.param_offloads(plan) else None),
                  param_cache_elements=cached,
                  offload_ratio=(on_nvme if optimizer_tier == "nvme" else host)
                  / sum(l.numel for l in leaves),
@@ -250,7 +251,7 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
     total["params"] = est.bytes["device"]["params"] + 4 * cached
     # params whose master is on the host or the device: the store holds an fp32 copy of each
     # (counted as params), and fp32 training's state holds the param itself (its master)
-    copies = 4 * sum(plan.local_numel(l, True) for l in leaves if l.param_copy_on_nvme)
+    copies = 4 * sum(plan.local_numel(l, True) for l in leaves if where.param_copy_on_nvme(l))
     total["params"] += copies * (1 if plan.has_master else 2)
   per_k = total["optimizer"] / (master_k + opt_k) if master_k + opt_k else 0.0
   predicted = {"params": total["params"], "grads": total["grads"], "master": per_k * master_k,

@@ -24,6 +24,7 @@ from typing import Any, Callable
 from jzero.cli.processes import add_device_args, add_process_args, check_process_args, join
 from jzero.errors import DataError, JZeroError
 from jzero.models.gpt import GPTConfig
+from jzero.tiers import where
 
 __all__ = ["add_parser", "run"]
 
@@ -233,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
   if start:
     say(f"jzero: resumed from {args.checkpoint_dir} at step {start}")
   plan = engine.plan
-  if plan.uses_host or plan.uses_nvme_store:  # offload: what this process holds, before training
+  if where.uses_host(plan) or where.uses_nvme_store(plan):  # offload: what this process holds, before training
     est, local = engine.memory_report(state).estimate, jax.local_device_count()
     tiers = [f"{tier} {format_bytes(est.tier_total(tier) * local)}"
              for tier in ("host", "nvme") if est.tier_total(tier)]

@@ -52,19 +52,14 @@ block sizes; :attr:`Plan.zeropp` holds the node / local split of the ZeRO axes. 
 (``ZeroParam.comm``), the secondary's placement (:meth:`Plan.secondary_spec`), the memory
 estimator and report read them from here. The primary layout is the same as without ZeRO++.
 
-**Tiers.** Each leaf's master and optimizer state has a tier, ``state_tier``: "device", "host"
-under ZeRO-Offload (``offload_optimizer.device: cpu``; which leaves:
-:func:`jzero.tiers.host_optimizer.choose_offloaded`) or "nvme" (``device: nvme``, ZeRO-Infinity: the
-state lives in a tensorstore store and the TrainState keeps 0-byte placeholders,
-:mod:`jzero.tiers.nvme_store`). A host leaf keeps its partitioning; its shardings carry
-``host_memory_kind`` (:meth:`Plan.memory_kind`), and with any host leaf every other array gets an
-explicit "device". Each stage-3 partitioned compute param has a tier too, ``param_tier``: "host"
-under parameter offload (``offload_param``, :mod:`jzero.tiers.host_params`; memory kind
-``param_host_memory_kind``), "nvme" on the NVMe tier (``offload_param.device: nvme``,
-:mod:`jzero.tiers.nvme_params`: the leaf's state tier is then "nvme" too, its master is the store's
-and the TrainState's param a placeholder -- unless ``offload_optimizer.device: cpu`` puts the state
-on the host, where the store holds a copy of the param, :attr:`LeafPlan.param_copy_on_nvme`), else
-"device"; persistent and 0-d leaves always stay on the device.
+**Tiers.** Each leaf's master and optimizer state, and each stage-3 partitioned compute param,
+has a tier (``state_tier``, ``param_tier``): "device", or the name of the tier that took it
+(:meth:`jzero.tiers.base.Tier.place`; ZeRO-Offload's host memory, ZeRO-Infinity's NVMe store), with
+the memory kind it is kept in when that is not the device's (``state_kind``, ``param_kind``). The
+plan holds them as data (:class:`jzero.sharding.planner.Placement`, :meth:`Plan.placed`) and reads
+only the memory kinds; what a tier's name means is the tiers' (:mod:`jzero.tiers.where`). A leaf
+in another tier keeps its partitioning; with any leaf in another memory every other array gets an
+explicit "device" (:attr:`Plan.device_kind`). Persistent and 0-d leaves always stay on the device.
 
 **Precision.** fp32 training keeps no separate master: the optimizer updates the fp32 params (for a
 replicated param in stage 1/2 each device updates its own slice, then all-gathers). bf16 / fp16
@@ -136,11 +131,11 @@ class LeafPlan:
     reduce: how the partitioned gradient is reduced: "plain" reduce-scatter, or "int4" two-hop
       all-to-all (qgZ).
     gather_group, reduce_group: block sizes (elements) of the int8 gather and int4 reduction.
-    state_tier: where the fp32 master and optimizer state live: "device", "host"
-      (ZeRO-Offload, :mod:`jzero.tiers.host_optimizer`) or "nvme" (:mod:`jzero.tiers.nvme_store`).
-    param_tier: where the (partitioned) compute param lives between steps: "device", "host"
-      (parameter offload, :mod:`jzero.tiers.host_params`) or "nvme"
-      (:mod:`jzero.tiers.nvme_params`).
+    state_tier, param_tier: the tier the fp32 master and optimizer state / the (partitioned)
+      compute param live in between steps: "device", or the name a tier gave it
+      (:meth:`jzero.tiers.base.Tier.place`; what the names mean: :mod:`jzero.tiers.where`).
+    state_kind, param_kind: the memory kind they are stored in when a tier keeps them in another
+      memory than the device's (e.g. "pinned_host"); None: the plan's ``device_kind``.
   """
 
   path: str
@@ -159,17 +154,12 @@ class LeafPlan:
   reduce_group: int = 0
   state_tier: str = "device"
   param_tier: str = "device"
+  state_kind: str | None = None
+  param_kind: str | None = None
 
   @property
   def numel(self) -> int:
     return math.prod(self.shape)
-
-  @property
-  def param_copy_on_nvme(self) -> bool:
-    """The param is read from the NVMe store, which holds a copy of it written after each update;
-    its master and optimizer state live on the host or the device
-    (:mod:`jzero.tiers.nvme_params`)."""
-    return self.param_tier == "nvme" and self.state_tier != "nvme"
 
   @property
   def layer_numel(self) -> int:
@@ -217,10 +207,10 @@ class Plan:
       1/2, stage3_prefetch_bucket_size in stage 3).
     overlap_comm: overlap collectives with compute.
     zeropp: ZeRO++ settings and the node / local split of the ZeRO axes.
-    host_memory_kind: the memory kind of host-tier leaves ("pinned_host" or "unpinned_host").
-    offload_update: how host-tier state is updated, "stream" or "host"
-    (:mod:`jzero.tiers.host_optimizer`). param_host_memory_kind: the memory kind of host-tier params
-    (:mod:`jzero.tiers.host_params`).
+    device_kind: the memory kind of everything no tier keeps elsewhere: None (JAX's default)
+      when every leaf is on the device, so plans without offload compile exactly as before;
+      "device" once some leaf's ``state_kind`` or ``param_kind`` names another memory (every
+      array then gets an explicit kind; see :mod:`jzero.tiers.host_optimizer`, donation).
   """
 
   stage: int
@@ -234,9 +224,7 @@ class Plan:
   gather_bucket_size: int = 500_000_000
   overlap_comm: bool = False
   zeropp: ZeroPP = ZeroPP()
-  host_memory_kind: str = "pinned_host"
-  offload_update: str = "stream"
-  param_host_memory_kind: str = "pinned_host"
+  device_kind: str | None = None
 
   # -- what exists ---------------------------------------------------------------------------------
   @property
@@ -252,82 +240,33 @@ class Plan:
     return jax.tree.map(fn, self.leaves, *trees, is_leaf=lambda x: isinstance(x, LeafPlan))
 
   def placed(self, placement: Placement) -> Plan:
-    """This plan with its leaves in the tiers ``placement`` names. Only a partitioned param can
-    leave the device (a replicated one is every device's whole copy)."""
+    """This plan with its leaves in the tiers and memory kinds ``placement`` names. Only a
+    partitioned param can leave the device (a replicated one is every device's whole copy)."""
     def place(leaf: LeafPlan) -> LeafPlan:
       param_tier = placement.param_tiers.get(leaf.path, "device")
       if param_tier != "device" and not leaf.param_partitioned:
         raise ValueError(f"{leaf.path}: only a partitioned param can be placed in a tier, not "
                          f"{param_tier!r}")
       return dataclasses.replace(leaf, state_tier=placement.state_tiers.get(leaf.path, "device"),
-                                 param_tier=param_tier)
+                                 param_tier=param_tier,
+                                 state_kind=placement.state_kinds.get(leaf.path),
+                                 param_kind=placement.param_kinds.get(leaf.path))
+    elsewhere = bool(placement.state_kinds or placement.param_kinds)
     return dataclasses.replace(self, leaves=self.map(place),
-                               host_memory_kind=placement.host_memory_kind,
-                               param_host_memory_kind=placement.param_host_memory_kind,
-                               offload_update=placement.offload_update)
+                               device_kind="device" if elsewhere else None)
 
-  # -- memory tiers (ZeRO-Offload, jzero.tiers.host_optimizer) -------------------------------------
-  @property
-  def offloads(self) -> bool:
-    """Some leaf's master / optimizer state lives on the host."""
-    return any(l.state_tier == "host" for l in self.leaf_list())
-
-  @property
-  def param_offloads(self) -> bool:
-    """Some leaf's compute param lives on the host (:mod:`jzero.tiers.host_params`)."""
-    return any(l.param_tier == "host" for l in self.leaf_list())
-
-  @property
-  def params_on_nvme(self) -> bool:
-    """Some leaf's compute param lives in the NVMe store (:mod:`jzero.tiers.nvme_params`)."""
-    return any(l.param_tier == "nvme" for l in self.leaf_list())
-
-  @property
-  def uses_host(self) -> bool:
-    """Some array of the train state lives in host memory."""
-    return self.offloads or self.param_offloads
-
-  @property
-  def has_nvme(self) -> bool:
-    """Some leaf's master / optimizer state lives in the NVMe store (:mod:`jzero.tiers.nvme_store`)."""
-    return any(l.state_tier == "nvme" for l in self.leaf_list())
-
-  @property
-  def uses_nvme_store(self) -> bool:
-    """The engine has an NVMe store: for optimizer state, or for params (:mod:`jzero.tiers.nvme_params`)."""
-    return self.has_nvme or self.params_on_nvme
-
-  def param_placeholder(self, leaf: LeafPlan) -> bool:
-    """The TrainState holds a 0-byte placeholder for the leaf's param: it is on the NVMe tier, and
-    no array of the state holds it (fp32 training's param *is* the master, so a param whose master
-    lives on the host or the device stays in the state there)."""
-    return leaf.param_tier == "nvme" and (leaf.state_tier == "nvme" or self.has_master)
-
-  def param_in_host_memory(self, leaf: LeafPlan) -> bool:
-    """The state's param of ``leaf`` lives in host memory: parameter offload, or fp32 training's
-    param (its master) with the state on the host and a copy on the NVMe tier."""
-    return leaf.param_tier == "host" or (leaf.param_copy_on_nvme and not self.has_master
-                                         and leaf.state_tier == "host")
-
-  def memory_kind(self, tier: str = "device") -> str | None:
-    """The memory kind of a tier; None (JAX's default) for the device when nothing is offloaded,
-    so plans without offload compile exactly as before. With offload every array gets an
-    explicit kind (see :mod:`jzero.tiers.host_optimizer`, donation)."""
-    if tier == "host":
-      return self.host_memory_kind
-    return "device" if self.uses_host else None
+  # -- memory kinds --------------------------------------------------------------------------------
+  def memory_kind(self) -> str | None:
+    """The memory kind of what stays on the device (:attr:`device_kind`)."""
+    return self.device_kind
 
   def param_memory_kind(self, leaf: LeafPlan) -> str | None:
-    """The memory kind of a leaf's stored compute param (fp32 training's param whose copy is on
-    the NVMe tier is its master: in the state's tier)."""
-    if leaf.param_tier == "host":
-      return self.param_host_memory_kind
-    if leaf.param_copy_on_nvme and not self.has_master:
-      return self.memory_kind(leaf.state_tier)
-    return self.memory_kind()
+    """The memory kind of a leaf's stored compute param."""
+    return leaf.param_kind or self.device_kind
 
   def state_memory_kind(self, leaf: LeafPlan) -> str | None:
-    return self.memory_kind(leaf.state_tier)
+    """The memory kind of a leaf's fp32 master and optimizer state."""
+    return leaf.state_kind or self.device_kind
 
   def opt_memory_kinds(self, tx: optax.GradientTransformation) -> PyTree:
     """Memory kind of every leaf of ``tx``'s state: param-like leaves follow their leaf's state

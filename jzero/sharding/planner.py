@@ -89,14 +89,13 @@ class CommSettings:
 class Placement:
   """Where the tiers put leaves (data; :func:`jzero.tiers.registry.placement` computes it from a
   plan and the config): leaf path -> tier of its master and optimizer state / of its partitioned
-  param (absent: "device"), the memory kinds of host-tier state and params, and how host-tier
-  state is updated."""
+  param (absent: "device"), and leaf path -> the memory kind its state / its stored param is kept
+  in when that is not the device's (absent: the device's)."""
 
   state_tiers: Mapping[str, str] = dataclasses.field(default_factory=dict)
   param_tiers: Mapping[str, str] = dataclasses.field(default_factory=dict)
-  host_memory_kind: str = "pinned_host"
-  param_host_memory_kind: str = "pinned_host"
-  offload_update: str = "stream"
+  state_kinds: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  param_kinds: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def make_plan(abstract_params: PyTree, layout: Layout, dtypes: Dtypes,

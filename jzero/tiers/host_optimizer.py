@@ -56,6 +56,7 @@ from jax import lax
 
 from jzero.errors import ConfigError
 from jzero.sharding.planner import Placement
+from jzero.tiers import where
 from jzero.tiers.base import EngineView, Tier
 
 __all__ = ["DEFAULT_UPDATE", "UPDATE_MODES", "OffloadSettings", "settings_from_config",
@@ -307,13 +308,14 @@ class HostOptimizerTier(Tier):
       return placement
     chosen = choose_offloaded({l.path: l.numel for l in plan.leaf_list()
                                if l.shard_dim is not None}, offload.ratio)
+    kinds = dict.fromkeys(chosen, offload.memory_kind) if offload.tier == where.HOST else {}
     return dataclasses.replace(
         placement, state_tiers={**placement.state_tiers, **dict.fromkeys(chosen, offload.tier)},
-        host_memory_kind=offload.memory_kind, offload_update=offload.update)
+        state_kinds={**placement.state_kinds, **kinds})
 
   @classmethod
   def create(cls, engine: EngineView) -> HostOptimizerTier | None:
-    return cls() if engine.plan.uses_host else None
+    return cls() if where.uses_host(engine.plan) else None
 
   def owns_update(self) -> bool:
     return True
@@ -324,9 +326,10 @@ class HostOptimizerTier(Tier):
     # Which masters arrive (and go back) in host memory: the separate fp32 master follows the
     # state's tier; in fp32 training the master is the param partition, in the param's memory.
     master_on_host = (plan.map(lambda l: l.state_tier == "host") if plan.has_master
-                      else plan.map(plan.param_in_host_memory))
+                      else plan.map(lambda l: where.param_in_host_memory(plan, l)))
+    mode = settings_from_config(engine.config.zero_optimization).update
     return apply_update(engine.tx, grads, opt_state, master,
-                        plan.map(lambda l: l.state_tier == "host"), mode=plan.offload_update,
+                        plan.map(lambda l: l.state_tier == "host"), mode=mode,
                         grouped=engine.schedule is not None, master_on_host=master_on_host)
 
   def skipped(self, engine: EngineView, params: PyTree, master: PyTree,
@@ -334,5 +337,6 @@ class HostOptimizerTier(Tier):
     plan = engine.plan
     master, opt_state = keep_tiers(opt_state, master, plan.map(lambda l: l.state_tier == "host"),
                                    master_on_host=plan.has_master)
-    params = plan.map(lambda l, p: to_host(p) if plan.param_in_host_memory(l) else p, params)
+    params = plan.map(lambda l, p: to_host(p) if where.param_in_host_memory(plan, l) else p,
+                      params)
     return params, master, opt_state

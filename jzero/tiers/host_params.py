@@ -58,9 +58,9 @@ import jax.numpy as jnp
 
 from jzero.config.messages import user_stacklevel
 from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
-from jzero.tiers.base import EngineView, Tier
 from jzero.sharding.planner import Placement
-from jzero.tiers import host_optimizer
+from jzero.tiers import host_optimizer, where
+from jzero.tiers.base import EngineView, Tier
 from jzero.tiers.host_optimizer import to_device, to_host
 
 __all__ = ["ParamOffloadSettings", "settings_from_config", "fetch", "HostParamsTier"]
@@ -181,10 +181,16 @@ class HostParamsTier(Tier):
     optimizer = host_optimizer.settings_from_config(zero)
     if settings.tier == "nvme" and not (optimizer.ratio > 0 and optimizer.tier == "host"):
       states.update(dict.fromkeys(moved, "nvme"))
+    if settings.tier == "host":
+      kinds = dict.fromkeys(moved, settings.memory_kind)
+    elif not plan.has_master:  # fp32: the param whose copy the store holds is the master, kept
+      kinds = {p: placement.state_kinds[p] for p in moved if p in placement.state_kinds}
+    else:
+      kinds = {}
     return dataclasses.replace(
         placement, state_tiers=states,
         param_tiers={**placement.param_tiers, **dict.fromkeys(moved, settings.tier)},
-        param_host_memory_kind=settings.memory_kind)
+        param_kinds={**placement.param_kinds, **kinds})
 
   @classmethod
   def check_plan(cls, plan: Any, zero: Any) -> None:
@@ -215,7 +221,7 @@ class HostParamsTier(Tier):
 
   @classmethod
   def create(cls, engine: EngineView) -> HostParamsTier | None:
-    return cls() if engine.plan.param_offloads else None
+    return cls() if where.param_offloads(engine.plan) else None
 
   def grad_target(self, engine: EngineView, leaf: Any, p: jax.Array) -> jax.Array | None:
     return jnp.zeros(p.shape, p.dtype) if leaf.param_tier == "host" else None

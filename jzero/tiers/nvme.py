@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jzero.tiers import nvme_settings, nvme_state, nvme_store
+from jzero.tiers import nvme_settings, nvme_state, nvme_store, where
 from jzero.tiers.base import EngineView, Tier
 from jzero.tiers.nvme_params import ParamSource
 
@@ -41,7 +41,7 @@ class NvmeTier(Tier):
 
   @classmethod
   def create(cls, engine: EngineView) -> NvmeTier | None:
-    return cls() if engine.plan.uses_nvme_store else None
+    return cls() if where.uses_nvme_store(engine.plan) else None
 
   # -- init ------------------------------------------------------------------------------------
   def prepare(self, engine: EngineView) -> None:
@@ -58,9 +58,9 @@ class NvmeTier(Tier):
     # the store's masters (and copies of params) start from the full masters
     output = {l.path: x for l, x in zip(plan.leaf_list(), jax.tree.leaves(state_layout))
               if self._in_store(l)}
-    if plan.has_nvme:  # placeholders; the real masters go to the store
+    if where.has_nvme(plan):  # placeholders; the real masters go to the store
       state_layout = nvme_store.shrink(plan, state_layout)
-    if plan.params_on_nvme:  # placeholders: the store holds the params
+    if where.params_on_nvme(plan):  # placeholders: the store holds the params
       params = nvme_store.shrink(plan, params, "param_tier")
     return state_layout, params, output
 
@@ -90,7 +90,7 @@ class NvmeTier(Tier):
   def take_outputs(self, engine: EngineView, state: Any, grads: PyTree,
                    factor: jax.Array | None) -> tuple[PyTree, Any]:
     plan = engine.plan
-    if not plan.has_nvme:  # params (or their copies) only: nothing is updated after the step
+    if not where.has_nvme(plan):  # params (or their copies) only: nothing is updated after the step
       return grads, None
     # the clipping factor is applied in the store's update, as the device path applies it inside
     # its fused update (the same rounding)
@@ -98,19 +98,19 @@ class NvmeTier(Tier):
             nvme_store.step_outputs(engine, state, grads, factor))
 
   def output_specs(self, engine: EngineView) -> Any:
-    return nvme_store.step_output_specs(engine) if engine.plan.has_nvme else None
+    return nvme_store.step_output_specs(engine) if where.has_nvme(engine.plan) else None
 
   def master_in(self, engine: EngineView, master: PyTree) -> PyTree:
-    return nvme_store.shrink(engine.plan, master) if engine.plan.has_nvme else master
+    return nvme_store.shrink(engine.plan, master) if where.has_nvme(engine.plan) else master
 
   def new_param(self, engine: EngineView, leaf: Any, m_device: jax.Array, m: jax.Array,
                 old: jax.Array) -> jax.Array | None:
     # NVMe leaves keep their params here: the store's update makes the new ones; a param copied
     # to the tier is written there after the step from the new master, which in fp32 training is
     # the state's param itself
-    if leaf.state_tier == NVME or engine.plan.param_placeholder(leaf):
+    if leaf.state_tier == NVME or where.param_placeholder(engine.plan, leaf):
       return old
-    return m if leaf.param_copy_on_nvme else None
+    return m if where.param_copy_on_nvme(leaf) else None
 
   # -- after the step --------------------------------------------------------------------------
   def after_step(self, engine: EngineView, state: Any, metrics: dict, output: Any) -> Any:

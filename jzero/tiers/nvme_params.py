@@ -15,7 +15,7 @@ bytes.
 paper's headline config: "CPU: optimizer states; NVMe: parameters"), the leaf's fp32 master and
 optimizer state live in pinned host memory (``state_tier == "host"``) and are updated by the host
 tier's update inside the step (:mod:`jzero.tiers.host_optimizer`); the store then holds a *copy* of
-the param (:attr:`jzero.sharding.plan.LeafPlan.param_copy_on_nvme`, fp32), which the engine writes
+the param (:func:`jzero.tiers.where.param_copy_on_nvme`, fp32), which the engine writes
 from the new masters after the step and commits as the step
 (:meth:`jzero.tiers.nvme_store.NvmeStore.write_copies`). In fp32 the state's param is the master, so
 it stays in the TrainState -- in host memory --; in mixed precision the param is a placeholder and

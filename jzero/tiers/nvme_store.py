@@ -96,6 +96,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import datetime
 import json
 import math
@@ -118,6 +119,7 @@ from jzero.comm import layouts, program
 from jzero.errors import ConfigError, JZeroError
 from jzero.tiers.nvme_settings import (IO_MODE, NVME, NvmeSettings, check_directory, io_context,
                                  settings_from_config)
+from jzero.tiers import where
 from jzero.tiers.host_optimizer import split_state
 from jzero.tiers.nvme_params import ParamReader
 
@@ -161,9 +163,9 @@ def placeholder_shape(leaf: Any) -> tuple[int, ...]:
 
 def shrink(plan: Any, tree: PyTree, tier: str = "state_tier") -> PyTree:
   """``tree`` (params structure) with NVMe leaves cut to size 0 along their shard dimension;
-  ``tier="param_tier"``: the params the state holds as placeholders (``plan.param_placeholder``,
-  jzero.tiers.nvme_params)."""
-  on_tier = (plan.param_placeholder if tier == "param_tier"
+  ``tier="param_tier"``: the params the state holds as placeholders
+  (:func:`jzero.tiers.where.param_placeholder`, jzero.tiers.nvme_params)."""
+  on_tier = (functools.partial(where.param_placeholder, plan) if tier == "param_tier"
              else lambda leaf: leaf.state_tier == NVME)
 
   def cut(leaf, x):
@@ -280,7 +282,7 @@ class NvmeStore:
     # the leaves whose state is here, and the params here (their state here too, or a copy of
     # the param whose master and state live on the host or the device: jzero.tiers.nvme_params)
     self.leaves = [l for l in plan.leaf_list() if l.state_tier == NVME or l.param_tier == NVME]
-    self.copies = any(l.param_copy_on_nvme for l in self.leaves)
+    self.copies = any(where.param_copy_on_nvme(l) for l in self.leaves)
     self._position = {l.path: i for i, l in enumerate(plan.leaf_list())}
     abstract = jax.eval_shape(engine.tx.init, plan.abstract_master())
     self._params_def = _params_def(plan)
@@ -311,7 +313,7 @@ class NvmeStore:
     self.stored = stored
     # the parameters on the tier (jzero.tiers.nvme_params), read inside the step by this reader; it
     # checks its buffers against the largest layer before anything is written
-    self.reader = ParamReader(self) if plan.params_on_nvme else None
+    self.reader = ParamReader(self) if where.params_on_nvme(plan) else None
     self.bytes_per_slot = len(self.devices) * sum(self.group_numel) * 4
     free = shutil.disk_usage(settings.path).free
     if 2 * self.bytes_per_slot > free:
@@ -496,9 +498,9 @@ class NvmeStore:
     self._commit(step, slot)
 
   def write_copies(self, engine: Any, state: Any, metrics: dict) -> None:
-    """After a step whose params are copies on the tier (``LeafPlan.param_copy_on_nvme``): their
-    new values, the state's masters, written to the other slot and committed as the step (a
-    skipped step commits the unchanged slot under the new step)."""
+    """After a step whose params are copies on the tier (:func:`jzero.tiers.where.
+    param_copy_on_nvme`): their new values, the state's masters, written to the other slot and
+    committed as the step (a skipped step commits the unchanged slot under the new step)."""
     if bool(metrics["overflow"]):
       self._commit(int(state.step), self.slot)
     else:
@@ -604,7 +606,7 @@ class NvmeStore:
       master = plan.map(lambda l, x: get(by_leaf[l.path][-1]) if in_store(l) else x, master)
     # params on the tier (jzero.tiers.nvme_params): the stored value in the compute dtype (the
     # step's cast)
-    params = plan.map(lambda l, x: get_param(by_leaf[l.path][-1]) if plan.param_placeholder(l)
+    params = plan.map(lambda l, x: get_param(by_leaf[l.path][-1]) if where.param_placeholder(plan, l)
                       else x, state.params)
     node_def, nodes, flags = split_state(state.opt_state, self._params_def)
     new_nodes = []
@@ -658,6 +660,6 @@ class NvmeStore:
 
 def _category(s: _Stored) -> str:
   """The model-state category of a stored array (what the memory report counts it as)."""
-  if s.leaf.param_copy_on_nvme:
+  if where.param_copy_on_nvme(s.leaf):
     return "params"
   return "master" if s.node < 0 else "optimizer"

@@ -64,11 +64,12 @@ def state_specs(plan: Plan, tx: optax.GradientTransformation, carrier: Any = Non
 
 def state_memory_kinds(plan: Plan, tx: optax.GradientTransformation, carrier: Any = None,
                        view: Any = None) -> TrainState:
-  """Memory kind of every TrainState leaf (prefix tree; None: JAX's default, the device). The
-  master and optimizer state of host-tier leaves are on the host
-  (:mod:`jzero.tiers.host_optimizer`), as are host-tier params (:mod:`jzero.tiers.host_params`)."""
+  """Memory kind of every TrainState leaf (prefix tree; None: JAX's default, the device). A leaf's
+  master and optimizer state, and its stored param, are in the memory kinds the plan records
+  (host memory under ZeRO-Offload: :mod:`jzero.tiers.host_optimizer`,
+  :mod:`jzero.tiers.host_params`)."""
   device = plan.memory_kind()
-  if not plan.uses_host:
+  if device is None:  # every leaf on the device
     return jax.tree.map(lambda _: device, state_specs(plan, tx, carrier, view),
                         is_leaf=lambda x: isinstance(x, P))
   return TrainState(step=device, skipped=device, params=plan.map(plan.param_memory_kind),

@@ -16,6 +16,7 @@ from flax import linen as nn
 from flax import nnx
 
 import jzero
+from jzero.tiers import where
 from zero_testing import ds_config, make_engine
 
 DS_CONFIGS = Path(__file__).parents[1] / "data" / "ds_configs"
@@ -94,13 +95,14 @@ def test_shipped_offload_configs_both_run():
   configs = Path(__file__).parents[2] / "configs"
   engine = make_engine(str(configs / "ds_zero2_offload.json"))
   engine.init(jax.random.key(0))
-  assert engine.plan.offloads and engine.plan.host_memory_kind == "pinned_host"
+  assert where.offloads(engine.plan)
+  assert {l.state_kind for l in engine.plan.leaf_list() if l.state_tier == "host"} == {"pinned_host"}
   engine = make_engine(str(configs / "ds_zero3_offload.json"))
   engine.init(jax.random.key(0))
   # every leaf of this small model is under the config's persistence threshold (1e5), so the
   # params stay on the device as DeepSpeed keeps persistent params
   # (tests/tiers/test_param_offload.py offloads a model's partitioned params)
-  assert engine.plan.offloads and not engine.plan.param_offloads
+  assert where.offloads(engine.plan) and not where.param_offloads(engine.plan)
   assert engine.config.zero_optimization.offload_param.device == "cpu"
 
 
