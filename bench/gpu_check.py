@@ -30,10 +30,11 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+
+from plan_validation import train_default_gpt  # bench/, beside this script
 
 
 def kernel_checks() -> list[tuple[str, int, int]]:
@@ -116,29 +117,6 @@ def _merged(base: dict, change: dict, nvme: str) -> dict:
   return out
 
 
-def train(config: dict, steps: int) -> tuple[list[float], list[float]]:
-  """(losses, seconds per step) of ``steps`` steps of the default GPT under ``config``."""
-  import jax  # noqa: PLC0415
-
-  import jzero  # noqa: PLC0415
-  from jzero.models import GPT, GPTConfig, lm_loss  # noqa: PLC0415
-  from jzero.runtime.data import ByteCorpus  # noqa: PLC0415
-
-  cfg = GPTConfig()
-  engine = jzero.initialize(model=lambda rngs: GPT(cfg, rngs=rngs), loss_fn=lm_loss,
-                            config=config, total_num_steps=steps)
-  state = engine.init(jax.random.key(0))
-  corpus = ByteCorpus.load(None, seq_len=cfg.seq_len)
-  losses, times = [], []
-  for step in range(steps):
-    batch = engine.shard_batch(corpus.batch(step, engine.global_batch_size))
-    t0 = time.perf_counter()
-    state, metrics = engine.train_step(state, batch)
-    losses.append(float(metrics["loss"]))
-    times.append(time.perf_counter() - t0)
-  return losses, times
-
-
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--steps", type=int, default=30)
@@ -168,7 +146,7 @@ def main() -> int:
   results = {}
   with tempfile.TemporaryDirectory() as nvme:
     for name, (ref, tol, change) in VARIANTS.items():
-      losses, times = train(_merged(base, change, nvme), args.steps)
+      losses, times = train_default_gpt(_merged(base, change, nvme), args.steps)
       results[name] = losses
       line = (f"{name}: first {losses[0]:.6f} last {losses[-1]:.6f}, median step "
               f"{statistics.median(times[2:]) * 1e3:.2f} ms")

@@ -49,6 +49,12 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def measure(config: dict, steps: int) -> list[float]:
   """Seconds of ``steps`` train steps of the default GPT under ``config`` (after 2 warm-ups)."""
+  return train_default_gpt(config, steps + 2)[1][2:]
+
+
+def train_default_gpt(config: dict, steps: int) -> tuple[list[float], list[float]]:
+  """(losses, seconds) of each of ``steps`` train steps of the default GPT under ``config`` on
+  the embedded corpus, each step timed to completion."""
   import jax  # noqa: PLC0415
 
   import jzero  # noqa: PLC0415
@@ -57,17 +63,18 @@ def measure(config: dict, steps: int) -> list[float]:
 
   cfg = GPTConfig()
   engine = jzero.initialize(model=lambda rngs: GPT(cfg, rngs=rngs), loss_fn=lm_loss,
-                            config=config, total_num_steps=steps + 2)
+                            config=config, total_num_steps=steps)
   state = engine.init(jax.random.key(0))
   corpus = ByteCorpus.load(None, seq_len=cfg.seq_len)
-  times = []
-  for step in range(steps + 2):
+  losses, times = [], []
+  for step in range(steps):
     batch = engine.shard_batch(corpus.batch(step, engine.global_batch_size))
     t0 = time.perf_counter()
     state, metrics = engine.train_step(state, batch)
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - t0)
-  return times[2:]
+    losses.append(float(metrics["loss"]))
+  return losses, times
 
 
 def main() -> int:

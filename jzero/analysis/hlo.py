@@ -223,6 +223,22 @@ def _parse_module(hlo_text: str) -> tuple[dict[str, list[_Instruction]],
   return comps, calls, entry
 
 
+def _run_counts(comps: dict[str, list[_Instruction]], calls: dict[str, list[tuple[str, int]]],
+                entry: str, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, int]:
+  """How many times one run of the module runs each computation reached from ``entry``: a loop
+  body its ``known_trip_count`` times per run of its caller (``skip``: callees not followed)."""
+  runs: dict[str, int] = collections.defaultdict(int)
+
+  def visit(comp: str, mult: int) -> None:
+    runs[comp] += mult
+    for callee, trips in calls.get(comp, ()):
+      if callee in comps and callee not in skip:
+        visit(callee, mult * trips)
+
+  visit(entry, 1)
+  return runs
+
+
 def _operands(rest: str) -> list[str]:
   """The instruction names an instruction reads (its parenthesised operand list)."""
   depth = 0
@@ -289,15 +305,7 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
   n_devices = math.prod(mesh_shape.values()) if mesh_shape else 1
   comps, calls, entry = _parse_module(hlo_text)
 
-  runs: dict[str, int] = collections.defaultdict(int)
-
-  def visit(comp: str, mult: int) -> None:
-    runs[comp] += mult
-    for callee, trips in calls.get(comp, ()):
-      if callee in comps:
-        visit(callee, mult * trips)
-
-  visit(entry, 1)
+  runs = _run_counts(comps, calls, entry)
   found = []
   for comp, insts in comps.items():
     if not runs.get(comp):
@@ -336,15 +344,7 @@ def matmul_flops(hlo_text: str) -> float:
   few percent of its matmuls; model-FLOPs formulas leave them out too).
   """
   comps, calls, entry = _parse_module(hlo_text)
-  runs: dict[str, int] = collections.defaultdict(int)
-
-  def visit(comp: str, mult: int) -> None:
-    runs[comp] += mult
-    for callee, trips in calls.get(comp, ()):
-      if callee in comps:
-        visit(callee, mult * trips)
-
-  visit(entry, 1)
+  runs = _run_counts(comps, calls, entry)
   total = 0.0
   for comp, insts in comps.items():
     if not runs.get(comp):
@@ -393,15 +393,7 @@ def memory_traffic(hlo_text: str) -> float:
     for _, _, op, rest in insts:
       if op != "while" and op != "conditional" and op != "call":
         fused.update(_CALLS.findall(rest))
-  runs: dict[str, int] = collections.defaultdict(int)
-
-  def visit(comp: str, mult: int) -> None:
-    runs[comp] += mult
-    for callee, trips in calls.get(comp, ()):
-      if callee in comps and callee not in fused:
-        visit(callee, mult * trips)
-
-  visit(entry, 1)
+  runs = _run_counts(comps, calls, entry, skip=fused)
   matmul_bodies = {comp for comp, insts in comps.items()
                    if any(op in ("dot", "convolution") for _, _, op, _ in insts)}
   total = 0.0
@@ -443,16 +435,17 @@ def _instruction_traffic(comps: dict[str, list[_Instruction]], types: dict[str, 
   for name, _, bop, brest in body:
     if bop == "parameter":
       params[int(re.match(r"\s*(\d+)", brest).group(1))] = name
-  users: dict[str, list[tuple[str, str, list[str]]]] = collections.defaultdict(list)
+  # per value: (op, result type, is it the first operand) of each instruction that reads it
+  users: dict[str, list[tuple[str, str, bool]]] = collections.defaultdict(list)
   for name, t, bop, brest in body:
     for i, o in enumerate(_operands(brest)):
-      users[o].append((bop, t, [o] if i == 0 else []))
+      users[o].append((bop, t, i == 0))
   read = 0.0
   for i, operand in enumerate(operands):
     uses = users.get(params.get(i, ""), [])
-    if uses and all(u[0] == "dynamic-slice" and u[2] for u in uses):
+    if uses and all(op == "dynamic-slice" and first for op, _, first in uses):
       read += sum(_type_bytes(t) for _, t, _ in uses)  # the slices read
-    elif uses and all(u[0] == "dynamic-update-slice" and u[2] for u in uses):
+    elif uses and all(op == "dynamic-update-slice" and first for op, _, first in uses):
       read += 0.0  # the buffer updated in place
     else:
       read += size(operand)

@@ -93,7 +93,7 @@ def compile_options(plan: Any) -> dict[str, Any]:
   options["xla_gpu_enable_latency_hiding_scheduler"] = True
   if plan.stage == 3 and plan.gather_bucket_size > 0:
     options["xla_gpu_enable_pipelined_all_gather"] = True
-  known = _known_options(plan.mesh.mesh.devices.flat[0], tuple(options))
+  known = _known_options(plan.mesh.mesh.devices.flat[0], tuple(options.items()))
   return {name: value for name, value in options.items() if name in known}
 
 
@@ -101,18 +101,19 @@ _UNKNOWN_OPTION = re.compile(r"No such compile option: '(\w+)'")
 
 
 @functools.lru_cache(maxsize=None)
-def _known_options(device: Any, names: tuple[str, ...]) -> frozenset[str]:
-  """The option ``names`` the compiler of ``device`` knows: XLA renames and retires its GPU
-  options between releases (``xla_gpu_enable_pipelined_all_gather`` is gone from jax 0.11's), and
-  an unknown one fails the compile. One probe compile per device kind and option set; each option
-  dropped is said once (a JZeroWarning naming it and what it carried)."""
+def _known_options(device: Any, options: tuple[tuple[str, Any], ...]) -> frozenset[str]:
+  """The names of ``options`` (name, value pairs) the compiler of ``device`` knows: XLA renames and
+  retires its GPU options between releases (``xla_gpu_enable_pipelined_all_gather`` is gone from
+  jax 0.11's), and an unknown one fails the compile. One probe compile per device and option set,
+  with the options' own values; each option dropped is said once (a JZeroWarning naming it and
+  what it carried)."""
   probe = jax.ShapeDtypeStruct((), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
-  defaults = {"xla_gpu_disable_async_collectives": "ALLCOLLECTIVES"}
-  known = set(names)
+  values = dict(options)
+  known = set(values)
   while known:
     try:
       jax.jit(lambda x: x + 1).lower(probe).compile(
-          compiler_options={n: defaults.get(n, 0 if "bytes" in n else True) for n in known})
+          compiler_options={n: values[n] for n in known})
       break
     except Exception as e:  # pylint: disable=broad-except  (the compiler's own error type)
       unknown = _UNKNOWN_OPTION.search(str(e))

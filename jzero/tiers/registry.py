@@ -54,14 +54,9 @@ def active(engine: EngineView) -> tuple[Tier, ...]:
   return tuple(t for t in (cls.create(engine) for cls in TIERS) if t is not None)
 
 
-def through(tiers: tuple[Tier, ...], hook: str, engine: EngineView, state: Any, *args: Any) -> Any:
-  """``state`` passed through every tier's ``hook`` in turn: ``full_state``, ``expand_abstract``,
-  ``absorb``, or ``after_step`` (``args``: the step's metrics and its outputs by tier name, each
-  tier given its own)."""
+def through(tiers: tuple[Tier, ...], hook: str, engine: EngineView, state: Any) -> Any:
+  """``state`` passed through every tier's ``hook`` in turn: ``full_state``, ``expand_abstract``
+  or ``absorb``."""
   for tier in tiers:
-    if hook == "after_step":
-      metrics, outputs = args
-      state = tier.after_step(engine, state, metrics, outputs.get(tier.name))
-    else:
-      state = getattr(tier, hook)(engine, state)
+    state = getattr(tier, hook)(engine, state)
   return state

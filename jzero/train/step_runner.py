@@ -16,7 +16,6 @@ from typing import Any, Callable
 
 import jax
 
-from jzero.tiers import registry
 from jzero.train import reporting
 from jzero.train.preemption import PreemptionWatch
 from jzero.train.programs import Programs, variant_key
@@ -52,8 +51,12 @@ class StepRunner:
       self.step = int(state.step)
     variants = self.variants(tiers, view, state, self.step, fused=fused)
     built, key = programs.has(variants, fused), variant_key(variants)
-    after = lambda s, metrics, outputs: registry.through(tiers, "after_step", view, s, metrics,
-                                                         outputs)
+
+    def after(state, metrics, outputs):  # each tier's work after the jit, with its own outputs
+      for tier in tiers:
+        state = tier.after_step(view, state, metrics, outputs.get(tier.name))
+      return state
+
     if not fused:
       grads_fn, update_fn = programs.split(batch, variants)
       state, metrics = self.reporter.timed(("split", key), not built, grads_fn, update_fn, after,

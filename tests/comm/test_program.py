@@ -14,11 +14,12 @@ def test_an_option_the_compiler_does_not_know_is_dropped_and_named():
   gone = "xla_gpu_option_no_release_has"
   kept = "xla_gpu_enable_latency_hiding_scheduler"
   with pytest.warns(JZeroWarning, match=gone):
-    known = program._known_options(jax.devices()[0], (kept, gone))
+    known = program._known_options(jax.devices()[0], ((kept, True), (gone, True)))
   assert known == {kept}
 
 
 def test_options_the_compiler_knows_all_survive():
-  names = ("xla_gpu_enable_latency_hiding_scheduler", "xla_gpu_all_gather_combine_threshold_bytes",
-           "xla_gpu_reduce_scatter_combine_threshold_bytes")
-  assert program._known_options(jax.devices()[0], names) == set(names)
+  options = (("xla_gpu_enable_latency_hiding_scheduler", True),
+             ("xla_gpu_all_gather_combine_threshold_bytes", 50_000_000),
+             ("xla_gpu_reduce_scatter_combine_threshold_bytes", 62_500_000))
+  assert program._known_options(jax.devices()[0], options) == {n for n, _ in options}
