@@ -176,12 +176,11 @@ def import_deepspeed(engine: Any, ds: DeepSpeedCheckpoint, convert: Callable[[di
   replicated = plan.sharding(P())
   scalar = lambda n: jax.device_put(jnp.asarray(n, jnp.int32), replicated)
   _, train_key = jax.random.split(jax.random.key(0) if rng is None else rng)
-  carrier = next((t for t in engine.tiers if t.carries()), None)
   state = type(abstract)(
       step=scalar(ds.global_steps), skipped=scalar(ds.skipped_steps), params=params,
       master=master, opt_state=optimizer,
       loss_scale=jax.device_put(engine.scaler.init(), replicated),
       rng=jax.device_put(jax.random.key_data(train_key), replicated),
-      delayed=_carried(carrier, abstract, shardings, {}, {}, True, ds.directory))
+      delayed=_carried(engine.delayed, abstract, shardings, {}, {}, True, ds.directory))
   state = engine.absorb(state)  # e.g. the NVMe tier: into the store, placeholders in the state
   return engine.with_secondary(state)  # hpZ: from the imported params, as the step makes them

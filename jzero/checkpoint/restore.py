@@ -171,12 +171,13 @@ def _fresh_opt_state(engine: Any, truth: PyTree, shardings: PyTree) -> PyTree:
   return jax.jit(lambda t: engine.tx.init(plan.map(to_state, t)), out_shardings=shardings)(truth)
 
 
-def _carried(carrier: Any, abstract: Any, shardings: Any, read: dict, stored: dict,
+def _carried(delayed: Any, abstract: Any, shardings: Any, read: dict, stored: dict,
              params_only: bool, where: Any) -> Any:
-  """The restored state's carried field (``TrainState.delayed``): the carrying tier's, or None --
-  with a warning when the checkpoint carries a gradient this engine does not use."""
-  if carrier is not None:
-    return carrier.restored_carried(abstract, shardings, read, stored, params_only)
+  """The restored state's carried field (``TrainState.delayed``): the delayed update's
+  (:meth:`jzero.tiers.delayed.DelayedUpdate.restored`), or None -- with a warning when the
+  checkpoint carries a gradient this engine does not use."""
+  if delayed is not None:
+    return delayed.restored(abstract, shardings, read, stored, params_only)
   if not params_only and any(n.startswith("delayed/") for n in stored):
     warnings.warn(
         f"checkpoint {where} carries a delayed-update gradient (saved with "
@@ -240,8 +241,8 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
       if name in ("step", "skipped") or name.startswith("opt_state/") or (
           name.startswith("loss_scale/") and same_precision):
         requests[name] = (name, target)
-  carrier = next((t for t in engine.tiers if t.carries()), None)  # e.g. the delayed update's
-  for name in (carrier.carried_restore_names(abstract, stored, params_only) if carrier else []):
+  delayed = engine.delayed  # the delayed update's carried gradient
+  for name in (delayed.restore_names(abstract, stored, params_only) if delayed else []):
     requests[name] = (name, targets[name])
   restored = _restore_arrays(step_dir, requests)
 
@@ -260,7 +261,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
                            opt_state=_fresh_opt_state(engine, weights, shardings.opt_state),
                            loss_scale=jax.device_put(engine.scaler.init(), replicated),
                            rng=restored["rng"],
-                           delayed=_carried(carrier, abstract, shardings, restored, stored, True,
+                           delayed=_carried(delayed, abstract, shardings, restored, stored, True,
                                             step_dir))
   else:
     loss_scale = (group("loss_scale", abstract.loss_scale) if same_precision
@@ -268,7 +269,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
     state = type(abstract)(step=restored["step"], skipped=restored["skipped"], params=params,
                            master=master, opt_state=group("opt_state", abstract.opt_state),
                            loss_scale=loss_scale, rng=restored["rng"],
-                           delayed=_carried(carrier, abstract, shardings, restored, stored, False,
+                           delayed=_carried(delayed, abstract, shardings, restored, stored, False,
                                             step_dir))
   state = engine.absorb(state)  # e.g. the NVMe tier: into the store, placeholders in the state
   state = engine.with_secondary(state)  # hpZ: from the restored params, as the step makes it

@@ -1,45 +1,36 @@
-"""The tier interface: :class:`Tier`, and :class:`EngineView`, what a tier may ask of the engine.
+"""The tier interface: :class:`Tier`, :class:`Update`, and :class:`EngineView`, what a tier may ask
+of the engine.
 
-A *tier* is a place model state lives besides device memory, or a change to when the state is
-updated: ZeRO-Offload's host optimizer (:mod:`jzero.tiers.host_optimizer`), parameters in host
-memory (:mod:`jzero.tiers.host_params`), ZeRO-Infinity's NVMe store for optimizer state and
-parameters (:mod:`jzero.tiers.nvme`), the delayed parameter update (:mod:`jzero.tiers.delayed`).
-The registry (:mod:`jzero.tiers.registry`) lists them; an engine asks each one
-(:meth:`Tier.create`) whether its plan and config use it, and keeps those that say yes, in the
-registry's order.
+A *tier* is a place model state lives besides device memory: ZeRO-Offload's host memory for the
+optimizer state (:mod:`jzero.tiers.host_optimizer`) and for parameters
+(:mod:`jzero.tiers.host_params`), ZeRO-Infinity's NVMe store (:mod:`jzero.tiers.nvme`). The
+registry (:mod:`jzero.tiers.registry`) lists them; an engine asks each one (:meth:`Tier.create`)
+whether its plan and config use it, and keeps those that say yes, in the registry's order.
 
-Where a leaf lives is the plan's (:attr:`jzero.sharding.plan.LeafPlan.state_tier` and
-``param_tier``, memory kinds from :class:`jzero.sharding.plan.Plan`). What happens to it is the
-tier's, through hooks the engine calls at fixed points; every hook of this base class does nothing,
-so a tier overrides only the phases it changes:
+What varies between tiers, and how each varies:
 
-* **config** (:meth:`Tier.check_config`, :meth:`Tier.place`, :meth:`Tier.check_plan`):
-  refusals before any device work; which leaves the tier takes (placement data the plan records);
-  what the plan, once built, made of the tier's block (said once).
-* **the forward pass** (:meth:`Tier.grad_target`, :meth:`Tier.gather_inputs`): where a leaf's
-  partition comes from when its gather runs.
-* **step variants** (:meth:`Tier.variant`, :meth:`Tier.seen`): the engine compiles one step per
-  distinct variant its tiers ask for (the delayed update's warm-up, prime and steady steps) and
-  picks the variant on the host, so no step holds a ``lax.cond`` over it.
-* **the update phase, inside the jitted step** (on one device's blocks, inside ``shard_map``), in
-  this order: :meth:`Tier.take_outputs` (what leaves the jit for an update after it, and the
-  gradients left to update here), :meth:`Tier.choose_gradient` (which gradient is applied,
-  whether the update is skipped, what the state carries), :meth:`Tier.master_in`,
-  :meth:`Tier.optimizer_update` (one tier may own the optimizer update; otherwise it runs on the
-  device), :meth:`Tier.new_param` (per leaf), :meth:`Tier.place_params`, and for a skipped step
-  :meth:`Tier.skipped`. :attr:`Tier.needs_cond` says the skip must be a ``lax.cond`` (host-memory
-  arrays cannot be selected elementwise); :meth:`Tier.checks_finite` whether a non-finite fp32
-  gradient skips the step; :meth:`Tier.applied_steps` corrects the lr schedule's step count.
-* **after the jitted step** (:meth:`Tier.after_step`, on the host): e.g. the NVMe store's update
-  of its leaves, committed as the step.
-* **the state outside a step** (:meth:`Tier.full_state`, :meth:`Tier.expand_abstract`,
-  :meth:`Tier.absorb`): the arrays a tier holds outside the TrainState, read into it (logical
-  params, checkpoint saves), their real shapes (a restore's target), and a restored state's
-  arrays taken back in.
-* **bytes** (:meth:`Tier.measured_bytes`, :meth:`Tier.held_bytes`): what the tier holds outside
-  the TrainState's arrays, for the memory report.
-* **init** (:meth:`Tier.prepare`, :meth:`Tier.initial_layout`, :meth:`Tier.after_init`): e.g.
-  placeholders in the TrainState, the real arrays written to a store.
+* **Where a leaf lives** is data: :meth:`Tier.place` records it in the plan
+  (:attr:`jzero.sharding.plan.LeafPlan.state_tier` / ``param_tier`` and the memory kinds
+  ``state_kind`` / ``param_kind``); what those names mean is read through one module,
+  :mod:`jzero.tiers.where`. :meth:`Tier.check_config` refuses what a tier cannot do, before any
+  device work; :meth:`Tier.check_plan` says what a plan made of the tier's config block.
+* **Where a stored partition comes from in the forward pass** (:meth:`Tier.grad_target`,
+  :meth:`Tier.gather_inputs`): a param kept in host memory or on NVMe is differentiated through a
+  device slot and read when its gather runs.
+* **How the update runs** is one small protocol, :class:`Update`, composed like optax's
+  wrappers: the step starts from the update on the device (:class:`jzero.train.update.
+  DeviceUpdate`) and each active tier may wrap it (:meth:`Tier.update`) -- the host tier runs it
+  streamed from host memory or on the host, the NVMe tier hands its leaves out of the jit and
+  updates them from the store after it. An update that changes nothing for a leaf leaves it to
+  the update it wraps.
+* **Arrays held outside the train state** (the NVMe store): their init (:meth:`Tier.prepare`,
+  :meth:`Tier.initial_layout`, :meth:`Tier.after_init`), the full state read back for
+  checkpoints (:meth:`Tier.full_state`, :meth:`Tier.expand_abstract`, :meth:`Tier.absorb`) and
+  their bytes for the memory report (:meth:`Tier.measured_bytes`, :meth:`Tier.held_bytes`).
+
+*When* the update applies is not a tier's: the delayed parameter update is a transformation of the
+step's gradient with its own carried state (:class:`jzero.tiers.delayed.DelayedUpdate`), and the
+skip of a non-finite step is the update's (``keep`` / :meth:`Update.skipped`).
 
 A tier talks to the engine only through :class:`EngineView`: its plan, mesh, config, optimizer,
 the NVMe settings and store, and the hpZ refresh; the layout changes a tier's update needs are
@@ -49,12 +40,12 @@ the NVMe settings and store, and the hpZ refresh; the layout changes a tier's up
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Hashable, Protocol
+from typing import Any, ClassVar, Protocol
 
 import jax
 import optax
 
-__all__ = ["EngineView", "Tier"]
+__all__ = ["EngineView", "Tier", "Update"]
 
 PyTree = Any
 
@@ -76,14 +67,69 @@ class EngineView(Protocol):
     """``state`` with its hpZ secondary partitions recomputed from its params."""
 
 
+class Update:
+  """How the step's optimizer update runs, wrapping the update it changes (``inner``).
+
+  Every method delegates to ``inner``; a wrapper overrides what it changes. The root,
+  :class:`jzero.train.update.DeviceUpdate`, runs optax on the device. Inside the jitted step, on
+  one device's blocks (inside ``shard_map``), the step calls, in this order:
+  :meth:`hand_out` (before clipping), :meth:`apply` -- or for a skipped step :meth:`skipped` --,
+  :meth:`new_param` per leaf, :meth:`store_params`; on the host after the jitted step,
+  :meth:`after_step`.
+  """
+
+  def __init__(self, inner: Update | None):
+    self.inner = inner
+
+  @property
+  def needs_cond(self) -> bool:
+    """A skipped step must be a ``lax.cond`` (host-memory arrays cannot be selected
+    elementwise), not :meth:`apply`'s ``keep``."""
+    return self.inner.needs_cond
+
+  def hand_out(self, state: Any, grads: PyTree, factor: jax.Array | None) -> tuple[PyTree, dict]:
+    """(the gradients left for :meth:`apply`, what leaves the jit for work after it -- by name,
+    ``{}``: nothing); ``factor``: the clipping factor (None: no clipping), not yet applied."""
+    return self.inner.hand_out(state, grads, factor)
+
+  def output_specs(self) -> dict:
+    """PartitionSpecs of :meth:`hand_out`'s second result."""
+    return self.inner.output_specs()
+
+  def apply(self, grads: PyTree, opt_state: PyTree, master: PyTree,
+            keep: jax.Array | None = None) -> tuple[PyTree, PyTree, PyTree]:
+    """(new master where it is stored, the same on the device -- what compute params are cast
+    from --, new optimizer state) from the clipped ``grads``. ``keep`` (a traced bool, only where
+    :attr:`needs_cond` is false): keep the old master and state where it is true."""
+    return self.inner.apply(grads, opt_state, master, keep)
+
+  def skipped(self, params: PyTree, master: PyTree,
+              opt_state: PyTree) -> tuple[PyTree, PyTree, PyTree]:
+    """A skipped step's (params, master, opt_state): the state's, placed as :meth:`apply`'s
+    results are (a ``lax.cond``'s branches agree on memory spaces)."""
+    return self.inner.skipped(params, master, opt_state)
+
+  def new_param(self, leaf: Any, m_device: jax.Array, m: jax.Array, old: jax.Array) -> jax.Array:
+    """A leaf's new param: ``m_device`` (the new master on the device) cast and gathered as the
+    stage lays it out; ``m``: the new master where it is stored; ``old``: the state's param."""
+    return self.inner.new_param(leaf, m_device, m, old)
+
+  def store_params(self, params: PyTree, master: PyTree) -> PyTree:
+    """The new params, placed where they are stored between steps."""
+    return self.inner.store_params(params, master)
+
+  def after_step(self, state: Any, metrics: dict, outputs: dict) -> Any:
+    """On the host, after the jitted step: the state after the work on :meth:`hand_out`'s
+    ``outputs``."""
+    return self.inner.after_step(state, metrics, outputs)
+
+
 class Tier:
   """One tier's hooks; see the module docstring for when each is called. Subclasses set
   :attr:`name` and override :meth:`create` and the hooks of the phases they change."""
 
-  #: The tier's name: its key in a step's outputs and in its variants.
+  #: The tier's name.
   name: ClassVar[str] = ""
-  #: A skipped step must be a ``lax.cond``, not an elementwise select (host-memory arrays).
-  needs_cond: ClassVar[bool] = False
 
   @classmethod
   def check_config(cls, config: Any) -> None:
@@ -107,35 +153,6 @@ class Tier:
     """The tier for ``engine`` (its plan exists), or None when its plan and config do not use it."""
     return None
 
-  # -- the train state's carried field (TrainState.delayed) ------------------------------------
-  def carries(self) -> bool:
-    """The tier carries state from one step to the next (:meth:`choose_gradient`'s third
-    result; at most one tier does)."""
-    return False
-
-  def carried_specs(self, engine: EngineView) -> Any:
-    """PartitionSpecs of the carried state."""
-    return None
-
-  def carried_memory_kinds(self, engine: EngineView, device: str | None) -> Any:
-    """Memory kinds of the carried state (``device``: the device's)."""
-    return None
-
-  def initial_carried(self, state_layout: PyTree) -> Any:
-    """Inside the init's jit: the carried state of a new TrainState."""
-    return None
-
-  def carried_restore_names(self, abstract: Any, stored: dict, params_only: bool) -> list[str]:
-    """The checkpoint's array names a restore reads for the carried state (``stored``: the
-    checkpoint's array table; ``abstract``: the engine's abstract TrainState)."""
-    return []
-
-  def restored_carried(self, abstract: Any, shardings: Any, read: dict, stored: dict,
-                       params_only: bool) -> Any:
-    """The carried state of a restore: from ``read`` (the arrays of
-    :meth:`carried_restore_names`), or fresh when the checkpoint has none."""
-    return None
-
   # -- the forward pass, inside the jitted step ------------------------------------------------
   def grad_target(self, engine: EngineView, leaf: Any, p: jax.Array) -> jax.Array | None:
     """What the step differentiates for a leaf whose param the tier holds (e.g. a zero gradient
@@ -148,77 +165,11 @@ class Tier:
     ``stored=`` (what it reads); None: not the tier's leaf."""
     return None
 
-  # -- step variants (host side) ---------------------------------------------------------------
-  def variant(self, engine: EngineView, state: Any, step: int | None, fused: bool) -> Hashable:
-    """Which compiled step ``state`` needs at host step ``step`` (``state`` and ``step`` None:
-    the steady step, e.g. for :meth:`jzero.Engine.jitted_step`); ``fused``: one jit (False: the
-    timed two-jit step of ``wall_clock_breakdown``). None when the tier has one step."""
-    return None
-
-  def seen(self, state: Any, variant: Hashable) -> None:
-    """The step of ``variant`` returned ``state``."""
-
-  # -- the update phase, inside the jitted step ------------------------------------------------
-  def take_outputs(self, engine: EngineView, state: Any, grads: PyTree,
-                   factor: jax.Array | None) -> tuple[PyTree, Any]:
-    """(gradients left for the update in the step, what the step returns for this tier --
-    None: nothing). ``factor``: the clipping factor (None: no clipping)."""
-    return grads, None
-
-  def output_specs(self, engine: EngineView) -> Any:
-    """PartitionSpecs of what :meth:`take_outputs` returns (None: nothing)."""
-    return None
-
-  def checks_finite(self, variant: Hashable) -> bool:
-    """fp32: whether a non-finite global gradient norm skips the step in ``variant``."""
-    return True
-
-  def choose_gradient(self, state: Any, grads: PyTree, overflow: jax.Array, skip: Any,
-                      carried: Any, variant: Hashable) -> tuple[PyTree, Any, Any]:
-    """(gradient the update applies, skip -- a bool or a traced bool --, what the state carries
-    to the next step); ``overflow``: this step's gradient was not finite."""
-    return grads, skip, carried
-
-  def master_in(self, engine: EngineView, master: PyTree) -> PyTree:
-    """The masters the update in the step sees."""
-    return master
-
-  def owns_update(self) -> bool:
-    """This tier runs the optimizer update (:meth:`optimizer_update`)."""
-    return False
-
-  def optimizer_update(self, engine: EngineView, grads: PyTree, opt_state: PyTree,
-                       master: PyTree) -> tuple[PyTree, PyTree, PyTree]:
-    """(new master, the same on the device -- what compute params are cast from --, new optimizer
-    state), for a tier whose :meth:`owns_update` is true."""
-    raise NotImplementedError(f"{type(self).__name__}.owns_update() is true: it must implement "
-                              f"optimizer_update")
-
-  def new_param(self, engine: EngineView, leaf: Any, m_device: jax.Array, m: jax.Array,
-                old: jax.Array) -> jax.Array | None:
-    """A leaf's new param after the update, or None to leave it to the next tier (and at last to
-    :func:`jzero.comm.layouts.compute_param` of ``m_device``). ``m``: the new master where it is
-    stored; ``old``: the state's param."""
-    return None
-
-  def place_params(self, engine: EngineView, params: PyTree, master: PyTree) -> PyTree:
-    """The new params, placed where they are stored between steps."""
-    return params
-
-  def skipped(self, engine: EngineView, params: PyTree, master: PyTree,
-              opt_state: PyTree) -> tuple[PyTree, PyTree, PyTree]:
-    """A skipped step's (params, master, opt_state): the state's, placed as the update's results
-    are (a ``lax.cond``'s branches agree on memory spaces)."""
-    return params, master, opt_state
-
-  def applied_steps(self, state: Any, applied: jax.Array) -> jax.Array:
-    """The count of updates applied (the lr schedule's step), corrected for this tier."""
-    return applied
-
-  # -- after the jitted step (host side) -------------------------------------------------------
-  def after_step(self, engine: EngineView, state: Any, metrics: dict, output: Any) -> Any:
-    """The state after the tier's work outside the jit; ``output``: :meth:`take_outputs`'."""
-    return state
+  # -- the update ------------------------------------------------------------------------------
+  def update(self, engine: EngineView, inner: Update) -> Update:
+    """The step's update with what the tier changes in it, wrapping ``inner`` (the update of the
+    tiers before it in the registry, at first the device's); ``inner`` itself: nothing."""
+    return inner
 
   # -- the state outside a step ----------------------------------------------------------------
   def full_state(self, engine: EngineView, state: Any) -> Any:

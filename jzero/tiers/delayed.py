@@ -19,6 +19,15 @@ so every gradient is applied exactly once, one step late, and each was computed 
 update older than a plain run's. The last step's gradient stays carried in the state (and in its
 checkpoint) until a further step applies it.
 
+**Not a tier, a transformation.** The delayed update changes *when* a gradient is applied, not where
+state lives: :class:`DelayedUpdate` is shaped like optax's wrappers (``MultiSteps``,
+``apply_if_finite``) -- ``init`` makes its own state, ``update`` turns the step's gradient into the
+one to apply and the state to carry -- but it wraps the step's update rather than the optax
+transformation: its optimizer state lives in host memory (it needs ``device: cpu``), and the carried
+gradient must stay on the device, where the next step's update reads it before that state is
+brought in. The step (:func:`jzero.train.update.local_update`), the state's layout, the init, the
+checkpoint restore and the host's choice of step variant call it directly.
+
 **The state.** :class:`DelayedGrads` -- the carried gradient and whether it is ready to apply --
 is the train state's ``delayed`` field: fp32, in the plan's *state layout* (partitioned over the
 ZeRO axes like the reduced gradient, padded like the master), in device memory. It costs 4 bytes
@@ -54,7 +63,7 @@ none). Gradient accumulation is unchanged: the carried gradient is the step's ac
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Hashable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,14 +71,12 @@ from jax.sharding import PartitionSpec as P
 
 from jzero.errors import ConfigError
 from jzero.sharding.plan import flatten_paths
-from jzero.tiers.base import EngineView, Tier
 
-__all__ = ["DelayedGrads", "WARMUP", "enabled", "warmup_steps", "specs", "memory_kinds", "initial",
-           "swap", "restore_names", "restored", "DelayedUpdateTier"]
+__all__ = ["DelayedGrads", "DelayedUpdate", "WARMUP", "enabled", "warmup_steps"]
 
 PyTree = Any
 PREFIX = "delayed"  # the train state's field, and the checkpoint's array names' first part
-#: The ``ready`` of a warm-up step: it applies its own gradient and carries nothing.
+#: The variant of a warm-up step: it applies its own gradient and carries nothing.
 WARMUP = "warmup"
 
 
@@ -114,78 +121,18 @@ def warmup_steps(zero: Any) -> int:
   return zero.offload_optimizer.delayed_update_warmup if enabled(zero) else 0
 
 
-def specs(plan: Any) -> DelayedGrads:
-  """PartitionSpecs of the carried state: the gradient in the state layout."""
-  return DelayedGrads(grads=plan.state_specs(), ready=P())
+class DelayedUpdate:
+  """The delayed update of one engine (module docstring).
 
-
-def memory_kinds(plan: Any, device: str | None) -> DelayedGrads:
-  """Memory kinds of the carried state: all on the device."""
-  return DelayedGrads(grads=plan.map(lambda _: device), ready=device)
-
-
-def initial(state_layout: PyTree) -> DelayedGrads:
-  """Nothing carried: zeros shaped like the state layout (traced inside the engine's init)."""
-  return DelayedGrads(grads=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), state_layout),
-                      ready=jnp.zeros((), bool))
-
-
-def swap(carried: DelayedGrads, grads: PyTree, overflow: jax.Array, ready: bool | None):
-  """In the step: the gradient to update with and whether to skip the update, and what to carry.
-
-  Args:
-    carried: the state's carried gradient (g_{t-1}).
-    grads: this step's unscaled, clipped gradient (g_t).
-    overflow: g_t overflowed (fp16): carry it as not ready.
-    ready: what is known statically about ``carried.ready`` (None: read it), or :data:`WARMUP`:
-      a plain step, which applies g_t (unless it overflowed) and carries ``carried`` unchanged.
-
-  Returns:
-    (gradient to apply, skip -- True, False or a bool array --, the new DelayedGrads).
+  Its steps come in variants the host picks, so no step holds a ``lax.cond`` over them:
+  :data:`WARMUP`, the prime step ``False`` (nothing carried: apply nothing), the steady step
+  ``True`` (apply the carried gradient), or ``None`` (read the carried flag in the step). The
+  steady step may assume a gradient is carried when no overflow check can make one unready; the
+  ``ready`` array of the state the last steady or prime step returned is known true, any other
+  state's flag is read from the device once.
   """
-  if ready == WARMUP:
-    return grads, overflow, carried
-  new = DelayedGrads(grads=grads, ready=jnp.logical_not(overflow))
-  skip = jnp.logical_not(carried.ready) if ready is None else not ready
-  return carried.grads, skip, new
 
-
-def restore_names(abstract: Any, stored: dict, params_only: bool) -> list[str]:
-  """The carried state's array names a restore reads: all of them when the checkpoint has them
-  and this engine delays (and the restore is not ``params_only``), else none."""
-  if abstract.delayed is None or params_only:
-    return []
-  names = [f"{PREFIX}/{n}" for n in flatten_paths(abstract.delayed)]
-  return names if all(n in stored for n in names) else []
-
-
-def restored(abstract: Any, shardings: Any, read: dict[str, jax.Array], stored: dict,
-             params_only: bool) -> DelayedGrads:
-  """The carried state of a restore into an engine that delays: the checkpoint's
-  (:func:`restore_names`, read into ``read``), else nothing carried.
-
-  Args:
-    abstract: the engine's abstract TrainState.
-    shardings: its state shardings, expanded to ``abstract``'s leaves.
-    read: the restored arrays by name.
-    stored: the checkpoint's array table (``meta["arrays"]``).
-    params_only: the restore keeps only the weights.
-  """
-  names = restore_names(abstract, stored, params_only)
-  if names:
-    return jax.tree.unflatten(jax.tree.structure(abstract.delayed), [read[n] for n in names])
-  return jax.jit(initial, out_shardings=shardings.delayed)(abstract.delayed.grads)
-
-
-class DelayedUpdateTier(Tier):
-  """The delayed update as a tier (module docstring): three step variants picked on the host
-  (:data:`WARMUP`, the prime step ``False``, the steady step ``True``, or ``None``: read the
-  carried flag in the step), the carried gradient swapped in before the update.
-
-  The steady step may assume a gradient is carried when no overflow check can make one unready;
-  the ``ready`` array of the state the last steady or prime step returned is known true, any
-  other state's flag is read from the device once."""
-
+  #: The key of its variant in a step's variants.
   name = "delayed"
 
   def __init__(self, warmup: int, static_ready: bool | None):
@@ -193,41 +140,91 @@ class DelayedUpdateTier(Tier):
     self._ready_seen: Any = None  # the ready array of the last state a step returned
 
   @classmethod
-  def check_config(cls, config: Any) -> None:
-    enabled(config.zero_optimization)
-
-  @classmethod
-  def create(cls, engine: EngineView) -> DelayedUpdateTier | None:
-    zero = engine.config.zero_optimization
+  def from_config(cls, config: Any) -> DelayedUpdate | None:
+    """The delayed update a resolved config asks for, or None (refusals: :func:`enabled`)."""
+    zero = config.zero_optimization
     if not enabled(zero):
       return None
-    return cls(warmup_steps(zero), None if engine.config.checks_overflow else True)
+    return cls(warmup_steps(zero), None if config.checks_overflow else True)
 
-  # -- the carried gradient --------------------------------------------------------------------
-  def carries(self) -> bool:
-    return True
+  # -- its state: the train state's ``delayed`` field ------------------------------------------
+  @staticmethod
+  def specs(plan: Any) -> DelayedGrads:
+    """PartitionSpecs of the carried state: the gradient in the state layout."""
+    return DelayedGrads(grads=plan.state_specs(), ready=P())
 
-  def carried_specs(self, engine: EngineView) -> DelayedGrads:
-    return specs(engine.plan)
+  @staticmethod
+  def memory_kinds(plan: Any, device: str | None) -> DelayedGrads:
+    """Memory kinds of the carried state: all on the device (``device``: its kind)."""
+    return DelayedGrads(grads=plan.map(lambda _: device), ready=device)
 
-  def carried_memory_kinds(self, engine: EngineView, device: str | None) -> DelayedGrads:
-    return memory_kinds(engine.plan, device)
+  @staticmethod
+  def init(state_layout: PyTree) -> DelayedGrads:
+    """Nothing carried: zeros shaped like the state layout (traced inside the engine's init)."""
+    return DelayedGrads(grads=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
+                                           state_layout), ready=jnp.zeros((), bool))
 
-  def initial_carried(self, state_layout: PyTree) -> DelayedGrads:
-    return initial(state_layout)
+  @staticmethod
+  def restore_names(abstract: Any, stored: dict, params_only: bool) -> list[str]:
+    """The carried state's array names a restore reads: all of them when the checkpoint has
+    them (and the restore is not ``params_only``), else none (``abstract``: the engine's abstract
+    TrainState; ``stored``: the checkpoint's array table)."""
+    if abstract.delayed is None or params_only:
+      return []
+    names = [f"{PREFIX}/{n}" for n in flatten_paths(abstract.delayed)]
+    return names if all(n in stored for n in names) else []
 
-  def carried_restore_names(self, abstract: Any, stored: dict, params_only: bool) -> list[str]:
-    return restore_names(abstract, stored, params_only)
+  def restored(self, abstract: Any, shardings: Any, read: dict[str, jax.Array], stored: dict,
+               params_only: bool) -> DelayedGrads:
+    """The carried state of a restore: the checkpoint's (:meth:`restore_names`, read into
+    ``read``), else nothing carried (``shardings``: the state's, expanded to ``abstract``)."""
+    names = self.restore_names(abstract, stored, params_only)
+    if names:
+      return jax.tree.unflatten(jax.tree.structure(abstract.delayed), [read[n] for n in names])
+    return jax.jit(self.init, out_shardings=shardings.delayed)(abstract.delayed.grads)
 
-  def restored_carried(self, abstract: Any, shardings: Any, read: dict, stored: dict,
-                       params_only: bool) -> DelayedGrads:
-    return restored(abstract, shardings, read, stored, params_only)
+  # -- in the step -----------------------------------------------------------------------------
+  @staticmethod
+  def update(carried: DelayedGrads, grads: PyTree, overflow: jax.Array,
+             variant: Hashable) -> tuple[PyTree, Any, DelayedGrads]:
+    """The gradient to update with, whether to skip the update, and what to carry.
 
-  # -- step variants ---------------------------------------------------------------------------
-  def variant(self, engine: EngineView, state: Any, step: int | None, fused: bool):
+    Args:
+      carried: the state's carried gradient (g_{t-1}).
+      grads: this step's unscaled, clipped gradient (g_t).
+      overflow: g_t overflowed (fp16): carry it as not ready.
+      variant: what is known statically about ``carried.ready`` (None: read it), or
+        :data:`WARMUP`: a plain step, which applies g_t (unless it overflowed) and carries
+        ``carried`` unchanged.
+
+    Returns:
+      (gradient to apply, skip -- True, False or a bool array --, the new DelayedGrads).
+    """
+    if variant == WARMUP:
+      return grads, overflow, carried
+    new = DelayedGrads(grads=grads, ready=jnp.logical_not(overflow))
+    skip = jnp.logical_not(carried.ready) if variant is None else not variant
+    return carried.grads, skip, new
+
+  @staticmethod
+  def checks_finite(variant: Hashable) -> bool:
+    """fp32: whether a non-finite gradient norm skips the step of ``variant`` (the steady step
+    always applies; the engine warns)."""
+    return variant == WARMUP
+
+  @staticmethod
+  def applied_steps(carried: DelayedGrads, applied: jax.Array) -> jax.Array:
+    """The count of updates applied (the lr schedule's step): the carried one is not yet."""
+    return applied - carried.ready.astype(applied.dtype)
+
+  # -- on the host -----------------------------------------------------------------------------
+  def variant(self, state: Any, step: int | None, fused: bool) -> Hashable:
+    """The step variant ``state`` needs at host step ``step`` (``state`` and ``step`` None: the
+    steady step, e.g. for :meth:`jzero.Engine.jitted_step`); ``fused``: one jit (False: the timed
+    two-jit step of ``wall_clock_breakdown``, which reads the carried flag)."""
     if step is not None and step < self.warmup:
       return WARMUP
-    if not fused:  # the timed two-jit step reads the carried flag
+    if not fused:
       return None
     if state is not None and self._needs_prime(state):
       return False
@@ -239,17 +236,7 @@ class DelayedUpdateTier(Tier):
       return False
     return not bool(state.delayed.ready)
 
-  def seen(self, state: Any, variant) -> None:
+  def seen(self, state: Any, variant: Hashable) -> None:
+    """The step of ``variant`` returned ``state``."""
     if self.static_ready is not None and variant in (True, False):  # a warm-up carries nothing
       self._ready_seen = state.delayed.ready
-
-  # -- the update phase ------------------------------------------------------------------------
-  def checks_finite(self, variant) -> bool:
-    return variant == WARMUP  # the steady step always applies (the engine warns)
-
-  def choose_gradient(self, state: Any, grads: PyTree, overflow: jax.Array, skip: Any,
-                      carried: Any, variant) -> tuple[PyTree, Any, Any]:
-    return swap(state.delayed, grads, overflow, variant)  # update with g_{t-1}, carry g_t
-
-  def applied_steps(self, state: Any, applied: jax.Array) -> jax.Array:
-    return applied - state.delayed.ready.astype(applied.dtype)  # the carried one is not applied

@@ -57,11 +57,11 @@ from jax import lax
 from jzero.errors import ConfigError
 from jzero.sharding.planner import Placement
 from jzero.tiers import where
-from jzero.tiers.base import EngineView, Tier
+from jzero.tiers.base import EngineView, Tier, Update
 
 __all__ = ["DEFAULT_UPDATE", "UPDATE_MODES", "OffloadSettings", "settings_from_config",
            "choose_offloaded", "apply_update", "on_host", "to_device", "to_host", "split_state",
-           "HostOptimizerTier"]
+           "HostOptimizerTier", "HostUpdate"]
 
 PyTree = Any
 UPDATE_MODES = ("stream", "host")
@@ -285,15 +285,12 @@ def keep_tiers(opt_state: PyTree, master: PyTree, on_host: PyTree, *,
 
 
 class HostOptimizerTier(Tier):
-  """The host-memory tier's step: active whenever some array of the train state lives in host
-  memory -- optimizer state and masters (``offload_optimizer.device: cpu``), or params
-  (``offload_param.device: cpu``, whose fp32-training masters are those params). It owns the
-  optimizer update (:func:`apply_update`, streaming or on the host) and places a skipped step's
-  unchanged state as the update places its results; a skip is a ``lax.cond`` (host arrays cannot
-  be selected elementwise)."""
+  """The host-memory tier: active whenever some array of the train state lives in host memory --
+  optimizer state and masters (``offload_optimizer.device: cpu``), or params
+  (``offload_param.device: cpu``, whose fp32-training masters are those params). Its update is
+  :class:`HostUpdate`."""
 
   name = "host"
-  needs_cond = True
 
   @classmethod
   def check_config(cls, config: Any) -> None:
@@ -317,26 +314,51 @@ class HostOptimizerTier(Tier):
   def create(cls, engine: EngineView) -> HostOptimizerTier | None:
     return cls() if where.uses_host(engine.plan) else None
 
-  def owns_update(self) -> bool:
+  def update(self, engine: EngineView, inner: Update) -> Update:
+    return HostUpdate(engine, inner)
+
+
+class HostUpdate(Update):
+  """The update of a state with arrays in host memory: the optimizer update streamed from host
+  memory or run on the host (:func:`apply_update`, replacing the device's), the new params of
+  leaves whose params live in host memory stored there (:mod:`jzero.tiers.host_params`), and a
+  skipped step's unchanged state placed as the update places its results; a skip is a
+  ``lax.cond`` (host arrays cannot be selected elementwise)."""
+
+  def __init__(self, engine: EngineView, inner: Update):
+    super().__init__(inner)
+    self.plan, self.tx = engine.plan, engine.tx
+    self.mode = settings_from_config(engine.config.zero_optimization).update
+    self.grouped = engine.schedule is not None
+
+  @property
+  def needs_cond(self) -> bool:
     return True
 
-  def optimizer_update(self, engine: EngineView, grads: PyTree, opt_state: PyTree,
-                       master: PyTree) -> tuple[PyTree, PyTree, PyTree]:
-    plan = engine.plan
+  def apply(self, grads: PyTree, opt_state: PyTree, master: PyTree,
+            keep: jax.Array | None = None) -> tuple[PyTree, PyTree, PyTree]:
+    plan = self.plan
     # Which masters arrive (and go back) in host memory: the separate fp32 master follows the
     # state's tier; in fp32 training the master is the param partition, in the param's memory.
-    master_on_host = (plan.map(lambda l: l.state_tier == "host") if plan.has_master
+    master_on_host = (plan.map(lambda l: l.state_tier == where.HOST) if plan.has_master
                       else plan.map(lambda l: where.param_in_host_memory(plan, l)))
-    mode = settings_from_config(engine.config.zero_optimization).update
-    return apply_update(engine.tx, grads, opt_state, master,
-                        plan.map(lambda l: l.state_tier == "host"), mode=mode,
-                        grouped=engine.schedule is not None, master_on_host=master_on_host)
+    return apply_update(self.tx, grads, opt_state, master,
+                        plan.map(lambda l: l.state_tier == where.HOST), mode=self.mode,
+                        grouped=self.grouped, master_on_host=master_on_host)
 
-  def skipped(self, engine: EngineView, params: PyTree, master: PyTree,
+  def skipped(self, params: PyTree, master: PyTree,
               opt_state: PyTree) -> tuple[PyTree, PyTree, PyTree]:
-    plan = engine.plan
-    master, opt_state = keep_tiers(opt_state, master, plan.map(lambda l: l.state_tier == "host"),
+    plan = self.plan
+    master, opt_state = keep_tiers(opt_state, master,
+                                   plan.map(lambda l: l.state_tier == where.HOST),
                                    master_on_host=plan.has_master)
     params = plan.map(lambda l, p: to_host(p) if where.param_in_host_memory(plan, l) else p,
                       params)
     return params, master, opt_state
+
+  def store_params(self, params: PyTree, master: PyTree) -> PyTree:
+    plan = self.plan
+    # fp32 training: the new param of a param in host memory is the master, already back there
+    return self.inner.store_params(
+        plan.map(lambda l, p, m: p if l.param_tier != where.HOST else
+                 m if not plan.has_master else to_host(p), params, master), master)

@@ -25,7 +25,7 @@ one layer's (or unit's) partitions and gathered parameters at a time, plus what 
 **The update** runs on the device copy of each host leaf (fp32 training: the param partition is
 the optimizer's master; it is streamed through the device leaf by leaf by
 :func:`jzero.tiers.host_optimizer.apply_update`), and the new partitions are written back to the
-host tier at the end of the step (:func:`to_host`). So the values are the no-offload step's: the
+host tier at the end of the step (:meth:`jzero.tiers.host_optimizer.HostUpdate.store_params`). So the values are the no-offload step's: the
 copies are exact.
 
 **Donation.** As for the optimizer's host tier (:mod:`jzero.tiers.host_optimizer`,
@@ -61,7 +61,7 @@ from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
 from jzero.sharding.planner import Placement
 from jzero.tiers import host_optimizer, where
 from jzero.tiers.base import EngineView, Tier
-from jzero.tiers.host_optimizer import to_device, to_host
+from jzero.tiers.host_optimizer import to_device
 
 __all__ = ["ParamOffloadSettings", "settings_from_config", "fetch", "HostParamsTier"]
 
@@ -157,12 +157,10 @@ FROM_HOST = HostSource()
 
 class HostParamsTier(Tier):
   """Stage-3 partitions in host memory (module docstring): the step differentiates a zero slot on
-  the device, the gather fetches the host partition, and the new partitions go back to the host.
-  (The update of what lives in host memory is
-  :class:`jzero.tiers.host_optimizer.HostOptimizerTier`'s.)"""
+  the device, the gather fetches the host partition; the update of what lives in host memory,
+  which puts the new partitions back there, is :class:`jzero.tiers.host_optimizer.HostUpdate`."""
 
   name = "host_params"
-  needs_cond = True
 
   @classmethod
   def check_config(cls, config: Any) -> None:
@@ -228,9 +226,3 @@ class HostParamsTier(Tier):
 
   def gather_inputs(self, engine: EngineView, leaf: Any, p: jax.Array) -> dict | None:
     return {"source": FROM_HOST, "stored": p} if leaf.param_tier == "host" else None
-
-  def place_params(self, engine: EngineView, params: PyTree, master: PyTree) -> PyTree:
-    plan = engine.plan
-    # fp32 training: the new param is the master, already back in host memory
-    return plan.map(lambda l, p, m: p if l.param_tier != "host" else
-                    m if not plan.has_master else to_host(p), params, master)

@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 
 from jzero.tiers import nvme_settings, nvme_state, nvme_store, where
-from jzero.tiers.base import EngineView, Tier
+from jzero.tiers.base import EngineView, Tier, Update
 from jzero.tiers.nvme_params import ParamSource
 
-__all__ = ["NvmeTier"]
+__all__ = ["NvmeTier", "NvmeUpdate"]
 
 PyTree = Any
 NVME = nvme_settings.NVME
@@ -86,40 +86,9 @@ class NvmeTier(Tier):
     return {"source": ParamSource(engine.nvme_store.reader, leaf.path, engine.mesh.zero_axes),
             "stored": jnp.arange(leaf.shape[0]) if leaf.stacked else jnp.zeros((), jnp.int32)}
 
-  # -- the update phase ------------------------------------------------------------------------
-  def take_outputs(self, engine: EngineView, state: Any, grads: PyTree,
-                   factor: jax.Array | None) -> tuple[PyTree, Any]:
-    plan = engine.plan
-    if not where.has_nvme(plan):  # params (or their copies) only: nothing is updated after the step
-      return grads, None
-    # the clipping factor is applied in the store's update, as the device path applies it inside
-    # its fused update (the same rounding)
-    return (nvme_store.shrink(plan, grads),
-            nvme_store.step_outputs(engine, state, grads, factor))
-
-  def output_specs(self, engine: EngineView) -> Any:
-    return nvme_store.step_output_specs(engine) if where.has_nvme(engine.plan) else None
-
-  def master_in(self, engine: EngineView, master: PyTree) -> PyTree:
-    return nvme_store.shrink(engine.plan, master) if where.has_nvme(engine.plan) else master
-
-  def new_param(self, engine: EngineView, leaf: Any, m_device: jax.Array, m: jax.Array,
-                old: jax.Array) -> jax.Array | None:
-    # NVMe leaves keep their params here: the store's update makes the new ones; a param copied
-    # to the tier is written there after the step from the new master, which in fp32 training is
-    # the state's param itself
-    if leaf.state_tier == NVME or where.param_placeholder(engine.plan, leaf):
-      return old
-    return m if where.param_copy_on_nvme(leaf) else None
-
-  # -- after the step --------------------------------------------------------------------------
-  def after_step(self, engine: EngineView, state: Any, metrics: dict, output: Any) -> Any:
-    store = engine.nvme_store
-    if output is not None:
-      return store.update(engine, state, metrics, output)
-    if store.copies:
-      store.write_copies(engine, state, metrics)
-    return state
+  # -- the update -----------------------------------------------------------------------------
+  def update(self, engine: EngineView, inner: Update) -> Update:
+    return NvmeUpdate(engine, inner)
 
   # -- bytes -----------------------------------------------------------------------------------
   def measured_bytes(self, engine: EngineView) -> dict[str, dict[str, int]]:
@@ -143,3 +112,55 @@ class NvmeTier(Tier):
 
   def absorb(self, engine: EngineView, state: Any) -> Any:
     return nvme_state.absorb(engine, state)
+
+
+class NvmeUpdate(Update):
+  """The update from and to the NVMe store, wrapping the update of the leaves in memory: the
+  step hands out the NVMe leaves' gradients (and what their update reads) and keeps their params;
+  after the jitted step the store updates its leaves sub-group by sub-group and commits the step
+  (:meth:`jzero.tiers.nvme_store.NvmeStore.update`), or writes the params' new copies."""
+
+  def __init__(self, engine: EngineView, inner: Update):
+    super().__init__(inner)
+    self.engine, self.plan = engine, engine.plan
+    self.updates_state = where.has_nvme(engine.plan)  # else params (or their copies) only
+
+  def hand_out(self, state: Any, grads: PyTree, factor: jax.Array | None) -> tuple[PyTree, dict]:
+    grads, outputs = self.inner.hand_out(state, grads, factor)
+    if not self.updates_state:
+      return grads, outputs
+    # the clipping factor is applied in the store's update, as the device path applies it inside
+    # its fused update (the same rounding)
+    return (nvme_store.shrink(self.plan, grads),
+            {**outputs, NVME: nvme_store.step_outputs(self.engine, state, grads, factor)})
+
+  def output_specs(self) -> dict:
+    specs = self.inner.output_specs()
+    if not self.updates_state:
+      return specs
+    return {**specs, NVME: nvme_store.step_output_specs(self.engine)}
+
+  def apply(self, grads: PyTree, opt_state: PyTree, master: PyTree,
+            keep: jax.Array | None = None) -> tuple[PyTree, PyTree, PyTree]:
+    if self.updates_state:
+      master = nvme_store.shrink(self.plan, master)
+    return self.inner.apply(grads, opt_state, master, keep)
+
+  def new_param(self, leaf: Any, m_device: jax.Array, m: jax.Array, old: jax.Array) -> jax.Array:
+    # NVMe leaves keep their params here: the store's update makes the new ones; a param copied
+    # to the tier is written there after the step from the new master, which in fp32 training is
+    # the state's param itself
+    if leaf.state_tier == NVME or where.param_placeholder(self.plan, leaf):
+      return old
+    if where.param_copy_on_nvme(leaf):
+      return m
+    return self.inner.new_param(leaf, m_device, m, old)
+
+  def after_step(self, state: Any, metrics: dict, outputs: dict) -> Any:
+    state = self.inner.after_step(state, metrics, outputs)
+    store = self.engine.nvme_store
+    if NVME in outputs:
+      return store.update(self.engine, state, metrics, outputs[NVME])
+    if store.copies:
+      store.write_copies(self.engine, state, metrics)
+    return state

@@ -36,9 +36,11 @@ from jzero.sharding.plan import Plan
 from jzero.sharding.zeropp import ZeroPP
 from jzero.tiers import registry
 from jzero.tiers.base import Tier
+from jzero.tiers.delayed import DelayedUpdate
 from jzero.train import input_checks, monitor as monitor_lib, reporting, setup
 from jzero.train import state as state_lib
 from jzero.train import step as step_lib
+from jzero.train import update as update_lib
 from jzero.train.batches import Batches
 from jzero.train.precision import LossScaler
 from jzero.train.programs import Programs
@@ -79,6 +81,8 @@ class Engine:
   # the config's tensorboard / csv_monitor / wandb writers (jzero.train.monitor), from initialize
   monitor: monitor_lib.Monitor = dataclasses.field(default_factory=monitor_lib.Monitor)
   tokens_per_sample: int | None = None  # tokens/s = samples/s x this (initialize's argument)
+  # the delayed parameter update (jzero.tiers.delayed), from the config; None when it is off
+  delayed: DelayedUpdate | None = dataclasses.field(init=False, default=None, repr=False)
   _built: Programs | None = dataclasses.field(default=None, repr=False)  # the plan's programs
   _tiers: tuple[Tier, ...] | None = dataclasses.field(default=None, repr=False)
   _batches: Batches | None = dataclasses.field(default=None, repr=False)
@@ -87,6 +91,7 @@ class Engine:
   def __post_init__(self):
     here = [d for d in self.mesh.mesh.devices.flat if d.process_index == jax.process_index()]
     self._batches = Batches(self.config, self.mesh)
+    self.delayed = DelayedUpdate.from_config(self.config)
     self._runner = StepRunner(reporting.StepReporter(
         self.config, here, DTYPES[self.config.precision], self.monitor, self.tokens_per_sample))
 
@@ -156,7 +161,9 @@ class Engine:
       parts = step_lib.StepParts(
           plan=plan, model=self.model, loss_fn=self.loss_fn, tx=self.tx, schedule=self.schedule,
           scaler=self.scaler, tiers=self.tiers,
-          settings=step_lib.StepSettings.from_config(self.config), tier_view=self)
+          update=registry.update(self.tiers, self, update_lib.DeviceUpdate(plan, self.tx)),
+          delayed=self.delayed, settings=step_lib.StepSettings.from_config(self.config),
+          tier_view=self)
       self._built = Programs(parts)
     return self._built
 
@@ -207,8 +214,9 @@ class Engine:
                                          self.zeropp, rng, sample_batch)
     for tier in self.tiers:
       tier.prepare(self)
-    state = setup.initial_state(self.plan, self.model, self.tx, self.scaler, self.tiers, self,
-                                self.state_shardings(), rng, sample_batch, params)
+    state = setup.initial_state(self.plan, self.model, self.tx, self.scaler, self.tiers,
+                                self.delayed, self, self.state_shardings(), rng, sample_batch,
+                                params)
     return self.with_secondary(state)
 
   def with_secondary(self, state: TrainState) -> TrainState:
@@ -253,15 +261,15 @@ class Engine:
 
   # -- steps ---------------------------------------------------------------------------------------
   def variant_for(self, state: TrainState) -> dict:
-    """The step variant each tier would run ``state`` with next, by tier name (e.g. the delayed
-    update's prime step, ``{"delayed": False}``, for a state that carries no gradient)."""
+    """The step variant ``state`` would run with next, by name (e.g. the delayed update's prime
+    step, ``{"delayed": False}``, for a state that carries no gradient)."""
     step = self._runner.step
-    return self._runner.variants(self.tiers, self, state,
+    return self._runner.variants(self.delayed, state,
                                  step if step is not None else int(state.step))
 
   @property
   def step_variants(self) -> tuple:
-    """The variants of the fused step built so far (each a tuple of (tier, variant) pairs; ``()``:
+    """The variants of the fused step built so far (each a tuple of (name, variant) pairs; ``()``:
     the plain step)."""
     return self._built.variants if self._built is not None else ()
 
@@ -270,7 +278,7 @@ class Engine:
     the delayed update's step that applies the carried gradient), to lower or ``jax.export``."""
     self._batches.check(batch, self._tracer())
     if variants is None:
-      variants = self._runner.variants(self.tiers, self, None, None)
+      variants = self._runner.variants(self.delayed, None, None)
     return self._programs().fused(batch, variants)
 
   def jitted_split_step(self, batch: PyTree, variants: dict | None = None) -> tuple:
@@ -298,7 +306,7 @@ class Engine:
     with distributed.explained_peer_loss():
       self._batches.check(batch, self._tracer())
       self.check_live(state, "train_step")
-      return self._runner.run(self._programs(), self, not self.config.wall_clock_breakdown,
+      return self._runner.run(self._programs(), not self.config.wall_clock_breakdown,
                               state, batch, self.memory_report, self.save_checkpoint,
                               self.wait_for_checkpoints)
 

@@ -2,7 +2,7 @@
 
 An engine's plan fixes what its programs compute with (:class:`jzero.train.step.StepParts`) and
 the train state's layout (PartitionSpecs and memory kinds, :mod:`jzero.train.state`). For that
-plan :class:`Programs` holds the layout, the fused step of every step variant the tiers asked for
+plan :class:`Programs` holds the layout, the fused step of every step variant asked for
 (:func:`jzero.train.step.build_step`), the two-jit step ``wall_clock_breakdown`` times, the
 evaluation, and the hpZ refresh of the secondary partitions. A new plan (a restore into another layout) gets new programs; nothing here
 reads or writes the engine.
@@ -25,7 +25,8 @@ PyTree = Any
 
 
 def variant_key(variants: dict | None) -> tuple:
-  """A step variant (tier name -> the variant it asked for) as a hashable, ordered key."""
+  """A step variant (name -> the variant, e.g. the delayed update's) as a hashable, ordered
+  key."""
   return tuple(sorted((variants or {}).items()))
 
 
@@ -34,11 +35,9 @@ class Programs:
 
   def __init__(self, parts: step_lib.StepParts):
     self.parts = parts
-    # the train state's layout: the tier that carries state between steps adds its part
-    carrier = next((t for t in parts.tiers if t.carries()), None)
-    self.specs: TrainState = state_lib.state_specs(parts.plan, parts.tx, carrier, parts.tier_view)
-    self.kinds: TrainState = state_lib.state_memory_kinds(parts.plan, parts.tx, carrier,
-                                                          parts.tier_view)
+    # the train state's layout, with the delayed update's carried state when there is one
+    self.specs: TrainState = state_lib.state_specs(parts.plan, parts.tx, parts.delayed)
+    self.kinds: TrainState = state_lib.state_memory_kinds(parts.plan, parts.tx, parts.delayed)
     self._fused: dict[Hashable, step_lib.BuiltStep] = {}
     self._split: dict[Hashable, tuple[step_lib.BuiltStep, Any]] = {}
     self._eval = self._refresh = None

@@ -23,6 +23,7 @@ from jzero.sharding.planner import CommSettings, Dtypes, Layout, make_plan
 from jzero.sharding.zeropp import ZeroPP
 from jzero.tiers import registry
 from jzero.tiers.base import EngineView, Tier
+from jzero.tiers.delayed import DelayedUpdate
 from jzero.train import input_checks
 from jzero.train.precision import LossScaler
 from jzero.train.state import TrainState
@@ -68,16 +69,16 @@ def plan_from_config(config: Config, mesh: ZeroMesh, model: ModelAdapter,
 
 
 def initial_state(plan: Plan, model: ModelAdapter, tx: optax.GradientTransformation,
-                  scaler: LossScaler, tiers: tuple[Tier, ...], view: EngineView,
+                  scaler: LossScaler, tiers: tuple[Tier, ...], delayed: DelayedUpdate | None,
+                  view: EngineView,
                   shardings: TrainState, rng: jax.Array, sample_batch: Any = None,
                   params: PyTree = None) -> TrainState:
   """A new TrainState in ``shardings``: the model's initialisation (or ``params``, checked
-  against the plan) laid out by the plan, fresh optimizer and loss-scaler state, each tier's
+  against the plan) laid out by the plan, fresh optimizer and loss-scaler state, nothing carried by
+  the delayed update (``delayed``; None: it is off), each tier's
   :meth:`~jzero.tiers.base.Tier.initial_layout` and, outside an ``eval_shape``, its
   :meth:`~jzero.tiers.base.Tier.after_init` (e.g. the NVMe store's first write). Without the hpZ
   secondary partitions (the engine computes them)."""
-  carrier = next((t for t in tiers if t.carries()), None)
-
   def to_layout(leaf: LeafPlan, x: jax.Array, partitioned: bool) -> jax.Array:
     if not partitioned:
       return leaf.to_logical(x)
@@ -100,7 +101,7 @@ def initial_state(plan: Plan, model: ModelAdapter, tx: optax.GradientTransformat
         step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32), params=params,
         master=state_layout if plan.has_master else None, opt_state=tx.init(state_layout),
         loss_scale=scaler.init(), rng=jax.random.key_data(train_key),
-        delayed=carrier.initial_carried(state_layout) if carrier else None)
+        delayed=delayed.init(state_layout) if delayed else None)
     return state, outputs
 
   out_shardings = (shardings._replace(secondary=None),

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 from jzero.sharding.plan import Plan
 from jzero.train.precision import LossScaleState
 
-if TYPE_CHECKING:  # annotations only: the carrying tier defines the carried state
-  from jzero.tiers.delayed import DelayedGrads
+if TYPE_CHECKING:  # annotations only: the delayed update defines the carried state
+  from jzero.tiers.delayed import DelayedGrads, DelayedUpdate
 
 __all__ = ["TrainState", "logical_params", "state_memory_kinds", "state_specs"]
 
@@ -51,33 +51,33 @@ class TrainState(NamedTuple):
   delayed: DelayedGrads | None = None
 
 
-def state_specs(plan: Plan, tx: optax.GradientTransformation, carrier: Any = None,
-                view: Any = None) -> TrainState:
-  """PartitionSpecs of every TrainState leaf (prefix tree); ``carrier``: the tier whose state the
-  TrainState carries between steps (``delayed``; its hooks receive ``view``)."""
+def state_specs(plan: Plan, tx: optax.GradientTransformation,
+                delayed: DelayedUpdate | None = None) -> TrainState:
+  """PartitionSpecs of every TrainState leaf (prefix tree); ``delayed``: the delayed update, whose
+  carried state the TrainState holds (``delayed``)."""
   return TrainState(step=P(), skipped=P(), params=plan.param_specs(),
                     master=plan.state_specs() if plan.has_master else None,
                     opt_state=plan.opt_specs(tx), loss_scale=P(), rng=P(),
                     secondary=plan.secondary_specs(),
-                    delayed=carrier.carried_specs(view) if carrier else None)
+                    delayed=delayed.specs(plan) if delayed else None)
 
 
-def state_memory_kinds(plan: Plan, tx: optax.GradientTransformation, carrier: Any = None,
-                       view: Any = None) -> TrainState:
+def state_memory_kinds(plan: Plan, tx: optax.GradientTransformation,
+                       delayed: DelayedUpdate | None = None) -> TrainState:
   """Memory kind of every TrainState leaf (prefix tree; None: JAX's default, the device). A leaf's
   master and optimizer state, and its stored param, are in the memory kinds the plan records
   (host memory under ZeRO-Offload: :mod:`jzero.tiers.host_optimizer`,
   :mod:`jzero.tiers.host_params`)."""
   device = plan.memory_kind()
   if device is None:  # every leaf on the device
-    return jax.tree.map(lambda _: device, state_specs(plan, tx, carrier, view),
+    return jax.tree.map(lambda _: device, state_specs(plan, tx, delayed),
                         is_leaf=lambda x: isinstance(x, P))
   return TrainState(step=device, skipped=device, params=plan.map(plan.param_memory_kind),
                     master=plan.map(plan.state_memory_kind) if plan.has_master else None,
                     opt_state=plan.opt_memory_kinds(tx), loss_scale=device, rng=device,
                     secondary=jax.tree.map(lambda _: device, plan.secondary_specs(),
                                            is_leaf=lambda x: isinstance(x, P)),
-                    delayed=carrier.carried_memory_kinds(view, device) if carrier else None)
+                    delayed=delayed.memory_kinds(plan, device) if delayed else None)
 
 
 def logical_params(plan: Plan, full_state: TrainState, dtype: Any = jnp.float32) -> PyTree:

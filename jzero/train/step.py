@@ -2,8 +2,8 @@
 the jitted step (MaxText's ``train_step(model, config, state_shardings, state, data)`` shape).
 
 What the step reads is explicit: :class:`StepParts` -- the plan, the model adapter, the loss, the
-optax transformation and schedule, the loss scaler, the active tiers and the config's numbers
-(:class:`StepSettings`). The engine builds one :class:`BuiltStep` per step variant and keeps it;
+optax transformation and schedule, the loss scaler, the active tiers, the update they compose, the
+delayed update and the config's numbers (:class:`StepSettings`). The engine builds one :class:`BuiltStep` per step variant and keeps it;
 the step writes nothing outside itself (what tracing learns -- the groups stage 3 gathered -- is
 the built step's :class:`StepTrace`).
 
@@ -49,7 +49,8 @@ from jzero.errors import JZeroError, JZeroWarning
 from jzero.modeling.layer_scan import LayerPolicy, engine_context
 from jzero.modeling.model_adapter import ModelAdapter
 from jzero.sharding.plan import LeafPlan, Plan
-from jzero.tiers.base import EngineView, Tier
+from jzero.tiers.base import EngineView, Tier, Update
+from jzero.tiers.delayed import DelayedUpdate
 from jzero.train import update as update_lib
 from jzero.train.precision import LossScaler
 from jzero.train.state import TrainState
@@ -106,8 +107,11 @@ class StepSettings:
 
 @dataclasses.dataclass(frozen=True)
 class StepParts:
-  """Everything a step computes with. ``tier_view``: what the tiers' hooks receive
-  (:class:`jzero.tiers.base.EngineView`); the step itself reads none of it."""
+  """Everything a step computes with. ``tiers``: the active tiers, whose forward-pass hooks the
+  step calls; ``update``: how the optimizer update runs, the device's wrapped by the tiers'
+  (:func:`jzero.tiers.registry.update`); ``delayed``: the delayed parameter update, or None;
+  ``tier_view``: what the tiers' hooks receive (:class:`jzero.tiers.base.EngineView`); the step
+  itself reads none of it."""
 
   plan: Plan
   model: ModelAdapter
@@ -116,6 +120,8 @@ class StepParts:
   schedule: Callable[[jax.Array], jax.Array] | None
   scaler: LossScaler
   tiers: tuple[Tier, ...]
+  update: Update
+  delayed: DelayedUpdate | None
   settings: StepSettings
   tier_view: EngineView
 
@@ -311,17 +317,16 @@ def _jit(plan: Plan, state_kinds: TrainState, fn, in_specs: tuple, out_specs: An
 
 
 def _out_specs(parts: StepParts, specs: TrainState) -> tuple:
-  """(state, metrics, outputs) specs; outputs: what tiers that work after the step read."""
-  view = parts.tier_view
-  return (specs, P(), {t.name: s for t in parts.tiers if (s := t.output_specs(view)) is not None})
+  """(state, metrics, outputs) specs; outputs: what the update's work after the step reads."""
+  return (specs, P(), parts.update.output_specs())
 
 
 def build_step(parts: StepParts, specs: TrainState, kinds: TrainState, batch: PyTree,
                variants: dict | None = None) -> BuiltStep:
   """The fused step ``(state, batch) -> (state, metrics, outputs)`` of the step variant
-  ``variants`` (the variant each tier asked for, by name), jitted with the state's ``specs`` and
-  memory ``kinds`` and the state donated; ``outputs``: what tiers hand out of the jit for their
-  work after it, by tier name."""
+  ``variants`` (the delayed update's, by its name), jitted with the state's ``specs`` and memory
+  ``kinds`` and the state donated; ``outputs``: what the update hands out of the jit for its work
+  after it."""
   trace = StepTrace()
 
   def local_step(state, batch):

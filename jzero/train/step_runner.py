@@ -1,12 +1,12 @@
 """Driving the jitted steps from the host: :class:`StepRunner`.
 
 Per ``train_step`` call, on the host: the step count (read from the state once, then counted), the
-step variant each tier asks for (:meth:`jzero.tiers.base.Tier.variant`), the fused step -- or with
-``wall_clock_breakdown`` the two timed jits -- of that variant, the tiers' work after the jitted
-step (:meth:`jzero.tiers.base.Tier.after_step`), the report on it
+step variant the delayed update asks for (:meth:`jzero.tiers.delayed.DelayedUpdate.variant`), the
+fused step -- or with ``wall_clock_breakdown`` the two timed jits -- of that variant, the update's
+work after the jitted step (:meth:`jzero.tiers.base.Update.after_step`), the report on it
 (:class:`jzero.train.reporting.StepReporter`), and across processes the preemption save
-(:class:`jzero.train.preemption.PreemptionWatch`). The engine owns one runner; the programs, the
-tiers and the engine view the tiers' hooks receive are its arguments.
+(:class:`jzero.train.preemption.PreemptionWatch`). The engine owns one runner; the programs are its
+argument.
 """
 
 from __future__ import annotations
@@ -34,28 +34,25 @@ class StepRunner:
   preemption: PreemptionWatch = dataclasses.field(default_factory=PreemptionWatch)
   step: int | None = None
 
-  def variants(self, tiers: tuple, view: Any, state: Any | None, step: int | None,
-               fused: bool = True) -> dict:
-    """The step variant each tier asks for, by tier name (``state`` and ``step`` None: the
-    steady step)."""
-    return {t.name: v for t in tiers if (v := t.variant(view, state, step, fused)) is not None}
+  @staticmethod
+  def variants(delayed: Any, state: Any | None, step: int | None, fused: bool = True) -> dict:
+    """The step variant the delayed update ``delayed`` asks for, by its name (``{}``: the plain
+    step; ``state`` and ``step`` None: the steady step)."""
+    variant = delayed.variant(state, step, fused) if delayed is not None else None
+    return {} if variant is None else {delayed.name: variant}
 
-  def run(self, programs: Programs, view: Any, fused: bool, state: Any, batch: PyTree,
+  def run(self, programs: Programs, fused: bool, state: Any, batch: PyTree,
           memory_report: Callable[[Any], Any], save: Callable[[Any, Any], Any],
           wait: Callable[[], None]) -> tuple[Any, dict]:
     """One step of ``state`` on ``batch`` (in one jit, or the two timed ones when not
     ``fused``); ``memory_report(state)``, ``save(state, directory)`` and ``wait()``: the
     engine's, for the report and the preemption save."""
-    tiers = programs.parts.tiers
+    update, delayed = programs.parts.update, programs.parts.delayed
     if self.step is None:
       self.step = int(state.step)
-    variants = self.variants(tiers, view, state, self.step, fused=fused)
+    variants = self.variants(delayed, state, self.step, fused=fused)
     built, key = programs.has(variants, fused), variant_key(variants)
-
-    def after(state, metrics, outputs):  # each tier's work after the jit, with its own outputs
-      for tier in tiers:
-        state = tier.after_step(view, state, metrics, outputs.get(tier.name))
-      return state
+    after = update.after_step  # e.g. the NVMe store's update of its leaves
 
     if not fused:
       grads_fn, update_fn = programs.split(batch, variants)
@@ -67,8 +64,8 @@ class StepRunner:
       self.reporter.running(key, not built, lowering)
       state, metrics, outputs = fn(state, batch)
       state = after(state, metrics, outputs)
-      for tier in tiers:
-        tier.seen(state, variants.get(tier.name))
+      if delayed is not None:
+        delayed.seen(state, variants.get(delayed.name))
     self.step += 1
     self.reporter.after_step(self.step, metrics, lambda: memory_report(state))
     if jax.process_count() > 1:  # a preemption the script does not poll for

@@ -15,10 +15,11 @@
    stage 3 just casts its partition (:func:`jzero.comm.layouts.compute_param`; with ZeRO++'s hpZ,
    then refreshes each device's secondary partition).
 
-**Tiers.** The update names no tier. Where a tier changes it -- the NVMe leaves' gradients handed
-out of the jit for the store's update, the delayed update's gradient swap, the host tier's update
-of what lives in host memory, where new params are stored -- it calls the hooks of the active
-tiers (``parts.tiers``, :mod:`jzero.tiers.base`) at fixed points, in the registry's order.
+**Tiers.** The update names no tier. How the optimizer update runs is one protocol,
+:class:`jzero.tiers.base.Update`: :class:`DeviceUpdate` here, wrapped by the active tiers (the host
+tier's update of what lives in host memory, the NVMe leaves' gradients handed out of the jit for
+the store's update); the step holds the composed one (``parts.update``). The delayed update's
+gradient swap is :class:`jzero.tiers.delayed.DelayedUpdate`'s (``parts.delayed``).
 """
 
 from __future__ import annotations
@@ -31,99 +32,118 @@ import optax
 from jax import lax
 
 from jzero.comm import collective_order, layouts
-from jzero.sharding.plan import LeafPlan
+from jzero.sharding.plan import LeafPlan, Plan
+from jzero.tiers.base import Update
 from jzero.train.precision import has_overflow
 from jzero.train.state import TrainState
 
 if TYPE_CHECKING:  # annotations only (step imports this module)
   from jzero.train.step import StepParts
 
-__all__ = ["local_update", "global_norm"]
+__all__ = ["DeviceUpdate", "local_update", "global_norm"]
 
 PyTree = Any
+
+
+class DeviceUpdate(Update):
+  """The update on the device, the root the tiers' updates wrap (:class:`jzero.tiers.base.
+  Update`): optax on each device's partition of the master; a skipped step keeps the old
+  partition and optimizer state by an elementwise select fused into the update
+  (:func:`_skippable_update`); new params by the stage's layout
+  (:func:`jzero.comm.layouts.compute_param`)."""
+
+  def __init__(self, plan: Plan, tx: optax.GradientTransformation):
+    super().__init__(None)
+    self.plan, self.tx = plan, tx
+
+  @property
+  def needs_cond(self) -> bool:
+    return False
+
+  def hand_out(self, state: Any, grads: PyTree, factor: jax.Array | None) -> tuple[PyTree, dict]:
+    return grads, {}
+
+  def output_specs(self) -> dict:
+    return {}
+
+  def apply(self, grads: PyTree, opt_state: PyTree, master: PyTree,
+            keep: jax.Array | None = None) -> tuple[PyTree, PyTree, PyTree]:
+    updates, new_state = self.tx.update(grads, opt_state, master)
+    new_master = optax.apply_updates(master, updates)
+    if keep is not None:
+      new_master, new_state = _skippable_update(self.tx, grads, opt_state, master, new_master,
+                                                keep)
+    return new_master, new_master, new_state
+
+  def skipped(self, params: PyTree, master: PyTree,
+              opt_state: PyTree) -> tuple[PyTree, PyTree, PyTree]:
+    return params, master, opt_state
+
+  def new_param(self, leaf: LeafPlan, m_device: jax.Array, m: jax.Array,
+                old: jax.Array) -> jax.Array:
+    return layouts.compute_param(self.plan, leaf, m_device)
+
+  def store_params(self, params: PyTree, master: PyTree) -> PyTree:
+    return params
+
+  def after_step(self, state: Any, metrics: dict, outputs: dict) -> Any:
+    return state
 
 
 def local_update(parts: StepParts, state: TrainState, grads: PyTree, loss: jax.Array, aux: dict,
                  variants: dict | None = None):
   """Overflow check, unscale, clip by the global norm, optimizer update -> (state, metrics,
-  outputs): ``outputs`` is what tiers hand out of the jit for their work after it, by tier name
-  (``{}`` when none does). ``variants``: the step variant each tier asked for, by name."""
-  plan, tiers, view, settings = parts.plan, parts.tiers, parts.tier_view, parts.settings
+  outputs): ``outputs`` is what the update hands out of the jit for work after it, by name
+  (``{}`` when nothing is). ``variants``: the step's variant (the delayed update's, by its
+  name)."""
+  plan, settings, update, delayed = parts.plan, parts.settings, parts.update, parts.delayed
   axes = plan.mesh
-  variants = variants or {}
-  variant = lambda tier: variants.get(tier.name)
+  variant = (variants or {}).get(delayed.name) if delayed is not None else None
   scale = state.loss_scale.scale
   checks = settings.checks_overflow
   if checks:
     overflow = lax.psum(has_overflow(grads).astype(jnp.int32), axes.zero_axes) > 0
   grads = jax.tree.map(lambda g: g / scale, grads)
   grad_norm = global_norm(parts, grads)
-  if settings.precision == "fp32" and all(t.checks_finite(variant(t)) for t in tiers):
+  if settings.precision == "fp32" and (delayed is None or delayed.checks_finite(variant)):
     overflow = jnp.logical_not(jnp.isfinite(grad_norm))  # a NaN or inf anywhere: norm not finite
   elif not checks:  # bf16 without check_grad_overflow; the delayed update's steady step
     overflow = jnp.zeros((), bool)
   clip = settings.gradient_clipping
   factor = jnp.minimum(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else None
-  outputs = {}  # what leaves the jit for a tier's work after it (the NVMe store's update)
-  for tier in tiers:
-    grads, out = tier.take_outputs(view, state, grads, factor)
-    if out is not None:
-      outputs[tier.name] = out
+  # what leaves the jit for work after it (the NVMe store's update)
+  grads, outputs = update.hand_out(state, grads, factor)
   if factor is not None:
     grads = jax.tree.map(lambda g: g * factor, grads)
   skip_update, carried = overflow, None
-  for tier in tiers:  # the delayed update: apply the carried g_{t-1}, carry g_t
-    grads, skip_update, carried = tier.choose_gradient(state, grads, overflow, skip_update,
-                                                       carried, variant(tier))
-  owner = next((t for t in tiers if t.owns_update()), None)
+  if delayed is not None:  # apply the carried g_{t-1}, carry g_t
+    grads, skip_update, carried = delayed.update(state.delayed, grads, overflow, variant)
 
   def apply_update(_, keep: jax.Array | None = None):
     """The update; with ``keep`` (a traced bool, device-memory state only) the old partition and
     optimizer state are selected elementwise where it is true, before any gather."""
     master = (state.master if plan.has_master
               else plan.map(lambda l, p: layouts.local_master(plan, l, p), state.params))
-    for tier in tiers:
-      master = tier.master_in(view, master)
-    if owner is not None:  # e.g. ZeRO-Offload: host-memory state updated group by group
-      master, compute_from, opt_state = owner.optimizer_update(view, grads, state.opt_state,
-                                                               master)
-    else:
-      updates, opt_state = parts.tx.update(grads, state.opt_state, master)
-      new_master = optax.apply_updates(master, updates)
-      if keep is not None:
-        new_master, opt_state = _skippable_update(parts.tx, grads, state.opt_state, master,
-                                                  new_master, keep)
-      master = compute_from = new_master
-
-    def new_param(l: LeafPlan, m_dev: jax.Array, m: jax.Array, old: jax.Array) -> jax.Array:
-      for tier in tiers:
-        if (p := tier.new_param(view, l, m_dev, m, old)) is not None:
-          return p
-      return layouts.compute_param(plan, l, m_dev)
-
-    params = plan.map(new_param, compute_from, master, state.params)
+    master, compute_from, opt_state = update.apply(grads, state.opt_state, master, keep)
+    params = plan.map(update.new_param, compute_from, master, state.params)
     secondary = (plan.map(lambda l, p: layouts.secondary_partition(plan, l, p), params)
                  if plan.zeropp.hpz > 1 else None)
-    for tier in tiers:
-      params = tier.place_params(view, params, master)
+    params = update.store_params(params, master)
     return params, (master if plan.has_master else None), opt_state, secondary
 
-  def skip(_):
-    params, master, opt_state = state.params, state.master, state.opt_state
-    for tier in tiers:  # typed like apply_update's results
-      params, master, opt_state = tier.skipped(view, params, master, opt_state)
-    return params, master, opt_state, state.secondary
+  def skip(_):  # typed like apply_update's results
+    return (*update.skipped(state.params, state.master, state.opt_state), state.secondary)
 
   if isinstance(skip_update, bool):
     params, master, opt_state, secondary = (skip if skip_update else apply_update)(None)
-  elif checks or any(t.needs_cond for t in tiers):
+  elif checks or update.needs_cond:
     params, master, opt_state, secondary = lax.cond(skip_update, skip, apply_update, None)
   else:  # an elementwise select fuses into the update: no second copy of the state (a cond's)
     params, master, opt_state, secondary = apply_update(None, keep=skip_update)
 
   applied = state.step - state.skipped
-  for tier in tiers:
-    applied = tier.applied_steps(state, applied)
+  if delayed is not None:
+    applied = delayed.applied_steps(state.delayed, applied)
   skipped = state.skipped + overflow.astype(jnp.int32)
   metrics = {
       "loss": loss,

@@ -1,7 +1,8 @@
 """The tier interface (jzero.tiers.base): a new tier is its own class plus one registry entry.
 
-A tier that hands each step's clipping factor out of the jitted step (``take_outputs``) and
-collects it after the step (``after_step``), registered by adding it to ``registry.TIERS``: the
+A tier whose update (:class:`jzero.tiers.base.Update`, wrapping the device's) hands each step's
+clipping factor out of the jitted step (``hand_out``) and collects it after the step
+(``after_step``), registered by adding it to ``registry.TIERS``: the
 engine's step carries it out unchanged -- the run is bit for bit the plain one -- and every factor
 arrives, equal to DeepSpeed's ``min(1, clip / (norm + 1e-6))`` of the step's own norm."""
 
@@ -12,7 +13,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jzero.tiers import registry
-from jzero.tiers.base import Tier
+from jzero.tiers.base import Tier, Update
 from zero_testing import SMALL, batches, ds_config, make_engine
 
 N = 8
@@ -30,15 +31,25 @@ class ClipFactorLog(Tier):
   def create(cls, engine):
     return cls()
 
-  def take_outputs(self, engine, state, grads, factor):
-    return grads, factor
+  def update(self, engine, inner):
+    return FactorOut(inner, self.factors)
 
-  def output_specs(self, engine):
-    return P()
 
-  def after_step(self, engine, state, metrics, output):
-    self.factors.append(float(output))
-    return state
+class FactorOut(Update):
+  def __init__(self, inner, factors):
+    super().__init__(inner)
+    self.factors = factors
+
+  def hand_out(self, state, grads, factor):
+    grads, outputs = self.inner.hand_out(state, grads, factor)
+    return grads, {**outputs, ClipFactorLog.name: factor}
+
+  def output_specs(self):
+    return {**self.inner.output_specs(), ClipFactorLog.name: P()}
+
+  def after_step(self, state, metrics, outputs):
+    self.factors.append(float(outputs[ClipFactorLog.name]))
+    return self.inner.after_step(state, metrics, outputs)
 
 
 def _run(config, data):

@@ -2,9 +2,9 @@
 
 The toy tier below (``NumpySgd``) places the largest leaf's state in a tier of its own,
 ``"numpy"``, through placement data (:meth:`jzero.tiers.base.Tier.place`), and updates that leaf
-on the host with numpy: the step hands the leaf's clipped gradient out of the jit
-(``take_outputs``) and updates the others on the device as usual; after the step the tier writes
-``p - lr * g`` into the state (``after_step``). Registered by adding it to ``registry.TIERS``, it
+on the host with numpy. Its update (:class:`jzero.tiers.base.Update`) wraps the device's: the step
+hands the leaf's clipped gradient out of the jit (``hand_out``) and updates the others on the
+device as usual; after the step it writes ``p - lr * g`` into the state (``after_step``). Registered by adding it to ``registry.TIERS``, it
 trains the run SGD trains on the device -- every parameter equal to float rounding, the numpy
 leaf among them -- and the plan records where the leaf lives.
 """
@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from jzero.tiers import registry
-from jzero.tiers.base import Tier
+from jzero.tiers.base import Tier, Update
 from zero_testing import SMALL, batches, engine_run, make_engine
 
 N, LR = 8, 0.1
@@ -42,23 +42,32 @@ class NumpySgd(Tier):
   def __init__(self, leaf):
     self.leaf = leaf
 
-  def _index(self, plan):
-    return [l.path for l in plan.leaf_list()].index(self.leaf.path)
+  def update(self, engine, inner):
+    return NumpySgdUpdate(inner, engine.plan, self.leaf)
 
-  def take_outputs(self, engine, state, grads, factor):
+
+class NumpySgdUpdate(Update):
+  """The device's update of every other leaf; this one's gradient out of the jit, SGD after it."""
+
+  def __init__(self, inner, plan, leaf):
+    super().__init__(inner)
+    self.plan, self.leaf = plan, leaf
+    self.index = [l.path for l in plan.leaf_list()].index(leaf.path)
+
+  def hand_out(self, state, grads, factor):
+    grads, outputs = self.inner.hand_out(state, grads, factor)
     flat, treedef = jax.tree.flatten(grads)
-    i = self._index(engine.plan)
-    out = flat[i] if factor is None else flat[i] * factor
-    flat[i] = jax.numpy.zeros_like(flat[i])  # the device's SGD leaves this leaf as it is
-    return jax.tree.unflatten(treedef, flat), out
+    out = flat[self.index] if factor is None else flat[self.index] * factor
+    flat[self.index] = jax.numpy.zeros_like(out)  # the device's SGD leaves this leaf as it is
+    return jax.tree.unflatten(treedef, flat), {**outputs, NumpySgd.name: out}
 
-  def output_specs(self, engine):
-    return engine.plan.state_spec(self.leaf)
+  def output_specs(self):
+    return {**self.inner.output_specs(), NumpySgd.name: self.plan.state_spec(self.leaf)}
 
-  def after_step(self, engine, state, metrics, grad):
+  def after_step(self, state, metrics, outputs):
+    state = self.inner.after_step(state, metrics, outputs)
     flat, treedef = jax.tree.flatten(state.params)
-    i = self._index(engine.plan)
-    grad = np.asarray(self.leaf.to_logical(grad))
+    i, grad = self.index, np.asarray(self.leaf.to_logical(outputs[NumpySgd.name]))
     flat[i] = jax.device_put(np.asarray(flat[i]) - np.float32(LR) * grad, flat[i].sharding)
     return state._replace(params=jax.tree.unflatten(treedef, flat))
 
