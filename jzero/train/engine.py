@@ -2,11 +2,11 @@
 
 The engine wires; it computes nothing of a step. It owns the configuration, the mesh, the plan
 (:meth:`Engine.init` makes it: the layout, then the tiers' placement) and the plan's programs
-(:class:`jzero.train.programs.Programs`: the state's layout and one jitted step per step variant
-its tiers ask for, built from the :class:`~jzero.train.step.StepParts` it assembles). On the host
-it creates the train state in the plan's placement, shards and checks batches, runs the steps and
-the tiers' work after them, reports on them (:mod:`jzero.train.reporting`), evaluates, reads
-parameters back, and saves / restores checkpoints (:mod:`jzero.checkpoint`).
+(:class:`jzero.train.programs.Programs`: the state's layout and one jitted step per step variant,
+built from the :class:`~jzero.train.step.StepParts` of :func:`jzero.train.setup.step_parts`). On
+the host it creates the train state in the plan's placement, shards and checks batches, runs the
+steps and the update's work after them, reports on them (:mod:`jzero.train.reporting`), evaluates,
+reads parameters back, and saves / restores checkpoints (:mod:`jzero.checkpoint`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from jzero.tiers.delayed import DelayedUpdate
 from jzero.train import input_checks, monitor as monitor_lib, reporting, setup
 from jzero.train import state as state_lib
 from jzero.train import step as step_lib
-from jzero.train import update as update_lib
 from jzero.train.batches import Batches
 from jzero.train.precision import LossScaler
 from jzero.train.programs import Programs
@@ -156,15 +155,8 @@ class Engine:
 
   def _programs(self) -> Programs:
     """The programs of the current plan (:mod:`jzero.train.programs`), made once per plan."""
-    plan = self._require_plan()
-    if self._built is None or self._built.parts.plan is not plan:
-      parts = step_lib.StepParts(
-          plan=plan, model=self.model, loss_fn=self.loss_fn, tx=self.tx, schedule=self.schedule,
-          scaler=self.scaler, tiers=self.tiers,
-          update=registry.update(self.tiers, self, update_lib.DeviceUpdate(plan, self.tx)),
-          delayed=self.delayed, settings=step_lib.StepSettings.from_config(self.config),
-          tier_view=self)
-      self._built = Programs(parts)
+    if self._built is None or self._built.parts.plan is not self._require_plan():
+      self._built = Programs(setup.step_parts(self, self.tiers))
     return self._built
 
   @property

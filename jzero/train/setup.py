@@ -1,6 +1,7 @@
 """What an engine builds once, before its first step: the plan of its config
-(:func:`plan_from_config`: the layout, then the tiers' placement) and a new train state created
-directly in that plan's placement (:func:`initial_state`).
+(:func:`plan_from_config`: the layout, then the tiers' placement), what the plan's step computes
+with (:func:`step_parts`), and a new train state created directly in that plan's placement
+(:func:`initial_state`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from jzero.tiers import registry
 from jzero.tiers.base import EngineView, Tier
 from jzero.tiers.delayed import DelayedUpdate
 from jzero.train import input_checks
+from jzero.train import step as step_lib
+from jzero.train.update import DeviceUpdate
 from jzero.train.precision import LossScaler
 from jzero.train.state import TrainState
 
-__all__ = ["initial_state", "plan_from_config"]
+__all__ = ["initial_state", "plan_from_config", "step_parts"]
 
 PyTree = Any
 
@@ -66,6 +69,19 @@ def plan_from_config(config: Config, mesh: ZeroMesh, model: ModelAdapter,
   check_units(plan, zero.max_live_parameters)
   registry.check_plan(plan, zero)
   return plan
+
+
+def step_parts(engine: Any, tiers: tuple[Tier, ...]) -> step_lib.StepParts:
+  """What the step of ``engine``'s plan computes with: the engine's model, loss, optimizer and
+  loss scaler, its active ``tiers``, the device's update wrapped by theirs
+  (:func:`jzero.tiers.registry.update`), its delayed update and the config's numbers."""
+  plan = engine.plan
+  return step_lib.StepParts(
+      plan=plan, model=engine.model, loss_fn=engine.loss_fn, tx=engine.tx,
+      schedule=engine.schedule, scaler=engine.scaler, tiers=tiers,
+      update=registry.update(tiers, engine, DeviceUpdate(plan, engine.tx)),
+      delayed=engine.delayed, settings=step_lib.StepSettings.from_config(engine.config),
+      tier_view=engine)
 
 
 def initial_state(plan: Plan, model: ModelAdapter, tx: optax.GradientTransformation,
