@@ -22,10 +22,10 @@ checkpoint) until a further step applies it.
 **Not a tier, a transformation.** The delayed update changes *when* a gradient is applied, not where
 state lives: :class:`DelayedUpdate` is shaped like optax's wrappers (``MultiSteps``,
 ``apply_if_finite``) -- ``init`` makes its own state, ``update`` turns the step's gradient into the
-one to apply and the state to carry -- but it wraps the step's update rather than the optax
-transformation: its optimizer state lives in host memory (it needs ``device: cpu``), and the carried
-gradient must stay on the device, where the next step's update reads it before that state is
-brought in. The step (:func:`jzero.train.update.local_update`), the state's layout, the init, the
+one to apply and the state to carry -- but it transforms the gradient the step's update applies
+rather than wrapping the optax transformation: the optimizer state lives in host memory (it needs
+``device: cpu``), and the carried gradient must stay on the device, where the next step's update
+reads it before that state is brought in. The step (:func:`jzero.train.update.local_update`), the state's layout, the init, the
 checkpoint restore and the host's choice of step variant call it directly.
 
 **The state.** :class:`DelayedGrads` -- the carried gradient and whether it is ready to apply --
