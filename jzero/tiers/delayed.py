@@ -25,8 +25,9 @@ state lives: :class:`DelayedUpdate` is shaped like optax's wrappers (``MultiStep
 one to apply and the state to carry -- but it transforms the gradient the step's update applies
 rather than wrapping the optax transformation: the optimizer state lives in host memory (it needs
 ``device: cpu``), and the carried gradient must stay on the device, where the next step's update
-reads it before that state is brought in. The step (:func:`jzero.train.update.local_update`), the state's layout, the init, the
-checkpoint restore and the host's choice of step variant call it directly.
+reads it before that state is brought in. The step (:func:`jzero.train.update.local_update`), the
+state's layout, the init, the checkpoint restore and the host's choice of step variant call it
+directly.
 
 **The state.** :class:`DelayedGrads` -- the carried gradient and whether it is ready to apply --
 is the train state's ``delayed`` field: fp32, in the plan's *state layout* (partitioned over the

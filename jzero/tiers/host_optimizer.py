@@ -327,9 +327,11 @@ class HostUpdate(Update):
 
   def __init__(self, engine: EngineView, inner: Update):
     super().__init__(inner)
-    self.plan, self.tx = engine.plan, engine.tx
+    plan = self.plan = engine.plan
+    self.tx = engine.tx
     self.mode = settings_from_config(engine.config.zero_optimization).update
     self.grouped = engine.schedule is not None
+    self.state_on_host = plan.map(lambda l: l.state_tier == where.HOST)  # per parameter leaf
 
   @property
   def needs_cond(self) -> bool:
@@ -340,17 +342,15 @@ class HostUpdate(Update):
     plan = self.plan
     # Which masters arrive (and go back) in host memory: the separate fp32 master follows the
     # state's tier; in fp32 training the master is the param partition, in the param's memory.
-    master_on_host = (plan.map(lambda l: l.state_tier == where.HOST) if plan.has_master
+    master_on_host = (self.state_on_host if plan.has_master
                       else plan.map(lambda l: where.param_in_host_memory(plan, l)))
-    return apply_update(self.tx, grads, opt_state, master,
-                        plan.map(lambda l: l.state_tier == where.HOST), mode=self.mode,
+    return apply_update(self.tx, grads, opt_state, master, self.state_on_host, mode=self.mode,
                         grouped=self.grouped, master_on_host=master_on_host)
 
   def skipped(self, params: PyTree, master: PyTree,
               opt_state: PyTree) -> tuple[PyTree, PyTree, PyTree]:
     plan = self.plan
-    master, opt_state = keep_tiers(opt_state, master,
-                                   plan.map(lambda l: l.state_tier == where.HOST),
+    master, opt_state = keep_tiers(opt_state, master, self.state_on_host,
                                    master_on_host=plan.has_master)
     params = plan.map(lambda l, p: to_host(p) if where.param_in_host_memory(plan, l) else p,
                       params)

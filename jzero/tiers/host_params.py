@@ -25,8 +25,8 @@ one layer's (or unit's) partitions and gathered parameters at a time, plus what 
 **The update** runs on the device copy of each host leaf (fp32 training: the param partition is
 the optimizer's master; it is streamed through the device leaf by leaf by
 :func:`jzero.tiers.host_optimizer.apply_update`), and the new partitions are written back to the
-host tier at the end of the step (:meth:`jzero.tiers.host_optimizer.HostUpdate.store_params`). So the values are the no-offload step's: the
-copies are exact.
+host tier at the end of the step (:meth:`jzero.tiers.host_optimizer.HostUpdate.store_params`).
+So the values are the no-offload step's: the copies are exact.
 
 **Donation.** As for the optimizer's host tier (:mod:`jzero.tiers.host_optimizer`,
 openxla/xla#29270): with any host leaf every input and output of the step carries an explicit memory

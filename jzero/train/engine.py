@@ -156,7 +156,7 @@ class Engine:
   def _programs(self) -> Programs:
     """The programs of the current plan (:mod:`jzero.train.programs`), made once per plan."""
     if self._built is None or self._built.parts.plan is not self._require_plan():
-      self._built = Programs(setup.step_parts(self, self.tiers))
+      self._built = Programs(setup.step_parts(self))
     return self._built
 
   @property

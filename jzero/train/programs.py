@@ -4,7 +4,8 @@ An engine's plan fixes what its programs compute with (:class:`jzero.train.step.
 the train state's layout (PartitionSpecs and memory kinds, :mod:`jzero.train.state`). For that
 plan :class:`Programs` holds the layout, the fused step of every step variant asked for
 (:func:`jzero.train.step.build_step`), the two-jit step ``wall_clock_breakdown`` times, the
-evaluation, and the hpZ refresh of the secondary partitions. A new plan (a restore into another layout) gets new programs; nothing here
+evaluation, and the hpZ refresh of the secondary partitions. A new plan (a restore into another
+layout) gets new programs; nothing here
 reads or writes the engine.
 """
 

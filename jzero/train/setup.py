@@ -71,11 +71,11 @@ def plan_from_config(config: Config, mesh: ZeroMesh, model: ModelAdapter,
   return plan
 
 
-def step_parts(engine: Any, tiers: tuple[Tier, ...]) -> step_lib.StepParts:
+def step_parts(engine: Any) -> step_lib.StepParts:
   """What the step of ``engine``'s plan computes with: the engine's model, loss, optimizer and
-  loss scaler, its active ``tiers``, the device's update wrapped by theirs
+  loss scaler, its active tiers, the device's update wrapped by theirs
   (:func:`jzero.tiers.registry.update`), its delayed update and the config's numbers."""
-  plan = engine.plan
+  plan, tiers = engine.plan, engine.tiers
   return step_lib.StepParts(
       plan=plan, model=engine.model, loss_fn=engine.loss_fn, tx=engine.tx,
       schedule=engine.schedule, scaler=engine.scaler, tiers=tiers,

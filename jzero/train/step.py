@@ -3,9 +3,9 @@ the jitted step (MaxText's ``train_step(model, config, state_shardings, state, d
 
 What the step reads is explicit: :class:`StepParts` -- the plan, the model adapter, the loss, the
 optax transformation and schedule, the loss scaler, the active tiers, the update they compose, the
-delayed update and the config's numbers (:class:`StepSettings`). The engine builds one :class:`BuiltStep` per step variant and keeps it;
-the step writes nothing outside itself (what tracing learns -- the groups stage 3 gathered -- is
-the built step's :class:`StepTrace`).
+delayed update and the config's numbers (:class:`StepSettings`). The engine builds one
+:class:`BuiltStep` per step variant and keeps it; the step writes nothing outside itself (what
+tracing learns -- the groups stage 3 gathered -- is the built step's :class:`StepTrace`).
 
 One optimizer step is one ``jax.jit`` whose body is a ``shard_map`` over the whole mesh, with the
 plan's shardings as the jit's in/out shardings and the train state donated. Inside, every
