@@ -399,8 +399,7 @@ def load_weights(engine: Any, path: str | os.PathLike, *, sample_batch: Any = No
   stored = _orbax_shapes(path) if kind == "orbax" else {n: t.shape for n, t in tensors.items()}
   model = engine.model.abstract_params(jax.random.key(0), sample_batch)
   # by the module's names; a file written with the boxes' names (before they were unboxed) too
-  names = {p: (p if p in stored and name not in stored else name)
-           for p, name in layout.module_names(model).items()}
+  names = layout.leaf_names(model, stored)
   want = {names[p]: x for p, x in flatten_paths(model).items()}
   missing, unexpected = sorted(set(want) - set(stored)), sorted(set(stored) - set(want))
   if missing or unexpected:
