@@ -118,18 +118,23 @@ def match_tree(want: dict[str, Any], got: dict[str, Any], what: str, where: str,
 
 # -- inputs anywhere ------------------------------------------------------------------------------
 def host_or_mesh(tree: PyTree, devices: Any, what: str) -> PyTree:
-  """``tree`` with every jax.Array that is not on exactly ``devices`` read to the host (numpy):
-  an array plain Orbax restored onto one device, or one of another mesh. Arrays on ``devices``
-  (in any sharding) and host values pass as they are; the engine's jits place them."""
+  """``tree`` with every jax.Array committed to other devices than exactly ``devices`` read to the
+  host (numpy): an array plain Orbax restored onto one device, or one of another mesh. Arrays on
+  ``devices`` (in any sharding), uncommitted arrays and host values pass as they are; the
+  engine's jits place them."""
   devices = set(devices)
 
   def fetch(path, x):
-    if not isinstance(x, jax.Array) or set(x.sharding.device_set) == devices:
-      return x
+    if (not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or not x.committed
+        or set(x.sharding.device_set) == devices):
+      return x  # host values and uncommitted arrays go wherever the jit puts them
     if not x.is_fully_addressable:
       raise CheckpointError(
           f"{what} {path_str(path) or 'leaf'} is a jax.Array on devices of other processes that "
           f"are not the engine's; give it as numpy, or on the engine's devices.")
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # a typed key: its raw data moves
+      return jax.random.wrap_key_data(np.asarray(jax.random.key_data(x)),
+                                      impl=jax.random.key_impl(x))
     return np.asarray(x)
 
   return jax.tree_util.tree_map_with_path(fetch, tree)
