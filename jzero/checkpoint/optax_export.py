@@ -107,7 +107,8 @@ def export_optax(directory: str | os.PathLike, out: str | os.PathLike,
   have = canonical_paths(jax.eval_shape(optimizer.init, by_name))
   match_tree(canonical_paths(plain), have, "optimizer state", f"checkpoint {step_dir}",
              "like= must be an optax transformation whose state is the run's (up to stateless "
-             "stages such as clip_by_global_norm).")
+             "stages such as clip_by_global_norm).", set(names.values()),
+             ("like's", "the checkpoint's"))
   opt_names = [stored[p] for p in canonical_paths(plain)]
   truth = "master" if meta["has_master"] else "params"
   # model_state seam: the model's other variable collections, stored as `model_state/<collection>/

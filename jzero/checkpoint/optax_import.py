@@ -54,7 +54,8 @@ from jzero.errors import CheckpointError
 from jzero.sharding.plan import LeafPlan, flatten_paths, path_str
 
 __all__ = ["read_optax", "import_optax", "canonical_paths", "match_tree", "opt_layout",
-           "placed_state", "host_or_mesh", "PYTREE_METADATA"]
+           "placed_state", "host_or_mesh", "pytree_items", "step_folder", "restore_numpy",
+           "PYTREE_METADATA"]
 
 PyTree = Any
 PYTREE_METADATA = "_METADATA"  # an Orbax PyTree item's own file
@@ -90,29 +91,46 @@ def canonical_paths(tree: PyTree) -> dict[str, Any]:
   return out
 
 
-def match_tree(want: dict[str, Any], got: dict[str, Any], what: str, where: str,
-               hint: str) -> list[Any]:
+def _skeleton(paths: list[str], params: set[str]) -> list[str]:
+  """``paths`` with every parameter path at their end written ``<params>``, each once: the shape
+  of an optax state (``['0/count', '0/mu/<params>', '0/nu/<params>', '1/count']``)."""
+  out = []
+  for path in paths:
+    parts = path.split("/")
+    cut = next((i for i in range(len(parts)) if "/".join(parts[i:]) in params), None)
+    shown = path if cut is None else "/".join(parts[:cut] + ["<params>"])
+    if shown not in out:
+      out.append(shown)
+  return out
+
+
+def match_tree(want: dict[str, Any], got: dict[str, Any], what: str, where: str, hint: str,
+               params: set[str] | None = None,
+               sides: tuple[str, str] = ("the engine's", "the one given")) -> list[Any]:
   """``got``'s leaves in ``want``'s order ({path: leaf with a shape} both), or a CheckpointError
-  naming the first path that differs (in ``want``'s order, then ``got``'s) with ``hint``."""
+  naming the first path that differs (in ``want``'s order, then ``got``'s) and ``hint``; with
+  ``params`` (the parameters' paths, for an optimizer state), both trees' shapes beside it.
+  ``sides`` name ``want`` and ``got`` in the message."""
+  mine, theirs = sides
   differ = None
   for path, x in want.items():
     if path not in got:
-      differ = f"{path} {tuple(np.shape(x))} is in the engine's {what}, not in the one given"
+      differ = f"{path} {tuple(np.shape(x))} is in {mine} {what}, not in {theirs}"
     elif tuple(np.shape(got[path])) != tuple(np.shape(x)):
-      differ = (f"{path} is {tuple(np.shape(got[path]))} in the one given, {tuple(np.shape(x))} "
-                f"in the engine's")
+      differ = (f"{path} is {tuple(np.shape(got[path]))} in {theirs}, {tuple(np.shape(x))} in "
+                f"{mine}")
     if differ:
       break
-  if differ is None:
-    extra = [p for p in got if p not in want]
-    if extra:
-      differ = f"{extra[0]} {tuple(np.shape(got[extra[0]]))} is in the one given, not in the " \
-               f"engine's {what}"
+  extra = [p for p in got if p not in want]
+  if differ is None and extra:
+    differ = f"{extra[0]} {tuple(np.shape(got[extra[0]]))} is in {theirs}, not in {mine} {what}"
   if differ is not None:
-    shown = list(want)[:8]
-    raise CheckpointError(
-        f"{where}: the {what} does not match the engine's: {differ}. The engine's {what} has the "
-        f"paths {shown}{' ...' if len(want) > len(shown) else ''}. {hint}")
+    if params is not None:
+      shapes = (f" ({mine}: {_skeleton(list(want), params)}; {theirs}: "
+                f"{_skeleton(list(got), params)})")
+    else:
+      shapes = f" ({mine}: {list(want)[:6]}{' ...' if len(want) > 6 else ''})"
+    raise CheckpointError(f"{where}: the {what} does not match {mine}: {differ}{shapes}. {hint}")
   return [got[p] for p in want]
 
 
@@ -141,7 +159,7 @@ def host_or_mesh(tree: PyTree, devices: Any, what: str) -> PyTree:
 
 
 # -- a plain run's Orbax folder -------------------------------------------------------------------
-def _items(step_dir: Path) -> dict[str, Path]:
+def pytree_items(step_dir: Path) -> dict[str, Path]:
   """The PyTree items of a CheckpointManager step folder, by name."""
   return {p.name: p for p in sorted(step_dir.iterdir())
           if p.is_dir() and (p / PYTREE_METADATA).is_file()}
@@ -155,13 +173,13 @@ def step_folder(directory: str | os.PathLike, step: int | None = None) -> tuple[
   if not root.is_dir():
     raise CheckpointError(f"Orbax checkpoint {str(directory)!r} does not exist.")
   named = _STEP_NAME.match(root.name)
-  if _items(root) or (root / PYTREE_METADATA).is_file():
+  if pytree_items(root) or (root / PYTREE_METADATA).is_file():
     if step is not None and (named is None or int(named.group(1)) != step):
       raise CheckpointError(f"{root} is one checkpoint's folder, not step {step}'s.")
     return root, int(named.group(1)) if named else None
   steps = {int(m.group(1)): p for p in root.iterdir()
            if p.is_dir() and (m := _STEP_NAME.match(p.name)) and ".orbax-checkpoint-tmp" not in
-           p.name and (_items(p) or (p / PYTREE_METADATA).is_file())}
+           p.name and (pytree_items(p) or (p / PYTREE_METADATA).is_file())}
   if not steps:
     listed = sorted(p.name for p in root.iterdir())[:12]
     raise CheckpointError(
@@ -202,7 +220,7 @@ def read_optax(directory: str | os.PathLike, step: int | None = None) -> dict[st
   (the model's variable collections, for ``import_optax``'s ``collections``).
   """
   folder, number = step_folder(directory, step)
-  items = _items(folder)
+  items = pytree_items(folder)
   if "params" in items:
     tree = {name: restore_numpy(path) for name, path in items.items()}
   elif (folder / PYTREE_METADATA).is_file() or len(items) == 1:
@@ -313,7 +331,8 @@ def _opt_state(engine: Any, model: PyTree, opt_state: PyTree, where: str) -> PyT
   structure = jax.eval_shape(engine.tx.init, model)
   plain = jax.eval_shape(engine.tx.init, flax_meta.unbox(model))  # the same leaves, by names
   want = canonical_paths(plain)
-  leaves = match_tree(want, canonical_paths(opt_state), "optimizer state", where, _HINT)
+  leaves = match_tree(want, canonical_paths(opt_state), "optimizer state", where, _HINT,
+                      set(flatten_paths(flax_meta.unbox(model))))
   return jax.tree.unflatten(jax.tree.structure(structure), leaves)
 
 
@@ -373,7 +392,7 @@ def import_optax(engine: Any, params: PyTree, opt_state: PyTree, *, step: int | 
   """
   where = "import_optax"
   model = engine.model.abstract_params(jax.random.key(0), sample_batch)
-  devices = engine.mesh.mesh.devices.flat
+  devices = list(engine.mesh.mesh.devices.flat)
   master = _truth(model, host_or_mesh(params, devices, "params"), where)
   given = host_or_mesh(opt_state, devices, "opt_state")
   optimizer = _opt_state(engine, model, given, where)

@@ -213,7 +213,7 @@ class Engine:
                                          self.zeropp, rng, sample_batch)
     for tier in self.tiers:
       tier.prepare(self)
-    devices = self.mesh.mesh.devices.flat
+    devices = list(self.mesh.mesh.devices.flat)
     rng = host_or_mesh(rng, devices, "rng")
     if params is not None:
       params = host_or_mesh(params, devices, "params")
