@@ -28,7 +28,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from jzero.checkpoint import layout
-from jzero.checkpoint.optax_import import canonical_paths, match_tree
+from jzero.checkpoint.optax_import import match_optax
 from jzero.checkpoint.restore import _root_cause
 from jzero.errors import CheckpointError
 from jzero.sharding.plan import flatten_paths
@@ -38,10 +38,10 @@ __all__ = ["export_optax"]
 PyTree = Any
 
 
-def _stored_opt_names(meta: dict, optimizer: optax.GradientTransformation,
-                      by_path: PyTree, by_name: PyTree, step_dir: Path) -> dict[str, str]:
-  """{canonical path of the state as the module names the params: stored array name}, checked
-  against the arrays the checkpoint holds (the run's optimizer must be ``optimizer``)."""
+def _stored_opt_names(meta: dict, optimizer: optax.GradientTransformation, by_path: PyTree,
+                      step_dir: Path) -> list[str]:
+  """The stored array names of ``optimizer``'s state, in its leaves' order, checked against the
+  arrays the checkpoint holds (the run's optimizer must be ``optimizer``)."""
   stored = [n for n in meta["arrays"] if n.startswith("opt_state/")]
   names = ["opt_state/" + p for p in flatten_paths(jax.eval_shape(optimizer.init, by_path))]
   if set(names) != set(stored):
@@ -53,9 +53,7 @@ def _stored_opt_names(meta: dict, optimizer: optax.GradientTransformation,
         + "; ".join(([f"it holds {lacking}, which the optimizer does not make"] if lacking else [])
                     + ([f"it lacks {unused}"] if unused else []))
         + ". Give the optax transformation the run trained with (engine.tx).")
-  # the same leaves, in the same order, with the params named as the module names them
-  structure = jax.tree.structure(jax.eval_shape(optimizer.init, by_name))
-  return canonical_paths(jax.tree.unflatten(structure, names))
+  return names
 
 
 def _read(step_dir: Path, names: list[str]) -> dict[str, np.ndarray]:
@@ -102,14 +100,17 @@ def export_optax(directory: str | os.PathLike, out: str | os.PathLike,
   spec = lambda shape: jax.ShapeDtypeStruct(shape, np.float32)
   by_path = layout.nest({p: spec(s) for p, s in shapes.items()})
   by_name = layout.nest({names[p]: spec(s) for p, s in shapes.items()})
-  stored = _stored_opt_names(meta, optimizer, by_path, by_name, step_dir)
+  stored = _stored_opt_names(meta, optimizer, by_path, step_dir)
   plain = jax.eval_shape((like or optimizer).init, by_name)
-  have = canonical_paths(jax.eval_shape(optimizer.init, by_name))
-  match_tree(canonical_paths(plain), have, "optimizer state", f"checkpoint {step_dir}",
-             "like= must be an optax transformation whose state is the run's (up to stateless "
-             "stages such as clip_by_global_norm).", set(names.values()),
-             ("like's", "the checkpoint's"))
-  opt_names = [stored[p] for p in canonical_paths(plain)]
+  run = jax.eval_shape(optimizer.init, by_name)  # ``stored``'s leaves, params unboxed
+  positions = match_optax(
+      plain, run, f"checkpoint {step_dir}",
+      "like= must be an optax transformation whose state is the run's (up to stateless stages "
+      "such as clip_by_global_norm).", set(names.values()), ("like's", "the checkpoint's"))
+  if None in positions:  # like's schedule count, which the run's optimizer does not keep
+    raise CheckpointError(f"checkpoint {step_dir}: like= keeps a learning-rate schedule's count, "
+                          f"which the run's optimizer does not; give like= as the run trained.")
+  opt_names = [stored[i] for i in positions]
   truth = "master" if meta["has_master"] else "params"
   # model_state seam: the model's other variable collections, stored as `model_state/<collection>/
   # <path>` once TrainState has `model_state`, are written as items beside params.

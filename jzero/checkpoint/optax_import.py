@@ -53,9 +53,9 @@ from jzero.checkpoint.restore import _carried, _compute_params, abstract_state, 
 from jzero.errors import CheckpointError
 from jzero.sharding.plan import LeafPlan, flatten_paths, path_str
 
-__all__ = ["read_optax", "import_optax", "canonical_paths", "match_tree", "opt_layout",
-           "placed_state", "host_or_mesh", "pytree_items", "step_folder", "restore_numpy",
-           "PYTREE_METADATA"]
+__all__ = ["read_optax", "import_optax", "canonical_paths", "match_tree", "match_optax",
+           "opt_layout", "placed_state", "host_or_mesh", "pytree_items", "step_folder",
+           "restore_numpy", "PYTREE_METADATA"]
 
 PyTree = Any
 PYTREE_METADATA = "_METADATA"  # an Orbax PyTree item's own file
@@ -106,11 +106,12 @@ def _skeleton(paths: list[str], params: set[str]) -> list[str]:
 
 def match_tree(want: dict[str, Any], got: dict[str, Any], what: str, where: str, hint: str,
                params: set[str] | None = None,
-               sides: tuple[str, str] = ("the engine's", "the one given")) -> list[Any]:
-  """``got``'s leaves in ``want``'s order ({path: leaf with a shape} both), or a CheckpointError
-  naming the first path that differs (in ``want``'s order, then ``got``'s) and ``hint``; with
-  ``params`` (the parameters' paths, for an optimizer state), both trees' shapes beside it.
-  ``sides`` name ``want`` and ``got`` in the message."""
+               sides: tuple[str, str] = ("the engine's", "the one given"),
+               keys: bool = False) -> list[Any]:
+  """``got``'s leaves (``keys``: their paths) in ``want``'s order ({path: leaf with a shape}
+  both), or a CheckpointError naming the first path that differs (in ``want``'s order, then
+  ``got``'s) and ``hint``; with ``params`` (the parameters' paths, for an optimizer state), both
+  trees' shapes beside it. ``sides`` name ``want`` and ``got`` in the message."""
   mine, theirs = sides
   differ = None
   for path, x in want.items():
@@ -131,7 +132,54 @@ def match_tree(want: dict[str, Any], got: dict[str, Any], what: str, where: str,
     else:
       shapes = f" ({mine}: {list(want)[:6]}{' ...' if len(want) > 6 else ''})"
     raise CheckpointError(f"{where}: the {what} does not match {mine}: {differ}{shapes}. {hint}")
-  return [got[p] for p in want]
+  return list(want) if keys else [got[p] for p in want]
+
+
+def _is_schedule(x: Any) -> bool:
+  return isinstance(x, optax.ScaleByScheduleState)
+
+
+def _without_schedules(tree: PyTree) -> PyTree:
+  """``tree`` with its schedules' states (``ScaleByScheduleState``) empty."""
+  return jax.tree.map(lambda x: None if _is_schedule(x) else x, tree, is_leaf=_is_schedule)
+
+
+def match_optax(want: PyTree, got: PyTree, where: str, hint: str, params: set[str],
+                sides: tuple[str, str] = ("the engine's", "the one given")) -> list[int | None]:
+  """For each leaf of the optax state ``want``, in order, the position of the leaf of ``got``
+  that is it (matched by :func:`canonical_paths`), or a CheckpointError naming the first path
+  that differs (``params``: the parameters' paths, ``sides``: both trees' names, for the message).
+
+  A learning-rate schedule's count is the one leaf that may be on one side only: jzero's chain
+  always ends in ``scale_by_learning_rate(schedule)`` (a constant learning rate is a constant
+  schedule), where a plain run with a float learning rate keeps no count. A schedule count ``want``
+  has and ``got`` lacks comes out as None (the caller knows the step); one ``got`` has and
+  ``want`` lacks is left out.
+  """
+  numbered = jax.tree.unflatten(jax.tree.structure(got), range(jax.tree.structure(got).num_leaves))
+
+  def attempt(drop: str | None) -> list[int | None]:
+    mine = _without_schedules(want) if drop == "mine" else want
+    theirs, numbers = ((_without_schedules(got), _without_schedules(numbered)) if drop == "theirs"
+                       else (got, numbered))
+    found = canonical_paths(numbers)
+    order = iter(found[p] for p in match_tree(
+        canonical_paths(mine), canonical_paths(theirs), "optimizer state", where, hint, params,
+        sides, keys=True))
+    gone = jax.tree.leaves(jax.tree.map(
+        lambda x: jax.tree.map(lambda _: drop == "mine" and _is_schedule(x), x), want,
+        is_leaf=_is_schedule))
+    return [None if lacking else next(order) for lacking in gone]
+
+  try:
+    return attempt(None)
+  except CheckpointError as error:
+    for drop in ("mine", "theirs"):  # a schedule count on one side only
+      try:
+        return attempt(drop)
+      except CheckpointError:
+        pass
+    raise error
 
 
 # -- inputs anywhere ------------------------------------------------------------------------------
@@ -326,14 +374,18 @@ def _truth(model: PyTree, params: PyTree, where: str) -> PyTree:
   return jax.tree.unflatten(jax.tree.structure(model), leaves)
 
 
-def _opt_state(engine: Any, model: PyTree, opt_state: PyTree, where: str) -> PyTree:
-  """``opt_state``'s leaves in the structure of ``engine.tx.init(params)`` (logical shapes)."""
+def _opt_state(engine: Any, model: PyTree, opt_state: PyTree, step: int | None,
+               where: str) -> tuple[PyTree, int]:
+  """(``opt_state``'s leaves in the structure of ``engine.tx.init(params)``, logical shapes; the
+  step). A schedule count the given state lacks (a constant learning rate) is the step."""
   structure = jax.eval_shape(engine.tx.init, model)
   plain = jax.eval_shape(engine.tx.init, flax_meta.unbox(model))  # the same leaves, by names
-  want = canonical_paths(plain)
-  leaves = match_tree(want, canonical_paths(opt_state), "optimizer state", where, _HINT,
-                      set(flatten_paths(flax_meta.unbox(model))))
-  return jax.tree.unflatten(jax.tree.structure(structure), leaves)
+  given = jax.tree.leaves(opt_state)
+  positions = match_optax(plain, opt_state, where, _HINT,
+                          set(flatten_paths(flax_meta.unbox(model))))
+  step = _count(opt_state, where) if step is None else int(np.asarray(step))
+  leaves = [np.asarray(step, np.int32) if i is None else given[i] for i in positions]
+  return jax.tree.unflatten(jax.tree.structure(structure), leaves), step
 
 
 def _count(opt_state: PyTree, where: str) -> int:
@@ -395,9 +447,8 @@ def import_optax(engine: Any, params: PyTree, opt_state: PyTree, *, step: int | 
   devices = list(engine.mesh.mesh.devices.flat)
   master = _truth(model, host_or_mesh(params, devices, "params"), where)
   given = host_or_mesh(opt_state, devices, "opt_state")
-  optimizer = _opt_state(engine, model, given, where)
+  optimizer, step = _opt_state(engine, model, given, step, where)
   _model_state(engine, collections, where)
-  step = _count(optimizer, where) if step is None else int(np.asarray(step))
   abstract = engine.expand_abstract(abstract_state(engine, sample_batch))  # tiers' real shapes
   shardings = broadcast(engine.state_shardings(), abstract)
   dtypes = jax.tree.map(lambda x: x.dtype, abstract.opt_state)

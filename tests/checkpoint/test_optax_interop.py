@@ -142,10 +142,11 @@ def test_jzero_to_plain_and_back(plain_run, tmp_path):
 def test_sgd_written_in_the_plain_scripts_structure(plain_run, tmp_path):
   """jzero's SGD chain starts with a stateless weight decay: ``like=optax.sgd(...)`` writes the
   state in optax.sgd's structure, which plain Orbax restores into ``tx.init(params)`` -- the plain
-  checkpoint, through jzero and back, bit for bit."""
+  checkpoint, through jzero and back, bit for bit. Written for a float learning rate, the state
+  has no schedule count; imported, the count is the step."""
   engine = engine_of(2, "sgd")
-  engine.save_checkpoint(engine.import_optax(**checkpoint.read_optax(plain_run / "sgd")),
-                         tmp_path / "ckpt")
+  imported = engine.import_optax(**checkpoint.read_optax(plain_run / "sgd"))
+  engine.save_checkpoint(imported, tmp_path / "ckpt")
   engine.wait_for_checkpoints()
   tx = plain.OPTIMIZERS["sgd"]()
   with pytest.raises(CheckpointError, match=r"does not match like's: count \(\) is in like's "
@@ -161,6 +162,15 @@ def test_sgd_written_in_the_plain_scripts_structure(plain_run, tmp_path):
                    .items()} for d in (tmp_path / "plain", plain_run / "sgd"))
   assert jax.tree.structure(back["opt_state"]) == jax.tree.structure(tx.init(params))
   assert same_bits(back, saved)
+
+  # A float learning rate keeps no schedule count: written without it, read back with the step.
+  constant = optax.sgd(plain.LR, momentum=plain.MOMENTUM)
+  checkpoint.export_optax(tmp_path / "ckpt", tmp_path / "constant", engine.tx, like=constant)
+  read = checkpoint.read_optax(tmp_path / "constant")
+  assert len(jax.tree.leaves(read["opt_state"])) == len(jax.tree.leaves(params))  # the trace
+  again = engine.import_optax(**read)
+  for field in ("step", "params", "opt_state"):
+    assert same_bits(getattr(again, field), getattr(imported, field)), field
 
 
 def test_orbax_and_numpy_arrays_are_taken_everywhere(plain_run, tmp_path):
