@@ -56,8 +56,8 @@ from jzero.sharding.plan import LeafPlan, flatten_paths, path_str
 __all__ = ["FORMAT", "FORMAT_VERSION", "META_FILE", "FILES_FILE", "LATEST_FILE", "WEIGHTS16",
            "DELETING", "ORBAX_TMP", "CHECKSUM", "nest", "module_names", "leaf_names",
            "opt_leaves", "array_leaves", "array_handler", "check_tag", "is_complete", "latest_tag",
-           "all_tags", "incomplete_tags", "resume_tag", "latest_step", "checkpoint_dir", "write_atomic",
-           "record_files", "recorded_files", "verify_files", "read_metadata", "optimizer_name",
+           "all_tags", "incomplete_tags", "resume_tag", "latest_step", "checkpoint_dir",
+           "write_atomic", "record_files", "recorded_files", "verify_files", "read_metadata", "optimizer_name",
            "open_checkpoint"]
 
 PyTree = Any

@@ -268,6 +268,9 @@ def read_optax(directory: str | os.PathLike, step: int | None = None) -> dict[st
   (the model's variable collections, for ``import_optax``'s ``collections``).
   """
   folder, number = step_folder(directory, step)
+  if layout.is_complete(folder) or (folder / layout.FILES_FILE).exists():
+    raise CheckpointError(f"{folder} is a jzero checkpoint, not a plain run's: restore it with "
+                          f"engine.load_checkpoint.")
   items = pytree_items(folder)
   if "params" in items:
     tree = {name: restore_numpy(path) for name, path in items.items()}

@@ -280,9 +280,10 @@ def _source(path: str | os.PathLike) -> tuple[str, Path, str | None]:
   try:
     return ("orbax", *_manager_params(path))
   except CheckpointError as e:
-    raise CheckpointError(f"{path} is neither a params-only Orbax checkpoint (no "
-                          f"{PYTREE_METADATA}) nor a Hugging Face model directory (no "
-                          f"{INDEX_FILE} or {SINGLE_FILE}) nor a CheckpointManager's: {e}") from None
+    raise CheckpointError(
+        f"{path} is neither a params-only Orbax checkpoint (no {PYTREE_METADATA}) nor a Hugging "
+        f"Face model directory (no {INDEX_FILE} or {SINGLE_FILE}) nor a CheckpointManager's: "
+        f"{e}") from None
 
 
 def _manager_params(path: Path) -> tuple[Path, str | None]:
