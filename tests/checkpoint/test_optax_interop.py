@@ -3,8 +3,9 @@
 tests/plain_flax_optax.py -- a script that never imports jzero -- trains a Linen MLP on one device
 for 10 steps with AdamW (a warmup schedule) and with SGD (momentum), saving after step 4 with
 Orbax's ``CheckpointManager``. jzero continues that checkpoint (``engine.import_optax(
-**checkpoint.read_optax(dir))``) at ZeRO stages 0-3 on 8 devices and at one stage per optimizer on
-4 (a subprocess): steps 5-10 equal the plain loop's own. A jzero checkpoint written back out
+**checkpoint.read_optax(dir))``) on 8 devices at ZeRO stages 0-3 (AdamW) and 0 and 3 (SGD: what a
+stage changes does not depend on the optimizer), and on 4 devices at stage 3 (AdamW) and 1 (SGD) in
+a subprocess: steps 5-10 equal the plain loop's own. A jzero checkpoint written back out
 (``jzero convert --optax``, ``checkpoint.export_optax``) is restored and continued by the plain
 script, and read back into jzero bit for bit. Arrays as plain Orbax restores them (committed to
 one device) and numpy arrays are taken by every call that takes parameters or state;
@@ -78,8 +79,8 @@ def engine_of(stage: int, optimizer: str) -> jzero.Engine:
   return _ENGINES[stage, optimizer]
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage, optimizer", [(0, "adamw"), (1, "adamw"), (2, "adamw"),
+                                              (3, "adamw"), (0, "sgd"), (3, "sgd")])
 def test_jzero_continues_a_plain_run(plain_run, plain_losses, stage, optimizer):
   engine = engine_of(stage, optimizer)
   losses = worker.continued(engine, plain_run, optimizer)
@@ -147,7 +148,7 @@ def test_sgd_written_in_the_plain_scripts_structure(plain_run, tmp_path):
   state in optax.sgd's structure, which plain Orbax restores into ``tx.init(params)`` -- the plain
   checkpoint, through jzero and back, bit for bit. Written for a float learning rate, the state
   has no schedule count; imported, the count is the step."""
-  engine = engine_of(2, "sgd")
+  engine = engine_of(3, "sgd")
   imported = engine.import_optax(**checkpoint.read_optax(plain_run / "sgd"))
   engine.save_checkpoint(imported, tmp_path / "ckpt")
   engine.wait_for_checkpoints()
