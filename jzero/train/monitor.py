@@ -107,7 +107,7 @@ class Throughput:
 
   @property
   def mfu(self) -> float | None:
-    """Model FLOPs utilization: FLOP/s achieved over the peak (None without FLOPs or a peak)."""
+    """Model FLOPs utilization, FLOP/s achieved over the peak (None without FLOPs or a peak)."""
     if not self.flops_per_step or self.peak is None:
       return None
     return self.flops_per_step * self.devices / self.step_seconds / self.peak.flops_per_second
