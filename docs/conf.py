@@ -41,7 +41,7 @@ myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 4
 nitpicky = True  # a reference that does not resolve is a warning, and -W makes it an error
 
-# -- notebooks: rendered with their stored outputs --------------------------------------------------
+# -- notebooks: rendered with their stored outputs ------------------------------------------------
 nb_execution_mode = "off"
 # The notebooks live in notebooks/ (beside their build scripts), outside this source folder:
 # copied into docs/notebooks/ (git-ignored) when the build starts, rewritten only when changed so
@@ -52,7 +52,7 @@ for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
   if not copy.exists() or copy.read_bytes() != notebook.read_bytes():
     shutil.copyfile(notebook, copy)
 
-# -- the API reference ------------------------------------------------------------------------------
+# -- the API reference ----------------------------------------------------------------------------
 autosummary_generate = True
 autodoc_member_order = "bysource"
 autodoc_default_options = {"members": True, "show-inheritance": True}

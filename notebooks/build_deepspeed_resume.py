@@ -35,7 +35,7 @@ import optax
 from flax import nnx
 
 %matplotlib inline
-# the checkout jzero is installed from (pip install -e .): its tests/data, whatever the working folder
+# the tests/data of the checkout jzero is installed from (pip install -e .), from any folder
 DATA = Path(jzero.__file__).resolve().parents[1] / "tests" / "data" / "deepspeed"
 assert DATA.is_dir(), (f"{DATA} is missing: this notebook reads the DeepSpeed checkpoints of a "
                        f"jzero checkout; install jzero from one (pip install -e .)")"""),
