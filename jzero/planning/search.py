@@ -181,8 +181,8 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
   """Plans a job: which ZeRO config runs it fastest on the target (see the module docstring).
 
   Args:
-    model: a GPT preset name, a parameter count (:func:`~jzero.planning.candidates.
-      gpt_for_params`), or a ``GPTConfig``.
+    model: a GPT preset name, a parameter count
+      (:func:`~jzero.planning.candidates.gpt_for_params`), or a ``GPTConfig``.
     gpu: the target GPU ("h100", "a100", ...); ``None`` with ``hardware`` for this machine's CPU
       devices (:func:`jzero.planning.cost.cpu_hardware`).
     devices: devices per node; nodes: nodes.

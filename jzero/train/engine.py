@@ -93,7 +93,8 @@ class Engine:
     self._batches = Batches(self.config, self.mesh)
     self.delayed = DelayedUpdate.from_config(self.config)
     self._runner = StepRunner(reporting.StepReporter(
-        self.config, here, DTYPES[self.config.precision], self.monitor, self.tokens_per_sample))
+        self.config, here, DTYPES[self.config.precision], self.monitor, self.tokens_per_sample,
+        self.schedule))
 
   # -- the config's numbers, DeepSpeed's engine shapes -------------------------------------------
   @property
@@ -125,9 +126,9 @@ class Engine:
     return self._runner.step or 0
 
   def get_lr(self) -> list[float]:
-    """DeepSpeed's ``engine.get_lr()``, one per param group (jzero has one):
-    :meth:`jzero.train.reporting.StepReporter.last_lr`."""
-    return [self._runner.reporter.last_lr(self.schedule)]
+    """DeepSpeed's ``engine.get_lr()``, one per param group (jzero has one): the learning rate the
+    next step uses, :meth:`jzero.train.reporting.StepReporter.next_lr`."""
+    return [self._runner.reporter.next_lr()]
 
   # DeepSpeed's loss = engine(batch); engine.backward(loss); engine.step(): one call here
   __call__ = forward = refuse_deepspeed_call("engine(batch)")

@@ -42,7 +42,7 @@ from jzero.train.state import TrainState
 if TYPE_CHECKING:  # annotations only (step imports this module)
   from jzero.train.step import StepParts
 
-__all__ = ["DeviceUpdate", "local_update", "global_norm"]
+__all__ = ["DeviceUpdate", "local_update", "applied_updates", "global_norm"]
 
 PyTree = Any
 
@@ -143,9 +143,7 @@ def local_update(parts: StepParts, state: TrainState, grads: PyTree, loss: jax.A
   else:  # an elementwise select fuses into the update: no second copy of the state (a cond's)
     params, master, opt_state, secondary = apply_update(None, keep=skip_update)
 
-  applied = state.step - state.skipped
-  if delayed is not None:
-    applied = delayed.applied_steps(state.delayed, applied)
+  applied = applied_updates(state.step, state.skipped, delayed, state.delayed)
   skipped = state.skipped + overflow.astype(jnp.int32)
   metrics = {
       "loss": loss,
@@ -186,6 +184,16 @@ def _skippable_update(tx: optax.GradientTransformation, grads: PyTree, opt_state
                                                transform_non_params=lambda x: x)
   _, new_state = tx.update(grads, old_state, master)
   return new_master, jax.tree.map(lambda old, new: jnp.where(keep, old, new), old_state, new_state)
+
+
+def applied_updates(step: Any, skipped: Any, delayed: Any = None, carried: Any = None) -> Any:
+  """The updates applied before a state's next step: the lr schedule's count (optax's update
+  count; DeepSpeed's ``lr_scheduler.step()`` calls). A state's steps less those skipped, less the
+  gradient the delayed update (``delayed``) still carries (``carried``, the state's ``delayed``).
+  The state's counters are device arrays in the step, numpy on the host (the lr the next step
+  uses, :meth:`jzero.train.reporting.StepReporter.next_lr`)."""
+  applied = step - skipped
+  return applied if delayed is None else delayed.applied_steps(carried, applied)
 
 
 def _learning_rate(parts: StepParts, applied: jax.Array, opt_state: PyTree) -> jax.Array:
