@@ -1,11 +1,12 @@
 """Two vision models with batch statistics, as Flax users write them, and their losses.
 
-* :class:`ResNet` (Linen): a ResNet v1 in the form of flax's ``examples/imagenet/models.py`` --
-  compact blocks built from ``conv`` / ``norm`` partials, ``nn.BatchNorm(use_running_average=not
-  train, momentum=0.9, epsilon=1e-5, axis_name="batch")`` (the axis name that example gave its
-  ``pmap`` axis), a projection shortcut with its own norm, the last norm of a block zero-initialised,
-  a 7x7 stride-2 stem and max-pool, global average pooling -- shrunk through its constructor
-  arguments (4 filters, one stage of one block).
+* :class:`ResNet` (Linen): a ResNet v1 in the form of flax's ``examples/imagenet/models.py``
+  (written here, not copied) -- compact blocks built from ``conv`` / ``norm`` partials,
+  ``nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5, axis_name="batch")``
+  (the axis name that example gave its ``pmap`` axis), a projection shortcut with its own norm,
+  the last norm of a block zero-initialised, a 7x7 stride-2 stem and max-pool, global average
+  pooling -- shrunk through its constructor arguments (4 filters, one stage of one block, as
+  flax's own test size ``stage_sizes=[1]``).
 * :class:`CNN` (NNX): ``nnx.Conv`` (no bias: the BatchNorm's takes its place) + ``nnx.BatchNorm``
   (no axis name, NNX's default) twice, then ``nnx.Dropout`` holding the model's ``rngs`` (the way
   NNX documents it) and a linear head.
@@ -127,7 +128,7 @@ def stream_key(rng: jax.Array, tag: str) -> jax.Array:
   return jax.random.fold_in(rng, zlib.crc32(tag.encode()))
 
 
-# -- engines ----------------------------------------------------------------------------------------
+# -- engines ---------------------------------------------------------------------------------------
 #: flax's imagenet optimizer: lr 0.1 per 256 images (so 0.0125 for a batch of 32), Nesterov 0.9
 LR, MOMENTUM, BATCH = 0.1 * 32 / 256, 0.9, 32
 

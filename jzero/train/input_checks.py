@@ -14,8 +14,8 @@ from jax.tree_util import SequenceKey, keystr
 from jzero.errors import ConfigError, DataError, JZeroError
 from jzero.sharding.plan import Plan, flatten_paths
 
-__all__ = ["check_params", "check_model_state", "check_live", "check_arrays", "check_batch", "check_new_shapes",
-           "check_input_ids"]
+__all__ = ["check_params", "check_model_state", "check_live", "check_arrays", "check_batch",
+           "check_new_shapes", "check_input_ids"]
 
 PyTree = Any
 

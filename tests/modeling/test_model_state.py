@@ -36,7 +36,7 @@ SAVES = {"resnet": 0, "cnn": 1}  # the stage whose run saves at SAVE_AT (gas 1)
 ON_FOUR = {"resnet": 3, "cnn": 2}  # the stage the checkpoint continues at on 4 devices (gas 1)
 
 
-# -- the plain loop ----------------------------------------------------------------------------------
+# -- the plain loop --------------------------------------------------------------------------------
 def _micro_batches(batch: dict, devices: int, gas: int) -> dict:
   """A step's global micro-batches, [gas, devices * micro, ...]: micro-batch i holds row block i
   of every device's slice, device after device (as the engine's step splits them)."""
