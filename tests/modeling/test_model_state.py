@@ -20,11 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from jax import lax
+from safetensors import safe_open
 
 import batchnorm_models as models
+from jzero import checkpoint
+from jzero.cli import main as cli_main
 from jzero.sharding.plan import flatten_paths
 from zero_testing import SAME_MATH, VS_ONE_DEVICE, max_relative_diff
 
@@ -178,7 +182,7 @@ def runs(tmp_path_factory):
   # the CNN continued on 4 devices draws 4 devices' dropout keys from the checkpoint on
   references["cnn", "four"] = _loop("cnn", start["cnn"], data, [(1, N)] * SAVE_AT + [(
       1, 4)] * (STEPS - SAVE_AT), results["cnn", 0]["train_key"])
-  return data, results, references
+  return data, results, references, root
 
 
 def _relative(a, b) -> float:
@@ -210,7 +214,7 @@ def test_every_stage_matches_a_plain_loop_with_its_batch_statistics(runs, kind):
   statistics within VS_ONE_DEVICE (1e-5), parameters as :func:`_check_params` says; every run
   starts from the same parameters and statistics (BatchNorm's 0 / 1), the statistics trained,
   and stage 3 partitions every leaf (each gathered by its unit)."""
-  _, results, references = runs
+  _, results, references, _ = runs
   initial = results[kind, 0]["initial"]
   assert set(initial[1]) == {"batch_stats"}
   for stage in range(4):
@@ -232,7 +236,7 @@ def test_restart_is_bitwise_and_continues_on_four_devices_at_another_stage(runs,
   (parameters and statistics included). Restored on 4 devices at another stage they match the
   plain loop continued from step 5 -- for the CNN with 4 devices' dropout keys -- within the
   bounds of the 8-device runs."""
-  _, results, references = runs
+  _, results, references, _ = runs
   run = results[kind, SAVES[kind]]
   assert run["resumed_losses"] == run["losses"][SAVE_AT:]
   assert max_relative_diff(run["resumed"], run["final"]) == 0.0
@@ -249,7 +253,7 @@ def test_eval_uses_the_running_statistics(runs):
   with the plain loop's parameters and statistics (Linen ``train=False``, NNX ``model.eval()``),
   and is far from the same parameters evaluated with the batch's own statistics or with the
   initial ones."""
-  data, results, references = runs
+  data, results, references, _ = runs
   batch = data[0]
   for kind in ("resnet", "cnn"):
     run = results[kind, 3]
@@ -273,3 +277,30 @@ def test_eval_uses_the_running_statistics(runs):
     for other in (evaluate(ref_stats, running=False), evaluate(results[kind, 0]["initial"][1])):
       print(f"eval {kind}: {loss:.6g}, plain loop {expected:.6g}, otherwise {other:.6g}")
       assert abs(other - expected) > 10 * VS_ONE_DEVICE * expected, (kind, loss, other)
+
+
+def test_convert_writes_the_statistics_beside_the_weights(runs, tmp_path, capsys):
+  """``jzero convert`` of the ResNet's step-5 checkpoint: the Orbax output is Linen's variables
+  dict, ``{"params", "batch_stats"}``, which plain Orbax restores and ``module.apply`` takes; the
+  safetensors file names the statistics ``batch_stats/...``. From either, ``load_weights`` and
+  ``load_model_state`` give back the checkpoint's parameters and statistics bit for bit."""
+  data, results, _, root = runs
+  engine = results["resnet", SAVES["resnet"]]["engine"]
+  saved = engine.load_checkpoint(root / "resnet")
+  params, stats = jax.device_get((engine.logical_params(saved), saved.model_state))
+  files, variables = tmp_path / "resnet.safetensors", tmp_path / "variables"
+  assert cli_main(["convert", str(root / "resnet"), "--safetensors", str(files), "--orbax",
+                   str(variables)]) == 0
+  assert "model state beside them: 6 arrays of batch_stats" in capsys.readouterr().out
+  restored = ocp.PyTreeCheckpointer().restore(variables.absolute())
+  assert set(restored) == {"params", "batch_stats"}
+  assert max_relative_diff(restored, {"params": params, **stats}) == 0.0
+  logits = jax.vmap(lambda x: models.small_resnet().apply(restored, x, train=False),
+                    axis_name="batch")(data[0]["image"][None])[0]
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, data[0]["label"]).mean()
+  np.testing.assert_allclose(float(loss), engine.eval_loss(saved, data[0]), rtol=VS_ONE_DEVICE)
+  with safe_open(str(files), framework="numpy") as f:
+    assert "batch_stats/bn_init/mean" in f.keys() and "conv_init/kernel" in f.keys()
+  for source in (files, variables):
+    assert max_relative_diff(checkpoint.load_weights(engine, source), params) == 0.0, source
+    assert max_relative_diff(checkpoint.load_model_state(engine, source), stats) == 0.0, source
