@@ -27,6 +27,7 @@ from jax import lax
 from safetensors import safe_open
 
 import batchnorm_models as models
+import jzero
 from jzero import checkpoint
 from jzero.cli import main as cli_main
 from jzero.sharding.plan import flatten_paths
@@ -304,3 +305,16 @@ def test_convert_writes_the_statistics_beside_the_weights(runs, tmp_path, capsys
   for source in (files, variables):
     assert max_relative_diff(checkpoint.load_weights(engine, source), params) == 0.0, source
     assert max_relative_diff(checkpoint.load_model_state(engine, source), stats) == 0.0, source
+
+
+def test_stacked_layers_with_statistics_are_refused_by_scan_layers():
+  """``jzero.scan_layers`` returns only the carry: stacked layers holding BatchNorm statistics
+  are refused (naming the variables and the fix), not trained with their statistics frozen."""
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def stack(key):
+    return nnx.BatchNorm(4, rngs=nnx.Rngs(key))
+
+  graphdef, stacked = nnx.split(stack(jax.random.split(jax.random.key(0), 2)))
+  with pytest.raises(jzero.errors.NotSupportedError, match=r"\['BatchStat'\] variables besides "
+                     r"their parameters.*Python loop"):
+    jzero.scan_layers(lambda x, p: nnx.merge(graphdef, p)(x), jnp.ones((2, 4)), stacked)
