@@ -223,8 +223,11 @@ def test_every_stage_matches_a_plain_loop_with_its_batch_statistics(runs, kind):
     ref_params, ref_stats, ref_losses = references[kind, gas]
     where = f"{kind}, stage {stage}, gas {gas}"
     assert max_relative_diff(run["initial"], initial) == 0.0, where
+    loss_error = np.max(np.abs(np.array(run["losses"]) - ref_losses) / np.array(ref_losses))
+    stats_error = max_relative_diff(run["final"][1], ref_stats)
+    print(f"BOUND {where}: losses {loss_error:.2g}, statistics {stats_error:.2g}")
     np.testing.assert_allclose(run["losses"], ref_losses, rtol=SAME_MATH, err_msg=where)
-    assert max_relative_diff(run["final"][1], ref_stats) <= VS_ONE_DEVICE, where
+    assert stats_error <= VS_ONE_DEVICE, where
     assert max_relative_diff(run["final"][1], initial[1]) > 0.01, where  # not left at 0 / 1
     _check_params(run["final"][0], ref_params, where)
   assert results[kind, 3]["partitioned"] == set(flatten_paths(initial[0])), "stage 3 partitions"
