@@ -126,6 +126,21 @@ def _with_adam_state(opt_state: PyTree, mu: PyTree, nu: PyTree, adam_count: int,
   return state
 
 
+def _fresh_model_state(engine: Any, abstract: Any, key: jax.Array, sample_batch: Any,
+                       where: Any) -> PyTree:
+  """The model's initial state (``{}`` for a model without one), replicated: DeepSpeed's module
+  buffers (BatchNorm's running statistics) are not read, which a warning says."""
+  if not jax.tree.leaves(abstract.model_state):
+    return {}
+  warnings.warn(
+      f"{where}: the model has state besides its parameters ({sorted(abstract.model_state)}, "
+      f"BatchNorm statistics); the DeepSpeed run's module buffers are not imported, so it starts "
+      f"at the model's initial values; state._replace(model_state={{...}}) sets the run's "
+      f"(a dict by collection, as state.model_state is).", JZeroWarning, stacklevel=3)
+  return jax.jit(lambda k: engine.model.init_variables(k, sample_batch)[1],
+                 out_shardings=engine.plan.sharding(P()))(key)
+
+
 def import_deepspeed(engine: Any, ds: DeepSpeedCheckpoint, convert: Callable[[dict], PyTree], *,
                      rng: jax.Array | None = None, sample_batch: Any = None) -> Any:
   """A TrainState that continues the DeepSpeed run ``ds`` (:func:`read_deepspeed`) in ``engine``.
@@ -175,12 +190,13 @@ def import_deepspeed(engine: Any, ds: DeepSpeedCheckpoint, convert: Callable[[di
     master = None
   replicated = plan.sharding(P())
   scalar = lambda n: jax.device_put(jnp.asarray(n, jnp.int32), replicated)
-  _, train_key = jax.random.split(jax.random.key(0) if rng is None else rng)
+  init_key, train_key = jax.random.split(jax.random.key(0) if rng is None else rng)
   state = type(abstract)(
       step=scalar(ds.global_steps), skipped=scalar(ds.skipped_steps), params=params,
       master=master, opt_state=optimizer,
       loss_scale=jax.device_put(engine.scaler.init(), replicated),
       rng=jax.device_put(jax.random.key_data(train_key), replicated),
+      model_state=_fresh_model_state(engine, abstract, init_key, sample_batch, ds.directory),
       delayed=_carried(engine.delayed, abstract, shardings, {}, {}, True, ds.directory))
   state = engine.absorb(state)  # e.g. the NVMe tier: into the store, placeholders in the state
   return engine.with_secondary(state)  # hpZ: from the imported params, as the step makes them

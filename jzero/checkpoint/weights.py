@@ -139,15 +139,17 @@ def _write_chunks(f, x: np.ndarray, dtype: np.dtype) -> None:
     f.write(np.ascontiguousarray(x[i:i + rows], dtype=dtype).reshape(-1).view(np.uint8))
 
 
-def _safetensors_header(tensors: dict[str, tuple[tuple[int, ...], np.dtype]],
-                        metadata: dict[str, str]) -> bytes:
-  """The 8-byte length + JSON header of a safetensors file of ``tensors`` (name -> (shape,
-  dtype)), stored in dict order."""
+def _safetensors_header(shapes: dict[str, tuple[int, ...]], dtype: np.dtype,
+                        metadata: dict[str, str], dtypes: dict[str, np.dtype] | None = None
+                        ) -> bytes:
+  """The 8-byte length + JSON header of a safetensors file (tensors stored in dict order), each
+  tensor in ``dtype`` unless ``dtypes`` names another."""
   header: dict[str, Any] = {"__metadata__": metadata}
   offset = 0
-  for name, (shape, dtype) in tensors.items():
-    size = math.prod(shape) * dtype.itemsize
-    header[name] = {"dtype": _SAFETENSORS_DTYPES[str(dtype)], "shape": list(shape),
+  for name, shape in shapes.items():
+    stored = (dtypes or {}).get(name, dtype)
+    size = math.prod(shape) * stored.itemsize
+    header[name] = {"dtype": _SAFETENSORS_DTYPES[str(stored)], "shape": list(shape),
                     "data_offsets": [offset, offset + size]}
     offset += size
   text = json.dumps(header, separators=(",", ":")).encode()
@@ -203,7 +205,8 @@ def consolidate(directory: str | os.PathLike, *, tag: str | int | None = None,
       description["jzero_model_state"] = ",".join(sorted({p.split("/")[0] for p, _, _ in state}))
     try:
       with open(tmp, "wb") as f:
-        f.write(_safetensors_header(tensors, description))
+        f.write(_safetensors_header({p: s for p, (s, _) in tensors.items()}, out_dtype,
+                                    description, dtypes))
         for path, x in leaves:
           _write_chunks(f, x, dtypes[path])
           if orbax is not None:
