@@ -27,6 +27,9 @@ import optax
 from flax import linen as nn
 from flax import nnx
 
+import jzero
+from zero_testing import make_engine
+
 IMAGE, CLASSES = (32, 32, 3), 10
 
 
@@ -152,14 +155,13 @@ def nesterov_sgd() -> optax.GradientTransformation:
   return optax.sgd(LR, momentum=MOMENTUM, nesterov=True)
 
 
-def make_engine(kind: str, stage: int, gas: int, devices: int = 8):
+def engine_for(kind: str, stage: int, gas: int, devices: int = 8):
   """The ResNet (``kind="resnet"``, optimizer from the config) or the NNX CNN (``"cnn"``, the
   optax optimizer given to initialize) under ``config(stage, gas, devices)``, on the first
   ``devices`` devices."""
-  import jzero  # noqa: PLC0415
   mesh = jzero.MeshSpec.default().build(jax.devices()[:devices])
   if kind == "resnet":
-    return jzero.initialize(small_resnet(), resnet_loss, config(stage, gas, devices), mesh,
-                            init_inputs=lambda b: (b["image"],), sample_batch=images(BATCH, 1)[0])
-  return jzero.initialize(CNN, cnn_loss, config(stage, gas, devices, sgd_block=False), mesh,
-                          optimizer=nesterov_sgd())
+    return make_engine(config(stage, gas, devices), small_resnet(), resnet_loss, mesh=mesh,
+                       init_inputs=lambda b: (b["image"],), sample_batch=images(BATCH, 1)[0])
+  return make_engine(config(stage, gas, devices, sgd_block=False), CNN, cnn_loss, mesh=mesh,
+                     optimizer=nesterov_sgd())

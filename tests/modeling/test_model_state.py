@@ -146,7 +146,7 @@ def _train(kind: str, stage: int, gas: int, data: list[dict], start: tuple | Non
   """10 steps of ``kind`` at ``stage`` from ``engine.init(key(0))`` (or from ``start``, the
   parameters and statistics it makes); with ``directory``: saved at SAVE_AT, then restored into
   the same engine and into an engine on 4 devices at stage ON_FOUR, each trained to the end."""
-  engine = models.make_engine(kind, stage, gas)
+  engine = models.engine_for(kind, stage, gas)
   if start is None:
     state = engine.init(jax.random.key(0))
   else:
@@ -159,7 +159,7 @@ def _train(kind: str, stage: int, gas: int, data: list[dict], start: tuple | Non
     engine.wait_for_checkpoints()
     _, out["resumed_losses"], out["resumed"] = _steps(engine, engine.load_checkpoint(directory),
                                                       data[SAVE_AT:])
-    four = models.make_engine(kind, ON_FOUR[kind], 1, devices=4)
+    four = models.engine_for(kind, ON_FOUR[kind], 1, devices=4)
     _, out["four_losses"], out["four"] = _steps(four, four.load_checkpoint(directory),
                                                 data[SAVE_AT:])
   return out
