@@ -39,13 +39,14 @@ from jzero.checkpoint.layout import (CHECKSUM, FILES_FILE, LATEST_FILE, META_FIL
                                      latest_tag, read_metadata, resume_tag)
 from jzero.checkpoint.restore import load_checkpoint
 from jzero.checkpoint.save import Checkpointer, save_checkpoint, wait_until_finished
-from jzero.checkpoint.weights import ConsolidateReport, consolidate, load_weights, read_weights
+from jzero.checkpoint.weights import (ConsolidateReport, consolidate, load_model_state,
+                                      load_weights, read_weights)
 
 __all__ = [
     "Checkpointer", "save_checkpoint", "load_checkpoint", "wait_until_finished", "latest_tag",
     "latest_step", "resume_tag", "all_tags", "incomplete_tags", "is_complete", "read_metadata", "consolidate", "ConsolidateReport",
-    "load_weights", "read_weights", "describe", "CHECKSUM", "FILES_FILE", "LATEST_FILE",
-    "META_FILE", "WEIGHTS16", "DeepSpeedCheckpoint", "read_deepspeed", "import_deepspeed",
-    "convert_deepspeed", "describe_deepspeed", "find_deepspeed", "stream_fp32", "read_optax",
-    "import_optax", "export_optax",
+    "load_weights", "load_model_state", "read_weights", "describe", "CHECKSUM", "FILES_FILE",
+    "LATEST_FILE", "META_FILE", "WEIGHTS16", "DeepSpeedCheckpoint", "read_deepspeed",
+    "import_deepspeed", "convert_deepspeed", "describe_deepspeed", "find_deepspeed",
+    "stream_fp32", "read_optax", "import_optax", "export_optax",
 ]

@@ -31,7 +31,7 @@ import numpy as np
 import optax
 
 from jzero.checkpoint.deepspeed import DeepSpeedCheckpoint
-from jzero.checkpoint.optax_import import opt_layout, placed_state
+from jzero.checkpoint.optax_import import initial_model_state, opt_layout, placed_state
 from jzero.checkpoint.restore import abstract_state, broadcast
 from jzero.errors import CheckpointError, JZeroWarning
 from jzero.sharding.plan import flatten_paths
@@ -127,6 +127,19 @@ def _with_adam_state(opt_state: PyTree, mu: PyTree, nu: PyTree, adam_count: int,
   return state
 
 
+def _fresh_model_state(engine: Any, abstract: Any, key: jax.Array, sample_batch: Any,
+                       where: Any) -> PyTree:
+  """The model's initial state (``{}`` for a model without one): DeepSpeed's module buffers
+  (BatchNorm's running statistics) are not read, which a warning says."""
+  if jax.tree.leaves(abstract.model_state):
+    warnings.warn(
+        f"{where}: the model has state besides its parameters ({sorted(abstract.model_state)}, "
+        f"BatchNorm statistics); the DeepSpeed run's module buffers are not imported, so it "
+        f"starts at the model's initial values; state._replace(model_state={{...}}) sets the "
+        f"run's (a dict by collection, as state.model_state is).", JZeroWarning, stacklevel=3)
+  return initial_model_state(engine, abstract, key, sample_batch)
+
+
 def import_deepspeed(engine: Any, ds: DeepSpeedCheckpoint, convert: Callable[[dict], PyTree], *,
                      rng: jax.Array | None = None, sample_batch: Any = None) -> Any:
   """A TrainState that continues the DeepSpeed run ``ds`` (:func:`read_deepspeed`) in ``engine``.
@@ -161,5 +174,8 @@ def import_deepspeed(engine: Any, ds: DeepSpeedCheckpoint, convert: Callable[[di
                                                ds.directory))
 
   optimizer = jax.jit(opt_state, out_shardings=shardings.opt_state)(master, mu, nu)
+  model_state = _fresh_model_state(engine, abstract, jax.random.key(0) if rng is None else rng,
+                                   sample_batch, ds.directory)
   return placed_state(engine, abstract, master, optimizer, step=ds.global_steps,
-                      skipped=ds.skipped_steps, rng=rng, where=ds.directory)
+                      skipped=ds.skipped_steps, rng=rng, model_state=model_state,
+                      where=ds.directory)

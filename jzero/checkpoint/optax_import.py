@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +51,11 @@ from jax.tree_util import SequenceKey
 
 from jzero.checkpoint import layout
 from jzero.checkpoint.restore import _carried, _compute_params, abstract_state, broadcast
-from jzero.errors import CheckpointError
+from jzero.errors import CheckpointError, JZeroWarning
 from jzero.sharding.plan import LeafPlan, flatten_paths, path_str
 
 __all__ = ["read_optax", "import_optax", "canonical_paths", "match_tree", "match_optax",
-           "opt_layout", "placed_state", "host_or_mesh", "pytree_items", "step_folder",
+           "opt_layout", "placed_state", "initial_model_state", "host_or_mesh", "pytree_items", "step_folder",
            "restore_numpy", "PYTREE_METADATA"]
 
 PyTree = Any
@@ -314,7 +315,7 @@ def train_rng(rng: jax.Array | None) -> jax.Array:
 
 
 def placed_state(engine: Any, abstract: Any, master: PyTree, optimizer: PyTree, *, step: int,
-                 skipped: int, rng: jax.Array | None, where: Any) -> Any:
+                 skipped: int, rng: jax.Array | None, model_state: PyTree, where: Any) -> Any:
   """The TrainState of ``engine`` from its fp32 truth and its placed optimizer state.
 
   Args:
@@ -324,6 +325,8 @@ def placed_state(engine: Any, abstract: Any, master: PyTree, optimizer: PyTree, 
     optimizer: the optimizer state, already laid out and placed (:func:`opt_layout`).
     step, skipped: the state's counts.
     rng: the key of the training RNG (default ``jax.random.key(0)``).
+    model_state: the model's non-parameter state (``{collection: tree}``, ``{}`` for none), in
+      the abstract state's structure; placed replicated.
     where: what the state comes from, for messages.
   """
   plan = engine.plan
@@ -350,10 +353,8 @@ def placed_state(engine: Any, abstract: Any, master: PyTree, optimizer: PyTree, 
       step=scalar(step), skipped=scalar(skipped), params=params, master=master,
       opt_state=optimizer, loss_scale=jax.device_put(engine.scaler.init(), replicated),
       rng=jax.device_put(train_rng(rng), replicated),
+      model_state=jax.device_put(jax.tree.map(jnp.asarray, model_state), replicated),
       delayed=_carried(engine.delayed, abstract, shardings, {}, {}, True, where))
-  # model_state seam: once TrainState has `model_state`, pass it here, e.g.
-  #   `model_state=jax.device_put(model_state, replicated)`, with `model_state` an argument of
-  #   this function that import_optax fills from :func:`_model_state`.
   state = engine.absorb(state)  # e.g. the NVMe tier: into the store, placeholders in the state
   return engine.with_secondary(state)  # hpZ: from the placed params, as the step makes them
 
@@ -401,21 +402,48 @@ def _count(opt_state: PyTree, where: str) -> int:
   return counts.pop() if counts else 0
 
 
-def _model_state(engine: Any, collections: dict[str, PyTree], where: str) -> None:
-  """The model's non-parameter variables (Linen collections such as ``batch_stats``) given beside
-  params and opt_state.
+def initial_model_state(engine: Any, abstract: Any, key: jax.Array, sample_batch: Any) -> PyTree:
+  """The model's initial non-parameter state (``module.init(key)``'s, ``{}`` for a model without
+  one), replicated."""
+  if not jax.tree.leaves(abstract.model_state):
+    return {}
+  return jax.jit(lambda k: engine.model.init_variables(k, sample_batch)[1],
+                 out_shardings=engine.plan.sharding(P()))(key)
 
-  model_state seam: the train state has no ``model_state`` yet, and the models jzero takes have no
-  collections besides ``params``, so any given here is refused. Once TrainState has
-  ``model_state`` (``{collection: tree}``, replicated), match ``collections`` against the
-  abstract state's ``model_state`` here (:func:`match_tree` on :func:`flatten_paths` of each) and
-  return it for :func:`placed_state`.
-  """
-  if collections:
+
+def _model_state(engine: Any, abstract: Any, collections: dict[str, PyTree], where: str,
+                 key: jax.Array, sample_batch: Any) -> PyTree:
+  """The model's non-parameter variables (Linen collections such as ``batch_stats``) given beside
+  params and opt_state, matched to the model's (``abstract.model_state``, ``{collection: tree}``)
+  leaf by leaf; a collection the model has and the checkpoint lacks starts at its initial values,
+  which a warning says."""
+  want = abstract.model_state
+  extra = sorted(set(collections) - set(want))
+  if extra:
+    have = f"its collections are {sorted(want)}" if want else "it has none besides params"
     raise CheckpointError(
-        f"{where}: holds {sorted(collections)} beside params and opt_state, and this model has no "
-        f"variable collections besides params. Drop what is not the model's (e.g. flax's "
+        f"{where}: holds {extra} beside params and opt_state, which are not the model's "
+        f"variable collections ({have}). Drop what is not the model's (e.g. flax's "
         f"DynamicScale: jzero's loss scaler starts fresh).")
+  missing = sorted(set(want) - set(collections))
+  fresh = initial_model_state(engine, abstract, key, sample_batch) if missing else {}
+  if missing:
+    warnings.warn(
+        f"{where}: no {missing} given for the model's state; it starts at the model's initial "
+        f"values. Pass them beside params (import_optax(params, opt_state, batch_stats=...)).",
+        JZeroWarning, stacklevel=3)
+  out = {}
+  for name, tree in want.items():
+    if name not in collections:
+      out[name] = fresh[name]
+      continue
+    leaves = match_tree(flatten_paths(tree), flatten_paths(collections[name]),
+                        f"{name!r} collection", where,
+                        f"Give the model's {name!r} collection as module.init returns it.")
+    out[name] = jax.tree.unflatten(jax.tree.structure(tree),
+                                   [np.asarray(x, t.dtype) for x, t in
+                                    zip(leaves, jax.tree.leaves(tree))])
+  return out
 
 
 def import_optax(engine: Any, params: PyTree, opt_state: PyTree, *, step: int | None = None,
@@ -451,11 +479,12 @@ def import_optax(engine: Any, params: PyTree, opt_state: PyTree, *, step: int | 
   master = _truth(model, host_or_mesh(params, devices, "params"), where)
   given = host_or_mesh(opt_state, devices, "opt_state")
   optimizer, step = _opt_state(engine, model, given, step, where)
-  _model_state(engine, collections, where)
   abstract = engine.expand_abstract(abstract_state(engine, sample_batch))  # tiers' real shapes
+  model_state = _model_state(engine, abstract, host_or_mesh(collections, devices, "model state"),
+                             where, jax.random.key(0) if rng is None else rng, sample_batch)
   shardings = broadcast(engine.state_shardings(), abstract)
   dtypes = jax.tree.map(lambda x: x.dtype, abstract.opt_state)
   placed = jax.jit(lambda o: jax.tree.map(lambda x, d: x.astype(d), opt_layout(engine, o),
                                           dtypes), out_shardings=shardings.opt_state)(optimizer)
   return placed_state(engine, abstract, master, placed, step=step, skipped=0, rng=rng,
-                      where=where)
+                      model_state=model_state, where=where)

@@ -14,7 +14,9 @@ before any device work. ``params_only=True`` restores weights alone, with a fres
 ZeRO++ hpZ's secondary partitions are not in a checkpoint: they are a function of the compute
 params, recomputed after the restore by the code the step refreshes them with, so a resumed run
 is bit-exact. The delayed update's carried gradient (:mod:`jzero.tiers.delayed`) is restored like
-the master when both the checkpoint and the engine have it; otherwise nothing is carried.
+the master when both the checkpoint and the engine have it; otherwise nothing is carried. The
+model's state besides its parameters (``model_state``: BatchNorm's statistics) is replicated and
+restored as it was saved, with the weights (``params_only`` too); it must be the model's.
 """
 
 from __future__ import annotations
@@ -56,10 +58,15 @@ def _some(paths: list[str], shown: int = 5) -> str:
   return f"{paths[:shown]}{more}"
 
 
-def _check_model(meta: dict, plan: Plan, step_dir: Path) -> None:
-  """The checkpoint's leaves are the model's: same paths, same logical shapes."""
+def _check_model(meta: dict, plan: Plan, model_state: dict[str, jax.ShapeDtypeStruct],
+                 step_dir: Path) -> None:
+  """The checkpoint's leaves are the model's: same paths, same logical shapes; so are the arrays
+  of its model state (``model_state``: the engine's, by stored name)."""
   saved = {leaf["path"]: tuple(leaf["shape"]) for leaf in meta["leaves"]}
+  saved.update((name, tuple(a["shape"])) for name, a in meta["arrays"].items()
+               if name.startswith("model_state/"))
   want = {leaf.path: leaf.shape for leaf in plan.leaf_list()}
+  want.update((name, x.shape) for name, x in model_state.items())
   missing, unexpected = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
   if missing or unexpected:
     parts = []
@@ -203,9 +210,10 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
     directory: a checkpoint directory (or one checkpoint's directory); may be relative.
     tag: the checkpoint to restore (its directory name, e.g. a step or "epoch_3"; default: the
       one ``latest`` names).
-    params_only: restore the weights alone: optimizer state, step, skipped count and loss scale
-      start fresh (as after ``engine.init``); the training RNG is the checkpoint's. For another
-      optimizer, or fine-tuning from a training checkpoint.
+    params_only: restore the weights (and the model state, e.g. BatchNorm's statistics) alone:
+      optimizer state, step, skipped count and loss scale start fresh (as after
+      ``engine.init``); the training RNG is the checkpoint's. For another optimizer, or
+      fine-tuning from a training checkpoint.
     sample_batch: needed for Linen models when the engine has no plan yet (as ``engine.init``).
     with_client_state: return ``(state, client_state)``, the dict given to ``save_checkpoint``.
 
@@ -217,10 +225,11 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
   step_dir, meta = layout.open_checkpoint(directory, tag)
   abstract = engine.expand_abstract(abstract_state(engine, sample_batch))  # tiers' real shapes
   plan = engine.plan
-  _check_model(meta, plan, step_dir)
   shardings = broadcast(engine.state_shardings(), abstract)
   targets = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for (name, x), s in
              zip(flatten_paths(abstract).items(), jax.tree.leaves(shardings))}
+  model_state = {n: x for n, x in targets.items() if n.startswith("model_state/")}
+  _check_model(meta, plan, model_state, step_dir)
   leaves = layout.opt_leaves(engine, abstract.opt_state)
   if not params_only:
     _check_optimizer(meta, engine, targets, leaves, step_dir)
@@ -235,6 +244,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
   rng = stored["rng"]
   requests["rng"] = ("rng", jax.ShapeDtypeStruct(tuple(rng["shape"]), np.dtype(rng["dtype"]),
                                                   sharding=replicated))
+  requests.update((name, (name, target)) for name, target in model_state.items())
   same_precision = meta["precision"] == engine.config.precision
   if not params_only:
     for name, target in targets.items():
@@ -261,6 +271,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
                            opt_state=_fresh_opt_state(engine, weights, shardings.opt_state),
                            loss_scale=jax.device_put(engine.scaler.init(), replicated),
                            rng=restored["rng"],
+                           model_state=group("model_state", abstract.model_state),
                            delayed=_carried(delayed, abstract, shardings, restored, stored, True,
                                             step_dir))
   else:
@@ -269,6 +280,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
     state = type(abstract)(step=restored["step"], skipped=restored["skipped"], params=params,
                            master=master, opt_state=group("opt_state", abstract.opt_state),
                            loss_scale=loss_scale, rng=restored["rng"],
+                           model_state=group("model_state", abstract.model_state),
                            delayed=_carried(delayed, abstract, shardings, restored, stored, False,
                                             step_dir))
   state = engine.absorb(state)  # e.g. the NVMe tier: into the store, placeholders in the state

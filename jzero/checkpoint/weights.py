@@ -12,7 +12,16 @@ stage; :func:`read_weights` reads them whole into numpy.
 
 A params-only Orbax checkpoint is a plain Orbax PyTree of the model's logical weights as nested
 dicts (``ocp.PyTreeCheckpointer().restore(path)`` reads it without jzero), with jzero's description
-in the PyTree's ``custom_metadata``. A safetensors file names its tensors by the '/'-joined leaf
+in the PyTree's ``custom_metadata``.
+
+**Model state.** A model with state besides its parameters (BatchNorm's statistics,
+``TrainState.model_state``) converts with it: the safetensors file holds each of its arrays as
+``<collection>/<path>`` (``batch_stats/bn_init/mean``) after the parameters, and the Orbax
+checkpoint is Linen's variables dict, ``{"params": ..., "batch_stats": ...}`` -- what
+``module.apply`` takes (NNX: ``nnx.replace_by_pure_dict(nnx.state(model, nnx.BatchStat),
+restored["batch_stats"])``). Floating-point state is written in the chosen dtype, other state in
+its own. :func:`load_weights` takes the parameters of either form and :func:`load_model_state`
+the statistics. A safetensors file names its tensors by the '/'-joined leaf
 paths of the model's parameters, as the module names them: Linen's metadata boxes
 (``nn.with_logical_partitioning``) are unboxed on the way out (``.../kernel``, not
 ``.../kernel/value``), so the weights load into the module built with or without them.
@@ -48,10 +57,13 @@ from jzero.errors import CheckpointError
 from jzero.sharding.plan import flatten_paths, path_str
 from jzero.config.blocks import DTYPES
 
-__all__ = ["ConsolidateReport", "consolidate", "read_weights", "load_weights"]
+__all__ = ["ConsolidateReport", "consolidate", "read_weights", "load_weights", "load_model_state"]
 
 PyTree = Any
-_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int32": "I32",
+                       "uint32": "U32", "int64": "I64"}
+_MODEL_STATE = "model_state/"  # the stored arrays of TrainState.model_state
+_PARAMS = "params/"  # an Orbax variables dict's parameters
 _WRITE_CHUNK_BYTES = 1 << 20
 INDEX_FILE = "model.safetensors.index.json"  # a Hugging Face model directory's names
 SINGLE_FILE = "model.safetensors"
@@ -69,6 +81,8 @@ class ConsolidateReport:
     total_bytes: bytes of all weights in ``dtype``.
     largest_leaf_bytes: bytes of the largest leaf in ``dtype``.
     outputs: the files / directories written.
+    model_state: the model state's arrays written beside the weights, by name
+      (``batch_stats/...``; empty for a model without state).
   """
 
   tag: str
@@ -78,6 +92,7 @@ class ConsolidateReport:
   total_bytes: int
   largest_leaf_bytes: int
   outputs: tuple[str, ...]
+  model_state: tuple[str, ...] = ()
 
 
 def _stored_leaves(meta: dict) -> list[tuple[str, tuple[int, ...], str]]:
@@ -88,15 +103,23 @@ def _stored_leaves(meta: dict) -> list[tuple[str, tuple[int, ...], str]]:
           for leaf in meta["leaves"]]
 
 
-def _read_leaves(step_dir: Path, meta: dict) -> Iterator[tuple[str, np.ndarray]]:
-  """(path, logical-shape view of the stored fp32 array) one leaf at a time, read as numpy.
+def _stored_state(meta: dict) -> list[tuple[str, tuple[int, ...], str]]:
+  """(``<collection>/<path>``, shape, stored array name) of the model state's arrays."""
+  return [(name[len(_MODEL_STATE):], tuple(a["shape"]), name)
+          for name, a in meta["arrays"].items() if name.startswith(_MODEL_STATE)]
+
+
+def _read_leaves(step_dir: Path, entries: list[tuple[str, tuple[int, ...], str]]
+                 ) -> Iterator[tuple[str, np.ndarray]]:
+  """(path, logical-shape view of the stored array) of each (path, logical shape, stored name)
+  entry, one at a time, read as numpy.
 
   The stored array (in the saving plan's layout, possibly padded) is read whole, its logical
   region sliced out as a view and cast chunk by chunk when written, so about one stored leaf is
   alive at a time.
   """
   handler = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
-  for path, shape, name in _stored_leaves(meta):
+  for path, shape, name in entries:
     try:
       args = ocp.args.PyTreeRestore(
           item=layout.nest({name: 0}), partial_restore=True,
@@ -118,13 +141,16 @@ def _write_chunks(f, x: np.ndarray, dtype: np.dtype) -> None:
 
 
 def _safetensors_header(shapes: dict[str, tuple[int, ...]], dtype: np.dtype,
-                        metadata: dict[str, str]) -> bytes:
-  """The 8-byte length + JSON header of a safetensors file (tensors stored in dict order)."""
+                        metadata: dict[str, str], dtypes: dict[str, np.dtype] | None = None
+                        ) -> bytes:
+  """The 8-byte length + JSON header of a safetensors file (tensors stored in dict order), each
+  tensor in ``dtype`` unless ``dtypes`` names another."""
   header: dict[str, Any] = {"__metadata__": metadata}
   offset = 0
   for name, shape in shapes.items():
-    size = math.prod(shape) * dtype.itemsize
-    header[name] = {"dtype": _SAFETENSORS_DTYPES[str(dtype)], "shape": list(shape),
+    stored = (dtypes or {}).get(name, dtype)
+    size = math.prod(shape) * stored.itemsize
+    header[name] = {"dtype": _SAFETENSORS_DTYPES[str(stored)], "shape": list(shape),
                     "data_offsets": [offset, offset + size]}
     offset += size
   text = json.dumps(header, separators=(",", ":")).encode()
@@ -137,8 +163,9 @@ def consolidate(directory: str | os.PathLike, *, tag: str | int | None = None,
                 orbax: str | os.PathLike | None = None, dtype: str = "fp32") -> ConsolidateReport:
   """Writes a training checkpoint's weights as plain logical-shape weights (``zero_to_fp32``).
 
-  Reads the fp32 truth (master in mixed precision, params in fp32) one leaf at a time. The
-  safetensors file is streamed: its header is computed from the checkpoint's JSON, then each leaf
+  Reads the fp32 truth (master in mixed precision, params in fp32) one leaf at a time, and the
+  model state (BatchNorm's statistics), written as the module docstring says. The safetensors
+  file is streamed: its header is computed from the checkpoint's JSON, then each leaf
   is read, cut to its logical shape, cast and appended, so peak host memory stays near the largest
   stored leaf, not the model. The params-only Orbax checkpoint is written by Orbax in one call, so
   it holds all leaves (in ``dtype``) at once. Both are written to a temporary name and renamed.
@@ -160,22 +187,31 @@ def consolidate(directory: str | os.PathLike, *, tag: str | int | None = None,
       raise CheckpointError(f"{out} already exists; remove it or choose another output path.")
   step_dir, meta = layout.open_checkpoint(directory, tag)
   out_dtype = DTYPES[dtype]
-  shapes = {path: shape for path, shape, _ in _stored_leaves(meta)}
+  weights, state = _stored_leaves(meta), _stored_state(meta)
+  shapes = {path: shape for path, shape, _ in weights}
   sizes = [math.prod(s) * out_dtype.itemsize for s in shapes.values()]
+  stored_dtype = lambda name: np.dtype(meta["arrays"][name]["dtype"])
+  dtypes = {path: out_dtype if np.issubdtype(stored_dtype(name), np.floating) else
+            stored_dtype(name) for path, _, name in state}
+  dtypes.update((path, out_dtype) for path in shapes)
+  tensors = {path: (shape, dtypes[path]) for path, shape, _ in [*weights, *state]}
   collected: dict[str, np.ndarray] = {}
   outputs = []
-  leaves = _read_leaves(step_dir, meta)
+  leaves = _read_leaves(step_dir, [*weights, *state])
   if safetensors is not None:
     target = Path(safetensors)
     tmp = target.with_name(target.name + ".tmp")
     description = {"format": "flax", "jzero_step": str(meta["step"]), "jzero_source": str(step_dir)}
+    if state:
+      description["jzero_model_state"] = ",".join(sorted({p.split("/")[0] for p, _, _ in state}))
     try:
       with open(tmp, "wb") as f:
-        f.write(_safetensors_header(shapes, out_dtype, description))
+        f.write(_safetensors_header({p: s for p, (s, _) in tensors.items()}, out_dtype,
+                                    description, dtypes))
         for path, x in leaves:
-          _write_chunks(f, x, out_dtype)
+          _write_chunks(f, x, dtypes[path])
           if orbax is not None:
-            collected[path] = np.array(x, out_dtype)
+            collected[path] = np.array(x, dtypes[path])
     except BaseException:
       tmp.unlink(missing_ok=True)
       raise
@@ -183,15 +219,18 @@ def consolidate(directory: str | os.PathLike, *, tag: str | int | None = None,
     outputs.append(str(target))
   if orbax is not None:
     if not collected:
-      collected = {path: np.array(x, out_dtype) for path, x in leaves}
+      collected = {path: np.array(x, dtypes[path]) for path, x in leaves}
+    if state:  # Linen's variables dict: {"params": ..., "batch_stats": ...}
+      collected = {(_PARAMS + p if p in shapes else p): x for p, x in collected.items()}
+      tensors = {(_PARAMS + p if p in shapes else p): t for p, t in tensors.items()}
     ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).save(
         Path(orbax).absolute(), args=ocp.args.PyTreeSave(layout.nest(collected), custom_metadata={
-            "jzero": weights_json({p: (s, out_dtype) for p, s in shapes.items()}, meta["step"],
-                                   str(step_dir))}))
+            "jzero": weights_json(tensors, meta["step"], str(step_dir))}))
     outputs.append(str(orbax))
-  return ConsolidateReport(tag=step_dir.name, step=meta["step"], dtype=str(out_dtype), leaves=len(shapes),
-                           total_bytes=sum(sizes), largest_leaf_bytes=max(sizes),
-                           outputs=tuple(outputs))
+  return ConsolidateReport(tag=step_dir.name, step=meta["step"], dtype=str(out_dtype),
+                           leaves=len(shapes), total_bytes=sum(sizes),
+                           largest_leaf_bytes=max(sizes), outputs=tuple(outputs),
+                           model_state=tuple(path for path, _, _ in state))
 
 
 # -- reading plain weights ---------------------------------------------------------------------------
@@ -408,12 +447,68 @@ def _placed(tensor: _Stored, name: str, target: jax.ShapeDtypeStruct) -> jax.Arr
     return jax.make_array_from_callback(target.shape, target.sharding, block)
 
 
+def _parameters(stored: dict[str, tuple[int, ...]], params: PyTree, model_state: dict
+                ) -> tuple[dict[str, tuple[int, ...]], str]:
+  """(the parameters' entries of stored weights by their names within the parameters, the prefix
+  their stored names carry): entries of the model's state collections (``batch_stats/...``) are
+  not parameters, and an Orbax variables dict nests the parameters under ``params/``."""
+  found = {n: s for n, s in stored.items() if n.split("/", 1)[0] not in model_state}
+  if found and all(n.startswith(_PARAMS) for n in found) and not any(
+      p.startswith(_PARAMS) for p in flatten_paths(params)):
+    return {n[len(_PARAMS):]: s for n, s in found.items()}, _PARAMS
+  return found, ""
+
+
+def load_model_state(engine: Any, path: str | os.PathLike, *, sample_batch: Any = None
+                     ) -> dict[str, PyTree]:
+  """The model state (BatchNorm's statistics) of plain weights that hold it -- what ``jzero
+  convert`` writes for such a model (module docstring) -- as numpy arrays for
+  ``engine.init(rng, params=load_weights(engine, path), model_state=...)``; ``{}`` for a model
+  without state.
+
+  Raises:
+    CheckpointError: the weights lack the model's state (converted from another model, or
+      written by hand for the parameters only) or hold it in other shapes.
+  """
+  want = flatten_paths(engine.model.abstract_model_state(jax.random.key(0), sample_batch))
+  if not want:
+    return {}
+  kind, path, _ = _source(path)  # an Orbax item's state sits beside its params, at its top level
+  tensors = _safetensors(kind, path) if kind != "orbax" else {}
+  stored = (_orbax_shapes(path, None) if kind == "orbax"
+            else {n: t.shape for n, t in tensors.items()})
+  missing = sorted(set(want) - set(stored))
+  if missing:
+    raise CheckpointError(
+        f"weights {path} do not hold the model's state {missing[:5]} (its BatchNorm statistics, "
+        f"named '<collection>/<path>'): they are another model's, or its parameters alone. Start "
+        f"the statistics fresh: engine.init(rng, params=...) without model_state.")
+  bad = [f"{n}: {stored[n]} in the weights, {tuple(x.shape)} in the model" for n, x in want.items()
+         if tuple(stored[n]) != tuple(x.shape)]
+  if bad:
+    raise CheckpointError(f"weights {path}: the model state does not fit the model's shapes: "
+                          f"{'; '.join(bad[:5])}.")
+  if kind == "orbax":
+    read = flatten_paths(ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
+        path, args=ocp.args.PyTreeRestore(
+            item=layout.nest(dict.fromkeys(want, 0)), partial_restore=True,
+            restore_args=layout.nest({n: ocp.RestoreArgs(restore_type=np.ndarray)
+                                      for n in want}))))
+  else:
+    read = {}
+    for n in want:
+      with _open_safetensors(tensors[n].file) as f:
+        read[n] = f.get_tensor(n)
+  return layout.nest({n: np.asarray(read[n], want[n].dtype) for n in want})
+
+
 def load_weights(engine: Any, path: str | os.PathLike, *, sample_batch: Any = None) -> PyTree:
   """Plain weights as a params tree for ``engine.init(rng, params=...)`` (fine-tuning, any stage),
   each process reading only what its devices hold.
 
   Checks every leaf of the model is present with its logical shape (from the files' headers /
-  metadata alone), then places each leaf as the engine's plan lays out its compute param: a global
+  metadata alone; a model state written beside the parameters is left to
+  :func:`load_model_state`), then places each leaf as the engine's plan lays out its compute param: a global
   ``jax.Array`` in ``plan.param_spec``'s sharding, cast to the model's parameter dtype. A
   partitioned leaf (ZeRO-3) is built block by block from safetensors' slice API, each process
   reading only the blocks its devices hold, and comes padded to the plan's shape with zeros (as
@@ -437,6 +532,8 @@ def load_weights(engine: Any, path: str | os.PathLike, *, sample_batch: Any = No
   stored = (_orbax_shapes(path, subtree) if kind == "orbax"
             else {n: t.shape for n, t in tensors.items()})
   model = engine.model.abstract_params(jax.random.key(0), sample_batch)
+  stored, prefix = _parameters(stored, model, engine.model.abstract_model_state(
+      jax.random.key(0), sample_batch))
   # by the module's names; a file written with the boxes' names (before they were unboxed) too
   names = layout.leaf_names(model, stored)
   want = {names[p]: x for p, x in flatten_paths(model).items()}
@@ -458,8 +555,10 @@ def load_weights(engine: Any, path: str | os.PathLike, *, sample_batch: Any = No
              for p, x in flatten_paths(model).items()}
   if kind == "orbax":
     placed = _restore_orbax(path, subtree, lambda n: ocp.ArrayRestoreArgs(
-        sharding=targets[n].sharding, global_shape=targets[n].shape, dtype=targets[n].dtype,
-        strict=False))  # the plan's padding past the stored shape: zeros
+        sharding=targets[n[len(prefix):]].sharding, global_shape=targets[n[len(prefix):]].shape,
+        dtype=targets[n[len(prefix):]].dtype, strict=False) if n.startswith(prefix) and
+        n[len(prefix):] in targets else ocp.RestoreArgs(restore_type=np.ndarray))
+    placed = {n[len(prefix):]: x for n, x in placed.items()}  # the plan's padding: zeros
   else:
     placed = {n: _placed(tensors[n], n, target) for n, target in targets.items()}
   return jax.tree.unflatten(jax.tree.structure(model), [placed[n] for n in want])

@@ -26,6 +26,10 @@ def convert(args: argparse.Namespace) -> int:
   print(f"jzero: checkpoint {report.tag!r} (step {report.step}): {report.leaves} leaves, "
         f"{report.total_bytes / 2**20:.2f} MiB of {report.dtype} weights (largest leaf "
         f"{report.largest_leaf_bytes / 2**20:.2f} MiB)")
+  if report.model_state:
+    collections = sorted({name.split("/")[0] for name in report.model_state})
+    print(f"jzero: and the model state beside them: {len(report.model_state)} arrays of "
+          f"{', '.join(collections)}")
   for out in report.outputs:
     print(f"jzero: wrote {out}")
   return 0

@@ -154,13 +154,14 @@ def _check_loss_on_batches(engine: Any, job: _Job, sample: dict, model_spec: str
   batch = {k: jax.ShapeDtypeStruct((micro,) + np.shape(v)[1:], np.asarray(v).dtype)
            for k, v in sample.items()}
   params = engine.model.abstract_params(jax.random.key(0), None)
+  model_state = engine.model.abstract_model_state(jax.random.key(0), None)
 
-  def loss(p, b):
-    model = engine.model.bind(p)
+  def loss(p, s, b):
+    model = engine.model.bind(p, model_state=s)
     return job.loss_fn(model, b, rng=None) if engine.loss_takes_rng else job.loss_fn(model, b)
 
   try:
-    jax.eval_shape(loss, params, batch)
+    jax.eval_shape(loss, params, model_state, batch)
   except Exception as e:  # pylint: disable=broad-except  (the user's code: any error)
     shapes = ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in batch.items())
     source = (job.corpus or job.dataset).source

@@ -31,9 +31,11 @@ backward), one unit's full parameters and gradients alive at a time. With ``cpu_
 the region's array inputs are what it keeps in ``pinned_host`` (see
 :mod:`jzero.modeling.layer_scan`). A unit inside another unit, or inside a layer scan that already
 gathered its layer, finds nothing left to gather and runs as is. NNX: the bound model's unit modules
-get a subclass whose methods do this. Linen: flax's ``nn.intercept_methods`` lifts each method as
-flax's own transforms do, so what the unit's ``setup`` creates (``nn.Embed``'s table) is read
-gathered, inside the method's region (:class:`LinenUnits`).
+get a subclass whose methods do this, on a copy of the module inside the region; what the call
+writes to its other variables (BatchNorm's statistics, RNG counts) is written back to the module
+after it. Linen: flax's ``nn.intercept_methods`` lifts each method as flax's own transforms do
+(mutable collections included), so what the unit's ``setup`` creates (``nn.Embed``'s table) is
+read gathered, inside the method's region (:class:`LinenUnits`).
 
 The units' gathers read only the parameter partitions, never the previous unit's output, so XLA is
 free to issue unit i+1's all-gather while unit i computes (``overlap_comm``: the GPU's
@@ -296,8 +298,14 @@ def _unit_class(cls: type) -> type:
       graphdef, state = nnx.split(self)
       if not holds_partitions(state):
         return method(self, *args, **kwargs)
-      return run_unit(lambda s, a, kw: method(nnx.merge(graphdef, s), *a, **kw), state, args,
-                      kwargs)
+
+      def body(s, a, kw):  # the call runs on a copy: what it writes (statistics) comes back
+        module = nnx.merge(graphdef, s)
+        return method(module, *a, **kw), nnx.state(module, nnx.Not(nnx.Param))
+
+      out, written = run_unit(body, state, args, kwargs)
+      nnx.update(self, written)
+      return out
     gathered.__name__, gathered.__doc__ = method.__name__, method.__doc__
     return gathered
 

@@ -62,10 +62,12 @@ from typing import Any, Callable, Iterator
 
 import jax
 from flax import linen as nn
+from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jzero.comm.zero_param import ZeroParam, read_sources
+from jzero.errors import NotSupportedError
 
 __all__ = ["gather", "remat", "scan_layers", "linen_scan_layers", "engine_context", "TraceLog",
            "LayerPolicy", "current_layer_policy", "current_policy", "name_layer_inputs", "LAYER_INPUT"]
@@ -229,7 +231,21 @@ def scan_layers(layer: Callable[[Any, Any], Any], carry: Any, stacked_params: An
 
   Returns:
     The output of the last layer.
+
+  Raises:
+    NotSupportedError: ``stacked_params`` holds NNX state besides parameters (a BatchNorm's
+      statistics): ``layer`` returns only the carry, so what the layers write would be lost.
   """
+  kept = [type(v).__name__ for v in jax.tree.leaves(
+      stacked_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+          if isinstance(v, nnx.Variable) and not isinstance(v, (nnx.Param, nnx.RngState))]
+  if kept:
+    raise NotSupportedError(
+        f"jzero.scan_layers got stacked layers holding {sorted(set(kept))} variables besides "
+        f"their parameters (BatchNorm statistics): the scan returns only the carry, so what the "
+        f"layers write there would be lost. Run such layers in a Python loop (ZeRO-3 gathers "
+        f"each as a unit) or normalise them without statistics (LayerNorm, RMSNorm).")
+
   def body(c, params):
     return layer(name_layer_inputs(c), gather(params)), None
 

@@ -190,7 +190,8 @@ class Engine:
     return (traced if traced is not None and self.plan.stage == 3 else largest), upfront
 
   # -- init -------------------------------------------------------------------------------------
-  def init(self, rng: jax.Array, sample_batch: Any = None, *, params: PyTree = None) -> TrainState:
+  def init(self, rng: jax.Array, sample_batch: Any = None, *, params: PyTree = None,
+           model_state: PyTree = None) -> TrainState:
     """Creates the train state directly in its ZeRO placement.
 
     Args:
@@ -207,6 +208,8 @@ class Engine:
         the host first). A partitioned leaf may also come as the plan lays out its param, a
         jax.Array zero-padded to ``plan.param_shape`` (``checkpoint.load_weights`` places them
         so): it stays sharded.
+      model_state: start from this model state (``{collection: tree}``, e.g. a flax run's
+        ``{"batch_stats": ...}``) instead of the model's initial one; arrays as ``params``.
     """
     self._runner.step = None  # a new state starts its own step count
     if self.plan is None:
@@ -218,9 +221,11 @@ class Engine:
     rng = host_or_mesh(rng, devices, "rng")
     if params is not None:
       params = host_or_mesh(params, devices, "params")
+    if model_state is not None:
+      model_state = host_or_mesh(model_state, devices, "model_state")
     state = setup.initial_state(self.plan, self.model, self.tx, self.scaler, self.tiers,
                                 self.delayed, self, self.state_shardings(), rng, sample_batch,
-                                params)
+                                params, model_state)
     return self.with_secondary(state)
 
   def with_secondary(self, state: TrainState) -> TrainState:
@@ -336,12 +341,15 @@ class Engine:
     aux value a float. Evaluation, as ``model.eval()`` in PyTorch: an NNX model is called in its
     eval mode (Dropout deterministic, for this call only), and a loss with an ``rng`` parameter
     gets ``rng=None`` (a Linen model's dropout is off when the loss passes
-    ``deterministic=rng is None``, README).
+    ``deterministic=rng is None``, README). BatchNorm normalises by the running statistics of
+    ``state.model_state`` (NNX: ``use_running_average=True`` by ``model.eval()``; Linen: when
+    the loss calls the model with ``train=rng is not None``, as flax's ResNet takes it) and
+    evaluation leaves them as they are.
     """
     self._require_plan()
     self.check_live(state, "eval_loss")
     self._batches.check_eval(batch, self._tracer())
-    loss, aux = self._programs().evaluate()(state.params, state.secondary,
+    loss, aux = self._programs().evaluate()(state.params, state.secondary, state.model_state,
                                             jax.device_put(batch, self.batch_sharding()))
     if aux is None:
       return float(loss)
@@ -417,7 +425,9 @@ class Engine:
     (:mod:`jzero.analysis.memory_report`)."""
     return memory_report_lib.memory_report(self, state, batch)
 
-  def bind(self, params: PyTree) -> Any:
-    """The user's model built from logical params (e.g. :meth:`logical_params`), for evaluation."""
-    return self.model.bind(params)
+  def bind(self, params: PyTree, model_state: PyTree = None) -> Any:
+    """The user's model built from logical params (e.g. :meth:`logical_params`) and, for a model
+    with state, ``model_state`` (``state.model_state``), for evaluation on the host: BatchNorm
+    statistics of the batch it is called with are that batch's own."""
+    return self.model.bind(params, model_state=model_state)
 

@@ -14,8 +14,8 @@ from jax.tree_util import SequenceKey, keystr
 from jzero.errors import ConfigError, DataError, JZeroError
 from jzero.sharding.plan import Plan, flatten_paths
 
-__all__ = ["check_params", "check_live", "check_arrays", "check_batch", "check_new_shapes",
-           "check_input_ids"]
+__all__ = ["check_params", "check_model_state", "check_live", "check_arrays", "check_batch",
+           "check_new_shapes", "check_input_ids"]
 
 PyTree = Any
 
@@ -36,6 +36,21 @@ def check_params(plan: Plan, params: PyTree) -> None:
       isinstance(flat[p], jax.Array) and tuple(got[p]) == laid_out[p])]
   if bad:
     raise ConfigError(f"parameters do not match the model's shapes: {'; '.join(bad[:5])}.")
+
+
+def check_model_state(given: PyTree, want: PyTree) -> None:
+  """A given model state (``engine.init(model_state=...)``) must have the model's collections,
+  paths and shapes (``want``: the adapter's abstract model state)."""
+  got = {path: np.shape(x) for path, x in flatten_paths(given).items()}
+  expected = {path: tuple(x.shape) for path, x in flatten_paths(want).items()}
+  missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+  if missing or extra:
+    raise ConfigError(f"model_state does not match the model's: missing {missing[:5]}, "
+                      f"unexpected {extra[:5]} (paths are '/'-joined keys, the collection "
+                      f"first, e.g. 'batch_stats/bn/mean').")
+  bad = [f"{p}: {got[p]} (model: {expected[p]})" for p in expected if tuple(got[p]) != expected[p]]
+  if bad:
+    raise ConfigError(f"model_state does not match the model's shapes: {'; '.join(bad[:5])}.")
 
 
 def check_live(state: Any, where: str) -> None:

@@ -77,8 +77,8 @@ class Programs:
     return max(traced[-1], default=0) if traced else None
 
   def evaluate(self) -> Any:
-    """``(params, secondary, batch) -> (mean loss, mean aux)`` (:func:`jzero.train.step.
-    build_eval`)."""
+    """``(params, secondary, model_state, batch) -> (mean loss, mean aux)``
+    (:func:`jzero.train.step.build_eval`)."""
     if self._eval is None:
       self._eval = step_lib.build_eval(self.parts)
     return self._eval

@@ -96,9 +96,10 @@ def initial_state(plan: Plan, model: ModelAdapter, tx: optax.GradientTransformat
                   scaler: LossScaler, tiers: tuple[Tier, ...], delayed: DelayedUpdate | None,
                   view: EngineView,
                   shardings: TrainState, rng: jax.Array, sample_batch: Any = None,
-                  params: PyTree = None) -> TrainState:
+                  params: PyTree = None, model_state: PyTree = None) -> TrainState:
   """A new TrainState in ``shardings``: the model's initialisation (or ``params``, checked
-  against the plan) laid out by the plan, fresh optimizer and loss-scaler state, nothing carried by
+  against the plan) laid out by the plan, the model's initial state (or ``model_state``, checked
+  against the model's), fresh optimizer and loss-scaler state, nothing carried by
   the delayed update (``delayed``; None: it is off), each tier's
   :meth:`~jzero.tiers.base.Tier.initial_layout` and, outside an ``eval_shape``, its
   :meth:`~jzero.tiers.base.Tier.after_init` (e.g. the NVMe store's first write). Without the hpZ
@@ -108,9 +109,11 @@ def initial_state(plan: Plan, model: ModelAdapter, tx: optax.GradientTransformat
       return leaf.to_logical(x)
     return x if x.shape == leaf.padded_shape else leaf.to_padded(x)  # given padded: as it is
 
-  def make_state(rng, params):
-    if params is None:
-      params = model.init_params(rng, sample_batch)  # module.init(rng)'s parameters
+  def make_state(rng, params, model_state):
+    if params is None or model_state is None:  # module.init(rng)'s variables
+      fresh_params, fresh_state = model.init_variables(rng, sample_batch)
+      params = fresh_params if params is None else params
+      model_state = fresh_state if model_state is None else model_state
     p32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     state_layout = plan.map(lambda l, x: to_layout(l, x, l.state_partitioned), p32)
     params = plan.map(lambda l, x: to_layout(l, x, l.param_partitioned).astype(
@@ -124,17 +127,23 @@ def initial_state(plan: Plan, model: ModelAdapter, tx: optax.GradientTransformat
         step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32), params=params,
         master=state_layout if plan.has_master else None, opt_state=tx.init(state_layout),
         loss_scale=scaler.init(), rng=jax.random.key_data(train_key(rng)),
+        model_state=jax.tree.map(jnp.asarray, model_state),
         delayed=delayed.init(state_layout) if delayed else None)
     return state, outputs
 
   out_shardings = (shardings._replace(secondary=None),
                    {t.name: s for t in tiers if (s := t.init_output_shardings(view)) is not None})
   params = model.initial_params if params is None else params
+  if model_state is not None:
+    input_checks.check_model_state(model_state, model.abstract_model_state(rng, sample_batch))
+  elif params is not None and not jax.tree.leaves(model.abstract_model_state(rng, sample_batch)):
+    model_state = {}  # nothing to initialise
+  else:
+    model_state = model.initial_model_state
   if params is not None:
     input_checks.check_params(plan, params)
-    state, outputs = jax.jit(make_state, out_shardings=out_shardings)(rng, params)
-  else:
-    state, outputs = jax.jit(lambda r: make_state(r, None), out_shardings=out_shardings)(rng)
+  given = (params, model_state)
+  state, outputs = jax.jit(lambda r, g: make_state(r, *g), out_shardings=out_shardings)(rng, given)
   if not isinstance(state.step, jax.core.Tracer):  # not under eval_shape (a restore's shapes)
     for tier in tiers:
       if tier.name in outputs:

@@ -32,6 +32,10 @@ class TrainState(NamedTuple):
     opt_state: the optax state, param-like leaves in the state layout.
     loss_scale: the loss scaler's state.
     rng: raw key data of the training PRNG key (``jax.random.key_data``).
+    model_state: the model's state besides its parameters -- BatchNorm's running statistics --
+      as ``{collection: tree}``, Linen's layout (``{"batch_stats": {...}}``; NNX variables by
+      their Linen collection name; ``{}`` for a model with none), replicated, in the model's own
+      dtypes (:mod:`jzero.modeling.model_state`). Each micro-batch's forward pass updates it.
     secondary: ZeRO++ hpZ: each device's secondary partition of the stage-3 params (compute
       dtype, split over the node's local axes; see :mod:`jzero.comm.zeropp`); None without hpZ. A
       function of ``params``: recomputed at init and restore, never saved.
@@ -47,6 +51,7 @@ class TrainState(NamedTuple):
   opt_state: PyTree
   loss_scale: LossScaleState
   rng: jax.Array
+  model_state: dict[str, PyTree]
   secondary: PyTree | None = None
   delayed: DelayedGrads | None = None
 
@@ -57,7 +62,7 @@ def state_specs(plan: Plan, tx: optax.GradientTransformation,
   carried state the TrainState holds (``delayed``)."""
   return TrainState(step=P(), skipped=P(), params=plan.param_specs(),
                     master=plan.state_specs() if plan.has_master else None,
-                    opt_state=plan.opt_specs(tx), loss_scale=P(), rng=P(),
+                    opt_state=plan.opt_specs(tx), loss_scale=P(), rng=P(), model_state=P(),
                     secondary=plan.secondary_specs(),
                     delayed=delayed.specs(plan) if delayed else None)
 
@@ -75,6 +80,7 @@ def state_memory_kinds(plan: Plan, tx: optax.GradientTransformation,
   return TrainState(step=device, skipped=device, params=plan.map(plan.param_memory_kind),
                     master=plan.map(plan.state_memory_kind) if plan.has_master else None,
                     opt_state=plan.opt_memory_kinds(tx), loss_scale=device, rng=device,
+                    model_state=device,
                     secondary=jax.tree.map(lambda _: device, plan.secondary_specs(),
                                            is_leaf=lambda x: isinstance(x, P)),
                     delayed=delayed.memory_kinds(plan, device) if delayed else None)

@@ -27,6 +27,13 @@ bytes ZeRO says it should:
 The loss of a micro-batch is each device's mean over its slice, divided by the data-parallel size
 and by ``gradient_accumulation_steps`` before the backward pass, so the summed gradient is the
 gradient of the global mean loss -- the same number a single device computes on the whole batch.
+
+The model's state besides its parameters (``TrainState.model_state``: BatchNorm's statistics) goes
+into each micro-batch's forward pass and what that pass leaves comes out of it: the accumulation
+scan carries it from micro-batch to micro-batch, and the step's new state holds what the last one
+left. Inside the step every BatchNorm averages its statistics over the data axes, so they are the
+global micro-batch's (:mod:`jzero.modeling.model_state`). A model with no such state carries
+``{}``: its program is unchanged.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from jzero.comm.zero_param import ZeroParam
 from jzero.errors import JZeroError, JZeroWarning
 from jzero.modeling.layer_scan import LayerPolicy, engine_context
 from jzero.modeling.model_adapter import ModelAdapter
+from jzero.modeling.model_state import explain_unbound_axis
 from jzero.sharding.plan import LeafPlan, Plan
 from jzero.tiers.base import EngineView, Tier, Update
 from jzero.tiers.delayed import DelayedUpdate
@@ -130,9 +138,15 @@ class StepParts:
     return takes_rng(self.loss_fn)
 
   def call_loss(self, model: Any, batch: PyTree, rng: jax.Array | None) -> Any:
-    if self.loss_takes_rng:
-      return self.loss_fn(model, batch, rng=rng)
-    return self.loss_fn(model, batch)
+    try:
+      if self.loss_takes_rng:
+        return self.loss_fn(model, batch, rng=rng)
+      return self.loss_fn(model, batch)
+    except NameError as e:  # a collective over an axis name the mesh does not have
+      explained = explain_unbound_axis(e, self.plan.mesh.batch_axes)
+      if explained is None:
+        raise
+      raise explained from None
 
 
 @dataclasses.dataclass
@@ -172,8 +186,11 @@ def grad_targets(parts: StepParts, params: PyTree) -> PyTree:
   return plan.map(target, params)
 
 
-def bind(parts: StepParts, targets: PyTree, params: PyTree, secondary: PyTree = None) -> Any:
-  """The user's model over the params as the step hands them to it, its gather units installed.
+def bind(parts: StepParts, targets: PyTree, params: PyTree, secondary: PyTree,
+         model_state: PyTree, rng: jax.Array | None) -> Any:
+  """The user's model over the params as the step hands them to it, its gather units installed,
+  holding ``model_state``, its BatchNorm statistics averaged over the data axes and its NNX RNG
+  streams reseeded from ``rng`` (None: evaluation).
 
   Stage-3 partitions go to the model as :class:`ZeroParam` partitions: gathered by their unit's
   calls, or one layer at a time by the layer scan; a partition no unit gathers is gathered here.
@@ -205,7 +222,8 @@ def bind(parts: StepParts, targets: PyTree, params: PyTree, secondary: PyTree = 
     return zp if keep else zp.gather()
 
   units = frozenset(l.unit for l in plan.leaf_list() if l.param_partitioned and l.unit is not None)
-  return parts.model.bind(plan.map(leaf_param, targets, params, secondary), units)
+  return parts.model.bind(plan.map(leaf_param, targets, params, secondary), units, model_state,
+                          rng=rng, batch_axes=axes.batch_axes)
 
 
 # -- forward, backward, reduction ------------------------------------------------------------------
@@ -246,7 +264,8 @@ def _reduce_final(plan: Plan, leaf: LeafPlan, g: jax.Array) -> jax.Array:
 def local_grads(parts: StepParts, trace: StepTrace, state: TrainState, batch: PyTree):
   """Forward + backward over the micro-batches and the gradient reduction, on one device's
   blocks. Returns (fp32 gradients summed over devices in the state layout, still multiplied by
-  the loss scale; mean loss; mean aux). ``trace`` receives the groups stage 3 gathered."""
+  the loss scale; mean loss; mean aux; the model state the last micro-batch left). ``trace``
+  receives the groups stage 3 gathered."""
   plan, settings, axes = parts.plan, parts.settings, parts.plan.mesh
   gas, micro, policy = settings.gas, settings.micro_batch_size, settings.layer_policy
   micro_batches = jax.tree.map(lambda x: x.reshape((gas, micro) + x.shape[1:]), batch)
@@ -255,9 +274,11 @@ def local_grads(parts: StepParts, trace: StepTrace, state: TrainState, batch: Py
   key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
   key = jax.random.fold_in(key, lax.axis_index(axes.batch_axes))
 
-  def scaled_loss(targets, mb, rng):
+  def scaled_loss(targets, mb, rng, model_state):
     with engine_context(policy) as log:
-      out = parts.call_loss(bind(parts, targets, state.params, state.secondary), mb, rng)
+      model = bind(parts, targets, state.params, state.secondary, model_state, rng)
+      out = parts.call_loss(model, mb, rng)
+      model_state = parts.model.model_state(model)
     trace.gathered = tuple(log.gathered)
     if policy.offload_inputs and not sum(log.tagged):
       warnings.warn(
@@ -266,29 +287,32 @@ def local_grads(parts: StepParts, trace: StepTrace, state: TrainState, batch: Py
           "activation was offloaded to the host", JZeroWarning, stacklevel=2)
     loss, aux = split_loss(out)
     loss, aux = loss.astype(jnp.float32), {} if aux is None else aux
-    return loss * loss_mult, (loss, aux)
+    return loss * loss_mult, (loss, aux, model_state)
 
-  def micro_grads(mb, i):
+  def micro_grads(mb, i, model_state):
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
-    (_, (loss, aux)), g = grad_fn(grad_targets(parts, state.params), mb,
-                                  jax.random.fold_in(key, i))
-    return loss, aux, plan.map(lambda l, x: _reduce_micro(plan, l, x, gas > 1), g)
+    (_, (loss, aux, model_state)), g = grad_fn(grad_targets(parts, state.params), mb,
+                                               jax.random.fold_in(key, i), model_state)
+    return (loss, aux, plan.map(lambda l, x: _reduce_micro(plan, l, x, gas > 1), g)), model_state
 
   if gas == 1:
-    loss, aux, grads = micro_grads(jax.tree.map(lambda x: x[0], micro_batches), 0)
+    (loss, aux, grads), model_state = micro_grads(jax.tree.map(lambda x: x[0], micro_batches), 0,
+                                                  state.model_state)
   else:
-    def accumulate(acc, xs):
-      out = micro_grads(*xs)
-      return jax.tree.map(jnp.add, acc, out), None
+    def accumulate(carry, xs):
+      acc, model_state = carry
+      out, model_state = micro_grads(*xs, model_state)
+      return (jax.tree.map(jnp.add, acc, out), model_state), None
 
     first = jax.tree.map(lambda x: x[0], micro_batches)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                         jax.eval_shape(micro_grads, first, 0))
-    (loss, aux, grads), _ = lax.scan(accumulate, zeros, (micro_batches, jnp.arange(gas)))
+                         jax.eval_shape(micro_grads, first, 0, state.model_state)[0])
+    ((loss, aux, grads), model_state), _ = lax.scan(
+        accumulate, (zeros, state.model_state), (micro_batches, jnp.arange(gas)))
     loss, aux = loss / gas, jax.tree.map(lambda a: a / gas, aux)
   mean = lambda x: lax.pmean(x, axes.batch_axes)
   grads = plan.map(functools.partial(_reduce_final, plan), grads)
-  return grads, mean(loss), jax.tree.map(mean, aux)
+  return grads, mean(loss), jax.tree.map(mean, aux), model_state
 
 
 def trace_loss(parts: StepParts, batch: PyTree) -> None:
@@ -296,10 +320,12 @@ def trace_loss(parts: StepParts, batch: PyTree) -> None:
   abstractly: the model's own errors on those shapes, with no device work."""
   plan = parts.plan
   params = plan.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, plan.compute_dtype))
+  model_state = parts.model.abstract_model_state(None, None)
   micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       (parts.settings.micro_batch_size,) + x.shape[1:], x.dtype), batch)
-  loss = lambda p, mb: parts.call_loss(parts.model.bind(p), mb, jax.random.key(0))
-  jax.eval_shape(loss, params, micro)
+  loss = lambda p, s, mb: parts.call_loss(parts.model.bind(p, model_state=s, rng=None), mb,
+                                          jax.random.key(0))
+  jax.eval_shape(loss, params, model_state, micro)
 
 
 # -- jit(shard_map(...)) ---------------------------------------------------------------------------
@@ -330,8 +356,9 @@ def build_step(parts: StepParts, specs: TrainState, kinds: TrainState, batch: Py
   trace = StepTrace()
 
   def local_step(state, batch):
-    grads, loss, aux = local_grads(parts, trace, state, batch)
-    return update_lib.local_update(parts, state, grads, loss, aux, variants)
+    grads, loss, aux, model_state = local_grads(parts, trace, state, batch)
+    return update_lib.local_update(parts, state._replace(model_state=model_state), grads, loss,
+                                   aux, variants)
 
   batch_specs = jax.tree.map(lambda _: parts.plan.batch_spec(), batch)
   return BuiltStep(_jit(parts.plan, kinds, local_step, (specs, batch_specs),
@@ -345,24 +372,31 @@ def build_split_step(parts: StepParts, specs: TrainState, kinds: TrainState, bat
   batch_specs = jax.tree.map(lambda _: plan.batch_spec(), batch)
   grad_specs = plan.state_specs()
   grads = _jit(plan, kinds, functools.partial(local_grads, parts, trace), (specs, batch_specs),
-               (grad_specs, P(), P()), donate=())
-  update = _jit(plan, kinds, functools.partial(update_lib.local_update, parts, variants=variants),
-                (specs, grad_specs, P(), P()), _out_specs(parts, specs), donate=(0,))
+               (grad_specs, P(), P(), P()), donate=())
+
+  def local_update(state, grads, loss, aux, model_state):
+    return update_lib.local_update(parts, state._replace(model_state=model_state), grads, loss,
+                                   aux, variants)
+
+  update = _jit(plan, kinds, local_update, (specs, grad_specs, P(), P(), P()),
+                _out_specs(parts, specs), donate=(0,))
   return BuiltStep(grads, trace), update
 
 
 def build_eval(parts: StepParts):
-  """``(params, secondary, batch) -> (mean loss, mean aux)`` with no update: the model in its
-  evaluation mode and a loss with an ``rng`` parameter given ``rng=None``."""
+  """``(params, secondary, model_state, batch) -> (mean loss, mean aux)`` with no update: the
+  model in its evaluation mode (BatchNorm on the running statistics of ``model_state``, which stay
+  as they are) and a loss with an ``rng`` parameter given ``rng=None``."""
   plan = parts.plan
 
-  def local_loss(params, secondary, mb):
+  def local_loss(params, secondary, model_state, mb):
     with engine_context(LayerPolicy()):
-      model = parts.model.evaluating(bind(parts, grad_targets(parts, params), params, secondary))
+      model = parts.model.evaluating(bind(parts, grad_targets(parts, params), params, secondary,
+                                          model_state, None))
       out = parts.call_loss(model, mb, None)
     loss, aux = split_loss(out)
     mean = lambda x: lax.pmean(jnp.asarray(x).astype(jnp.float32), plan.mesh.batch_axes)
     return mean(loss), jax.tree.map(mean, aux)
 
-  specs = (plan.param_specs(), plan.secondary_specs(), plan.batch_spec())
+  specs = (plan.param_specs(), plan.secondary_specs(), P(), plan.batch_spec())
   return jax.jit(program.shard_map(plan, local_loss, specs, P()))

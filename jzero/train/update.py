@@ -158,7 +158,7 @@ def local_update(parts: StepParts, state: TrainState, grads: PyTree, loss: jax.A
   new_state = TrainState(
       step=state.step + 1, skipped=skipped, params=params, master=master, opt_state=opt_state,
       loss_scale=parts.scaler.update(state.loss_scale, overflow), rng=state.rng,
-      secondary=secondary, delayed=carried)
+      model_state=state.model_state, secondary=secondary, delayed=carried)
   return new_state, metrics, outputs
 
 

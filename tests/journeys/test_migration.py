@@ -21,7 +21,7 @@ from flax import nnx
 import jzero
 from jzero.cli import build_parser
 from jzero.config import Config
-from jzero.errors import ConfigError, JZeroWarning, MeshError, NotSupportedError
+from jzero.errors import ConfigError, JZeroWarning, MeshError
 from jzero.models import lm_loss
 
 from zero_testing import SMALL, ds_config, gpt_factory
@@ -69,11 +69,21 @@ def test_linen_dict_batch_without_init_inputs_says_how():
   assert np.isfinite(float(metrics["loss"]))
 
 
-def test_linen_batchnorm_is_refused_at_initialize_with_the_alternative():
-  with pytest.raises(NotSupportedError, match=r"\['batch_stats'\].*nn.LayerNorm, nn.RMSNorm or "
-                     r"nn.GroupNorm instead of nn.BatchNorm"):
-    jzero.initialize(LinenWithBatchNorm(), mse, ds_config(1), init_inputs=lambda b: (b["x"],),
-                     sample_batch=_batch())
+def test_linen_batchnorm_trains_its_statistics_over_the_global_batch():
+  """A Linen model with nn.BatchNorm (no axis name) is accepted: its ``batch_stats`` are the
+  state's ``model_state``, and one step on 8 devices of one row each moves them by the
+  statistics of the whole batch of 8 (flax's momentum 0.99) -- a device's own row would have
+  variance 0."""
+  batch = _batch()
+  engine = jzero.initialize(LinenWithBatchNorm(), mse, ds_config(1),
+                            init_inputs=lambda b: (b["x"],), sample_batch=batch)
+  state = engine.init(jax.random.key(0))
+  assert jax.tree.map(np.shape, state.model_state) == {
+      "batch_stats": {"BatchNorm_0": {"mean": (8,), "var": (8,)}}}
+  state, _ = engine.train_step(state, engine.shard_batch(batch))
+  stats = jax.device_get(state.model_state["batch_stats"]["BatchNorm_0"])
+  np.testing.assert_allclose(stats["mean"], 0.01 * batch["x"].mean(0), rtol=1e-6, atol=1e-8)
+  np.testing.assert_allclose(stats["var"], 0.99 + 0.01 * batch["x"].var(0), rtol=1e-6)
 
 
 # --- client optimizers and their learning rate ---------------------------------------------------
