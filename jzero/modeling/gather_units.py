@@ -53,12 +53,11 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import numpy as np
 from jax import lax
-from jax.extend.core import get_opaque_trace_state
 from flax import linen as nn
 from flax import nnx
 from flax.core import lift
 
-from jzero.comm.zero_param import ZeroParam
+from jzero.comm.zero_param import ZeroParam, record_unit_inputs
 from jzero.errors import JZeroWarning
 from jzero.modeling.layer_scan import current_layer_policy, current_policy, gather, name_layer_inputs
 
@@ -224,18 +223,12 @@ def _split_args(args: tuple, kwargs: dict) -> tuple[list, Callable[[list], tuple
   return arrays, rebuild
 
 
-_PREVIOUS: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar(
-    "jzero_previous_unit", default=None)
-
-
 def _gather_after(arrays: list) -> Any:
   """What a unit's gather waits for: its own inputs, or -- with prefetch -- the inputs of the unit
   run before it at the same trace level, so it can proceed while that unit computes."""
-  here = get_opaque_trace_state(convention="nnx")
-  previous = _PREVIOUS.get()
-  _PREVIOUS.set((here, arrays))
-  if current_layer_policy().prefetch and previous is not None and previous[0] == here:
-    return previous[1]
+  previous = record_unit_inputs(arrays)
+  if current_layer_policy().prefetch and previous is not None:
+    return previous
   return arrays
 
 

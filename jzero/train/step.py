@@ -44,7 +44,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jzero.comm import collectives, program
-from jzero.comm.zero_param import ZeroParam
+from jzero.comm.zero_param import ZeroParam, one_pass
 from jzero.errors import JZeroError, JZeroWarning
 from jzero.modeling.layer_scan import LayerPolicy, engine_context
 from jzero.modeling.model_adapter import ModelAdapter
@@ -196,11 +196,11 @@ def bind(parts: StepParts, targets: PyTree, params: PyTree, secondary: PyTree = 
       for tier in parts.tiers:
         extra.update(tier.gather_inputs(parts.tier_view, leaf, p) or {})
       zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, plan.comm_dtype,
-                     secondary=sec, comm=comm, **extra)
+                     secondary=sec, comm=comm, path=leaf.path, **extra)
       keep = leaf.stacked or leaf.unit is not None
     else:
       zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, full=p,
-                     scatter=plan.reduce_scatter, comm=comm)
+                     scatter=plan.reduce_scatter, comm=comm, path=leaf.path)
       keep = leaf.stacked
     return zp if keep else zp.gather()
 
@@ -256,7 +256,7 @@ def local_grads(parts: StepParts, trace: StepTrace, state: TrainState, batch: Py
   key = jax.random.fold_in(key, lax.axis_index(axes.batch_axes))
 
   def scaled_loss(targets, mb, rng):
-    with engine_context(policy) as log:
+    with engine_context(policy) as log, one_pass():
       out = parts.call_loss(bind(parts, targets, state.params, state.secondary), mb, rng)
     trace.gathered = tuple(log.gathered)
     if policy.offload_inputs and not sum(log.tagged):
@@ -357,7 +357,7 @@ def build_eval(parts: StepParts):
   plan = parts.plan
 
   def local_loss(params, secondary, mb):
-    with engine_context(LayerPolicy()):
+    with engine_context(LayerPolicy()), one_pass():
       model = parts.model.evaluating(bind(parts, grad_targets(parts, params), params, secondary))
       out = parts.call_loss(model, mb, None)
     loss, aux = split_loss(out)
