@@ -354,9 +354,22 @@ def _gathered_scopes(fn: Callable[..., Any]) -> Callable[..., Any]:
   return lift.pack(inner, (True,), (True,), (True,), name="zero3_unit", enable_kwargs=True)
 
 
+def _handed_partitions(module: nn.Module, path: str) -> bool:
+  """Whether ``module`` holds, as its own parameter, another leaf's stage-3 partition: a module
+  applied to a parameter read elsewhere (``nn.Dense(...).apply({"params": {"kernel": p}}, x)``
+  with ``p`` from another module's ``variables``). It then runs as a unit of its own."""
+  own = module.variables.get("params", {})
+  for name, value in own.items():
+    if (isinstance(value, ZeroParam) and value.partitioned and value.path is not None
+        and value.path != "/".join(filter(None, (path, name)))):
+      return True
+  return False
+
+
 class LinenUnits:
   """A ``nn.intercept_methods`` interceptor that runs the methods of the unit modules (by path) as
-  units.
+  units, and those of a module handed another module's partition as its parameter
+  (:func:`_handed_partitions`).
 
   Linen runs a module's ``setup`` before any interceptor sees the method that triggers it, so a
   unit holding partitions skips it there (its parameters would be read as partitions: ``nn.Embed``
@@ -374,7 +387,8 @@ class LinenUnits:
   def __call__(self, next_fun, args, kwargs, context):
     module = context.module
     path = "/".join(module.path) if module.scope is not None else None
-    if (_IN_UNIT.get() or path not in self.units
+    if (_IN_UNIT.get() or path is None
+        or (path not in self.units and not _handed_partitions(module, path))
         or not holds_partitions(module.variables.get("params", {}))):
       return next_fun(*args, **kwargs)
     if context.method_name == "setup":
