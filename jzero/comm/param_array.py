@@ -11,36 +11,46 @@ ZeroParam itself, and :class:`ArrayBehaviour` makes it behave as the full array 
   ``lax.convert_element_type`` and the arithmetic of jax arrays with it on the other side;
 * Python's operators (``+ - * / // % ** @``, comparisons, bitwise, unary), on either side;
 * indexing, ``len``, iteration, and every public method and property of ``jax.Array`` that is
-  about the values (``.T``, ``.mT``, ``.reshape``, ``.astype``, ``.sum``, ``.at`` ...);
-* ``shape``, ``dtype``, ``ndim``, ``size``, ``itemsize`` and ``nbytes`` of the full parameter,
-  without gathering (ZeroParam's own properties: a shape-dependent branch never sees the
-  partition).
+  about the values (``.sum``, ``.mean``, ``.at``, ``.ravel`` ...);
+* ``.T``, ``.mT``, ``.transpose``, ``.swapaxes``, ``.reshape`` and ``.astype`` give the same
+  parameter in another layout or dtype: still a ZeroParam (its ``view``), checked at once and
+  applied after each gather, so what happens next decides where it is gathered;
+* ``shape``, ``dtype``, ``ndim``, ``size``, ``itemsize`` and ``nbytes`` of the array, without
+  gathering (a shape-dependent branch never sees the partition).
 
-Each use gathers once (``use()``: :meth:`jzero.comm.zero_param.ZeroParam.gather`, issued no earlier
-than the last gather unit's inputs exist): an all-gather of the partition whose backward
-reduce-scatters the use's gradient back into it (:func:`jzero.comm.collectives.gather`). A parameter used twice -- a
-tied embedding read by its own unit for the lookup and by the LM head through ``variables`` -- is
-gathered once per use, and its gradient is the sum of both uses' reduce-scattered gradients, in its
-one partition: the same number a single device computes. Where the gathered value lives for
-backward depends on where the use is: inside a gather unit or a scanned layer it is part of that
-rematerialised region (backward gathers again, if it needs the value); anywhere else it is an
-ordinary value of the forward pass, which the operation using it keeps for backward if its
-gradient needs it (a matmul's weight: one full copy of that parameter from that use until its
-backward -- for an LM head, from the end of the forward pass to the start of backward).
+Each use gathers once (``use()``: :meth:`jzero.comm.zero_param.ZeroParam.gather`, issued no
+earlier than the last gather unit's inputs exist): an all-gather of the partition whose backward
+reduce-scatters the use's gradient back into it (:func:`jzero.comm.collectives.gather`). A
+parameter used twice -- a tied embedding read by its own unit for the lookup and by the LM head
+through ``variables`` -- is gathered once per use, and its gradient is the sum of both uses'
+reduce-scattered gradients, in its one partition: the same number a single device computes.
 
-Nothing else changes: ``jax.lax`` primitives take arrays, not objects with ``__jax_array__`` (JAX
-0.10 and later refuse them with their own error), so ``lax.dot_general(x, jnp.asarray(p), ...)``;
-``jnp`` does that conversion itself.
+Where the gathered value lives for backward depends on where the use is:
+
+* inside a gather unit or a scanned layer: in that rematerialised region (backward gathers again
+  if it needs the value);
+* a Linen module handed it as its own parameter -- Hugging Face's tied heads,
+  ``self.lm_head.apply({"params": {"kernel": embedding.T}}, h)`` -- runs as a unit of its own
+  (:mod:`jzero.modeling.gather_units`): gathered in its region, again in backward, never kept;
+* anywhere else it is an ordinary value of the forward pass, which the operation using it keeps
+  for backward if its gradient needs it (``h @ p.T``: one full copy of ``p`` from that use until
+  its backward).
+
+``jax.lax`` primitives take arrays, not objects with ``__jax_array__`` (JAX 0.10 and later refuse
+them with their own error): ``lax.dot_general(x, jnp.asarray(p), ...)``; ``jnp`` converts itself.
+A ``jnp`` function that is itself jitted receives the ZeroParam as a pytree and gathers it inside.
 
 What cannot work raises :class:`jzero.errors.JZeroError` naming the parameter's path and the fix:
 
-* ``np.asarray`` / ``np.shape`` / ``float()`` / ``bool()`` / ``.item()`` of a parameter: inside the
-  step it is a traced value, as every array under ``jit`` -- use ``jnp``, ``jnp.where`` or
-  ``lax.cond``, and ``engine.logical_params(state)`` for its values outside the step;
+* ``np.asarray`` / ``bool()`` / ``.item()`` of a parameter: inside the step it is a traced value,
+  as every array under ``jit`` -- use ``jnp``, ``jnp.where`` or ``lax.cond``, and
+  ``engine.logical_params(state)`` for its values outside the step;
 * a ZeroParam kept past the pass that received it (a Python container, a module attribute) and
-  used later: parameters exist inside the step only.
-* attributes of where an array is placed (``.sharding``, ``.device``, ``.addressable_shards`` ...)
-  are not forwarded: the parameter is not placed as one array.
+  used later: a parameter exists for its pass only (:func:`jzero.comm.zero_param.one_pass`).
+
+Attributes of where an array is placed (``.sharding``, ``.device``, ``.addressable_shards`` ...)
+are not forwarded: the parameter is not placed as one array (``getattr(p, "sharding", None)`` is
+None).
 """
 
 from __future__ import annotations
@@ -185,7 +195,7 @@ class ArrayBehaviour:
   # -- what cannot work ----------------------------------------------------------------------------
 
   def __array__(self, dtype=None, copy=None):
-    raise JZeroError(f"numpy asked for the values of {self.what()} (np.asarray, np.shape or a "
+    raise JZeroError(f"numpy asked for the values of {self.what()} (np.asarray, np.array or a "
                      f"numpy function); {_CONCRETE_FIX}")
 
   def _concrete(self, convert: Callable[[Any], Any]) -> Any:

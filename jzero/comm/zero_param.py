@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import jax
 from jax import lax
@@ -25,6 +25,9 @@ __all__ = ["PartitionSource", "Pass", "ZeroParam", "one_pass", "read_sources",
            "record_unit_inputs"]
 
 Axes = tuple[str, ...]
+#: Layout and dtype changes applied to the gathered parameter, in order: ("transpose", axes),
+#: ("reshape", shape) or ("astype", dtype).
+View = tuple[tuple[str, Any], ...]
 
 
 class PartitionSource(Protocol):
@@ -72,38 +75,44 @@ class ZeroParam(ArrayBehaviour):
   """
 
   __slots__ = ("partition", "full", "dim", "dim_size", "axes", "comm_dtype", "scatter", "secondary",
-               "comm", "source", "stored", "path", "pass_")
+               "comm", "source", "stored", "path", "pass_", "view")
+  _CHILDREN = ("partition", "full", "secondary", "stored")
+  _STATIC = ("dim", "dim_size", "axes", "comm_dtype", "scatter", "comm", "source", "path", "pass_",
+             "view")
 
   def __init__(self, partition: jax.Array, dim: int, size: int, axes: Axes, comm_dtype: Any = None,
                *, full: jax.Array | None = None, scatter: bool = True,
                secondary: jax.Array | None = None, comm: Any = None,
                source: PartitionSource | None = None, stored: Any = None,
-               path: str | None = None, pass_: Pass | None = None):
+               path: str | None = None, pass_: Pass | None = None, view: View = ()):
     self.partition, self.full, self.dim, self.dim_size = partition, full, dim, size
     self.axes, self.comm_dtype, self.scatter = axes, comm_dtype, scatter
     self.secondary, self.comm = secondary, comm
     self.source, self.stored, self.path = source, stored, path
     self.pass_ = pass_ if pass_ is not None else _PASS.get()
+    self.view = view
 
   def tree_flatten(self):
     if self.pass_ is not None and self.pass_.over:  # e.g. handed to a jnp function's own jit
       raise self.outlived()
-    return (self.partition, self.full, self.secondary, self.stored), (
-        self.dim, self.dim_size, self.axes, self.comm_dtype, self.scatter, self.comm, self.source,
-        self.path, self.pass_)
+    return (tuple(getattr(self, n) for n in self._CHILDREN),
+            tuple(getattr(self, n) for n in self._STATIC))
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    dim, size, axes, comm_dtype, scatter, comm, source, path, pass_ = aux
-    return cls(children[0], dim, size, axes, comm_dtype, full=children[1], scatter=scatter,
-               secondary=children[2], comm=comm, source=source, stored=children[3], path=path,
-               pass_=pass_)
+    fields = dict(zip(cls._CHILDREN + cls._STATIC, tuple(children) + tuple(aux)))
+    return cls(fields.pop("partition"), fields.pop("dim"), fields.pop("dim_size"),
+               fields.pop("axes"), **fields)
+
+  def _replace(self, **changes: Any) -> "ZeroParam":
+    children, aux = self.tree_flatten()
+    fields = dict(zip(self._CHILDREN + self._STATIC, children + aux), **changes)
+    return self.tree_unflatten(tuple(fields[n] for n in self._STATIC),
+                               tuple(fields[n] for n in self._CHILDREN))
 
   def with_partition(self, partition: jax.Array) -> "ZeroParam":
     """This parameter with ``partition`` as its partition, read already (no ``source``)."""
-    return ZeroParam(partition, self.dim, self.dim_size, self.axes, self.comm_dtype, full=self.full,
-                     scatter=self.scatter, secondary=self.secondary, comm=self.comm,
-                     path=self.path, pass_=self.pass_)
+    return self._replace(partition=partition, source=None, stored=None)
 
   @property
   def partitioned(self) -> bool:
@@ -112,26 +121,77 @@ class ZeroParam(ArrayBehaviour):
 
   @property
   def shape(self) -> tuple[int, ...]:
-    if self.full is not None:
-      return tuple(self.full.shape)
-    shape = list(self.partition.shape)
-    shape[self.dim] = self.dim_size
-    return tuple(shape)
+    return self._viewed()[0]
 
   @property
   def dtype(self):
-    return (self.partition if self.full is None else self.full).dtype
+    return self._viewed()[1]
+
+  def _viewed(self) -> tuple[tuple[int, ...], Any]:
+    """(shape, dtype) of the array this stands for: the leaf's, then the view's."""
+    if self.full is not None:
+      shape, dtype = tuple(self.full.shape), self.full.dtype
+    else:
+      shape = list(self.partition.shape)
+      shape[self.dim] = self.dim_size
+      shape, dtype = tuple(shape), self.partition.dtype
+    for op, arg in self.view:
+      if op == "transpose":
+        shape = tuple(shape[a] for a in arg)
+      elif op == "reshape":
+        shape = arg
+      else:
+        dtype = arg
+    return shape, dtype
+
+  # -- the same parameter in another layout or dtype: still a ZeroParam, gathered where used ----
+
+  def _with_view(self, op: str, fn: Callable[[jax.ShapeDtypeStruct], Any]) -> "ZeroParam":
+    """This parameter as ``fn`` (a transpose, reshape or astype) makes it, checked now, applied
+    after each gather."""
+    if op == "transpose":  # which input axis each output axis is, read off distinct sizes
+      probe = jax.eval_shape(fn, jax.ShapeDtypeStruct(tuple(range(2, 2 + self.ndim)),
+                                                      self.dtype))
+      arg = tuple(n - 2 for n in probe.shape)
+    else:
+      out = jax.eval_shape(fn, jax.ShapeDtypeStruct(self.shape, self.dtype))
+      arg = tuple(out.shape) if op == "reshape" else out.dtype
+    return self._replace(view=self.view + ((op, arg),))
+
+  @property
+  def T(self) -> "ZeroParam":  # noqa: N802 (jax.Array's name)
+    return self._with_view("transpose", lambda x: x.T)
+
+  @property
+  def mT(self) -> "ZeroParam":  # noqa: N802
+    return self._with_view("transpose", lambda x: x.mT)
+
+  def transpose(self, *axes) -> "ZeroParam":
+    return self._with_view("transpose", lambda x: x.transpose(*axes))
+
+  def swapaxes(self, axis1: int, axis2: int) -> "ZeroParam":
+    return self._with_view("transpose", lambda x: x.swapaxes(axis1, axis2))
+
+  def reshape(self, *shape, **kwargs) -> "ZeroParam":
+    return self._with_view("reshape", lambda x: x.reshape(*shape, **kwargs))
+
+  def astype(self, dtype, **kwargs) -> "ZeroParam":
+    return self._with_view("astype", lambda x: x.astype(dtype, **kwargs))
 
   def gather(self) -> jax.Array:
-    """The full parameter (see the class docstring for what its backward does)."""
+    """The full parameter (see the class docstring for what its backward does), in its view."""
     try:
-      return self._gather()
+      full = self._gather()
     except jax.errors.UnexpectedTracerError:
       raise self.outlived() from None
     except NameError as e:  # the ZeRO axes are bound inside the step's shard_map only
       if "unbound axis name" not in str(e):
         raise
       raise self.outlived() from None
+    for op, arg in self.view:
+      full = {"transpose": lambda x: x.transpose(arg), "reshape": lambda x: x.reshape(arg),
+              "astype": lambda x: x.astype(arg)}[op](full)
+    return full
 
   def use(self) -> jax.Array:
     """The full parameter for a use as an array outside the gathers the model arranges (what
@@ -164,7 +224,8 @@ class ZeroParam(ArrayBehaviour):
 
   def __repr__(self):
     kind = "partition" if self.full is None else "full + gradient slot"
-    return f"ZeroParam({self.path or '?'}: {kind}, shape={self.shape}, dim={self.dim})"
+    view = "".join(f".{op}{arg}" for op, arg in self.view)
+    return f"ZeroParam({self.path or '?'}{view}: {kind}, shape={self.shape}, dim={self.dim})"
 
 
 class Pass:

@@ -22,6 +22,14 @@ top-level module, a weight used as ``x @ self.w``) belong to no unit: they are g
 forward pass starts and kept until backward; :func:`check_units` warns when they are large.
 Leaves smaller than ``stage3_param_persistence_threshold`` are not gathered at all (persistent).
 
+**A unit's parameter read from outside its methods** -- a tied LM head reading
+``self.transformer.variables["params"]["wte"]["embedding"].T``, ``x @ self.embed.embedding.T`` in
+NNX -- reaches the reader as the :class:`~jzero.comm.zero_param.ZeroParam` itself, which behaves
+as the full array (:mod:`jzero.comm.param_array`): each use gathers it once and reduce-scatters
+that use's gradient into the one partition. A Linen module handed such a parameter as its own
+(``self.lm_head.apply({"params": {"kernel": shared.T}}, h)``, Hugging Face's tied heads) runs as a
+unit of its own, so the gathered copy is rematerialised like any unit's (:class:`LinenUnits`).
+
 **How a unit gathers.** Every method of the unit's module -- ``__call__`` and the other methods its
 own class defines, such as ``Embed.attend`` for tied embeddings -- runs inside ``jax.checkpoint``
 with the engine's layer policy, and the unit's partitions are gathered at the top of that region.
