@@ -11,10 +11,7 @@ ZeroParam itself, and :class:`ArrayBehaviour` makes it behave as the full array 
   ``lax.convert_element_type`` and the arithmetic of jax arrays with it on the other side;
 * Python's operators (``+ - * / // % ** @``, comparisons, bitwise, unary), on either side;
 * indexing, ``len``, iteration, and every public method and property of ``jax.Array`` that is
-  about the values (``.sum``, ``.mean``, ``.at``, ``.ravel`` ...);
-* ``.T``, ``.mT``, ``.transpose``, ``.swapaxes``, ``.reshape`` and ``.astype`` give the same
-  parameter in another layout or dtype: still a ZeroParam (its ``view``), checked at once and
-  applied after each gather, so what happens next decides where it is gathered;
+  about the values (``.T``, ``.mT``, ``.reshape``, ``.astype``, ``.sum``, ``.at`` ...);
 * ``shape``, ``dtype``, ``ndim``, ``size``, ``itemsize`` and ``nbytes`` of the array, without
   gathering (a shape-dependent branch never sees the partition).
 
@@ -29,12 +26,15 @@ Where the gathered value lives for backward depends on where the use is:
 
 * inside a gather unit or a scanned layer: in that rematerialised region (backward gathers again
   if it needs the value);
-* a Linen module handed it as its own parameter -- Hugging Face's tied heads,
-  ``self.lm_head.apply({"params": {"kernel": embedding.T}}, h)`` -- runs as a unit of its own
-  (:mod:`jzero.modeling.gather_units`): gathered in its region, again in backward, never kept;
 * anywhere else it is an ordinary value of the forward pass, which the operation using it keeps
   for backward if its gradient needs it (``h @ p.T``: one full copy of ``p`` from that use until
-  its backward).
+  its backward). For a tied LM head -- Hugging Face's ``self.lm_head.apply({"params": {"kernel":
+  embedding.T}}, h)`` -- that is the loss alone: on GPT-2 small's shape compiled for 8 H100s,
+  keeping it takes less memory than gathering it again in backward, as an untied head's unit
+  does (``bench/tied_weights.py``, README "Tied weights");
+* a Linen module handed the ZeroParam itself as its own parameter
+  (``nn.Dense(...).apply({"params": {"kernel": p}}, h)``) runs as a unit of its own
+  (:mod:`jzero.modeling.gather_units`): flax needs the full array in a parameter's place.
 
 ``jax.lax`` primitives take arrays, not objects with ``__jax_array__`` (JAX 0.10 and later refuse
 them with their own error): ``lax.dot_general(x, jnp.asarray(p), ...)``; ``jnp`` converts itself.

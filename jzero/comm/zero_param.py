@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 import jax
 from jax import lax
@@ -25,9 +25,6 @@ __all__ = ["PartitionSource", "Pass", "ZeroParam", "one_pass", "read_sources",
            "record_unit_inputs"]
 
 Axes = tuple[str, ...]
-#: Layout and dtype changes applied to the gathered parameter, in order: ("transpose", axes),
-#: ("reshape", shape) or ("astype", dtype).
-View = tuple[tuple[str, Any], ...]
 
 
 class PartitionSource(Protocol):
@@ -75,22 +72,20 @@ class ZeroParam(ArrayBehaviour):
   """
 
   __slots__ = ("partition", "full", "dim", "dim_size", "axes", "comm_dtype", "scatter", "secondary",
-               "comm", "source", "stored", "path", "pass_", "view")
+               "comm", "source", "stored", "path", "pass_")
   _CHILDREN = ("partition", "full", "secondary", "stored")
-  _STATIC = ("dim", "dim_size", "axes", "comm_dtype", "scatter", "comm", "source", "path", "pass_",
-             "view")
+  _STATIC = ("dim", "dim_size", "axes", "comm_dtype", "scatter", "comm", "source", "path", "pass_")
 
   def __init__(self, partition: jax.Array, dim: int, size: int, axes: Axes, comm_dtype: Any = None,
                *, full: jax.Array | None = None, scatter: bool = True,
                secondary: jax.Array | None = None, comm: Any = None,
                source: PartitionSource | None = None, stored: Any = None,
-               path: str | None = None, pass_: Pass | None = None, view: View = ()):
+               path: str | None = None, pass_: Pass | None = None):
     self.partition, self.full, self.dim, self.dim_size = partition, full, dim, size
     self.axes, self.comm_dtype, self.scatter = axes, comm_dtype, scatter
     self.secondary, self.comm = secondary, comm
     self.source, self.stored, self.path = source, stored, path
     self.pass_ = pass_ if pass_ is not None else _PASS.get()
-    self.view = view
 
   def tree_flatten(self):
     if self.pass_ is not None and self.pass_.over:  # e.g. handed to a jnp function's own jit
@@ -121,77 +116,26 @@ class ZeroParam(ArrayBehaviour):
 
   @property
   def shape(self) -> tuple[int, ...]:
-    return self._viewed()[0]
+    if self.full is not None:
+      return tuple(self.full.shape)
+    shape = list(self.partition.shape)
+    shape[self.dim] = self.dim_size
+    return tuple(shape)
 
   @property
   def dtype(self):
-    return self._viewed()[1]
-
-  def _viewed(self) -> tuple[tuple[int, ...], Any]:
-    """(shape, dtype) of the array this stands for: the leaf's, then the view's."""
-    if self.full is not None:
-      shape, dtype = tuple(self.full.shape), self.full.dtype
-    else:
-      shape = list(self.partition.shape)
-      shape[self.dim] = self.dim_size
-      shape, dtype = tuple(shape), self.partition.dtype
-    for op, arg in self.view:
-      if op == "transpose":
-        shape = tuple(shape[a] for a in arg)
-      elif op == "reshape":
-        shape = arg
-      else:
-        dtype = arg
-    return shape, dtype
-
-  # -- the same parameter in another layout or dtype: still a ZeroParam, gathered where used ----
-
-  def _with_view(self, op: str, fn: Callable[[jax.ShapeDtypeStruct], Any]) -> "ZeroParam":
-    """This parameter as ``fn`` (a transpose, reshape or astype) makes it, checked now, applied
-    after each gather."""
-    if op == "transpose":  # which input axis each output axis is, read off distinct sizes
-      probe = jax.eval_shape(fn, jax.ShapeDtypeStruct(tuple(range(2, 2 + self.ndim)),
-                                                      self.dtype))
-      arg = tuple(n - 2 for n in probe.shape)
-    else:
-      out = jax.eval_shape(fn, jax.ShapeDtypeStruct(self.shape, self.dtype))
-      arg = tuple(out.shape) if op == "reshape" else out.dtype
-    return self._replace(view=self.view + ((op, arg),))
-
-  @property
-  def T(self) -> "ZeroParam":  # noqa: N802 (jax.Array's name)
-    return self._with_view("transpose", lambda x: x.T)
-
-  @property
-  def mT(self) -> "ZeroParam":  # noqa: N802
-    return self._with_view("transpose", lambda x: x.mT)
-
-  def transpose(self, *axes) -> "ZeroParam":
-    return self._with_view("transpose", lambda x: x.transpose(*axes))
-
-  def swapaxes(self, axis1: int, axis2: int) -> "ZeroParam":
-    return self._with_view("transpose", lambda x: x.swapaxes(axis1, axis2))
-
-  def reshape(self, *shape, **kwargs) -> "ZeroParam":
-    return self._with_view("reshape", lambda x: x.reshape(*shape, **kwargs))
-
-  def astype(self, dtype, **kwargs) -> "ZeroParam":
-    return self._with_view("astype", lambda x: x.astype(dtype, **kwargs))
+    return (self.partition if self.full is None else self.full).dtype
 
   def gather(self) -> jax.Array:
-    """The full parameter (see the class docstring for what its backward does), in its view."""
+    """The full parameter (see the class docstring for what its backward does)."""
     try:
-      full = self._gather()
+      return self._gather()
     except jax.errors.UnexpectedTracerError:
       raise self.outlived() from None
     except NameError as e:  # the ZeRO axes are bound inside the step's shard_map only
       if "unbound axis name" not in str(e):
         raise
       raise self.outlived() from None
-    for op, arg in self.view:
-      full = {"transpose": lambda x: x.transpose(arg), "reshape": lambda x: x.reshape(arg),
-              "astype": lambda x: x.astype(arg)}[op](full)
-    return full
 
   def use(self) -> jax.Array:
     """The full parameter for a use as an array outside the gathers the model arranges (what
@@ -224,8 +168,7 @@ class ZeroParam(ArrayBehaviour):
 
   def __repr__(self):
     kind = "partition" if self.full is None else "full + gradient slot"
-    view = "".join(f".{op}{arg}" for op, arg in self.view)
-    return f"ZeroParam({self.path or '?'}{view}: {kind}, shape={self.shape}, dim={self.dim})"
+    return f"ZeroParam({self.path or '?'}: {kind}, shape={self.shape}, dim={self.dim})"
 
 
 class Pass:

@@ -26,9 +26,9 @@ Leaves smaller than ``stage3_param_persistence_threshold`` are not gathered at a
 ``self.transformer.variables["params"]["wte"]["embedding"].T``, ``x @ self.embed.embedding.T`` in
 NNX -- reaches the reader as the :class:`~jzero.comm.zero_param.ZeroParam` itself, which behaves
 as the full array (:mod:`jzero.comm.param_array`): each use gathers it once and reduce-scatters
-that use's gradient into the one partition. A Linen module handed such a parameter as its own
-(``self.lm_head.apply({"params": {"kernel": shared.T}}, h)``, Hugging Face's tied heads) runs as a
-unit of its own, so the gathered copy is rematerialised like any unit's (:class:`LinenUnits`).
+that use's gradient into the one partition. A Linen module handed the ZeroParam itself as its own
+parameter (``nn.Dense(...).apply({"params": {"kernel": p}}, h)``) runs as a unit of its own
+(:class:`LinenUnits`), since flax reads a parameter's shape from what it is handed.
 
 **How a unit gathers.** Every method of the unit's module -- ``__call__`` and the other methods its
 own class defines, such as ``Embed.attend`` for tied embeddings -- runs inside ``jax.checkpoint``
