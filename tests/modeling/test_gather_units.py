@@ -654,14 +654,38 @@ class HeadHandedTheTable(nn.Module):
     return nn.Dense(16, use_bias=False).apply({"params": {"kernel": table}}, h)
 
 
-def test_a_module_handed_another_modules_partition_gathers_it_as_a_unit():
-  """Stage 3: the Dense applied to the embedding's partition runs as a unit of its own (gathered
-  in its region, its gradient added to the embedding's in the partition): 3 steps equal DDP's."""
+class TiedByTranspose(nnx.Module):
+  """NNX, the embedding read outside its unit: ``h @ embedding.T`` for the head and a penalty on
+  the table in the loss (``nnx.Param`` forwards ``.T`` and ``**`` to the ZeroParam it holds)."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(64, 16, rngs=rngs)
+    self.mix = nnx.Linear(16, 16, rngs=rngs)
+
+  def __call__(self, tokens):
+    return self.mix(self.embed(tokens)) @ self.embed.embedding.T
+
+
+OUTSIDE_UNITS = {
+    "linen, handed to a module": (HeadHandedTheTable, lambda m, b: jnp.mean((m(b["tokens"]) - 0.5)
+                                                                          ** 2)),
+    "nnx, .T and a penalty": (TiedByTranspose, lambda m, b: jnp.mean(m(b["tokens"]) ** 2)
+                              + 1e-3 * jnp.sum(m.embed.embedding ** 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(OUTSIDE_UNITS))
+def test_parameters_used_outside_their_unit_train_as_under_ddp(case):
+  """Stage 3, every leaf partitioned, the embedding also used outside its unit: handed to a Linen
+  Dense as its kernel (which then runs as a unit of its own), or read as ``.T`` and in the loss by
+  an NNX model (each use gathered, the gradients of all uses summed in the one partition). 3 steps
+  equal DDP's to SAME_MATH."""
+  model, loss = OUTSIDE_UNITS[case]
   data = [{"tokens": (np.arange(N * 4, dtype=np.int32).reshape(N, 4) * (i + 3)) % 64}
           for i in range(3)]
-  loss = lambda model, b: jnp.mean((model(b["tokens"]) - 0.5) ** 2)
-  runs = [engine_run(make_engine(_stage3(stage), HeadHandedTheTable(), loss,
-                                 init_inputs=lambda b: (b["tokens"],), sample_batch=data[0]), data)
+  linen = isinstance(model, type) and issubclass(model, nn.Module)
+  kw = dict(init_inputs=lambda b: (b["tokens"],), sample_batch=data[0]) if linen else {}
+  runs = [engine_run(make_engine(_stage3(stage), model() if linen else model, loss, **kw), data)
           for stage in (0, 3)]
   np.testing.assert_allclose(runs[1][2], runs[0][2], rtol=SAME_MATH)
   assert max_relative_diff(runs[1][1], runs[0][1]) <= SAME_MATH
