@@ -643,49 +643,28 @@ def test_reading_a_units_setup_attribute_from_outside_names_the_unit_and_the_fix
 # --- parameters used outside their unit -----------------------------------------------------------
 
 
-class HeadHandedTheTable(nn.Module):
-  """A head applied to the embedding's table read through ``variables`` -- Hugging Face's tied
-  heads, without their transpose: ``nn.Dense.apply({"params": {"kernel": table}}, h)``."""
+class TiedTwice(nn.Module):
+  """The embedding's table read through ``variables`` outside its unit, twice: handed to a Dense
+  as its kernel (``nn.Dense.apply({"params": {"kernel": table}}, h)``: Hugging Face's tied heads
+  without their transpose) and used as ``h @ table.T``."""
 
   @nn.compact
   def __call__(self, tokens):
     h = nn.Dense(64)(nn.Embed(64, 16, name="embed")(tokens))
     table = self.variables["params"]["embed"]["embedding"]  # [64, 16], a ZeroParam at stage 3
-    return nn.Dense(16, use_bias=False).apply({"params": {"kernel": table}}, h)
+    handed = nn.Dense(16, use_bias=False).apply({"params": {"kernel": table}}, h)
+    return handed @ table.T
 
 
-class TiedByTranspose(nnx.Module):
-  """NNX, the embedding read outside its unit: ``h @ embedding.T`` for the head and a penalty on
-  the table in the loss (``nnx.Param`` forwards ``.T`` and ``**`` to the ZeroParam it holds)."""
-
-  def __init__(self, rngs: nnx.Rngs):
-    self.embed = nnx.Embed(64, 16, rngs=rngs)
-    self.mix = nnx.Linear(16, 16, rngs=rngs)
-
-  def __call__(self, tokens):
-    return self.mix(self.embed(tokens)) @ self.embed.embedding.T
-
-
-OUTSIDE_UNITS = {
-    "linen, handed to a module": (HeadHandedTheTable, lambda m, b: jnp.mean((m(b["tokens"]) - 0.5)
-                                                                          ** 2)),
-    "nnx, .T and a penalty": (TiedByTranspose, lambda m, b: jnp.mean(m(b["tokens"]) ** 2)
-                              + 1e-3 * jnp.sum(m.embed.embedding ** 2)),
-}
-
-
-@pytest.mark.parametrize("case", list(OUTSIDE_UNITS))
-def test_parameters_used_outside_their_unit_train_as_under_ddp(case):
-  """Stage 3, every leaf partitioned, the embedding also used outside its unit: handed to a Linen
-  Dense as its kernel (which then runs as a unit of its own), or read as ``.T`` and in the loss by
-  an NNX model (each use gathered, the gradients of all uses summed in the one partition). 3 steps
-  equal DDP's to SAME_MATH."""
-  model, loss = OUTSIDE_UNITS[case]
+def test_parameters_used_outside_their_unit_train_as_under_ddp():
+  """Stage 3, every leaf partitioned: the Dense handed the embedding's partition runs as a unit of
+  its own, the ``.T`` use gathers it once, and the table's gradient sums the lookup's and both
+  reads' in its one partition. 3 steps equal DDP's to SAME_MATH."""
   data = [{"tokens": (np.arange(N * 4, dtype=np.int32).reshape(N, 4) * (i + 3)) % 64}
           for i in range(3)]
-  linen = isinstance(model, type) and issubclass(model, nn.Module)
-  kw = dict(init_inputs=lambda b: (b["tokens"],), sample_batch=data[0]) if linen else {}
-  runs = [engine_run(make_engine(_stage3(stage), model() if linen else model, loss, **kw), data)
+  loss = lambda model, b: jnp.mean((model(b["tokens"]) - 0.5) ** 2)
+  runs = [engine_run(make_engine(_stage3(stage), TiedTwice(), loss,
+                                 init_inputs=lambda b: (b["tokens"],), sample_batch=data[0]), data)
           for stage in (0, 3)]
   np.testing.assert_allclose(runs[1][2], runs[0][2], rtol=SAME_MATH)
   assert max_relative_diff(runs[1][1], runs[0][1]) <= SAME_MATH
@@ -716,11 +695,13 @@ def test_a_parameter_used_where_it_cannot_be_names_its_path_and_the_fix():
     return jnp.mean(model(b["x"]) ** 2) + float(np.sum(np.asarray(model.b.bias.get_value())))
 
   engine = make_engine(_stage3(), TwoLinears, keeps_a_parameter)
-  state, _ = engine.train_step(engine.init(jax.random.key(0)), engine.shard_batch(batch))
+  state, placed = engine.init(jax.random.key(0)), engine.shard_batch(batch)
+  engine.jitted_step(placed).trace(state, placed)  # one pass, traced: it keeps a/kernel
   with pytest.raises(jzero.JZeroError, match=r"the ZeRO-3 parameter 'a/kernel' was used after "
                      r"the forward/backward pass that received it.*Read it again from the model"):
     engine.eval_loss(state, engine.shard_batch(batch))
   engine = make_engine(_stage3(), TwoLinears, numpy_reads_it)
   with pytest.raises(jzero.JZeroError, match=r"numpy asked for the values of the ZeRO-3 parameter "
                      r"'b/bias'.*jnp\.asarray\(p\) gathers it"):
-    engine.train_step(engine.init(jax.random.key(0)), engine.shard_batch(batch))
+    state = engine.init(jax.random.key(0))
+    engine.jitted_step(placed).trace(state, placed)
