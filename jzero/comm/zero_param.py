@@ -65,7 +65,8 @@ class ZeroParam(ArrayBehaviour):
 
   It is a pytree node whose children are the arrays, so ``lax.scan`` over a stack of them slices
   every layer while the static facts (a negative ``dim``, its logical size ``dim_size``, the
-  ``axes``, the leaf's '/'-joined ``path`` for messages) stay valid for the sliced layer. It
+  ``axes``, the leaf's '/'-joined ``path`` for messages, the :class:`Pass` it was made for) stay
+  valid for the sliced layer. It
   behaves as the array it stands for (:class:`~jzero.comm.param_array.ArrayBehaviour`): ``shape``,
   ``dtype`` and ``ndim`` without gathering; ``jnp`` functions, operators, ``.T``, ``.reshape``,
   indexing and the rest of ``jax.Array``'s methods gather, once per use.
