@@ -30,7 +30,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 # together. A file not listed runs after these, in its usual order.
 LONGEST_FIRST = [
     "train/test_engine.py", "comm/test_collective_order.py", "modeling/test_gather_units.py",
-    "tiers/test_param_nvme.py", "comm/test_zeropp.py", "journeys/test_user_script.py",
+    "tiers/test_param_nvme.py", "modeling/test_hf_models.py", "comm/test_zeropp.py",
+    "journeys/test_user_script.py",
     "checkpoint/test_checkpoint.py", "journeys/test_notebooks.py", "runtime/test_launch.py",
     "planning/test_aot.py", "planning/test_plan_search.py", "docs/test_snippets.py",
     "analysis/test_comm_volume.py",

@@ -112,8 +112,8 @@ def export_optax(directory: str | os.PathLike, out: str | os.PathLike,
                           f"which the run's optimizer does not; give like= as the run trained.")
   opt_names = [stored[i] for i in positions]
   truth = "master" if meta["has_master"] else "params"
-  # model_state seam: the model's other variable collections, stored as `model_state/<collection>/
-  # <path>` once TrainState has `model_state`, are written as items beside params.
+  # the model's other variable collections (TrainState.model_state, stored as
+  # `model_state/<collection>/<path>`): items beside params, as flax's examples save them
   collections = [n for n in meta["arrays"] if n.startswith("model_state/")]
   arrays = _read(step_dir, [f"{truth}/{p}" for p in shapes] + opt_names + collections)
 

@@ -1,19 +1,28 @@
 """:class:`ZeroParam` is a parameter as the plan hands it to the model: ``gather()`` gives the full
 parameter (through :func:`jzero.comm.collectives.gather` or :func:`~jzero.comm.collectives.attach`)
 and the gradient comes back partitioned. It is a pytree whose children have the leaf's shape, so
-``scan`` over a stack of them slices every layer; :mod:`jzero.modeling.layer_scan` decides *where*
-``gather()`` runs (one layer of a scan, one module call).
+``scan`` over a stack of them slices every layer; :mod:`jzero.modeling.layer_scan` and
+:mod:`jzero.modeling.gather_units` decide *where* ``gather()`` runs on purpose (one layer of a
+scan, one module call). Wherever else the model touches it, it behaves as the full array and each
+use gathers (:mod:`jzero.comm.param_array`); it carries its leaf's path for the errors of what
+cannot work.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import contextlib
+import contextvars
+from typing import Any, Iterator, Protocol
 
 import jax
+from jax import lax
+from jax.extend.core import get_opaque_trace_state
 
 from jzero.comm import collectives, zeropp
+from jzero.comm.param_array import ArrayBehaviour
 
-__all__ = ["PartitionSource", "ZeroParam", "read_sources"]
+__all__ = ["PartitionSource", "Pass", "ZeroParam", "one_pass", "read_sources",
+           "record_unit_inputs"]
 
 Axes = tuple[str, ...]
 
@@ -30,7 +39,7 @@ class PartitionSource(Protocol):
 
 
 @jax.tree_util.register_pytree_node_class
-class ZeroParam:
+class ZeroParam(ArrayBehaviour):
   """One parameter as the ZeRO plan hands it to the model.
 
   ``gather()`` gives the full parameter for compute; its gradient flows back partitioned over the
@@ -55,37 +64,51 @@ class ZeroParam:
   first (its gradient lands in the slot).
 
   It is a pytree node whose children are the arrays, so ``lax.scan`` over a stack of them slices
-  every layer while the static facts (a negative ``dim``, the logical ``size``, the ``axes``) stay
-  valid for the sliced layer. It reads like the array it stands for: ``shape``, ``dtype``,
-  ``x[...]`` and ``jnp.asarray(x)`` (both gather).
+  every layer while the static facts (a negative ``dim``, its logical size ``dim_size``, the
+  ``axes``, the leaf's '/'-joined ``path`` for messages, the :class:`Pass` it was made for) stay
+  valid for the sliced layer. It
+  behaves as the array it stands for (:class:`~jzero.comm.param_array.ArrayBehaviour`): ``shape``,
+  ``dtype`` and ``ndim`` without gathering; ``jnp`` functions, operators, ``.T``, ``.reshape``,
+  indexing and the rest of ``jax.Array``'s methods gather, once per use.
   """
 
-  __slots__ = ("partition", "full", "dim", "size", "axes", "comm_dtype", "scatter", "secondary",
-               "comm", "source", "stored")
+  __slots__ = ("partition", "full", "dim", "dim_size", "axes", "comm_dtype", "scatter", "secondary",
+               "comm", "source", "stored", "path", "pass_")
+  _CHILDREN = ("partition", "full", "secondary", "stored")
+  _STATIC = ("dim", "dim_size", "axes", "comm_dtype", "scatter", "comm", "source", "path", "pass_")
 
   def __init__(self, partition: jax.Array, dim: int, size: int, axes: Axes, comm_dtype: Any = None,
                *, full: jax.Array | None = None, scatter: bool = True,
                secondary: jax.Array | None = None, comm: Any = None,
-               source: PartitionSource | None = None, stored: Any = None):
-    self.partition, self.full, self.dim, self.size = partition, full, dim, size
+               source: PartitionSource | None = None, stored: Any = None,
+               path: str | None = None, pass_: Pass | None = None):
+    self.partition, self.full, self.dim, self.dim_size = partition, full, dim, size
     self.axes, self.comm_dtype, self.scatter = axes, comm_dtype, scatter
     self.secondary, self.comm = secondary, comm
-    self.source, self.stored = source, stored
+    self.source, self.stored, self.path = source, stored, path
+    self.pass_ = pass_ if pass_ is not None else _PASS.get()
 
   def tree_flatten(self):
-    return (self.partition, self.full, self.secondary, self.stored), (
-        self.dim, self.size, self.axes, self.comm_dtype, self.scatter, self.comm, self.source)
+    if self.pass_ is not None and self.pass_.over:  # e.g. handed to a jnp function's own jit
+      raise self.outlived()
+    return (tuple(getattr(self, n) for n in self._CHILDREN),
+            tuple(getattr(self, n) for n in self._STATIC))
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    dim, size, axes, comm_dtype, scatter, comm, source = aux
-    return cls(children[0], dim, size, axes, comm_dtype, full=children[1], scatter=scatter,
-               secondary=children[2], comm=comm, source=source, stored=children[3])
+    fields = dict(zip(cls._CHILDREN + cls._STATIC, tuple(children) + tuple(aux)))
+    return cls(fields.pop("partition"), fields.pop("dim"), fields.pop("dim_size"),
+               fields.pop("axes"), **fields)
+
+  def _replace(self, **changes: Any) -> "ZeroParam":
+    children, aux = self.tree_flatten()
+    fields = dict(zip(self._CHILDREN + self._STATIC, children + aux), **changes)
+    return self.tree_unflatten(tuple(fields[n] for n in self._STATIC),
+                               tuple(fields[n] for n in self._CHILDREN))
 
   def with_partition(self, partition: jax.Array) -> "ZeroParam":
     """This parameter with ``partition`` as its partition, read already (no ``source``)."""
-    return ZeroParam(partition, self.dim, self.size, self.axes, self.comm_dtype, full=self.full,
-                     scatter=self.scatter, secondary=self.secondary, comm=self.comm)
+    return self._replace(partition=partition, source=None, stored=None)
 
   @property
   def partitioned(self) -> bool:
@@ -97,40 +120,97 @@ class ZeroParam:
     if self.full is not None:
       return tuple(self.full.shape)
     shape = list(self.partition.shape)
-    shape[self.dim] = self.size
+    shape[self.dim] = self.dim_size
     return tuple(shape)
 
   @property
   def dtype(self):
     return (self.partition if self.full is None else self.full).dtype
 
-  @property
-  def ndim(self) -> int:
-    return len(self.shape)
-
   def gather(self) -> jax.Array:
     """The full parameter (see the class docstring for what its backward does)."""
+    try:
+      return self._gather()
+    except jax.errors.UnexpectedTracerError:
+      raise self.outlived() from None
+    except NameError as e:  # the ZeRO axes are bound inside the step's shard_map only
+      if "unbound axis name" not in str(e):
+        raise
+      raise self.outlived() from None
+
+  def use(self) -> jax.Array:
+    """The full parameter for a use as an array outside the gathers the model arranges (what
+    :class:`~jzero.comm.param_array.ArrayBehaviour` calls): ``gather()``, issued no earlier than
+    the inputs of the gather unit run last at this trace level exist (:func:`record_unit_inputs`),
+    so a scheduler that issues collectives as early as it can -- XLA's CPU backend does -- does not
+    hold the full parameter from the start of the pass."""
+    if self.pass_ is not None and self.pass_.over:
+      raise self.outlived()
+    last = _LAST_UNIT.get()
+    if self.full is not None or last is None or last[0] != get_opaque_trace_state(
+        convention="nnx"):
+      return self.gather()
+    children, aux = self.tree_flatten()
+    children, _ = lax.optimization_barrier((children, last[1]))
+    return self.tree_unflatten(aux, children).gather()
+
+  def _gather(self) -> jax.Array:
     partition = self.partition
     if self.source is not None:  # a tier keeps the partition: read it onto the device first
       partition = self.source.fetch(self.partition, self.stored)
     if self.comm is not None:  # ZeRO++: quantized / hierarchical collectives
       if self.full is None:
-        return zeropp.gather(partition, self.secondary, self.dim, self.size, self.comm,
+        return zeropp.gather(partition, self.secondary, self.dim, self.dim_size, self.comm,
                              self.comm_dtype)
       return zeropp.attach(self.full, self.partition, self.dim, self.comm)
     if self.full is None:
-      return collectives.gather(partition, self.dim, self.size, self.axes, self.comm_dtype)
+      return collectives.gather(partition, self.dim, self.dim_size, self.axes, self.comm_dtype)
     return collectives.attach(self.full, self.partition, self.dim, self.axes, scatter=self.scatter)
-
-  def __getitem__(self, key):
-    return self.gather()[key]
-
-  def __jax_array__(self):
-    return self.gather()
 
   def __repr__(self):
     kind = "partition" if self.full is None else "full + gradient slot"
-    return f"ZeroParam({kind}, shape={self.shape}, dim={self.dim})"
+    return f"ZeroParam({self.path or '?'}: {kind}, shape={self.shape}, dim={self.dim})"
+
+
+class Pass:
+  """One forward/backward pass of the model over the parameters :func:`one_pass` hands it (static:
+  part of every ZeroParam's tree structure, compared by identity). ``over`` once the pass is."""
+
+  __slots__ = ("over",)
+
+  def __init__(self):
+    self.over = False
+
+
+_PASS: contextvars.ContextVar[Pass | None] = contextvars.ContextVar("jzero_pass", default=None)
+
+
+@contextlib.contextmanager
+def one_pass() -> Iterator[Pass]:
+  """The ZeroParams made inside belong to one pass of the model; used after it, they raise an
+  error naming their path (JAX would reject the program only when it runs, naming a tracer)."""
+  current = Pass()
+  token = _PASS.set(current)
+  try:
+    yield current
+  finally:
+    current.over = True
+    _PASS.reset(token)
+
+
+_LAST_UNIT: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar(
+    "jzero_last_unit", default=None)
+
+
+def record_unit_inputs(arrays: Any) -> Any:
+  """Records ``arrays`` as the inputs of the gather unit starting now at this trace level and
+  returns those of the unit started before it at the same level (None if none): with prefetch a
+  unit's gather waits for them (:mod:`jzero.modeling.gather_units`), and :meth:`ZeroParam.use`
+  waits for the last unit's."""
+  here = get_opaque_trace_state(convention="nnx")
+  previous = _LAST_UNIT.get()
+  _LAST_UNIT.set((here, arrays))
+  return previous[1] if previous is not None and previous[0] == here else None
 
 
 def read_sources(params: list) -> list:

@@ -22,6 +22,14 @@ top-level module, a weight used as ``x @ self.w``) belong to no unit: they are g
 forward pass starts and kept until backward; :func:`check_units` warns when they are large.
 Leaves smaller than ``stage3_param_persistence_threshold`` are not gathered at all (persistent).
 
+**A unit's parameter read from outside its methods** -- a tied LM head reading
+``self.transformer.variables["params"]["wte"]["embedding"].T``, ``x @ self.embed.embedding.T`` in
+NNX -- reaches the reader as the :class:`~jzero.comm.zero_param.ZeroParam` itself, which behaves
+as the full array (:mod:`jzero.comm.param_array`): each use gathers it once and reduce-scatters
+that use's gradient into the one partition. A Linen module handed the ZeroParam itself as its own
+parameter (``nn.Dense(...).apply({"params": {"kernel": p}}, h)``) runs as a unit of its own
+(:class:`LinenUnits`), since flax reads a parameter's shape from what it is handed.
+
 **How a unit gathers.** Every method of the unit's module -- ``__call__`` and the other methods its
 own class defines, such as ``Embed.attend`` for tied embeddings -- runs inside ``jax.checkpoint``
 with the engine's layer policy, and the unit's partitions are gathered at the top of that region.
@@ -55,12 +63,11 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import numpy as np
 from jax import lax
-from jax.extend.core import get_opaque_trace_state
 from flax import linen as nn
 from flax import nnx
 from flax.core import lift
 
-from jzero.comm.zero_param import ZeroParam
+from jzero.comm.zero_param import ZeroParam, record_unit_inputs
 from jzero.errors import JZeroWarning
 from jzero.modeling.layer_scan import current_layer_policy, current_policy, gather, name_layer_inputs
 
@@ -226,18 +233,12 @@ def _split_args(args: tuple, kwargs: dict) -> tuple[list, Callable[[list], tuple
   return arrays, rebuild
 
 
-_PREVIOUS: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar(
-    "jzero_previous_unit", default=None)
-
-
 def _gather_after(arrays: list) -> Any:
   """What a unit's gather waits for: its own inputs, or -- with prefetch -- the inputs of the unit
   run before it at the same trace level, so it can proceed while that unit computes."""
-  here = get_opaque_trace_state(convention="nnx")
-  previous = _PREVIOUS.get()
-  _PREVIOUS.set((here, arrays))
-  if current_layer_policy().prefetch and previous is not None and previous[0] == here:
-    return previous[1]
+  previous = record_unit_inputs(arrays)
+  if current_layer_policy().prefetch and previous is not None:
+    return previous
   return arrays
 
 
@@ -369,9 +370,22 @@ def _gathered_scopes(fn: Callable[..., Any]) -> Callable[..., Any]:
   return lift.pack(inner, (True,), (True,), (True,), name="zero3_unit", enable_kwargs=True)
 
 
+def _handed_partitions(module: nn.Module, path: str) -> bool:
+  """Whether ``module`` holds, as its own parameter, another leaf's stage-3 partition: a module
+  applied to a parameter read elsewhere (``nn.Dense(...).apply({"params": {"kernel": p}}, x)``
+  with ``p`` from another module's ``variables``). It then runs as a unit of its own."""
+  own = module.variables.get("params", {})
+  for name, value in own.items():
+    if (isinstance(value, ZeroParam) and value.partitioned and value.path is not None
+        and value.path != "/".join(filter(None, (path, name)))):
+      return True
+  return False
+
+
 class LinenUnits:
   """A ``nn.intercept_methods`` interceptor that runs the methods of the unit modules (by path) as
-  units.
+  units, and those of a module handed another module's partition as its parameter
+  (:func:`_handed_partitions`).
 
   Linen runs a module's ``setup`` before any interceptor sees the method that triggers it, so a
   unit holding partitions skips it there (its parameters would be read as partitions: ``nn.Embed``
@@ -389,7 +403,8 @@ class LinenUnits:
   def __call__(self, next_fun, args, kwargs, context):
     module = context.module
     path = "/".join(module.path) if module.scope is not None else None
-    if (_IN_UNIT.get() or path not in self.units
+    if (_IN_UNIT.get() or path is None
+        or (path not in self.units and not _handed_partitions(module, path))
         or not holds_partitions(module.variables.get("params", {}))):
       return next_fun(*args, **kwargs)
     if context.method_name == "setup":

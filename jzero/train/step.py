@@ -51,7 +51,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jzero.comm import collectives, program
-from jzero.comm.zero_param import ZeroParam
+from jzero.comm.zero_param import ZeroParam, one_pass
 from jzero.errors import JZeroError, JZeroWarning
 from jzero.modeling.layer_scan import LayerPolicy, engine_context
 from jzero.modeling.model_adapter import ModelAdapter
@@ -213,11 +213,11 @@ def bind(parts: StepParts, targets: PyTree, params: PyTree, secondary: PyTree,
       for tier in parts.tiers:
         extra.update(tier.gather_inputs(parts.tier_view, leaf, p) or {})
       zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, plan.comm_dtype,
-                     secondary=sec, comm=comm, **extra)
+                     secondary=sec, comm=comm, path=leaf.path, **extra)
       keep = leaf.stacked or leaf.unit is not None
     else:
       zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, full=p,
-                     scatter=plan.reduce_scatter, comm=comm)
+                     scatter=plan.reduce_scatter, comm=comm, path=leaf.path)
       keep = leaf.stacked
     return zp if keep else zp.gather()
 
@@ -275,7 +275,7 @@ def local_grads(parts: StepParts, trace: StepTrace, state: TrainState, batch: Py
   key = jax.random.fold_in(key, lax.axis_index(axes.batch_axes))
 
   def scaled_loss(targets, mb, rng, model_state):
-    with engine_context(policy) as log:
+    with engine_context(policy) as log, one_pass():
       model = bind(parts, targets, state.params, state.secondary, model_state, rng)
       out = parts.call_loss(model, mb, rng)
       model_state = parts.model.model_state(model)
@@ -390,7 +390,7 @@ def build_eval(parts: StepParts):
   plan = parts.plan
 
   def local_loss(params, secondary, model_state, mb):
-    with engine_context(LayerPolicy()):
+    with engine_context(LayerPolicy()), one_pass():
       model = parts.model.evaluating(bind(parts, grad_targets(parts, params), params, secondary,
                                           model_state, None))
       out = parts.call_loss(model, mb, None)

@@ -21,6 +21,7 @@ from flax import nnx
 import jzero
 from jzero.analysis import hlo
 from jzero.analysis.memory_report import memory_report
+from jzero.comm.zero_param import ZeroParam
 from jzero.models import GPTConfig
 from jzero.modeling.gather_units import ModuleInfo, UnitRules, choose_units
 from models_testing import N, WIDE, Block, LoopNet, mse, regression_batch
@@ -637,3 +638,70 @@ def test_reading_a_units_setup_attribute_from_outside_names_the_unit_and_the_fix
   engine = make(leaf_module={"classes": ["TableReadDirectly"]})
   state, metrics = engine.train_step(engine.init(jax.random.key(0)), engine.shard_batch(batch))
   assert np.isfinite(float(metrics["loss"]))
+
+
+# --- parameters used outside their unit -----------------------------------------------------------
+
+
+class TiedTwice(nn.Module):
+  """The embedding's table read through ``variables`` outside its unit, twice: handed to a Dense
+  as its kernel (``nn.Dense.apply({"params": {"kernel": table}}, h)``: Hugging Face's tied heads
+  without their transpose) and used as ``h @ table.T``."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    h = nn.Dense(64)(nn.Embed(64, 16, name="embed")(tokens))
+    table = self.variables["params"]["embed"]["embedding"]  # [64, 16], a ZeroParam at stage 3
+    handed = nn.Dense(16, use_bias=False).apply({"params": {"kernel": table}}, h)
+    return handed @ table.T
+
+
+def test_parameters_used_outside_their_unit_train_as_under_ddp():
+  """Stage 3, every leaf partitioned: the Dense handed the embedding's partition runs as a unit of
+  its own, the ``.T`` use gathers it once, and the table's gradient sums the lookup's and both
+  reads' in its one partition. 3 steps equal DDP's to SAME_MATH."""
+  data = [{"tokens": (np.arange(N * 4, dtype=np.int32).reshape(N, 4) * (i + 3)) % 64}
+          for i in range(3)]
+  loss = lambda model, b: jnp.mean((model(b["tokens"]) - 0.5) ** 2)
+  runs = [engine_run(make_engine(_stage3(stage), TiedTwice(), loss,
+                                 init_inputs=lambda b: (b["tokens"],), sample_batch=data[0]), data)
+          for stage in (0, 3)]
+  np.testing.assert_allclose(runs[1][2], runs[0][2], rtol=SAME_MATH)
+  assert max_relative_diff(runs[1][1], runs[0][1]) <= SAME_MATH
+  assert runs[0][2][-1] < runs[0][2][0]
+
+
+class TwoLinears(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.a, self.b = nnx.Linear(8, 8, rngs=rngs), nnx.Linear(8, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.b(self.a(x))
+
+
+def test_a_parameter_used_where_it_cannot_be_names_its_path_and_the_fix():
+  """At stage 3 a parameter outside its unit is a ZeroParam: numpy cannot read it inside the step,
+  and one kept in a Python list past the pass that received it cannot be used in a later one (an
+  evaluation): each error names the plan's path of the leaf and what to do instead."""
+  batch = {"x": np.ones((N, 8), np.float32)}
+  kept = []
+
+  def keeps_a_parameter(model, b):
+    if not kept and isinstance(model.a.kernel.get_value(), ZeroParam):
+      kept.append(model.a.kernel.get_value())
+    return jnp.mean(model(b["x"]) ** 2) + (0.0 * jnp.sum(kept[0]) if kept else 0.0)
+
+  def numpy_reads_it(model, b):
+    return jnp.mean(model(b["x"]) ** 2) + float(np.sum(np.asarray(model.b.bias.get_value())))
+
+  engine = make_engine(_stage3(), TwoLinears, keeps_a_parameter)
+  state, placed = engine.init(jax.random.key(0)), engine.shard_batch(batch)
+  engine.jitted_step(placed).trace(state, placed)  # one pass, traced: it keeps a/kernel
+  with pytest.raises(jzero.JZeroError, match=r"the ZeRO-3 parameter 'a/kernel' was used after "
+                     r"the forward/backward pass that received it.*Read it again from the model"):
+    engine.eval_loss(state, engine.shard_batch(batch))
+  engine = make_engine(_stage3(), TwoLinears, numpy_reads_it)
+  with pytest.raises(jzero.JZeroError, match=r"numpy asked for the values of the ZeRO-3 parameter "
+                     r"'b/bias'.*jnp\.asarray\(p\) gathers it"):
+    state = engine.init(jax.random.key(0))
+    engine.jitted_step(placed).trace(state, placed)

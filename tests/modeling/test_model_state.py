@@ -252,6 +252,45 @@ def test_restart_is_bitwise_and_continues_on_four_devices_at_another_stage(runs,
   _check_params(run["four"][0], ref_params, where)
 
 
+def test_a_plain_flax_checkpoint_with_statistics_continues_in_jzero_and_goes_back(runs, tmp_path):
+  """flax's imagenet layout -- a ``CheckpointManager`` step with items ``params``, ``batch_stats``
+  and ``opt_state`` -- written by the plain loop after step 5 continues in jzero (the ResNet at
+  stage 3, micro-batch 1 x 4) through ``import_optax(**read_optax(dir))``: steps 6-10 and the
+  statistics are the plain loop's own. Written back out (``export_optax``) the statistics are an
+  item beside ``params``, bit for bit the state's."""
+  data, results, references, _ = runs
+  run, gas = results["resnet", 3], RUNS["resnet", 3]
+  engine, key = run["engine"], run["train_key"]
+  step, tx = _reference_step("resnet")
+  params, stats = jax.tree.map(jnp.asarray, results["resnet", 0]["initial"])
+  opt = tx.init(params)
+  for index in range(SAVE_AT):
+    params, opt, stats, _ = step(params, opt, stats, data[index], gas, N, key, index)
+  manager = ocp.CheckpointManager(tmp_path / "plain")
+  manager.save(SAVE_AT, args=ocp.args.Composite(
+      params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt),
+      batch_stats=ocp.args.StandardSave(stats["batch_stats"])))
+  manager.wait_until_finished()
+  manager.close()
+
+  state = engine.import_optax(**checkpoint.read_optax(tmp_path / "plain"))
+  assert int(state.step) == SAVE_AT
+  assert max_relative_diff(jax.device_get(state.model_state), jax.device_get(stats)) == 0.0
+  state, losses, (final_params, final_stats) = _steps(engine, state, data[SAVE_AT:])
+  ref_params, ref_stats, ref_losses = references["resnet", gas]
+  np.testing.assert_allclose(losses, ref_losses[SAVE_AT:], rtol=SAME_MATH)
+  assert max_relative_diff(final_stats, ref_stats) <= VS_ONE_DEVICE
+  _check_params(final_params, ref_params, "resnet imported from a plain flax checkpoint")
+
+  engine.save_checkpoint(state, tmp_path / "jzero")
+  engine.wait_for_checkpoints()
+  out = checkpoint.export_optax(tmp_path / "jzero", tmp_path / "out", engine.tx)
+  back = checkpoint.read_optax(out.parent)
+  assert set(back) >= {"params", "opt_state", "batch_stats"}
+  assert max_relative_diff(back["batch_stats"], jax.device_get(state.model_state["batch_stats"])
+                           ) == 0.0
+
+
 def test_eval_uses_the_running_statistics(runs):
   """``eval_loss`` normalises by the trained running statistics: it matches the model evaluated
   with the plain loop's parameters and statistics (Linen ``train=False``, NNX ``model.eval()``),
