@@ -76,7 +76,8 @@ def state_report(engine: Any, state: Any) -> dict[str, dict[str, int]]:
   if getattr(state, "secondary", None) is not None:
     report["secondary"] = live_bytes(state.secondary, device)
   for tier in getattr(engine, "tiers", ()):  # what tiers hold outside the arrays (the NVMe store)
-    for category, kinds in tier.measured_bytes(engine).items():
+    for category, kinds in tier.measured_bytes(engine.plan,
+                                               engine.resources.get(tier.name)).items():
       for kind, nbytes in kinds.items():
         report[category][kind] = report[category].get(kind, 0) + nbytes
   if getattr(state, "delayed", None) is not None:  # the carried gradient (jzero.tiers.delayed)
@@ -197,7 +198,7 @@ def _state_bytes_per_param(engine: Any, state: Any) -> tuple[float, float]:
   master = sum(x.nbytes for x in jax.tree.leaves(state.master))
   optimizer = sum(jax.tree.leaves(param_like))
   for tier in getattr(engine, "tiers", ()):  # e.g. NVMe leaves: 0-byte placeholders in the state
-    held = tier.held_bytes(engine)
+    held = tier.held_bytes(engine.plan, engine.resources.get(tier.name))
     master, optimizer = master + held.get("master", 0), optimizer + held.get("optimizer", 0)
   return master / numel, optimizer / numel
 
@@ -241,7 +242,8 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
                  optimizer_bytes=master_k + opt_k,
                  persistence_threshold=zero.param_persistence_threshold,
                  model_persistence_threshold=zero.model_persistence_threshold,
-                 gathered=engine.gathered_working_set(), prefetch=program.prefetches(plan),
+                 gathered=engine.gathered_working_set(state, batch),
+                 prefetch=program.prefetches(plan),
                  hpz_partition_size=plan.zeropp.hpz,
                  delayed_update=getattr(state, "delayed", None) is not None)
   # Offload: master + optimizer state are predicted over the tiers they live on. jzero's gradient

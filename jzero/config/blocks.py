@@ -64,8 +64,28 @@ def _check_flag(value: Any) -> Any:
   raise ValueError(f"expected true or false, got {show(value)}")
 
 
+def _check_name_or_flag(value: Any) -> Any:
+  """Accepts true/false, "auto" and a name: what a registry answers (a tier's ``device`` value,
+  a quantized collective's name) is checked where the registry is read, before any device work
+  (:func:`jzero.tiers.registry.check_config`, :func:`jzero.sharding.zeropp.resolve`)."""
+  if isinstance(value, (bool, str)):
+    return value
+  raise ValueError(f"expected true, false or a name, got {show(value)}")
+
+
+def _check_name(value: Any) -> Any:
+  """Accepts a name (see :func:`_check_name_or_flag`)."""
+  if isinstance(value, str):
+    return value
+  raise ValueError(f"expected a name, got {show(value)}")
+
+
 # "auto" passes the validators; the field type decides whether it is allowed (Auto in the type).
 Flag = Annotated[bool, BeforeValidator(_check_flag)]
+#: true / false / "auto", or the name of a quantized collective (jzero.sharding.quantization).
+Quantization = Annotated[bool | str, BeforeValidator(_check_name_or_flag)]
+#: An offload block's ``device``: "none", "auto", or a value a tier answers (jzero.tiers.registry).
+Device = Annotated[str, BeforeValidator(_check_name)]
 AutoFlag = Annotated[bool | Auto, BeforeValidator(_check_flag)]
 Size = Annotated[int, number(True, lo=0)]
 AutoSize = Annotated[int | Auto, number(True, lo=0)]
@@ -121,7 +141,7 @@ def _cpu_if(on: Any) -> dict | None:
 class OffloadParamConfig(_Block):
   """``zero_optimization.offload_param`` (DeepSpeedZeroOffloadParamConfig; stage 3 only)."""
 
-  device: Literal["none", "cpu", "nvme", "auto"] = "none"
+  device: Device = "none"  # "cpu", "nvme", or another tier's value (jzero.tiers.registry)
   nvme_path: str | None = None
   buffer_count: AutoSize = 5
   buffer_size: AutoSize = 100_000_000
@@ -132,7 +152,7 @@ class OffloadParamConfig(_Block):
 class OffloadOptimizerConfig(_Block):
   """``zero_optimization.offload_optimizer`` (DeepSpeedZeroOffloadOptimizerConfig)."""
 
-  device: Literal["none", "cpu", "nvme", "auto"] = "none"
+  device: Device = "none"  # "cpu", "nvme", or another tier's value (jzero.tiers.registry)
   nvme_path: str | None = None
   buffer_count: AutoSize = 4
   pin_memory: AutoFlag = True
@@ -198,9 +218,11 @@ class ZeroConfig(_Block):
   legacy_stage1: AutoFlag = False
   round_robin_gradients: AutoFlag = False
   zero_hpz_partition_size: AutoSize = 1
-  zero_quantized_weights: AutoFlag = False
+  # true (DeepSpeed's int8 / int4) or a strategy's name (jzero.sharding.quantization.WEIGHTS /
+  # GRADIENTS, checked by jzero.sharding.zeropp.resolve)
+  zero_quantized_weights: Quantization = False
   zero_quantized_nontrainable_weights: AutoFlag = False
-  zero_quantized_gradients: AutoFlag = False
+  zero_quantized_gradients: Quantization = False
   zeropp_loco_param: dict[str, Any] | None = None
   mics_shard_size: AutoInt = -1
   mics_hierarchical_params_gather: AutoFlag = False

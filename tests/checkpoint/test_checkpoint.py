@@ -24,7 +24,6 @@ from safetensors import safe_open
 import jzero
 from jzero import checkpoint
 from jzero.checkpoint.layout import opt_leaves
-from jzero.checkpoint.restore import abstract_state, broadcast
 from jzero.cli import main as cli_main
 from jzero.errors import CheckpointError, JZeroWarning
 from jzero.models import GPTConfig
@@ -83,11 +82,11 @@ def _moment(name: str) -> str | None:
 
 def _place(engine, truth: dict) -> jzero.TrainState:
   """The TrainState ``engine`` would hold with these logical values, placed with device_put."""
-  abstract = abstract_state(engine, None)
+  abstract = engine.abstract_state()
   plan = engine.plan
   leaves = {f"{g}/{l.path}": l for g in ("params", "master") for l in plan.leaf_list()}
-  leaves.update(opt_leaves(engine, abstract.opt_state))
-  shardings = jax.tree.leaves(broadcast(engine.state_shardings(), abstract))
+  leaves.update(opt_leaves(plan, engine.tx, abstract.opt_state))
+  shardings = [x.sharding for x in jax.tree.leaves(abstract)]
   values = []
   for (name, x), sharding in zip(flat(abstract).items(), shardings):
     leaf = leaves.get(name)
@@ -110,10 +109,10 @@ def _place(engine, truth: dict) -> jzero.TrainState:
 def _check_state(engine, state: jzero.TrainState, truth: dict) -> None:
   """``state`` holds ``truth`` exactly, in ``engine``'s layout and shardings, padding zero."""
   plan = engine.plan
-  abstract = abstract_state(engine, None)
-  expected = jax.tree.leaves(broadcast(engine.state_shardings(), abstract))
+  abstract = engine.abstract_state()
+  expected = [x.sharding for x in jax.tree.leaves(abstract)]
   assert all(x.sharding == s for x, s in zip(jax.tree.leaves(state), expected))
-  leaves = opt_leaves(engine, abstract.opt_state)
+  leaves = opt_leaves(plan, engine.tx, abstract.opt_state)
   by_path = {leaf.path: leaf for leaf in plan.leaf_list()}
   for name, x in flat(state).items():
     x = np.asarray(x)
@@ -320,7 +319,7 @@ def test_import_weights_into_any_stage(tmp_path):
   checkpoint.consolidate(tmp_path / "ckpt", safetensors=tmp_path / "w.safetensors")
   checkpoint.consolidate(tmp_path / "ckpt", orbax=tmp_path / "w16", dtype="bf16")
   target = _engine(2, 4)
-  state = target.init(jax.random.key(1), params=checkpoint.load_weights(target, tmp_path /
+  state = target.init(jax.random.key(1), params=target.load_weights(tmp_path /
                                                                           "w.safetensors"))
   for path, x in flat(target.logical_params(state)).items():
     np.testing.assert_array_equal(np.asarray(x), truth["params"][path])
@@ -331,8 +330,8 @@ def test_import_weights_into_any_stage(tmp_path):
 
   with pytest.raises(CheckpointError, match=r"do not fit the model's shapes: blocks/attn_out/bias: "
                      r"\(2, 64\) in the weights, \(2, 32\) in the model"):
-    checkpoint.load_weights(_engine(0, 2, model=GPTConfig(d_model=32, n_layers=2, n_heads=4,
-                                                          seq_len=32)), tmp_path / "w.safetensors")
+    _engine(0, 2, model=GPTConfig(d_model=32, n_layers=2, n_heads=4, seq_len=32)).load_weights(
+        tmp_path / "w.safetensors")
 
 
 def test_16bit_weights_written_at_save_and_keep_last(tmp_path):
@@ -420,13 +419,13 @@ def test_boxed_linen_weights_convert_under_the_modules_names(tmp_path):
   assert set(checkpoint.read_weights(tmp_path / "ckpt" / "0" / checkpoint.WEIGHTS16)) == names
   trained = flat(linen.meta.unbox(boxed.logical_params(state)))
   for target in (engine(False), boxed):
-    loaded = target.init(jax.random.key(1), params=checkpoint.load_weights(target, out))
+    loaded = target.init(jax.random.key(1), params=target.load_weights(out))
     for name, x in flat(linen.meta.unbox(target.logical_params(loaded))).items():
       np.testing.assert_array_equal(np.asarray(x), np.asarray(trained[name]))
   old_names = tmp_path / "boxed_names.safetensors"  # written before the names were unboxed
   safetensors.numpy.save_file({("up/kernel/value" if n == "up/kernel" else n): np.asarray(x)
                                for n, x in trained.items()}, str(old_names))
-  assert set(flat(checkpoint.load_weights(boxed, old_names))) == set(flat(state.params))
+  assert set(flat(boxed.load_weights(old_names))) == set(flat(state.params))
 
 
 @pytest.fixture(scope="module")

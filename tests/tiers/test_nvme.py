@@ -22,7 +22,7 @@ import pytest
 
 import jzero
 from jzero.errors import ConfigError, NotSupportedError
-from jzero.tiers import nvme_state
+from jzero.tiers import nvme_settings, nvme_state
 from jzero.tiers import nvme_store
 from nvme_worker import batch, config, loss_fn, model_factory
 from zero_testing import SAME_MATH, make_engine, max_relative_diff
@@ -117,11 +117,11 @@ def test_bf16_partial_nvme_and_checkpoints_across_tiers(tmp_path):
 
 
 def test_two_engines_in_one_process_never_share_a_directory(tmp_path):
-  """(The stores are made by the engines' plans: abstract_state traces init, no device work.)"""
-  from jzero.checkpoint.restore import abstract_state
+  """(The stores are opened with the engines' plans: abstract_state makes them, no device
+  work.)"""
   first, second = _engine(1, tmp_path), _engine(1, tmp_path)
-  abstract_state(first, None)
-  abstract_state(second, None)
+  first.abstract_state()
+  second.abstract_state()
   a, b = first.nvme_store.run_directory, second.nvme_store.run_directory
   assert a != b and a.parent == b.parent == tmp_path / "zero_stage_1"
   assert f"-{os.getpid()}-" in a.name and f"-{os.getpid()}-" in b.name
@@ -170,7 +170,7 @@ def test_missing_nvme_path_is_created_when_its_parent_exists(tmp_path):
   created = [w for w in record if "did not exist: jzero created it" in str(w.message)]
   assert len(created) == 1 and created[0].filename == __file__, [str(w.message) for w in record]
   assert str(path) in str(created[0].message)
-  assert path.is_dir() and engine.nvme_settings.path == path
+  assert path.is_dir() and nvme_settings.settings_from_config(engine.config).path == path
 
 
 def test_nvme_settings_map_to_tensorstore_or_are_refused(tmp_path):
@@ -178,7 +178,7 @@ def test_nvme_settings_map_to_tensorstore_or_are_refused(tmp_path):
   cfg["aio"] = {"queue_depth": 16, "intra_op_parallelism": 4, "block_size": 4096}
   with pytest.warns(jzero.JZeroWarning, match="aio.block_size=4096 has no effect"):
     engine = make_engine(cfg, model_factory(), loss_fn)
-  s = engine.nvme_settings
+  s = nvme_settings.settings_from_config(engine.config)
   assert (s.queue_depth, s.intra_op_parallelism, s.buffer_count, s.sub_group_size) == (16, 4, 2, 60)
   assert s.pipeline_read and s.pipeline_write
   cfg["aio"] = {"use_gds": True}
