@@ -22,6 +22,7 @@ from jzero.config import Config
 from jzero.config.messages import user_stacklevel
 from jzero.errors import ConfigError, JZeroWarning
 from jzero.runtime.data import DataLoader
+from jzero.runtime import logs
 from jzero.runtime.distributed import init_distributed
 from jzero.sharding.mesh import MeshSpec, ZeroMesh
 from jzero.tiers import delayed, nvme_settings, registry
@@ -97,6 +98,7 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
   The config's monitors (``tensorboard``, ``csv_monitor``, ``wandb``) are opened here, on process
   0, and written every step (:mod:`jzero.train.monitor`).
   """
+  logs.show_log()  # jzero's log on stdout, as DeepSpeed's (unless the application configured it)
   init_distributed()  # joins the other processes when launched as one of several (jzero launch, SLURM...)
   given = config if isinstance(config, Config) else Config.load(config)
   given.check_supported()
