@@ -64,7 +64,7 @@ class StepRunner:
     else:
       fn = programs.fused(batch, variant)
       lowering = lambda: [(fn, reporting.abstract_arguments((state, batch)))]
-      self.reporter.running(variant, not built, lowering)
+      self.reporter.running(("fused", variant), not built, lowering)
       state, metrics, outputs = fn(state, batch)
       state = update.after(state, metrics, outputs)  # e.g. the NVMe store's update of its leaves
     self.step += 1

@@ -101,7 +101,7 @@ def test_bf16_partial_nvme_and_checkpoints_across_tiers(tmp_path):
   plain = _engine(3, precision="bf16")
   restored = plain.load_checkpoint(tmp_path / "ckpt")
   assert max_relative_diff(jax.tree.map(np.asarray, plain.logical_params(restored)), params) == 0
-  full = nvme_state.full_state(engine, state)
+  full = nvme_state.full_state(engine.plan, engine.nvme_store, state)
   for a, b in zip(jax.tree.leaves(full.opt_state), jax.tree.leaves(restored.opt_state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   plain.save_checkpoint(restored, tmp_path / "plain")
@@ -110,7 +110,7 @@ def test_bf16_partial_nvme_and_checkpoints_across_tiers(tmp_path):
   again = back.load_checkpoint(tmp_path / "plain")
   assert back.nvme_store.step == STEPS and back.nvme_store.directory != engine.nvme_store.directory
   assert max_relative_diff(jax.tree.map(np.asarray, back.logical_params(again)), params) == 0
-  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(nvme_state.full_state(back, again))):
+  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(nvme_state.full_state(back.plan, back.nvme_store, again))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   again, metrics = back.train_step(again, back.shard_batch(batch(STEPS)))
   assert np.isfinite(float(metrics["loss"])) and back.nvme_store.step == STEPS + 1
