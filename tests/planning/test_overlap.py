@@ -1,0 +1,254 @@
+"""ZeRO-3's overlap where memory is tight (jzero.comm.program, jzero.planning.overlap,
+jzero.planning.loop_overlap, the loop counts of jzero.analysis.hlo).
+
+The mechanism at a small scale: a 110M GPT on 8 compile-only A100s whose memory is cut to 600 MB,
+so that the step's resident state is a third of the card, as the 10B model's is on 8 A100-40GB
+(the full-size table is bench/aot_overlap.py's). Overlap figures are the compiler's deterministic
+output for this jax; they are asserted as they come.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+
+import pytest
+
+from jzero.analysis.hlo import Collective, collectives, trip_count
+from jzero.comm import program
+from jzero.errors import JZeroWarning
+from jzero.models import GPTConfig
+from jzero.planning import aot, aot_report, loop_overlap, overlap
+from jzero.sharding.mesh import MeshSpec
+from zero_testing import needs_cuda_compiler
+
+# A step as XLA's GPU compiler leaves it with gas 4: the collective pipeliner peeled the first
+# micro-batch out of the accumulation loop (its layer loop runs at the top level, its gathers
+# overlapped) and dropped the loop's trip count annotation; inside the loop, the layer loop's
+# gather runs synchronously.
+PEELED = """HloModule m, is_scheduled=true
+
+%fused_add (p: s32[]) -> s32[] {
+  %p = s32[] parameter(0)
+  %one = s32[] constant(1)
+  ROOT %sum = s32[] add(%p, %one)
+}
+
+%fused_compare (q: s32[]) -> pred[] {
+  %q = s32[] parameter(0)
+  %three = s32[] constant(3)
+  ROOT %lt = pred[] compare(%q, %three), direction=LT
+}
+
+%layer (lp: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %lp = (s32[], f32[2]) parameter(0)
+  %lx = f32[2]{0} get-tuple-element(%lp), index=1
+  %ag = (f32[2], f32[16]) all-gather-start(%lx), replica_groups={{0,1,2,3,4,5,6,7}}, \
+dimensions={0}, backend_config={"is_sync":false}
+  %f = f32[2]{0} fusion(%lx), kind=kCustom, calls=%gemm_fusion_dot.1_computation
+  %agd = f32[16]{0} all-gather-done(%ag)
+  ROOT %lt = (s32[], f32[2]) tuple(%lp, %f)
+}
+
+%layer_sync (sp: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %sp = (s32[], f32[2]) parameter(0)
+  %sx = f32[2]{0} get-tuple-element(%sp), index=1
+  %sag = (f32[2], f32[16]) all-gather-start(%sx), replica_groups={{0,1,2,3,4,5,6,7}}, \
+dimensions={0}, backend_config={"is_sync":true}
+  %sagd = f32[16]{0} all-gather-done(%sag)
+  %sf = f32[2]{0} fusion(%sx), kind=kLoop, calls=%fused_add
+  ROOT %st = (s32[], f32[2]) tuple(%sp, %sf)
+}
+
+%acc_cond (cp: (s32[], f32[2])) -> pred[] {
+  %cp = (s32[], f32[2]) parameter(0)
+  %ci = s32[] get-tuple-element(%cp), index=0
+  ROOT %c = pred[] fusion(%ci), kind=kLoop, calls=%fused_compare
+}
+
+%acc (ap: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %ap = (s32[], f32[2]) parameter(0)
+  %ai = s32[] get-tuple-element(%ap), index=0
+  %inner = (s32[], f32[2]) while(%ap), condition=%acc_cond, body=%layer_sync, \
+backend_config={"known_trip_count":{"n":"40"}}
+  %next = s32[] fusion(%ai), kind=kLoop, calls=%fused_add
+  %ax = f32[2]{0} get-tuple-element(%inner), index=1
+  ROOT %at = (s32[], f32[2]) tuple(%next, %ax)
+}
+
+ENTRY %main (x: f32[2]) -> f32[2] {
+  %x = f32[2]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %start = s32[] copy(%zero)
+  %init = (s32[], f32[2]) tuple(%start, %x)
+  %first = (s32[], f32[2]) while(%init), condition=%acc_cond, body=%layer, \
+backend_config={"known_trip_count":{"n":"40"}}
+  %loop = (s32[], f32[2]) while(%init), condition=%acc_cond, body=%acc, \
+backend_config={"known_induction_variable":{"tuple_index":"0"}}
+  ROOT %out = f32[2]{0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_a_peeled_accumulation_loop_is_counted_and_told_apart():
+  first, in_loop = sorted(collectives(PEELED), key=lambda c: c.count)
+  # the unannotated loop runs 3 times (i = 0, 1, 2 < 3): its layer loop's gather 3 x 40 times
+  assert (first.count, first.loops, first.overlapped) == (40, (("first", 40),), True)
+  assert (in_loop.count, in_loop.loops, in_loop.is_async) == (120, (("loop", 3), ("inner", 40)),
+                                                              False)
+  assert _trips(PEELED) == 3
+  assert _trips(PEELED.replace("direction=LT", "direction=LE")) == 4  # i <= 3
+  assert _trips(PEELED.replace("%start = s32[] copy(%zero)", "%start = s32[] constant(2)")) == 1
+  assert _trips(PEELED.replace('"known_induction_variable"', '"no_variable"')) is None
+  assert loop_overlap.accumulation_loop([first, in_loop], gas=4) == "loop"
+  assert loop_overlap.accumulation_loop([first, in_loop], gas=1) is None
+  shares = loop_overlap.breakdown([first, in_loop], gas=4)
+  assert [(s.where, s.kind, s.overlap) for s in shares] == [
+      (loop_overlap.IN_LOOP, "all-gather", 0.0), (loop_overlap.OUTSIDE, "all-gather", 1.0)]
+  assert shares[0].sync_bytes == shares[0].sent_bytes == 3 * shares[1].sent_bytes
+  assert loop_overlap.place_overlap(shares, loop_overlap.IN_LOOP) == 0.0
+  assert math.isnan(loop_overlap.place_overlap(shares[1:], loop_overlap.IN_LOOP))
+
+
+def _trips(text: str) -> int | None:
+  """trip_count of the while named "loop" in ``text``."""
+  from jzero.analysis.hlo import _parse_module
+
+  comps = _parse_module(text).comps
+  rest = next(rest for name, _, _, rest in comps["main"] if name == "loop")
+  return trip_count(comps, "main", rest)
+
+
+def test_the_slop_factor_gives_a_compile_the_limit_of_a_run():
+  # a run: (pool - io) x 100%; without the device XLA reads (0.8 x card - io) x slop
+  card, io = 42e9, 17e9
+  slop = program.scheduler_slop_for(100, 0.95 * card, card, io)
+  assert slop == math.floor(100 * (0.95 * card - io) / (0.8 * card - io)) == 137
+  assert (0.8 * card - io) * slop / 100 <= 0.95 * card - io
+  assert program.scheduler_slop_for(95, 0.5 * card, card, 40e9) == 95  # no base: left as is
+
+
+def _report(prefetch: bool, peak: int, overlapped: bool) -> aot_report.AotReport:
+  """A report of 8 GB gathered, all overlapped or none, at ``peak`` bytes of a 100-byte card."""
+  gather = Collective("all-gather", "ag", 8_000_000_000, 8, (), 1, is_async=True,
+                      overlapped_ops=int(overlapped))
+  return aot_report.AotReport(
+      gpu="A100", gpu_name="a100", devices=8, nodes=1, mesh="", stage=3, precision="bf16",
+      model="", num_params=1, micro_batch=1, gradient_accumulation_steps=4,
+      checkpoint_activations=True, state={}, estimate={}, argument=0, output=0, temp=peak,
+      alias=0, device_memory=100, memory_fraction=0.95, trace_s=0, lower_s=0, compile_s=0,
+      collectives=[gather], xla_options={}, prefetch=prefetch, largest_gathered=2 * 434_000_000)
+
+
+@pytest.mark.parametrize("with_prefetch, without, chosen", [
+    (_report(True, 96, True), _report(False, 94, True), "no prefetch"),  # only without fits
+    (_report(True, 94, False), _report(False, 94, True), "no prefetch"),  # it overlaps more
+    (_report(True, 94, True), None, None),  # fits and overlaps: one compile
+    (_report(True, 94, False), _report(False, 94, False), "prefetch")])  # a tie keeps it
+def test_auto_takes_the_step_that_fits_then_the_one_that_overlaps_more(
+    monkeypatch, with_prefetch, without, chosen):
+  """stage3_max_live_parameters "auto": the step with the prefetch first, compiled without it
+  too when that one does not fit or overlaps under 90%; the better is taken, said with the
+  number that makes it."""
+  compiled = []
+
+  def compile_once(target, data):
+    compiled.append(data["zero_optimization"]["stage3_max_live_parameters"])
+    return with_prefetch if len(compiled) == 1 else without
+
+  monkeypatch.setattr(aot, "compile_once", compile_once)
+  target = type("Target", (), {"say": staticmethod(lambda _: None)})()
+  r = overlap.compile_resolved(target, {"zero_optimization": {
+      "stage": 3, "stage3_max_live_parameters": "auto"}})
+  if chosen is None:
+    assert compiled == ["auto"] and r.choices == () and r.prefetch
+    return
+  assert compiled == ["auto", 434_000_000]  # one layer's parameters: no prefetch
+  assert r.choices[0].startswith(f'stage3_max_live_parameters "auto": {chosen} (set it to ')
+  assert r.prefetch is (chosen == "prefetch")
+  assert ("set it to 434M" in r.choices[0]) is (chosen == "no prefetch")
+
+
+@needs_cuda_compiler
+def test_compile_options_carry_the_pool_limit_and_the_prefetch_cap(monkeypatch):
+  """overlap_comm: the scheduler's limit at the whole pool (unless XLA_FLAGS names it); stage 3's
+  prefetch when stage3_max_live_parameters holds two layers ("auto": always), not otherwise; a
+  layer larger than the cap is said."""
+  import jax
+
+  from jzero.train.initialize import initialize
+  from jzero.models import GPT, lm_loss
+
+  small = GPTConfig(d_model=64, n_layers=2, n_heads=4, seq_len=32)
+  mesh = MeshSpec.default().build(aot.gpu_devices("h100", 8))
+
+  def plan(max_live, **zero):
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "zero_optimization": {"stage": 3, "stage3_max_live_parameters": max_live,
+                                    "stage3_param_persistence_threshold": 0, **zero}}
+    engine = initialize(model=lambda rngs: GPT(small, rngs=rngs), loss_fn=lm_loss, config=config,
+                        mesh=mesh)
+    jax.eval_shape(engine.init, jax.random.key(0))
+    return engine.plan
+
+  layer = plan("auto").gathered_working_set()[0]
+  assert layer == 12 * 64 * 64 + 10 * 64  # qkv, out, MLP in and out; biases and LayerNorms
+  for max_live, prefetch in (("auto", True), (2 * layer, True), (2 * layer - 1, False)):
+    p = plan(max_live)
+    options = program.compile_options(p)
+    assert p.prefetch is prefetch, max_live
+    assert options.get("xla_gpu_enable_pipelined_all_gather", False) is prefetch, max_live
+    assert options[program.SLOP_OPTION] == program.SCHEDULER_POOL_PERCENT == 100
+  with pytest.warns(JZeroWarning, match=f"one layer of the scanned stack holds {layer:,} param"):
+    assert plan(layer - 1).prefetch is False
+  assert program.SLOP_OPTION not in program.compile_options(plan("auto", overlap_comm=False))
+  monkeypatch.setenv("XLA_FLAGS", f"--{program.SLOP_OPTION}=120")
+  assert program.SLOP_OPTION not in program.compile_options(plan("auto"))
+
+
+# -- the mechanism, compiled -----------------------------------------------------------------------
+MODEL = GPTConfig(vocab_size=8192, seq_len=512, d_model=1024, n_layers=8, n_heads=8)
+CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+          "bf16": {"enabled": True}, "activation_checkpointing": {},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+          "zero_optimization": {"stage": 3}}
+CARD = 600_000_000  # bytes: the resident state (192 MB) is a third of it
+
+
+@pytest.fixture(scope="module")
+def small_card(tmp_path_factory):
+  text = aot.gpu_spec("a100-40gb").text
+  path = tmp_path_factory.mktemp("spec") / "a100_600mb.txtpb"
+  path.write_text(re.sub(r"device_memory_size:\s*\d+", f"device_memory_size: {CARD}", text))
+  return str(path)
+
+
+@needs_cuda_compiler
+def test_in_loop_collectives_overlap_once_the_scheduler_has_the_pool(small_card):
+  """Compiled with the limit XLA gives a part that is not present -- 95% of (80% of the card less
+  the inputs and outputs), what jzero aot compiled before -- the gathers and reduce-scatters
+  inside the accumulation loop run synchronously; with the limit a run with 95% of the card
+  has, and jzero's slop factor (the whole pool), all of them overlap, and the peak fits."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    target, data = aot.prepare(CONFIG, small_card, 8, model=MODEL, memory_fraction=0.95)
+    before = aot.compile_once(target, data, slop=program.XLA_DEFAULT_SLOP_PERCENT)
+    now = overlap.compile_resolved(target, data)
+  io = now.argument + now.output - now.alias  # what XLA subtracts: jzero read it before compiling
+  assert now.xla_options[program.SLOP_OPTION] == program.scheduler_slop_for(
+      100, 0.95 * CARD, CARD, io)
+  assert now.scheduler_limit == pytest.approx(0.95 * CARD - io, rel=1e-6)
+  assert before.scheduler_limit == pytest.approx(0.95 * (0.8 * CARD - io), rel=1e-6)
+  for r in (before, now):
+    assert r.sent_bytes == pytest.approx(before.sent_bytes, rel=0.01)  # the same traffic
+  shares = {r: loop_overlap.breakdown(r.collectives, 4) for r in (before, now)}
+  in_loop = {r: loop_overlap.place_overlap(shares[r], loop_overlap.IN_LOOP) for r in shares}
+  assert round(in_loop[before], 3) == 0.551 and round(before.overlap_fraction, 3) == 0.641
+  assert sum(s.sync_bytes for s in shares[before] if s.where == loop_overlap.IN_LOOP) > 0
+  assert in_loop[now] == 1.0 and round(now.overlap_fraction, 3) == 0.978
+  assert now.fits and now.peak <= 0.95 * CARD
+  text = aot_report.format_report(now)
+  assert "overlap by place and kind" in text and "in the accumulation loop" in text
+  assert "latency-hiding scheduler planned within" in text
