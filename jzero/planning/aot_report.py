@@ -18,7 +18,8 @@ from jzero.analysis.hlo import Collective
 from jzero.analysis.tables import (format_bytes, format_count, html_table, require_pyplot,
                                     text_table)
 
-__all__ = ["Advice", "AotReport", "report_parts", "format_report", "STATE_KINDS"]
+__all__ = ["Advice", "AotReport", "report_parts", "format_report", "format_overlap",
+           "STATE_KINDS"]
 
 STATE_KINDS = ("params", "grads", "master", "optimizer")
 
@@ -295,8 +296,18 @@ def _overlap_parts(r: AotReport) -> list[Any]:
 
 def format_report(r: AotReport) -> str:
   """The report as text: memory by kind (plan vs estimator), XLA's analysis, fit, collectives."""
+  return _text(report_parts(r))
+
+
+def format_overlap(r: AotReport) -> str:
+  """The overlap by place and kind, the scheduler's limit, "auto"'s choices and the advice, as
+  text (what ``jzero plan`` prints for its chosen config)."""
+  return _text(_overlap_parts(r))
+
+
+def _text(parts: list[Any]) -> str:
   lines = []
-  for part in report_parts(r):
+  for part in parts:
     if isinstance(part, str):
       lines.append(part)
       continue

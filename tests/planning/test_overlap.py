@@ -1,9 +1,9 @@
 """ZeRO-3's overlap where memory is tight (jzero.comm.program, jzero.planning.overlap,
 jzero.planning.loop_overlap, the loop counts of jzero.analysis.hlo).
 
-The mechanism at a small scale: a 110M GPT on 8 compile-only A100s whose memory is cut to 600 MB,
-so that the step's resident state is a third of the card, as the 10B model's is on 8 A100-40GB
-(the full-size table is bench/aot_overlap.py's). Overlap figures are the compiler's deterministic
+The mechanism at a small scale: a 12.6M GPT (4 layers x 512) on 8 compile-only A100s whose memory
+is cut to 85 MB, so that the step needs 80% of the card, as the 10B model does on 8 A100-40GB (the
+full-size table is bench/aot_overlap.py's). Overlap figures are the compiler's deterministic
 output for this jax; they are asserted as they come.
 """
 
@@ -209,18 +209,18 @@ def test_compile_options_carry_the_pool_limit_and_the_prefetch_cap(monkeypatch):
 
 
 # -- the mechanism, compiled -----------------------------------------------------------------------
-MODEL = GPTConfig(vocab_size=8192, seq_len=512, d_model=1024, n_layers=8, n_heads=8)
+MODEL = GPTConfig(vocab_size=512, seq_len=64, d_model=512, n_layers=4, n_heads=4)
 CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
           "bf16": {"enabled": True}, "activation_checkpointing": {},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
           "zero_optimization": {"stage": 3}}
-CARD = 600_000_000  # bytes: the resident state (192 MB) is a third of it
+CARD = 85_000_000  # bytes: the step's peak is 80% of it, its resident state 27%
 
 
 @pytest.fixture(scope="module")
 def small_card(tmp_path_factory):
   text = aot.gpu_spec("a100-40gb").text
-  path = tmp_path_factory.mktemp("spec") / "a100_600mb.txtpb"
+  path = tmp_path_factory.mktemp("spec") / "a100_85mb.txtpb"
   path.write_text(re.sub(r"device_memory_size:\s*\d+", f"device_memory_size: {CARD}", text))
   return str(path)
 
@@ -236,18 +236,21 @@ def test_in_loop_collectives_overlap_once_the_scheduler_has_the_pool(small_card)
     target, data = aot.prepare(CONFIG, small_card, 8, model=MODEL, memory_fraction=0.95)
     before = aot.compile_once(target, data, slop=program.XLA_DEFAULT_SLOP_PERCENT)
     now = overlap.compile_resolved(target, data)
-  io = now.argument + now.output - now.alias  # what XLA subtracts: jzero read it before compiling
-  assert now.xla_options[program.SLOP_OPTION] == program.scheduler_slop_for(
-      100, 0.95 * CARD, CARD, io)
-  assert now.scheduler_limit == pytest.approx(0.95 * CARD - io, rel=1e-6)
-  assert before.scheduler_limit == pytest.approx(0.95 * (0.8 * CARD - io), rel=1e-6)
+  # XLA's limit from the slop factor jzero passed: a run's, (pool - io), to the factor's percent
+  # step; jzero reads io from the lowered step's shapes, XLA from its buffers (kB apart)
+  io = now.argument + now.output - now.alias
+  slop = now.xla_options[program.SLOP_OPTION]
+  base = 0.8 * CARD - io
+  assert 0.95 * CARD - io - base / 100 < base * slop / 100 <= 0.95 * CARD - io
+  assert now.scheduler_limit == pytest.approx(0.95 * CARD - io, rel=1e-3)
+  assert before.scheduler_limit == pytest.approx(0.95 * base, rel=1e-3)
   for r in (before, now):
     assert r.sent_bytes == pytest.approx(before.sent_bytes, rel=0.01)  # the same traffic
-  shares = {r: loop_overlap.breakdown(r.collectives, 4) for r in (before, now)}
-  in_loop = {r: loop_overlap.place_overlap(shares[r], loop_overlap.IN_LOOP) for r in shares}
-  assert round(in_loop[before], 3) == 0.551 and round(before.overlap_fraction, 3) == 0.641
-  assert sum(s.sync_bytes for s in shares[before] if s.where == loop_overlap.IN_LOOP) > 0
-  assert in_loop[now] == 1.0 and round(now.overlap_fraction, 3) == 0.978
+  shares = [loop_overlap.breakdown(r.collectives, 4) for r in (before, now)]
+  in_loop = [loop_overlap.place_overlap(s, loop_overlap.IN_LOOP) for s in shares]
+  assert round(in_loop[0], 3) == 0.676 and round(before.overlap_fraction, 3) == 0.733
+  assert sum(s.sync_bytes for s in shares[0] if s.where == loop_overlap.IN_LOOP) > 0
+  assert in_loop[1] == 1.0 and round(now.overlap_fraction, 3) == 0.976
   assert now.fits and now.peak <= 0.95 * CARD
   text = aot_report.format_report(now)
   assert "overlap by place and kind" in text and "in the accumulation loop" in text
