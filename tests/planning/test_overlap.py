@@ -9,6 +9,7 @@ output for this jax; they are asserted as they come.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import warnings
@@ -255,3 +256,40 @@ def test_in_loop_collectives_overlap_once_the_scheduler_has_the_pool(small_card)
   text = aot_report.format_report(now)
   assert "overlap by place and kind" in text and "in the accumulation loop" in text
   assert "latency-hiding scheduler planned within" in text
+
+
+def test_plan_table_shows_the_overlap_inside_the_accumulation_loop():
+  """jzero plan's overlap column: over the step, and inside the accumulation loop when the
+  compiled step has one (the cached compile keeps it)."""
+  from jzero.planning import compiled, plan_report
+
+  def row(loop):
+    c = compiled.Compiled(peak=1, flops=1, memory_bytes=1, intra_node_bytes=1,
+                          inter_node_bytes=0, overlap=0.52, compile_s=1, loop_overlap=loop)
+    return type("Row", (), {"compiled": c, "resources": type("R", (), {"overlap": 0.52})})()
+
+  assert plan_report._overlap(row(0.028)) == "52% (loop 3%)"
+  assert plan_report._overlap(row(None)) == "52%"
+
+
+def test_advice_compiles_each_knob_and_says_what_it_gives_and_costs(monkeypatch):
+  """Under 90% overlapped (a stage-3 step with the scheduler on): the step again with the
+  scheduler's limit lifted and without the prefetch, each with its overlap and peak."""
+  low = dataclasses.replace(_report(True, 80, False), scheduler_limit=40,
+                            xla_options={"xla_gpu_enable_latency_hiding_scheduler": True})
+  asked = []
+
+  def compile_once(target, data, slop=None):
+    asked.append((slop, data["zero_optimization"].get("stage3_max_live_parameters")))
+    return low if len(asked) == 1 else _report(slop is None, 90 if slop else 85, True)
+
+  monkeypatch.setattr(aot, "compile_once", compile_once)
+  target = type("Target", (), {"say": staticmethod(lambda _: None)})()
+  r = overlap.compile_resolved(target, {"zero_optimization": {"stage": 3}}, advise=True)
+  assert asked == [(None, None), (overlap.LIFTED_SLOP, None), (None, 434_000_000)]
+  lifted, no_prefetch = r.advice
+  assert "limit lifted" in lifted.knob and (lifted.overlap, lifted.peak, lifted.fits) == (
+      1.0, 90, True)
+  assert "no prefetch" in no_prefetch.knob and no_prefetch.peak == 85
+  text = aot_report.format_overlap(r)
+  assert "to raise the overlap, each knob compiled" in text and "90 B (+10 B)" in text
