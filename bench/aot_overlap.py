@@ -103,7 +103,7 @@ def main() -> int:
       zero = zero(layer_params) if callable(zero) else zero
       target, data = aot.prepare(_config(**extra, **zero), gpu, devices, nodes=nodes, model=model,
                                  memory_fraction=MEMORY_FRACTION, progress=progress)
-      r = (overlap.compile_resolved(target, data) if resolve
+      r = (overlap.compile_resolved(aot.compile_once, target, data) if resolve
            else aot.compile_once(target, data, **keywords))
       if layer_params is None:
         layer_params = r.largest_gathered // 2

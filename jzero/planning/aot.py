@@ -50,6 +50,7 @@ from typing import Any, Callable
 from jzero.analysis.tables import format_bytes, format_count
 from jzero.comm import program
 from jzero.errors import ConfigError, JZeroError
+from jzero.planning import overlap
 from jzero.planning.aot_report import AotReport
 from jzero.runtime import quiet_start
 
@@ -268,10 +269,8 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, advise: boo
   a compile each). ``stage3_max_live_parameters: "auto"`` is resolved by compiling
   (:func:`jzero.planning.overlap.compile_resolved`).
   """
-  from jzero.planning import overlap  # noqa: PLC0415
-
   target, data = prepare(config, gpu, devices, **kwargs)
-  return overlap.compile_resolved(target, data, advise=advise)
+  return overlap.compile_resolved(compile_once, target, data, advise=advise)
 
 
 def prepare(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int = 1,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from jzero.analysis.tables import format_bytes, format_count
 from jzero.planning import loop_overlap
@@ -44,11 +44,11 @@ LIFTED_SLOP = 10_000  # a slop factor that puts the scheduler's limit beyond any
 _MAX_LIVE = "stage3_max_live_parameters"
 
 
-def compile_resolved(target: Any, data: dict[str, Any], *, advise: bool = False) -> AotReport:
-  """The step of config ``data`` compiled for ``target`` with its ``"auto"`` prefetch resolved
-  (module docstring), and with ``advise`` the knobs that would raise its overlap."""
-  from jzero.planning.aot import compile_once  # noqa: PLC0415
-
+def compile_resolved(compile_once: Callable[..., AotReport], target: Any, data: dict[str, Any],
+                     *, advise: bool = False) -> AotReport:
+  """The step of config ``data`` compiled for ``target`` by ``compile_once`` (one compile:
+  :func:`jzero.planning.aot.compile_once`) with its ``"auto"`` prefetch resolved (module
+  docstring), and with ``advise`` the knobs that would raise its overlap."""
   report = compile_once(target, data)
   choices: list[str] = []
   if _zero(data).get(_MAX_LIVE) == "auto" and report.prefetch and (
@@ -63,7 +63,7 @@ def compile_resolved(target: Any, data: dict[str, Any], *, advise: bool = False)
     report = better
   advice: list[Advice] = []
   if advise and report.overlap_fraction < ADVISE_BELOW:
-    advice = _advise(target, data, report)
+    advice = _advise(compile_once, target, data, report)
   return dataclasses.replace(report, choices=tuple(choices), advice=tuple(advice))
 
 
@@ -102,10 +102,9 @@ def _without_prefetch(data: dict[str, Any], report: AotReport) -> dict[str, Any]
   return _with_zero(data, **{_MAX_LIVE: _one_layer(report)})
 
 
-def _advise(target: Any, data: dict[str, Any], report: AotReport) -> list[Advice]:
+def _advise(compile_once: Callable[..., AotReport], target: Any, data: dict[str, Any],
+            report: AotReport) -> list[Advice]:
   """Each knob that could raise ``report``'s overlap, compiled (module docstring)."""
-  from jzero.planning.aot import compile_once  # noqa: PLC0415
-
   if report.stage != 3 or not report.xla_options.get("xla_gpu_enable_latency_hiding_scheduler"):
     return []
   whats = [(f"a larger memory pool (XLA_PYTHON_CLIENT_MEM_FRACTION on the GPU, --mem-fraction "

@@ -147,8 +147,8 @@ def _report(prefetch: bool, peak: int, overlapped: bool) -> aot_report.AotReport
     (_report(True, 94, False), _report(False, 94, True), "no prefetch"),  # it overlaps more
     (_report(True, 94, True), None, None),  # fits and overlaps: one compile
     (_report(True, 94, False), _report(False, 94, False), "prefetch")])  # a tie keeps it
-def test_auto_takes_the_step_that_fits_then_the_one_that_overlaps_more(
-    monkeypatch, with_prefetch, without, chosen):
+def test_auto_takes_the_step_that_fits_then_the_one_that_overlaps_more(with_prefetch, without,
+                                                                       chosen):
   """stage3_max_live_parameters "auto": the step with the prefetch first, compiled without it
   too when that one does not fit or overlaps under 90%; the better is taken, said with the
   number that makes it."""
@@ -158,9 +158,8 @@ def test_auto_takes_the_step_that_fits_then_the_one_that_overlaps_more(
     compiled.append(data["zero_optimization"]["stage3_max_live_parameters"])
     return with_prefetch if len(compiled) == 1 else without
 
-  monkeypatch.setattr(aot, "compile_once", compile_once)
   target = type("Target", (), {"say": staticmethod(lambda _: None)})()
-  r = overlap.compile_resolved(target, {"zero_optimization": {
+  r = overlap.compile_resolved(compile_once, target, {"zero_optimization": {
       "stage": 3, "stage3_max_live_parameters": "auto"}})
   if chosen is None:
     assert compiled == ["auto"] and r.choices == () and r.prefetch
@@ -236,7 +235,7 @@ def test_in_loop_collectives_overlap_once_the_scheduler_has_the_pool(small_card)
     warnings.simplefilter("ignore")
     target, data = aot.prepare(CONFIG, small_card, 8, model=MODEL, memory_fraction=0.95)
     before = aot.compile_once(target, data, slop=program.XLA_DEFAULT_SLOP_PERCENT)
-    now = overlap.compile_resolved(target, data)
+    now = overlap.compile_resolved(aot.compile_once, target, data)
   # XLA's limit from the slop factor jzero passed: a run's, (pool - io), to the factor's percent
   # step; jzero reads io from the lowered step's shapes, XLA from its buffers (kB apart)
   io = now.argument + now.output - now.alias
@@ -272,7 +271,7 @@ def test_plan_table_shows_the_overlap_inside_the_accumulation_loop():
   assert plan_report._overlap(row(None)) == "52%"
 
 
-def test_advice_compiles_each_knob_and_says_what_it_gives_and_costs(monkeypatch):
+def test_advice_compiles_each_knob_and_says_what_it_gives_and_costs():
   """Under 90% overlapped (a stage-3 step with the scheduler on): the step again with the
   scheduler's limit lifted and without the prefetch, each with its overlap and peak."""
   low = dataclasses.replace(_report(True, 80, False), scheduler_limit=40,
@@ -283,9 +282,9 @@ def test_advice_compiles_each_knob_and_says_what_it_gives_and_costs(monkeypatch)
     asked.append((slop, data["zero_optimization"].get("stage3_max_live_parameters")))
     return low if len(asked) == 1 else _report(slop is None, 90 if slop else 85, True)
 
-  monkeypatch.setattr(aot, "compile_once", compile_once)
   target = type("Target", (), {"say": staticmethod(lambda _: None)})()
-  r = overlap.compile_resolved(target, {"zero_optimization": {"stage": 3}}, advise=True)
+  r = overlap.compile_resolved(compile_once, target, {"zero_optimization": {"stage": 3}},
+                               advise=True)
   assert asked == [(None, None), (overlap.LIFTED_SLOP, None), (None, 434_000_000)]
   lifted, no_prefetch = r.advice
   assert "limit lifted" in lifted.knob and (lifted.overlap, lifted.peak, lifted.fits) == (
