@@ -11,23 +11,23 @@ module:
   and on CPU the options that keep ZeRO's memory promise (:data:`CPU_OPTIONS`).
 
 **The scheduler's memory limit.** XLA's GPU latency-hiding scheduler (``gpu_hlo_schedule.cc``)
-plans against a memory limit: the device memory the module may use -- the allocator's pool, which
-JAX hands the compiler as the module's device memory, or 80% of the part's memory where no device
-is present (a compile-only topology) -- less the bytes of the inputs and outputs that are not
-donated, times ``xla_gpu_memory_limit_slop_factor`` / 100 (95 by default). While its count of the
-live bytes is over the limit, its memory rules come before its overlap rules: it places a
-collective's start right next to its done, and the pair is then run synchronously. A while loop's
-body starts its count with everything live at the loop's call site, so the gradient-accumulation
-loop (which carries the fp32 gradient accumulator) reaches the limit long before the same code
-outside it: ZeRO-3 on 8 A100-40GB, a 10B model at micro-batch 1 x 4, ran every gather and
-reduce-scatter of micro-batches 2-4 synchronously (27% of the bytes overlapped) while its peak
-used 79% of the pool. With ``overlap_comm`` jzero sets the slop factor to
-:data:`SCHEDULER_POOL_PERCENT`: the scheduler may plan with the whole pool less the resident state,
-the memory the step really has (the same 10B step overlaps 100% of its bytes at a peak of 85% of
-the pool; its scheduler counts a loop body's call-site buffers, which the buffer assignment then
-shares, so its count runs above the compiled peak). ``jzero aot`` compiles for a part without the
-pool, and sets the factor that gives XLA the limit a run with its memory fraction would have
-(:func:`scheduler_slop_for`). A factor named in ``XLA_FLAGS`` is the user's and left alone.
+plans against a memory limit: the module's device memory -- on a GPU the allocator's pool, which
+jaxlib's compile hands XLA (the device's ``bytes_limit``), or 80% of the part's memory where no
+device is present (a compile-only topology) -- less the bytes of the inputs and outputs that are
+not donated, times ``xla_gpu_memory_limit_slop_factor`` / 100 (95 by default). While its count of
+the live bytes is over the limit, its memory rules come before its overlap rules: it places a
+collective's start right next to its done, and the pair runs synchronously. A while loop's body
+starts its count with everything live at the loop's call site, so the gradient-accumulation loop
+(which carries the fp32 gradient accumulator) reaches the limit long before the same code outside
+it. With ``overlap_comm`` jzero sets the slop factor to :data:`SCHEDULER_POOL_PERCENT`: the
+scheduler may plan with the whole pool less the resident state. Its count runs above what the
+compiled step holds (the 10B step below overlaps everything only once its limit is about 21 GB;
+its compiled temporaries are 16.4 GB), so the step stays within the pool: ZeRO-3 of a 10B model on 8 A100-40GB at micro-batch 1 x 4, 95% of the
+card in the pool, has a matmul in flight for 69% of its collective bytes with it and 43% with XLA's
+95, at a peak of 85% of the pool either way (README, "ZeRO-3's overlap where memory is tight").
+``jzero aot`` compiles without the device and sets the factor that gives XLA the limit a run with
+its memory fraction has (:func:`scheduler_slop_for`). A factor named in ``XLA_FLAGS`` is the
+user's and left alone.
 """
 
 from __future__ import annotations
