@@ -292,3 +292,33 @@ def test_advice_compiles_each_knob_and_says_what_it_gives_and_costs():
   assert "no prefetch" in no_prefetch.knob and no_prefetch.peak == 85
   text = aot_report.format_overlap(r)
   assert "to raise the overlap, each knob compiled" in text and "90 B (+10 B)" in text
+
+
+def test_jzero_plan_advises_a_chosen_config_under_90_percent(monkeypatch, capsys):
+  """jzero plan: a chosen GPU config that overlaps under 90% has its step compiled with advice
+  (jzero aot's), on its device twin, with the plan's memory fraction; one at 90% or more not."""
+  from jzero.cli import plan as plan_cli
+
+  calls = []
+  advised = dataclasses.replace(_report(True, 80, True), advice=(aot_report.Advice(
+      "a larger memory pool", "the limit binds", 1.0, 1.0, 90, True),))
+  monkeypatch.setattr(aot, "compile_for", lambda *a, **k: calls.append((a, k)) or advised)
+  hw = type("Hw", (), {"devices": 8, "nodes": 1,
+                       "memory_fraction": type("C", (), {"value": 0.95})()})()
+
+  def plan(overlap):
+    chosen = type("Row", (), {"compiled": object(),
+                              "resources": type("R", (), {"overlap": overlap})()})()
+    return type("Plan", (), {"chosen": chosen, "target": "a100-40gb", "hardware": hw,
+                             "job": type("J", (), {"model": "10b"})(),
+                             "deepspeed_config": lambda self: {"zero_optimization": {
+                                 "stage": 3, "offload_optimizer": {"device": "cpu"}}}})()
+
+  plan_cli._advise(plan(0.95))
+  assert calls == []
+  plan_cli._advise(plan(0.27))
+  (args, kwargs), = calls
+  assert args == ({"zero_optimization": {"stage": 3}}, "a100-40gb", 8)  # the device twin
+  assert kwargs["advise"] is True and kwargs["memory_fraction"] == 0.95
+  out = capsys.readouterr().out
+  assert "overlaps 27% of its collective bytes" in out and "a larger memory pool" in out
