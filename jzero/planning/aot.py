@@ -17,7 +17,13 @@ latency-hiding scheduler. :func:`compile_for` does that for jzero's own train st
 3. the state, abstractly: ``jax.eval_shape(engine.init, key)`` -- nothing is allocated, and no
    device work is done on the compile-only devices;
 4. the step: ``engine.jitted_step(batch).trace(state, batch).lower().compile()`` with the batch as
-   a ``ShapeDtypeStruct`` carrying its sharding.
+   a ``ShapeDtypeStruct`` carrying its sharding -- and with the latency-hiding scheduler's memory
+   limit a run has: on a GPU, XLA plans with the allocator's pool (``memory_fraction`` of the
+   part) less the step's inputs and outputs; without the device it would take 80% of the part, so
+   the compile gets the slop factor that makes the two equal
+   (:func:`jzero.comm.program.scheduler_slop_for`, :func:`compile_once`). ``"auto"`` for
+   ``stage3_max_live_parameters`` is resolved by compiling both ways, and below 90% overlapped
+   ``advise`` compiles each knob that would raise it (:mod:`jzero.planning.overlap`).
 
 The answer (:class:`jzero.planning.aot_report.AotReport`) puts side by side, per device: the model-state bytes by kind as the
 plan lays them out (params, grads, fp32 master, optimizer state), the estimator's prediction
@@ -368,22 +374,17 @@ class Target:
     return self.spec.memory_bytes * self.memory_fraction
 
 
-def _io_bytes(lowered: Any) -> float:
-  """Per-device bytes of a lowered step's inputs and outputs that are not donated (arguments +
-  outputs - donated arguments, which XLA aliases to the outputs): what XLA subtracts from the
-  device's memory before it sets the scheduler's limit."""
+def _io_bytes(batch: Any, lowered: Any) -> float:
+  """Per-device bytes of the step's inputs and outputs that are not donated -- what XLA subtracts
+  from the device's memory before it sets the scheduler's limit: arguments + outputs - the donated
+  state (aliased to the new state) = the batch + every output."""
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
   def shard_bytes(x: Any) -> float:
-    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) else x.shape
-    return math.prod(shape) * np.dtype(x.dtype).itemsize
+    return math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
 
-  args = jax.tree.leaves(lowered.args_info)
-  donated = sum(shard_bytes(a._aval) for a in args if a.donated)
-  total = sum(shard_bytes(a._aval) for a in args)
-  outs = sum(shard_bytes(o) for o in jax.tree.leaves(lowered.out_info))
-  return total + outs - donated
+  return sum(shard_bytes(x) for x in jax.tree.leaves((batch, lowered.out_info)))
 
 
 def _scheduler_slop(options: dict[str, Any]) -> int:
@@ -435,7 +436,7 @@ def compile_once(target: Target, data: dict[str, Any], slop: int | None = None,
   t2 = time.perf_counter()
   options = program.compile_options(engine.plan)
   run_slop = run_slop if run_slop is not None else _scheduler_slop(options)
-  io = _io_bytes(lowered)
+  io = _io_bytes(batch, lowered)
   emulated = slop if slop is not None else program.scheduler_slop_for(
       run_slop, target.pool, spec.memory_bytes, io)
   extra = program.supported(zmesh.mesh.devices.flat[0], {program.SLOP_OPTION: emulated})
@@ -457,7 +458,8 @@ def compile_once(target: Target, data: dict[str, Any], slop: int | None = None,
       temp=analysis.temp_size_in_bytes, alias=analysis.alias_size_in_bytes,
       device_memory=spec.memory_bytes, memory_fraction=target.memory_fraction, trace_s=t1 - t0,
       lower_s=t2 - t1, compile_s=t3 - t2, collectives=collectives(hlo, zmesh),
-      xla_options=dict(options, **extra), pallas_kernels=pallas_calls(hlo),
+      xla_options=options, scheduler_slop=extra.get(program.SLOP_OPTION, 0),
+      pallas_kernels=pallas_calls(hlo),
       matmul_flops=matmul_flops(hlo), memory_traffic=memory_traffic(hlo),
       scheduler_limit=_limit(target, io, run_slop, slop), prefetch=engine.plan.prefetch,
       largest_gathered=engine.plan.gathered_working_set()[0]

@@ -70,7 +70,8 @@ class AotReport:
     xla_options: the compile options the plan passed (bucket and overlap knobs).
     scheduler_limit: the bytes XLA's latency-hiding scheduler planned the step's temporaries
       within (:mod:`jzero.comm.program`: a run's pool less the step's inputs and outputs, times
-      the slop factor).
+      the slop factor); scheduler_slop: the slop factor the compile got to plan within it, for a
+      part without its pool (:func:`jzero.comm.program.scheduler_slop_for`; 0: none).
     prefetch: stage 3 gathered the next layer while one computed (the plan's).
     largest_gathered: bytes of the largest group stage 3 gathers at once (a layer, or a unit).
     choices: what ``"auto"`` settings chose, and why (:mod:`jzero.planning.overlap`).
@@ -107,6 +108,7 @@ class AotReport:
   matmul_flops: float = 0.0
   memory_traffic: float = 0.0
   scheduler_limit: float = 0.0
+  scheduler_slop: int = 0
   prefetch: bool = False
   largest_gathered: int = 0
   choices: tuple[str, ...] = ()
