@@ -6,8 +6,8 @@ accumulation, clipping, learning rate, fp16 / bf16, ...); the model's hidden siz
 attributes :data:`HIDDEN_SIZE_NAMES`) fills the bucket and persistence sizes as Hugging Face does,
 and without one they are an error, as in Hugging Face; ``stage3_max_live_parameters: "auto"`` stays
 "auto" in stage 3 (jzero chooses the prefetch: :func:`jzero.modeling.gather_units.prefetches`);
-every other "auto" takes DeepSpeed's default for its field, with a warning. The batch triple is then completed and checked as DeepSpeed's
-``_set_batch_related_parameters`` does.
+every other "auto" takes DeepSpeed's default for its field, with a warning. The batch triple is
+then completed and checked as DeepSpeed's ``_set_batch_related_parameters`` does.
 """
 
 from __future__ import annotations

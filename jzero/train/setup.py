@@ -101,7 +101,8 @@ def step_parts(engine: Any) -> step_lib.StepParts:
       plan=plan, model=engine.model, loss_fn=engine.loss_fn, tx=engine.tx,
       schedule=engine.schedule, scaler=engine.scaler, tiers=tiers,
       update=registry.update(tiers, engine, DeviceUpdate(plan, engine.tx)),
-      delayed=engine.delayed, settings=step_lib.StepSettings.from_config(engine.config, prefetch=plan.prefetch),
+      delayed=engine.delayed,
+      settings=step_lib.StepSettings.from_config(engine.config, prefetch=plan.prefetch),
       tier_view=engine)
 
 
