@@ -63,8 +63,7 @@ from jzero.errors import JZeroWarning
 from jzero.modeling.layer_scan import current_layer_policy, current_policy, gather, name_layer_inputs
 
 __all__ = ["ModuleInfo", "UnitRules", "choose_units", "check_units", "prefetches", "nnx_units",
-           "LinenUnits",
-           "inside_unit", "holds_partitions"]
+           "LinenUnits", "inside_unit", "holds_partitions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,8 +200,9 @@ def prefetches(plan: Any, prefetch_bucket_size: int, max_live_parameters: int | 
   alive then -- the one computing and the one arriving -- of the largest gathered group (a scanned
   layer, or a unit; :meth:`jzero.sharding.plan.Plan.gathered_working_set`). XLA's pipeliner
   prefetches one layer ahead, never more, so a cap of two groups or more allows it and a smaller
-  one turns it off; ``"auto"`` caps nothing (``jzero aot`` and ``jzero plan`` turn the prefetch
-  off when the step does not fit with it: :func:`jzero.planning.aot.compile_for`)."""
+  one turns it off; ``"auto"`` caps nothing here (``jzero aot`` and ``jzero plan`` compile the
+  step both ways and take the one that overlaps more within the memory:
+  :mod:`jzero.planning.overlap`)."""
   if plan.stage != 3 or prefetch_bucket_size <= 0:
     return False
   largest, _ = plan.gathered_working_set()
