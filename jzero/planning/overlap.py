@@ -33,7 +33,7 @@ import copy
 import dataclasses
 from typing import Any, Callable
 
-from jzero.analysis.tables import format_bytes, format_count
+from jzero.analysis.tables import format_bytes
 from jzero.planning import loop_overlap
 from jzero.planning.aot_report import Advice, AotReport
 
@@ -51,19 +51,24 @@ def compile_resolved(compile_once: Callable[..., AotReport], target: Any, data: 
   docstring), and with ``advise`` the knobs that would raise its overlap."""
   report = compile_once(target, data)
   choices: list[str] = []
+  toggled = None  # the step compiled with the prefetch the other way, when "auto" did
   if _zero(data).get(_MAX_LIVE) == "auto" and report.prefetch and (
       not report.fits or report.overlap_fraction < ADVISE_BELOW):
     target.say(f'{_MAX_LIVE} "auto": compiling the step without the prefetch too')
-    without = compile_once(target, _without_prefetch(data, report))
-    better = without if _preferred(without, report) else report
-    choices.append(
-        f'{_MAX_LIVE} "auto": {"no prefetch" if better is without else "prefetch"} (set it to '
-        f"{format_count(_one_layer(report)) if better is without else 'auto'} for the same "
-        f"step) -- with the prefetch {_outcome(report)}; without, {_outcome(without)}")
-    report = better
+    without_data = _without_prefetch(data, report)
+    without = compile_once(target, without_data)
+    if _preferred(without, report):
+      choices.append(f'{_MAX_LIVE} "auto": no prefetch (set it to {_one_layer(report)} for the '
+                     f"same step) -- with the prefetch {_outcome(report)}; without, "
+                     f"{_outcome(without)}")
+      report, toggled, data = without, report, without_data
+    else:
+      choices.append(f'{_MAX_LIVE} "auto": prefetch -- with it {_outcome(report)}; without, '
+                     f"{_outcome(without)}")
+      toggled = without
   advice: list[Advice] = []
   if advise and report.overlap_fraction < ADVISE_BELOW:
-    advice = _advise(compile_once, target, data, report)
+    advice = _advise(compile_once, target, data, report, toggled)
   return dataclasses.replace(report, choices=tuple(choices), advice=tuple(advice))
 
 
@@ -103,8 +108,9 @@ def _without_prefetch(data: dict[str, Any], report: AotReport) -> dict[str, Any]
 
 
 def _advise(compile_once: Callable[..., AotReport], target: Any, data: dict[str, Any],
-            report: AotReport) -> list[Advice]:
-  """Each knob that could raise ``report``'s overlap, compiled (module docstring)."""
+            report: AotReport, toggled: AotReport | None = None) -> list[Advice]:
+  """Each knob that could raise ``report``'s overlap, compiled (module docstring); ``toggled``:
+  the step with the prefetch the other way, when it was compiled already."""
   if report.stage != 3 or not report.xla_options.get("xla_gpu_enable_latency_hiding_scheduler"):
     return []
   whats = [(f"a larger memory pool (XLA_PYTHON_CLIENT_MEM_FRACTION on the GPU, --mem-fraction "
@@ -112,15 +118,16 @@ def _advise(compile_once: Callable[..., AotReport], target: Any, data: dict[str,
             f"the latency-hiding scheduler plans within {format_bytes(report.scheduler_limit)}; "
             f"over it, it runs collectives synchronously",
             lambda: compile_once(target, data, slop=LIFTED_SLOP))]
-  group = format_count(_one_layer(report))
+  layer = _one_layer(report)
   if report.prefetch:
-    whats.append((f"{_MAX_LIVE} below two layers ({group} parameters each): no prefetch",
+    whats.append((f"{_MAX_LIVE}: {layer} (one layer): no prefetch",
                   "one gathered layer less alive, so the scheduler has that much more room",
-                  lambda: compile_once(target, _without_prefetch(data, report))))
+                  lambda: toggled or compile_once(target, _without_prefetch(data, report))))
   elif _zero(data).get("stage3_prefetch_bucket_size", 1) != 0:
-    whats.append((f'{_MAX_LIVE} "auto" (or at least two layers, {group} parameters each): '
-                  "prefetch", "the next layer is gathered while this one computes",
-                  lambda: compile_once(target, _with_zero(data, **{_MAX_LIVE: "auto"}))))
+    whats.append((f"{_MAX_LIVE}: {2 * layer} (two layers) or \"auto\": prefetch",
+                  "the next layer is gathered while this one computes",
+                  lambda: toggled or compile_once(target,
+                                                  _with_zero(data, **{_MAX_LIVE: 2 * layer}))))
   out = []
   for knob, why, build in whats:
     target.say(f"advice: compiling with {knob}")

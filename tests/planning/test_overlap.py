@@ -165,9 +165,9 @@ def test_auto_takes_the_step_that_fits_then_the_one_that_overlaps_more(with_pref
     assert compiled == ["auto"] and r.choices == () and r.prefetch
     return
   assert compiled == ["auto", 434_000_000]  # one layer's parameters: no prefetch
-  assert r.choices[0].startswith(f'stage3_max_live_parameters "auto": {chosen} (set it to ')
+  assert r.choices[0].startswith(f'stage3_max_live_parameters "auto": {chosen} ')
   assert r.prefetch is (chosen == "prefetch")
-  assert ("set it to 434M" in r.choices[0]) is (chosen == "no prefetch")
+  assert ("(set it to 434000000 for the same step)" in r.choices[0]) is (chosen == "no prefetch")
 
 
 @needs_cuda_compiler
@@ -323,3 +323,24 @@ def test_jzero_plan_advises_a_chosen_config_under_90_percent(monkeypatch, capsys
   assert kwargs["advise"] is True and kwargs["memory_fraction"] == 0.95
   out = capsys.readouterr().out
   assert "overlaps 27% of its collective bytes" in out and "a larger memory pool" in out
+
+
+def test_advice_after_auto_reuses_the_step_auto_compiled():
+  """"auto" compiled the step both ways; the advice lists the other way from that compile and
+  compiles only the lifted limit."""
+  with_prefetch = dataclasses.replace(_report(True, 96, False), xla_options={
+      "xla_gpu_enable_latency_hiding_scheduler": True})
+  without = dataclasses.replace(_report(False, 94, False), xla_options={
+      "xla_gpu_enable_latency_hiding_scheduler": True})
+  asked = []
+
+  def compile_once(target, data, slop=None):
+    asked.append(slop or data["zero_optimization"]["stage3_max_live_parameters"])
+    return {1: with_prefetch, 2: without}.get(len(asked), _report(False, 99, True))
+
+  target = type("Target", (), {"say": staticmethod(lambda _: None)})()
+  r = overlap.compile_resolved(compile_once, target, {"zero_optimization": {
+      "stage": 3, "stage3_max_live_parameters": "auto"}}, advise=True)
+  assert asked == ["auto", 434_000_000, overlap.LIFTED_SLOP]
+  assert r.prefetch is False and [a.peak for a in r.advice] == [99, 96]
+  assert r.advice[1].knob.startswith("stage3_max_live_parameters: 868000000 (two layers)")
