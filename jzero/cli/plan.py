@@ -87,6 +87,28 @@ def _model(args: argparse.Namespace):
   return model
 
 
+def _advise(plan) -> None:
+  """Where the chosen config overlaps less than 90% of its collective bytes on a GPU: its step
+  compiled again with each knob that would raise it (``jzero aot``'s advice), printed."""
+  from jzero.planning.aot import compile_for  # noqa: PLC0415
+  from jzero.planning.aot_report import format_overlap  # noqa: PLC0415
+  from jzero.planning.compiled import device_twin  # noqa: PLC0415
+  from jzero.planning.overlap import ADVISE_BELOW  # noqa: PLC0415
+
+  chosen = plan.chosen
+  if (chosen is None or chosen.compiled is None or plan.target == "cpu"
+      or chosen.resources.overlap >= ADVISE_BELOW):
+    return
+  progress = lambda line: print(f"jzero plan: {line}", file=sys.stderr, flush=True)  # noqa: E731
+  hw = plan.hardware
+  report = compile_for(device_twin(plan.deepspeed_config()), plan.target, hw.devices,
+                       nodes=hw.nodes, model=plan.job.model,
+                       memory_fraction=hw.memory_fraction.value, progress=progress, advise=True)
+  print(f"\nthe chosen config overlaps {chosen.resources.overlap:.0%} of its collective bytes; "
+        f"its step compiled with each knob that would raise it:")
+  print(format_overlap(report))
+
+
 def run_plan(args: argparse.Namespace) -> int:
   """``jzero plan``: prints the table, writes the chosen config to ``--out``."""
   from tqdm import tqdm  # noqa: PLC0415
@@ -114,6 +136,7 @@ def run_plan(args: argparse.Namespace) -> int:
                   compile_top=args.compile_top, margin=args.margin, stages=stages,
                   cache_dir=args.cache_dir, progress=progress)
   print(format_plan(plan, limit=None if args.all else 40))
+  _advise(plan)
   if args.report:
     Path(args.report).write_text(json.dumps(plan.to_json(), indent=1))
   if plan.chosen is None:

@@ -31,9 +31,16 @@ def plan_rows(plan: Any) -> list[list[str]]:
     status = r.status if not r.reason else f"{r.status}: {r.reason}"
     rows.append([str(i), r.name, status, _b(r.device_bytes), _b(r.host_bytes), _b(r.nvme_bytes),
                  _b(res.intra_node_bytes), _b(res.inter_node_bytes), _b(res.pcie_bytes),
-                 format_count(res.flops), f"{res.overlap:.0%}", f"{r.prediction.seconds:.4g}",
+                 format_count(res.flops), _overlap(r), f"{r.prediction.seconds:.4g}",
                  r.prediction.bound, res.source])
   return rows
+
+
+def _overlap(row: Any) -> str:
+  """The share of the collective bytes overlapped, and inside the accumulation loop when the
+  compiled step has one (:mod:`jzero.planning.loop_overlap`)."""
+  loop = row.compiled.loop_overlap if row.compiled is not None else None
+  return f"{row.resources.overlap:.0%}" + ("" if loop is None else f" (loop {loop:.0%})")
 
 
 def _seconds_terms(row: Any) -> str:
@@ -124,5 +131,6 @@ def plan_json(plan: Any) -> dict[str, Any]:
                 "nvme_bytes": r.nvme_bytes, "resources": dataclasses.asdict(r.resources),
                 "predicted_s": r.prediction.seconds, "terms": r.prediction.terms,
                 "bound": r.prediction.bound,
-                "compile_s": r.compiled.compile_s if r.compiled else None}
+                "compile_s": r.compiled.compile_s if r.compiled else None,
+                "loop_overlap": r.compiled.loop_overlap if r.compiled else None}
                for r in plan.rows]}

@@ -235,7 +235,8 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
   for cand, e, _, _ in (progress(todo) if progress else todo):
     config = cand.deepspeed_config(job, n)
     compiled[id(cand)] = compile_candidate(config, target, n, hardware.nodes, gpt,
-                                           cache_dir=cache_dir)
+                                           cache_dir=cache_dir,
+                                           memory_fraction=hardware.memory_fraction.value)
   rows = []
   for cand, e, problem, pred in priced:
     c = compiled.get(id(cand))

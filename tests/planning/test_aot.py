@@ -187,7 +187,7 @@ def test_report_table_names_every_part():
   assert str(report) == text
   page = report._repr_html_()
   tables = [p for p in aot_report.report_parts(report) if not isinstance(p, str)]
-  assert page.count("<table>") == len(tables) == 2
+  assert page.count("<table>") == len(tables) == 3  # state, collectives, overlap by place
   for _, header, rows in tables:
     assert all(f">{html.escape(cell)}<" in page for row in [header, *rows] for cell in row)
   ax = report.plot()
