@@ -34,8 +34,10 @@ Limits: memory kinds are dropped on compile-only devices, so host offload cannot
 (``jax.export`` for CUDA shows it instead); the schedule and the overlap are XLA's cost model's
 decisions, not a measurement of a run.
 
-``GPU_SPECS`` are XLA's own GPU target configs (``jzero/planning/gpu_specs/``; source and licence in
-the README there). ``jzero aot`` is the command line (:mod:`jzero.cli.aot`).
+``GPU_SPECS`` are XLA GPU target configs (``jzero/planning/gpu_specs/``): XLA's own for the H100,
+A100 and B200, one XLA read from a real H200, and ones written from NVIDIA's datasheets for the
+RTX 3090 and 4090, L4, L40S and A10G (sources in each file and the README there). ``jzero aot``
+is the command line (:mod:`jzero.cli.aot`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,13 @@ GPU_SPECS = {  # --gpu name -> XLA GPU target config in jzero/planning/gpu_specs
     "a100": "a100_sxm_80.txtpb",
     "a100-80gb": "a100_sxm_80.txtpb",
     "a100-40gb": "a100_sxm_40.txtpb",
+    "h200": "h200.txtpb",
+    "b200": "b200.txtpb",
+    "l40s": "l40s.txtpb",
+    "l4": "l4.txtpb",
+    "a10g": "a10g.txtpb",
+    "rtx4090": "rtx4090.txtpb",
+    "rtx3090": "rtx3090.txtpb",
 }
 INSTALL_HINT = ('pip install -e ".[gpu-aot]" (or pip install "jzero[gpu-aot]"): the CUDA compiler '
                 'plugin, jax-cuda12-plugin and jax-cuda12-pjrt matching your jax; no GPU and no '

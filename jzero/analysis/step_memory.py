@@ -1,0 +1,191 @@
+"""The compiled train step's peak device bytes, by arithmetic: what ``memory_analysis()`` of jzero's
+step will say before it is compiled.
+
+:func:`jzero.analysis.estimate.estimate` is ZeRO's arithmetic of the model states (what lives
+across steps). The step holds more while it runs, and the compiled peak is the most of it alive
+at once. :func:`step_memory` adds it up in two phases, each term per device:
+
+**Backward** (the peak of a step that recomputes one layer at a time is in the backward pass of its
+last micro-batch):
+
+* *state* -- the arguments: compute params as placed, the fp32 master and optimizer state (and
+  hpZ's secondary partition), less what an offload keeps on the host;
+* *grads* -- the micro-batch's gradient in the compute dtype, laid out as the plan's gradient
+  sharding (partitioned in stages 2-3, whole in stages 0-1; jzero keeps gradients on the device
+  under every offload);
+* *accumulator* -- with gradient accumulation (gas > 1) the fp32 sum of the micro-batches'
+  gradients, in the same layout (4 bytes per element, not 2: the fp32 accumulation);
+* *saved* -- what the forward pass keeps for the backward pass, every layer: with activation
+  checkpointing the layer inputs (b·s·h elements); with ``cpu_checkpointing`` none on the device
+  (the compiled program keeps them in host memory); without checkpointing what jzero's remat
+  policy saves (``dots_with_no_batch_dims_saveable``: the outputs of the layer's weight matmuls
+  and its input, (6h + mlp_width x matrices) elements per token);
+* *working* -- one layer's backward with its forward recomputed: the attention scores in fp32
+  (b·heads·s², :data:`ATTENTION_COPIES` of them alive), the MLP hidden activations, hidden-sized
+  temporaries, and the fp32 logits of the micro-batch;
+* *gathered* -- stage 3: the gathered layer, the next one prefetched in part
+  (:data:`GATHERED_LAYERS` layers' full parameters);
+
+all in the dtype the layers pass along (:func:`residual_itemsize`: the embedded GPT's residual
+stream is fp32 even with bf16 parameters, because ``nnx.Embed`` promotes its lookup to its
+``param_dtype``), and the temporaries times :data:`FRAGMENTATION` (XLA packs the temporaries into
+one buffer by its heap simulation, with gaps).
+
+**Update**: the state, the gradients and the accumulator, plus the fp32 gradient partition the
+optimizer reads; with hpZ the new secondary partition twice (it is written, then laid out for the
+next step); with the optimizer state streamed from the host (``offload_optimizer``, jzero's
+"stream" update) one parameter leaf's master and optimizer state in and out at a time.
+
+The peak is the larger phase. The coefficients (copies of the scores, layers gathered, the
+fragmentation) are what XLA's GPU compiler (jax 0.10.2) did on the step of the embedded GPT at
+7B, 13B and 70B on H100 / A100 topologies, stages 0-3, micro-batch 1-4 (``bench/plan_questions.py``
+prints estimate against compile for every candidate it compiles); a different model, compiler
+or remat policy needs them checked again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["StepMemory", "step_memory", "residual_itemsize", "ATTENTION_COPIES",
+           "GATHERED_LAYERS", "FRAGMENTATION", "HIDDEN_TEMPORARIES"]
+
+ATTENTION_COPIES = 2.0  # b·heads·s² fp32 score-sized buffers of a layer's backward
+HIDDEN_TEMPORARIES = 10.0  # b·s·h-sized fp32 temporaries of a layer's backward
+MLP_TEMPORARIES = 2.0  # b·s·mlp_width-sized fp32 temporaries (per MLP input matrix)
+LOGITS = 0.5  # b·s·vocab fp32 buffers alive at the peak, on average
+GATHERED_LAYERS = 1.75  # stage 3: full layers of parameters alive (this one, the next in part)
+FRAGMENTATION = 1.3  # XLA's packing of the temporaries into one buffer
+SAVED_COPIES_STAGE3_ACCUMULATING = 1.5  # stage 3 with gas > 1 keeps part of the saved stacks twice
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+  """Per-device bytes of one step by part (module docstring); ``peak`` is what to compare with
+  the compiled ``memory_analysis()`` (arguments + outputs + temporaries - aliased)."""
+
+  state: float
+  grads: float
+  accumulator: float
+  saved: float
+  working: float
+  gathered: float
+  update: float
+  fragmentation: float = FRAGMENTATION
+
+  @property
+  def backward(self) -> float:
+    return (self.state + self.grads + self.accumulator
+            + self.fragmentation * (self.saved + self.working + self.gathered))
+
+  @property
+  def update_phase(self) -> float:
+    return self.state + self.grads + self.accumulator + self.update
+
+  @property
+  def peak(self) -> float:
+    return max(self.backward, self.update_phase)
+
+  @property
+  def phase(self) -> str:
+    """Where the peak is: "backward" or "update"."""
+    return "backward" if self.backward >= self.update_phase else "update"
+
+  def parts(self) -> dict[str, float]:
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if f.name != "fragmentation"}
+
+
+def step_memory(model: Any, *, state: float, grad_elements: float, micro_batch: int,
+                gradient_accumulation: int, checkpointing: str, stage: int,
+                param_bytes: int, activation_bytes: int, update_elements: float,
+                hpz_secondary: float = 0.0, stream_elements: float = 0.0,
+                streamed_update: bool = False) -> StepMemory:
+  """The step's device bytes by part (module docstring).
+
+  Args:
+    model: the GPT's shape (``jzero.models.GPTConfig``: layers, widths, heads, sequence,
+      vocabulary).
+    state: bytes of the arguments on the device (params, master, optimizer state, hpZ's
+      secondary; what offload keeps on the host excluded).
+    grad_elements: gradient elements per device as the plan places them.
+    micro_batch, gradient_accumulation: b and gas.
+    checkpointing: "none", "block" (activation checkpointing) or "offload" (``cpu_checkpointing``).
+    stage: the ZeRO stage (stage 3 gathers layers).
+    param_bytes: bytes per compute parameter; activation_bytes: per activation element
+      (:func:`residual_itemsize`).
+    update_elements: elements of the fp32 gradient partition the update reads.
+    hpz_secondary: bytes of hpZ's secondary partition (0: no hpZ).
+    stream_elements: optimizer offload: elements of the largest parameter leaf's partition,
+      whose master and optimizer state the streamed update holds on the device at once.
+    streamed_update: the optimizer state is streamed from the host (``offload_optimizer``).
+  """
+  m, b = model, micro_batch
+  s, h, f = m.seq_len, m.d_model, m.mlp_width
+  mlp_in = 2 if m.gated_mlp else 1  # matrices reading the MLP input
+  tokens = b * s
+  if checkpointing == "block":
+    saved = m.n_layers * tokens * h * activation_bytes
+  elif checkpointing == "offload":
+    saved = 0.0
+  else:
+    saved = m.n_layers * tokens * (6 * h + mlp_in * f) * activation_bytes
+  working = (ATTENTION_COPIES * b * m.n_heads * s * s * 4 + MLP_TEMPORARIES * mlp_in * tokens * f * 4
+             + HIDDEN_TEMPORARIES * tokens * h * 4 + LOGITS * tokens * m.vocab_size * 4)
+  layer = 4 * h * h + (mlp_in + 1) * h * f
+  gathered = GATHERED_LAYERS * layer * param_bytes if stage == 3 else 0.0
+  if stage == 3 and gradient_accumulation > 1:
+    saved *= SAVED_COPIES_STAGE3_ACCUMULATING
+  # the fp32 gradient the update reads: converted from the compute dtype, or (gas > 1) the
+  # accumulator itself -- reduced to its partition first in stage 1
+  fp32_grad = 4 * update_elements if gradient_accumulation == 1 or stage == 1 else 0.0
+  update = max(fp32_grad, 2 * hpz_secondary)  # hpZ's new secondary comes after the update
+  if streamed_update:
+    update += 24 * stream_elements  # one leaf's master + moments in, and their new values out
+  return StepMemory(
+      state=state, grads=param_bytes * grad_elements,
+      accumulator=4 * grad_elements if gradient_accumulation > 1 else 0.0, saved=saved,
+      working=working, gathered=gathered, update=update)
+
+
+def residual_itemsize(model: Any, param_dtype: Any) -> int:
+  """Bytes per element of what the layer scan of the embedded GPT carries from layer to layer
+  (the residual stream) when its parameters are ``param_dtype``: the dtype of the first carry of
+  the first ``scan`` in the traced forward of a two-layer model of the same kind."""
+  return _residual_itemsize(model.gated_mlp, model.tie_embeddings, np.dtype(param_dtype).name)
+
+
+@functools.cache
+def _residual_itemsize(gated: bool, tied: bool, dtype_name: str) -> int:
+  import jax.numpy as jnp  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  from jzero.models import GPT, GPTConfig  # noqa: PLC0415
+
+  cfg = GPTConfig(vocab_size=16, seq_len=4, d_model=8, n_layers=2, n_heads=2, mlp_dim=8,
+                  gated_mlp=gated, tie_embeddings=tied)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype_name), state)
+  jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(
+      state, jax.ShapeDtypeStruct((1, 4), jnp.int32))
+  scan = _first_scan(jaxpr.jaxpr)
+  carry = scan.invars[scan.params["num_consts"]]
+  return int(np.dtype(carry.aval.dtype).itemsize)
+
+
+def _first_scan(jaxpr: Any) -> Any:
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      return eqn
+    for value in eqn.params.values():
+      for item in value if isinstance(value, (list, tuple)) else (value,):
+        sub = getattr(item, "jaxpr", item)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+        found = _first_scan(sub) if hasattr(sub, "eqns") else None
+        if found is not None:
+          return found
+  return None
