@@ -88,7 +88,10 @@ def stage_lines(plan: Any) -> list[str]:
                  f"{format_bytes(r.device_bytes)} per device (estimate)")
     else:
       r = min(rows, key=lambda r: (r.device_bytes, r.host_bytes, r.nvme_bytes))
-      out.append(f"  {label}: does not fit -- its smallest, {r.name}: {r.reason}")
+      big = sorted(r.parts.items(), key=lambda kv: -kv[1])[:3]
+      most = ", ".join(f"{k} {format_bytes(v)}" for k, v in big)
+      out.append(f"  {label}: does not fit -- its smallest, {r.name}: {r.reason}"
+                 + (f" (largest parts: {most})" if most and "device" in r.reason else ""))
   return out
 
 

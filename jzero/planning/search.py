@@ -67,6 +67,8 @@ class Row:
       "twin - offload" (a GPU target's offload candidate: its device twin's compiled peak less the
       state its offload keeps on the host, plus the update's stream buffer), or "estimate".
     host_bytes, nvme_bytes: per node (arithmetic).
+    parts: the estimate's device bytes by part, of the phase its peak is in
+      (:meth:`jzero.analysis.step_memory.StepMemory.parts`).
   """
 
   candidate: Candidate
@@ -80,6 +82,7 @@ class Row:
   compiled: Compiled | None = None
   estimate_bytes: float = 0.0
   device_from: str = "estimate"
+  parts: dict = dataclasses.field(default_factory=dict)
 
   @property
   def name(self) -> str:
@@ -371,10 +374,10 @@ def _row(cand: Candidate, e: Estimated, problem: str, pred: Prediction, c: Compi
   if c is None:
     status = "pruned" if problem else ("not compiled" if compiling else "fits")
     return Row(cand, status, problem, e.device_bytes, e.host_bytes, e.nvme_bytes, e.resources,
-               pred, estimate_bytes=e.device_bytes)
+               pred, estimate_bytes=e.device_bytes, parts=e.memory.parts())
   device, how = _compiled_device(e, c, target)
   problem = _fit_problem(device, e.host_bytes, e.nvme_bytes, hw, margin, how)
   resources = _with_compiled(e, c)
   return Row(cand, "too big" if problem else "fits", problem, device, e.host_bytes, e.nvme_bytes,
              resources, predict(resources, hw), c, estimate_bytes=e.device_bytes,
-             device_from=how)
+             device_from=how, parts=e.memory.parts())
