@@ -266,6 +266,34 @@ def _estimate(engine: Any, state: Any, gpt: Any) -> dict[str, float]:
   return out
 
 
+def _step_estimate(engine: Any, state: Any, gpt: Any) -> float:
+  """The arithmetic's peak for this step (:func:`jzero.analysis.step_memory.step_memory`): the
+  plan's persistent state as this compile places it, the GPT's shapes; 0 for another model."""
+  if gpt is None:
+    return 0.0
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from jzero.analysis.step_memory import residual_itemsize, step_memory  # noqa: PLC0415
+
+  plan, cfg = engine.plan, engine.config
+  held = _state_bytes(engine, state)
+  numel = sum(l.numel for l in plan.leaf_list())
+  n = engine.mesh.zero_size
+  checkpointing = cfg.activation_checkpointing
+  mode = ("none" if checkpointing is None else
+          "offload" if checkpointing.cpu_checkpointing else "block")
+  compute = jnp.dtype(plan.compute_dtype)
+  return step_memory(
+      gpt, state=held["params"] + held["master"] + held["optimizer"] + held.get("secondary", 0),
+      grad_elements=numel / n if plan.stage >= 2 else numel,
+      micro_batch=cfg.train_micro_batch_size_per_gpu,
+      gradient_accumulation=cfg.gradient_accumulation_steps, checkpointing=mode,
+      stage=plan.stage, param_bytes=compute.itemsize,
+      activation_bytes=residual_itemsize(gpt, compute),
+      update_elements=numel / n if plan.stage else numel,
+      hpz_secondary=held.get("secondary", 0)).peak
+
+
 def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int = 1,
                 mesh: str | Path | None = None, model: Any = "default",
                 loss_fn: Callable[..., Any] | None = None, batch: Any = None,
@@ -375,7 +403,8 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
       device_memory=spec.memory_bytes, memory_fraction=memory_fraction, trace_s=t1 - t0,
       lower_s=t2 - t1, compile_s=t3 - t2, collectives=collectives(hlo, zmesh),
       xla_options=program.compile_options(engine.plan), pallas_kernels=pallas_calls(hlo),
-      matmul_flops=matmul_flops(hlo), memory_traffic=memory_traffic(hlo))
+      matmul_flops=matmul_flops(hlo), memory_traffic=memory_traffic(hlo),
+      step_estimate=_step_estimate(engine, state, gpt))
 
 
 def pallas_calls(hlo_text: str) -> int:

@@ -47,6 +47,9 @@ class AotReport:
     memory_traffic: bytes its other instructions read and write per device per step
       (:func:`jzero.analysis.hlo.memory_traffic`).
     xla_options: the compile options the plan passed (bucket and overlap knobs).
+    step_estimate: the peak the arithmetic predicts for this step
+      (:func:`jzero.analysis.step_memory.step_memory`; 0 for a model that is not the embedded
+      GPT).
   """
 
   gpu: str
@@ -77,6 +80,7 @@ class AotReport:
   pallas_kernels: int = 0
   matmul_flops: float = 0.0
   memory_traffic: float = 0.0
+  step_estimate: float = 0.0
 
   @property
   def kinds(self) -> tuple[str, ...]:
@@ -202,6 +206,8 @@ def report_parts(r: AotReport) -> list[Any]:
                 f"params + master + optimizer {format_bytes(r.persistent_state)}, ratio "
                 f"{ratio:.4f}), outputs {format_bytes(r.output)}, temp {format_bytes(r.temp)}, "
                 f"aliased {format_bytes(r.alias)}; peak {format_bytes(r.peak)}",
+            *([f"estimated peak (jzero.analysis.step_memory): {format_bytes(r.step_estimate)}, "
+               f"estimate / compiled {r.step_estimate / r.peak:.2f}"] if r.step_estimate else []),
             f"fits: {'yes' if r.fits else 'NO'} -- peak {format_bytes(r.peak)} of "
             f"{format_bytes(r.usable_memory)} usable ({r.memory_fraction:.0%} of "
             f"{format_bytes(r.device_memory)})", ""]

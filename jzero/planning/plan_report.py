@@ -40,7 +40,7 @@ def plan_rows(plan: Any) -> list[list[str]]:
                  "-" if ratio is None else f"{ratio:.2f}", r.device_from, _b(r.host_bytes),
                  _b(r.nvme_bytes), _b(res.intra_node_bytes), _b(res.inter_node_bytes),
                  _b(res.pcie_bytes), format_count(res.flops), f"{res.overlap:.0%}",
-                 f"{r.prediction.seconds:.4g}", r.prediction.bound])
+                 f"{r.prediction.seconds:.4g}", r.prediction.bound, res.source])
   return rows
 
 
@@ -61,8 +61,10 @@ def search_line(plan: Any) -> str:
   if s is None or s.stop == "arithmetic":
     return ("search: arithmetic alone (--compile-top 0): candidates within the budget 'fit' by "
             "their estimates, none was compiled")
-  how = {"proven": "stopped at the first candidate proven to fit by its compile (the fastest "
-                   "predicted to fit)",
+  how = {"proven": "stopped at the first candidate proven to fit by its compile, the fastest "
+                   "the arithmetic predicted to fit (uncompiled rows keep the arithmetic's time, "
+                   "which leaves out most non-matmul memory traffic a compile counts; "
+                   "--compile-top N compiles more)",
          "exhausted": "every candidate predicted to fit was compiled",
          "budget": f"STOPPED: the time budget ({s.time_budget:g} s) ran out"}[s.stop]
   return (f"search: {s.compiled} device program{'s' * (s.compiled != 1)} compiled ({s.cached} "
