@@ -66,6 +66,8 @@ def search_line(plan: Any) -> str:
                    "which leaves out most non-matmul memory traffic a compile counts; "
                    "--compile-top N compiles more)",
          "exhausted": "every candidate predicted to fit was compiled",
+         "shortfall": "none was predicted to fit; the one with the fewest device bytes was "
+                      "compiled, to measure its shortfall",
          "budget": f"STOPPED: the time budget ({s.time_budget:g} s) ran out"}[s.stop]
   return (f"search: {s.compiled} device program{'s' * (s.compiled != 1)} compiled ({s.cached} "
           f"from the cache) in {s.seconds:.0f} s, least predicted time first; {how}; {s.untried} "
@@ -89,10 +91,10 @@ def stage_lines(plan: Any) -> list[str]:
       out.append(f"  {label}: predicted to fit, not compiled -- {r.name}, "
                  f"{format_bytes(r.device_bytes)} per device (estimate)")
     else:
-      r = min(rows, key=lambda r: (r.device_bytes, r.host_bytes, r.nvme_bytes))
+      r = min(rows, key=lambda r: (r.estimate_bytes, r.host_bytes, r.nvme_bytes))
       big = sorted(r.parts.items(), key=lambda kv: -kv[1])[:3]
       most = ", ".join(f"{k} {format_bytes(v)}" for k, v in big)
-      out.append(f"  {label}: does not fit -- its smallest, {r.name}: {r.reason}"
+      out.append(f"  {label}: does not fit -- its smallest by estimate, {r.name}: {r.reason}"
                  + (f" (largest parts: {most})" if most and "device" in r.reason else ""))
   return out
 

@@ -20,7 +20,8 @@ fastest one that fits is proven by its compile, the best written as a DeepSpeed 
    bytes are within the usable memory; on a GPU target an offload candidate's device bytes are
    its twin's compiled peak less the state its offload keeps off the device, labelled so.
    Nothing is "too big" unless compiled, and "nothing fits" is said only when no candidate
-   predicted to fit is left untried.
+   predicted to fit is left untried; when none is predicted to fit, the one with the fewest
+   device bytes is compiled, so that the shortfall is a compiled figure.
 5. **Ranking** (:mod:`jzero.planning.cost`): the compiled candidates that fit, by predicted step
    time with the compiled FLOPs, collective bytes and overlap; the first is chosen.
 
@@ -102,8 +103,9 @@ class SearchLog:
     compiled: device programs compiled (cached ones included); cached: of those, from the cache.
     seconds: wall time spent compiling.
     stop: "proven" (a candidate fits by its compile and ``compile_top`` were compiled),
-      "exhausted" (every candidate predicted to fit was compiled), "budget" (``time_budget`` ran
-      out first) or "arithmetic" (``compile=False``).
+      "exhausted" (every candidate predicted to fit was compiled), "shortfall" (none was
+      predicted to fit: the one with the fewest device bytes was compiled, to measure its
+      shortfall), "budget" (``time_budget`` ran out first) or "arithmetic" (``compile=False``).
     time_budget: the budget, seconds; untried: candidates predicted to fit left uncompiled.
   """
 
@@ -311,8 +313,13 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
                            "estimate")
     priced.append((cand, e, problem, predict(e.resources, hardware)))
   queue = sorted((p for p in priced if not p[2]), key=_order)
+  shortfall = not queue and bool(priced)
+  if shortfall:  # none predicted to fit: the smallest, compiled, gives the shortfall its number
+    queue = [min(priced, key=lambda p: p[1].device_bytes)]
   compiled, log = _compile_in_order(queue, job, hardware, target, gpt, margin, compile,
                                     compile_top, time_budget, cache_dir, progress)
+  if shortfall and log.stop == "exhausted":
+    log = dataclasses.replace(log, stop="shortfall")
   compiling = compile and compile_top > 0
   rows = [_row(cand, e, problem, pred, compiled.get(_twin_key(cand, job, hardware, target)),
                hardware, target, margin, compiling) for cand, e, problem, pred in priced]
