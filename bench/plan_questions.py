@@ -51,7 +51,10 @@ ESTIMATOR_TABLES = ("7b", "13b", "70b")
 
 def _flags(kwargs: dict) -> str:
   """The ``jzero plan`` command line of a question."""
-  flags = [f"--params {kwargs['model']:g}", f"--gpu {kwargs['gpu']}",
+  count = kwargs["model"]
+  exp = next(e for e in (12, 9, 6, 0) if count % 10**e == 0)
+  params = f"{int(count // 10**exp)}e{exp}" if exp else f"{count:g}"
+  flags = [f"--params {params}", f"--gpu {kwargs['gpu']}",
            f"--devices {kwargs['devices']}"]
   if kwargs.get("nodes", 1) > 1:
     flags.append(f"--nodes {kwargs['nodes']}")

@@ -8,9 +8,12 @@ micro-batch, which sets the gradient accumulation. :func:`candidates` lists ever
 :meth:`Candidate.deepspeed_config` writes it as the DeepSpeed JSON ``jzero train`` and
 ``jzero.initialize`` take.
 
-:func:`estimated` prices a candidate without compiling it: memory per tier from
-:func:`jzero.analysis.estimate.estimate` (activations by Korthikanti et al., stage 3's gathered
-layers), FLOPs from the GPT's shapes (6 per parameter and token, the attention scores, one forward
+:func:`estimated` prices a candidate without compiling it: the device bytes of its compiled step
+by :func:`jzero.analysis.step_memory.step_memory` (state, gradients and their fp32 accumulator,
+saved activations in the model's own activation dtype, one layer's working set, stage 3's
+gathered layers, the update phase), host and NVMe bytes per node from
+:func:`jzero.analysis.estimate.estimate`'s tiers (gradients stay on the device under jzero's
+offload, so none on the host), FLOPs from the GPT's shapes (6 per parameter and token, the attention scores, one forward
 more when blocks are recomputed), collective bytes from ZeRO's communication analysis (2Ψ per step
 for stages 0-2, 3Ψ per micro-batch for stage 3; ZeRO++ as its paper counts: qwZ halves the
 forward gather, hpZ keeps the backward gather inside the node, qgZ sends a quarter of the

@@ -25,9 +25,13 @@ compute: jzero runs the host optimizer step after the backward pass. The *bound*
 largest term. Times are **predictions**, not measurements.
 
 Every rate is a :class:`Constant` with its source: the GPU's XLA spec (HBM bandwidth), NVIDIA's
-datasheets (peak FLOP/s, NVLink, PCIe, the DGX node's network, host memory and NVMe), a paper's
-measurement (matmul efficiency, NVMe bandwidth), or a measurement on this machine
-(:func:`cpu_hardware`, for validating the model where a step can be run: the CPU).
+datasheets (peak FLOP/s, NVLink, PCIe, the DGX node's network, host memory and NVMe), the Amazon
+EC2 instance a cloud PCIe part is rented in, a stated assumption (a GeForce part's desktop), a
+paper's measurement (matmul efficiency, NVMe bandwidth), or a measurement on this machine
+(:func:`cpu_hardware`, for validating the model where a step can be run: the CPU). The share of
+each GPU's memory a step may use is the memory fraction the run sets with
+``XLA_PYTHON_CLIENT_MEM_FRACTION`` (:data:`DEFAULT_MEM_FRACTION`, 0.90; JAX's own default, 0.75,
+leaves a quarter of the card unused).
 """
 
 from __future__ import annotations
