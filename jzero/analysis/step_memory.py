@@ -26,9 +26,10 @@ micro-batch):
   micro-batch;
 * *gathered* -- stage 3: the gathered layer and the next one, prefetched;
 
-the saved activations in the dtype the layers pass along (:func:`residual_itemsize`: the embedded
-GPT's residual stream is fp32 even with bf16 parameters, because ``nnx.Embed`` promotes its lookup
-to its ``param_dtype``).
+the saved activations in the dtype the layers pass along (``activation_bytes``, read from the
+model's traced forward by :func:`jzero.planning.candidates.activation_bytes_of`: the embedded GPT's
+residual stream is fp32 even with bf16 parameters, because ``nnx.Embed`` promotes its lookup to
+its ``param_dtype``).
 
 **Update**: the state, the gradients and the accumulator, plus the fp32 gradient partition the
 optimizer reads (converted from the compute dtype; with gas > 1 the accumulator itself, reduced
@@ -53,13 +54,9 @@ needs the counts checked again.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
-import jax
-import numpy as np
-
-__all__ = ["StepMemory", "step_memory", "residual_itemsize", "ATTENTION_COPIES",
+__all__ = ["StepMemory", "step_memory", "ATTENTION_COPIES",
            "HIDDEN_TEMPORARIES", "MLP_TEMPORARIES", "LOGITS", "GATHERED_LAYERS",
            "SAVED_COPIES_STAGE3_ACCUMULATING"]
 
@@ -133,7 +130,7 @@ def step_memory(model: Any, *, state: float, grad_elements: float, micro_batch: 
     checkpointing: "none", "block" (activation checkpointing) or "offload" (``cpu_checkpointing``).
     stage: the ZeRO stage (stage 3 gathers layers).
     param_bytes: bytes per compute parameter; activation_bytes: per activation element
-      (:func:`residual_itemsize`).
+      (:func:`jzero.planning.candidates.activation_bytes_of`).
     update_elements: elements of the fp32 gradient partition the update reads.
     hpz_secondary: bytes of hpZ's secondary partition (0: no hpZ).
     stream_elements: optimizer offload: elements of the largest parameter leaf's partition,
@@ -166,41 +163,3 @@ def step_memory(model: Any, *, state: float, grad_elements: float, micro_batch: 
       state=state, grads=param_bytes * grad_elements,
       accumulator=4 * grad_elements if gradient_accumulation > 1 else 0.0, saved=saved,
       working=working, gathered=gathered, update=update)
-
-
-def residual_itemsize(model: Any, param_dtype: Any) -> int:
-  """Bytes per element of what the layer scan of the embedded GPT carries from layer to layer
-  (the residual stream) when its parameters are ``param_dtype``: the dtype of the first carry of
-  the first ``scan`` in the traced forward of a two-layer model of the same kind."""
-  return _residual_itemsize(model.gated_mlp, model.tie_embeddings, np.dtype(param_dtype).name)
-
-
-@functools.cache
-def _residual_itemsize(gated: bool, tied: bool, dtype_name: str) -> int:
-  import jax.numpy as jnp  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-
-  from jzero.models import GPT, GPTConfig  # noqa: PLC0415
-
-  cfg = GPTConfig(vocab_size=16, seq_len=4, d_model=8, n_layers=2, n_heads=2, mlp_dim=8,
-                  gated_mlp=gated, tie_embeddings=tied)
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
-  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype_name), state)
-  jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(
-      state, jax.ShapeDtypeStruct((1, 4), jnp.int32))
-  scan = _first_scan(jaxpr.jaxpr)
-  carry = scan.invars[scan.params["num_consts"]]
-  return int(np.dtype(carry.aval.dtype).itemsize)
-
-
-def _first_scan(jaxpr: Any) -> Any:
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "scan":
-      return eqn
-    for value in eqn.params.values():
-      for item in value if isinstance(value, (list, tuple)) else (value,):
-        sub = getattr(item, "jaxpr", item)  # a ClosedJaxpr's jaxpr, or a Jaxpr
-        found = _first_scan(sub) if hasattr(sub, "eqns") else None
-        if found is not None:
-          return found
-  return None

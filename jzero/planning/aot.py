@@ -273,7 +273,8 @@ def _step_estimate(engine: Any, state: Any, gpt: Any) -> float:
     return 0.0
   import jax.numpy as jnp  # noqa: PLC0415
 
-  from jzero.analysis.step_memory import residual_itemsize, step_memory  # noqa: PLC0415
+  from jzero.analysis.step_memory import step_memory  # noqa: PLC0415
+  from jzero.planning.candidates import activation_bytes_of  # noqa: PLC0415
 
   plan, cfg = engine.plan, engine.config
   held = _state_bytes(engine, state)
@@ -289,7 +290,7 @@ def _step_estimate(engine: Any, state: Any, gpt: Any) -> float:
       micro_batch=cfg.train_micro_batch_size_per_gpu,
       gradient_accumulation=cfg.gradient_accumulation_steps, checkpointing=mode,
       stage=plan.stage, param_bytes=compute.itemsize,
-      activation_bytes=residual_itemsize(gpt, compute),
+      activation_bytes=activation_bytes_of(gpt, cfg.precision),
       update_elements=numel / n if plan.stage else numel,
       hpz_secondary=held.get("secondary", 0)).peak
 
