@@ -59,14 +59,16 @@ class Row:
 
   Attributes:
     status: "fits" (compiled, within the budgets), "too big" (compiled, over one), "pruned" (the
-      estimate is over a budget), or "not compiled" (predicted to fit, left untried).
+      estimate is over a budget), "not compiled" (predicted to fit, left untried), or "compile
+      failed" (XLA refused its program: the reason is XLA's error, and the search goes on).
     reason: why it does not fit or was pruned ("" when it fits).
     device_bytes: per device: the compiled figure when compiled (see ``device_from``), else the
       estimate.
     estimate_bytes: per device: the estimator's figure (:mod:`jzero.analysis.step_memory`).
     device_from: where ``device_bytes`` comes from: "compiled" (the compiled step's peak),
       "twin - offload" (a GPU target's offload candidate: its device twin's compiled peak less the
-      state its offload keeps on the host, plus the update's stream buffer), or "estimate".
+      state its offload keeps on the host), "update phase (estimate)" (such a candidate whose
+      update phase, by arithmetic, holds more than that), or "estimate".
     host_bytes, nvme_bytes: per node (arithmetic).
     parts: the estimate's device bytes by part, of the phase its peak is in
       (:meth:`jzero.analysis.step_memory.StepMemory.parts`).
@@ -230,7 +232,9 @@ def _compiled_device(e: Estimated, c: Compiled, target: str) -> tuple[float, str
   (:class:`jzero.planning.candidates.Estimated`)."""
   if target == "cpu" or not e.offloaded_bytes:
     return c.peak, "compiled"
-  return max(c.peak - e.offloaded_bytes, e.offload_floor), "twin - offload"
+  twin = c.peak - e.offloaded_bytes
+  return (twin, "twin - offload") if twin >= e.offload_floor else (e.offload_floor,
+                                                                   "update phase (estimate)")
 
 
 def _order(row: tuple) -> tuple:
@@ -315,15 +319,15 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
   queue = sorted((p for p in priced if not p[2]), key=_order)
   shortfall = not queue and bool(priced)
   if shortfall:  # none predicted to fit: the smallest, compiled, gives the shortfall its number
-    queue = [min(priced, key=lambda p: p[1].device_bytes)]
+    queue = sorted(priced, key=lambda p: ("host" in p[2] or "NVMe" in p[2], p[1].device_bytes))
   compiled, log = _compile_in_order(queue, job, hardware, target, gpt, margin, compile,
-                                    compile_top, time_budget, cache_dir, progress)
+                                    compile_top, time_budget, cache_dir, progress, shortfall)
   if shortfall and log.stop == "exhausted":
     log = dataclasses.replace(log, stop="shortfall")
   compiling = compile and compile_top > 0
   rows = [_row(cand, e, problem, pred, compiled.get(_twin_key(cand, job, hardware, target)),
                hardware, target, margin, compiling) for cand, e, problem, pred in priced]
-  order = {"fits": 0, "not compiled": 1, "too big": 2, "pruned": 3}
+  order = {"fits": 0, "not compiled": 1, "too big": 2, "compile failed": 3, "pruned": 4}
   rows.sort(key=lambda r: (order[r.status], round(r.prediction.seconds, 9),
                            sum(r.prediction.terms.values()), r.device_bytes))
   untried = sum(r.status == "not compiled" for r in rows)
@@ -339,10 +343,11 @@ def _twin_key(cand: Candidate, job: Job, hw: Hardware, target: str) -> str:
 
 def _compile_in_order(queue: list, job: Job, hw: Hardware, target: str, gpt: Any, margin: float,
                       compile: bool, compile_top: int, time_budget: float,
-                      cache_dir: str | Path | None,
-                      progress: Callable[[str], Any] | None) -> tuple[dict, SearchLog]:
+                      cache_dir: str | Path | None, progress: Callable[[str], Any] | None,
+                      shortfall: bool = False) -> tuple[dict, SearchLog]:
   """Compiles ``queue`` (candidates predicted to fit, least predicted time first) until one fits
-  by its compile and ``compile_top`` were compiled, or ``time_budget`` seconds are spent."""
+  by its compile and ``compile_top`` were compiled, or ``time_budget`` seconds are spent; with
+  ``shortfall`` (none predicted to fit, the queue smallest first) until one compiles."""
   from jzero.analysis.tables import format_bytes  # noqa: PLC0415
 
   say = progress or (lambda _: None)
@@ -362,22 +367,49 @@ def _compile_in_order(queue: list, job: Job, hw: Hardware, target: str, gpt: Any
       say(f"compiling {len(compiled) + 1}: {cand.name} (predicted {pred.seconds:.4g} s, "
           f"estimate {format_bytes(e.device_bytes)} per device)")
       config = cand.deepspeed_config(job, hw.devices, devices_per_node=hw.devices_per_node)
-      compiled[key] = compile_candidate(config, target, hw.devices, hw.nodes, gpt,
-                                        cache_dir=cache_dir)
-    device, how = _compiled_device(e, compiled[key], target)
-    fits = not _fit_problem(device, e.host_bytes, e.nvme_bytes, hw, margin, how)
+      try:
+        compiled[key] = compile_candidate(config, target, hw.devices, hw.nodes, gpt,
+                                          cache_dir=cache_dir)
+      except Exception as err:  # noqa: BLE001 -- XLA refusing one program ends no search
+        compiled[key] = CompileFailure(_first_line(err))
     c = compiled[key]
+    if isinstance(c, CompileFailure):
+      say(f"  {cand.name}: compile failed ({c.error})")
+      continue
+    device, how = _compiled_device(e, c, target)
+    fits = not _fit_problem(device, e.host_bytes, e.nvme_bytes, hw, margin, how)
     say(f"  {cand.name}: {format_bytes(device)} ({how}{', cached' if c.cached else ''}) -> "
         f"{'fits' if fits else 'too big'}")
     proven = proven or fits
-  cached = sum(c.cached for c in compiled.values())
+    if shortfall:
+      break
+  cached = sum(getattr(c, "cached", False) for c in compiled.values())
   return compiled, SearchLog(len(compiled), cached, time.perf_counter() - t0, stop, time_budget,
                              0)
 
 
-def _row(cand: Candidate, e: Estimated, problem: str, pred: Prediction, c: Compiled | None,
-         hw: Hardware, target: str, margin: float, compiling: bool) -> Row:
+@dataclasses.dataclass(frozen=True)
+class CompileFailure:
+  """A candidate's device program XLA did not compile (its error's first line)."""
+
+  error: str
+
+
+def _first_line(err: BaseException) -> str:
+  text = str(err).strip().splitlines()
+  line = text[0] if text else type(err).__name__
+  return line if len(line) <= 160 else line[:157] + "..."
+
+
+def _row(cand: Candidate, e: Estimated, problem: str, pred: Prediction,
+         c: Compiled | CompileFailure | None, hw: Hardware, target: str, margin: float,
+         compiling: bool) -> Row:
   """A candidate's row; without compiling, one predicted to fit "fits" by its estimate."""
+  if isinstance(c, CompileFailure):
+    reason = "; ".join(filter(None, [problem, f"XLA did not compile it: {c.error}"]))
+    return Row(cand, "compile failed", reason, e.device_bytes, e.host_bytes,
+               e.nvme_bytes, e.resources, pred, estimate_bytes=e.device_bytes,
+               parts=e.memory.parts())
   if c is None:
     status = "pruned" if problem else ("not compiled" if compiling else "fits")
     return Row(cand, status, problem, e.device_bytes, e.host_bytes, e.nvme_bytes, e.resources,

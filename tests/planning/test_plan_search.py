@@ -179,8 +179,10 @@ def test_gpu_target_compiles_the_device_twin_of_an_offload_candidate(tmp_path):
   # never the twin's peak: the twin's less the optimizer state the offload keeps on the host,
   # or the streamed update's bytes by arithmetic if larger, and labelled so
   e = estimated(offload.candidate, plan.job, plan.hardware)
-  assert e.offloaded_bytes > 0 and offload.device_from == "twin - offload"
+  assert e.offloaded_bytes > 0
   assert offload.device_bytes == max(plain.compiled.peak - e.offloaded_bytes, e.offload_floor)
+  assert offload.device_from == ("twin - offload" if offload.device_bytes > e.offload_floor
+                                 else "update phase (estimate)")
   assert offload.device_bytes < plain.device_bytes == plain.compiled.peak
   assert plain.compiled.overlap > 0.9  # ZeRO-3's gathers run beside compute
   assert offload.resources.pcie_bytes > 0 and plain.resources.pcie_bytes == 0
