@@ -91,10 +91,12 @@ def stage_lines(plan: Any) -> list[str]:
       out.append(f"  {label}: predicted to fit, not compiled -- {r.name}, "
                  f"{format_bytes(r.device_bytes)} per device (estimate)")
     else:
-      r = min(rows, key=lambda r: (r.estimate_bytes, r.host_bytes, r.nvme_bytes))
+      compiled = [r for r in rows if r.status == "too big"]  # a compiled figure, where there is
+      r = min(compiled or rows, key=lambda r: (r.estimate_bytes, r.host_bytes, r.nvme_bytes))
       big = sorted(r.parts.items(), key=lambda kv: -kv[1])[:3]
       most = ", ".join(f"{k} {format_bytes(v)}" for k, v in big)
-      out.append(f"  {label}: does not fit -- its smallest by estimate, {r.name}: {r.reason}"
+      out.append(f"  {label}: does not fit -- its smallest{'' if compiled else ' by estimate'}, "
+                 f"{r.name}: {r.reason}"
                  + (f" (largest parts: {most})" if most and "device" in r.reason else ""))
   return out
 
