@@ -1,5 +1,5 @@
-"""DeepSpeed's config fields and their types, written down from DeepSpeed's own config classes, and a
-checker that says which key of a config DeepSpeed would reject (no torch, no DeepSpeed install).
+"""DeepSpeed's config fields and their types, written down from DeepSpeed's own config classes,
+and a checker that says which key of a config DeepSpeed would reject (no torch, no DeepSpeed).
 
 Read from deepspeedai/DeepSpeed (the pydantic models and the getters of the top-level parser):
 

@@ -147,8 +147,8 @@ def step_memory(model: Any, *, state: float, grad_elements: float, micro_batch: 
     saved = 0.0
   else:
     saved = m.n_layers * tokens * (6 * h + mlp_in * f) * activation_bytes
-  working = (ATTENTION_COPIES * b * m.n_heads * s * s * 4 + MLP_TEMPORARIES * mlp_in * tokens * f * 4
-             + HIDDEN_TEMPORARIES * tokens * h * 4 + LOGITS * tokens * m.vocab_size * 4)
+  working = 4 * (ATTENTION_COPIES * b * m.n_heads * s * s + MLP_TEMPORARIES * mlp_in * tokens * f
+                 + HIDDEN_TEMPORARIES * tokens * h + LOGITS * tokens * m.vocab_size)
   layer = 4 * h * h + (mlp_in + 1) * h * f
   gathered = GATHERED_LAYERS * layer * param_bytes if stage == 3 else 0.0
   if stage == 3 and gradient_accumulation > 1:

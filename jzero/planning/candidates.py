@@ -13,11 +13,12 @@ by :func:`jzero.analysis.step_memory.step_memory` (state, gradients and their fp
 saved activations in the model's own activation dtype, one layer's working set, stage 3's
 gathered layers, the update phase), host and NVMe bytes per node from
 :func:`jzero.analysis.estimate.estimate`'s tiers (gradients stay on the device under jzero's
-offload, so none on the host), FLOPs from the GPT's shapes (6 per parameter and token, the attention scores, one forward
-more when blocks are recomputed), collective bytes from ZeRO's communication analysis (2Ψ per step
-for stages 0-2, 3Ψ per micro-batch for stage 3; ZeRO++ as its paper counts: qwZ halves the
-forward gather, hpZ keeps the backward gather inside the node, qgZ sends a quarter of the
-gradient bytes across nodes), and the offload streams from the bytes each tier moves per step.
+offload, so none on the host), FLOPs from the GPT's shapes (6 per parameter and token, the
+attention scores, one forward more when blocks are recomputed), collective bytes from ZeRO's
+communication analysis (2Ψ per step for stages 0-2, 3Ψ per micro-batch for stage 3; ZeRO++ as its
+paper counts: qwZ halves the forward gather, hpZ keeps the backward gather inside the node, qgZ
+sends a quarter of the gradient bytes across nodes), and the offload streams from the bytes each
+tier moves per step.
 """
 
 from __future__ import annotations
@@ -301,7 +302,8 @@ def estimated(c: Candidate, job: Job, hw: Hardware, leaves: list | None = None,
                    param_buffer_elements=_BUFFER_COUNT * param_buffer_size(m, n),
                    param_cache_elements=1e9, **common)
   twin = est.estimate(leaves, c.stage, per_node, hw.nodes, **common)
-  on_device = lambda x: sum(v for kind, v in x.bytes["device"].items() if kind != "grads")  # noqa: E731
+  def on_device(x: est.Estimate) -> float:  # the state on the device (gradients: the step's)
+    return sum(v for kind, v in x.bytes["device"].items() if kind != "grads")
   psi = e.num_params
   largest = max(math.prod(l.shape) for l in leaves)
   memory = step_memory(
