@@ -43,7 +43,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                       ("--seq-len", "seq_len"), ("--vocab-size", "vocab_size"),
                       ("--mlp-dim", "mlp_dim")):
     m.add_argument(flag, type=int, default=None, dest=field, help=f"GPTConfig.{field}")
-  t = parser.add_argument_group("target (defaults: the GPU's datasheet and DGX node, printed)")
+  t = parser.add_argument_group("target (defaults: the part's datasheets and node, printed)")
   t.add_argument("--gpu", default="h100", help=f"GPU part: {', '.join(sorted(GPU_SPECS))}")
   t.add_argument("--devices", type=int, default=8, help="GPUs per node (default 8)")
   t.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
