@@ -20,7 +20,8 @@ micro-batch):
   (the compiled program keeps them in host memory); without checkpointing what jzero's remat
   policy saves (``dots_with_no_batch_dims_saveable``: the outputs of the layer's weight matmuls
   and its input, (6h + mlp_width x matrices) elements per token). In stage 3 with gradient
-  accumulation XLA keeps most of these stacks twice (:data:`SAVED_COPIES_STAGE3_ACCUMULATING`);
+  accumulation, where XLA pipelines the layer scan's all-gathers, it keeps most of these stacks
+  twice (:data:`SAVED_COPIES_STAGE3_ACCUMULATING`; not with qwZ, whose gathers are its own);
 * *working* -- one layer's backward with its forward recomputed: the attention scores in fp32
   (b·heads·s²), the MLP's hidden activations, hidden-sized temporaries and the fp32 logits of the
   micro-batch;
@@ -117,7 +118,7 @@ def step_memory(model: Any, *, state: float, grad_elements: float, micro_batch: 
                 gradient_accumulation: int, checkpointing: str, stage: int,
                 param_bytes: int, activation_bytes: int, update_elements: float,
                 hpz_secondary: float = 0.0, stream_elements: float = 0.0,
-                streamed_update: bool = False) -> StepMemory:
+                streamed_update: bool = False, quantized_gathers: bool = False) -> StepMemory:
   """The step's device bytes by part (module docstring).
 
   Args:
@@ -136,6 +137,8 @@ def step_memory(model: Any, *, state: float, grad_elements: float, micro_batch: 
     stream_elements: optimizer offload: elements of the largest parameter leaf's partition,
       whose master and optimizer state the streamed update holds on the device at once.
     streamed_update: the optimizer state is streamed from the host (``offload_optimizer``).
+    quantized_gathers: stage 3 gathers through ZeRO++'s qwZ (its own int8 gathers, not XLA's
+      pipelined all-gathers, which keep the saved stacks twice under gradient accumulation).
   """
   m, b = model, micro_batch
   s, h, f = m.seq_len, m.d_model, m.mlp_width
@@ -151,7 +154,7 @@ def step_memory(model: Any, *, state: float, grad_elements: float, micro_batch: 
                  + HIDDEN_TEMPORARIES * tokens * h + LOGITS * tokens * m.vocab_size)
   layer = 4 * h * h + (mlp_in + 1) * h * f
   gathered = GATHERED_LAYERS * layer * param_bytes if stage == 3 else 0.0
-  if stage == 3 and gradient_accumulation > 1:
+  if stage == 3 and gradient_accumulation > 1 and not quantized_gathers:
     saved *= SAVED_COPIES_STAGE3_ACCUMULATING
   # the fp32 gradient the update reads: converted from the compute dtype, or (gas > 1) the
   # accumulator itself -- reduced to its partition first in stage 1

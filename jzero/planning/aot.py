@@ -292,7 +292,7 @@ def _step_estimate(engine: Any, state: Any, gpt: Any) -> float:
       stage=plan.stage, param_bytes=compute.itemsize,
       activation_bytes=activation_bytes_of(gpt, cfg.precision),
       update_elements=numel / n if plan.stage else numel,
-      hpz_secondary=held.get("secondary", 0)).peak
+      hpz_secondary=held.get("secondary", 0), quantized_gathers=plan.zeropp.quantized_weights).peak
 
 
 def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int = 1,

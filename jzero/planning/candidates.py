@@ -312,7 +312,7 @@ def estimated(c: Candidate, job: Job, hw: Hardware, leaves: list | None = None,
       checkpointing=c.checkpointing, stage=c.stage, param_bytes=p, activation_bytes=a,
       update_elements=psi / n if c.stage else psi, hpz_secondary=e.secondary,
       stream_elements=largest / n if c.stage else largest,
-      streamed_update=c.offload_optimizer == "cpu")
+      streamed_update=c.offload_optimizer == "cpu", quantized_gathers="qwz" in c.zeropp)
   offloaded = on_device(twin) - on_device(e)
   acts = m.n_layers * c.micro_batch * m.seq_len * m.d_model * a  # the layer inputs, every layer
   psi = e.num_params
