@@ -92,7 +92,8 @@ def stage_lines(plan: Any) -> list[str]:
                  f"{format_bytes(r.device_bytes)} per device (estimate)")
     else:
       compiled = [r for r in rows if r.status == "too big"]  # a compiled figure, where there is
-      r = min(compiled or rows, key=lambda r: (r.estimate_bytes, r.host_bytes, r.nvme_bytes))
+      r = min(compiled or rows, key=lambda r: ("host" in r.reason or "NVMe" in r.reason,
+                                               r.estimate_bytes, r.host_bytes, r.nvme_bytes))
       big = sorted(r.parts.items(), key=lambda kv: -kv[1])[:3]
       most = ", ".join(f"{k} {format_bytes(v)}" for k, v in big)
       out.append(f"  {label}: does not fit -- its smallest{'' if compiled else ' by estimate'}, "
