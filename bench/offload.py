@@ -16,9 +16,8 @@ step of each in turn, each blocked until ready) so every ratio compares runs und
 load; ``--sequential`` times each mode's steps before the next mode is built instead (one state
 alive at a time: for a model whose states do not all fit at once, on a machine nobody shares).
 Per mode one row: median step time and its ratio to no offload, XLA's memory analysis of the
-compiled step (argument / temp bytes per device; host fields read 0 on CPU), the device's peak
-bytes in use where the backend reports it (GPU), master + optimizer-state bytes per device by
-memory kind from the live arrays, and the largest loss difference from the no-offload run over the
+compiled step (argument / temp bytes per device; host fields read 0 on CPU), master +
+optimizer-state bytes per device by memory kind from the live arrays, and the largest loss difference from the no-offload run over the
 same steps (exactness; with the delayed update the math differs by design, one step late, and the
 column shows by how much). Writes ``offload.json`` and ``offload.md`` to ``--out``.
 
@@ -144,8 +143,6 @@ def main() -> int:
                 losses=losses)
 
   def summarize(name, run):
-    stats = run["engine"].mesh.mesh.devices.flat[0].memory_stats() or {}
-    run["peak"] = stats.get("peak_bytes_in_use")
     run["state_bytes"] = _state_bytes(run)
     print(f"{name}: median step {statistics.median(run['times']) * 1e3:.1f} ms, compile "
           f"{run['compile_s']:.1f} s", flush=True)
@@ -172,12 +169,12 @@ def main() -> int:
     diff = max(abs(a - b) / b for a, b in zip(run["losses"], base["losses"]))
     rows.append(dict(mode=name, step_ms=ms, ratio=ms / base_ms, compile_s=run["compile_s"],
                      argument=run["compiled"].argument, temp=run["compiled"].temp,
-                     peak=run["peak"], state_device=held.get("device", 0),
+                     state_device=held.get("device", 0),
                      state_host=held.get("pinned_host", 0) + held.get("unpinned_host", 0),
                      carried_grads=held["carried"], max_loss_rel_diff=diff))
 
   header = ("| mode | step (ms, median) | vs no offload | compile (s) | argument | temp | "
-            "device peak | master+opt on device | on host | carried grad (device) | "
+            "master+opt on device | on host | carried grad (device) | "
             "max loss rel. diff |")
   where = (f"{args.devices} simulated CPU devices" if args.platform == "cpu" else
            f"{args.devices} x {devices[0].device_kind}")
@@ -185,11 +182,10 @@ def main() -> int:
   lines = [f"{time.strftime('%Y-%m-%d')}, jax {jax.__version__}: ZeRO-{args.stage}, "
            f"{args.precision}, GPT {args.model!r} ({model.num_params() / 1e6:.0f}M parameters, "
            f"seq {model.seq_len}), micro-batch {args.micro_batch}, {where}, {args.steps} timed "
-           f"steps {timing}; per-device bytes", "", header, "|" + "---|" * 11]
+           f"steps {timing}; per-device bytes", "", header, "|" + "---|" * 10]
   for r in rows:
     lines.append(f"| {r['mode']} | {r['step_ms']:.1f} | {r['ratio']:.2f} | {r['compile_s']:.1f} | "
                  f"{format_bytes(r['argument'])} | {format_bytes(r['temp'])} | "
-                 f"{format_bytes(r['peak']) if r['peak'] is not None else 'n/a'} | "
                  f"{format_bytes(r['state_device'])} | {format_bytes(r['state_host'])} | "
                  f"{format_bytes(r['carried_grads'])} | "
                  f"{r['max_loss_rel_diff']:.1e} |")

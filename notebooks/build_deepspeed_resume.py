@@ -15,8 +15,11 @@ ZeRO plan -- any stage, any device count -- so the run goes on where DeepSpeed s
 
 The checkpoints here were written by DeepSpeed 0.19.8 itself (2 ranks, CPU), after 5 steps of a
 tiny torch GPT-2; DeepSpeed then went on to step 10 and logged its losses
-(`../tests/data/deepspeed/README.md`). We resume the ZeRO-2 fp32 and ZeRO-3 bf16 runs with jzero's
-ZeRO-3 on 8 devices and compare steps 6-10."""),
+(`tests/data/deepspeed/README.md` in the repository). We resume the ZeRO-2 fp32 and ZeRO-3 bf16
+runs with jzero's ZeRO-3 on 8 devices and compare steps 6-10.
+
+The checkpoints are read from the repository that jzero is installed from (`pip install -e .` in
+a checkout), wherever this notebook runs."""),
     new_code_cell("""import jzero
 
 jzero.simulate_cpu_devices(8)
@@ -32,7 +35,10 @@ import optax
 from flax import nnx
 
 %matplotlib inline
-DATA = Path("..") / "tests" / "data" / "deepspeed\""""),
+# the tests/data of the checkout jzero is installed from (pip install -e .), from any folder
+DATA = Path(jzero.__file__).resolve().parents[1] / "tests" / "data" / "deepspeed"
+assert DATA.is_dir(), (f"{DATA} is missing: this notebook reads the DeepSpeed checkpoints of a "
+                       f"jzero checkout; install jzero from one (pip install -e .)")"""),
     new_markdown_cell("""**The model in Flax.** The torch model (pre-LN GPT-2, tanh GELU, an untied
 head without bias) rewritten with NNX modules whose names follow torch's."""),
     new_code_cell("""class Block(nnx.Module):

@@ -63,6 +63,7 @@ How this relates to DeepSpeed's estimators (``estimate_zero2_model_states_mem_ne
   16Ψ/nodes·1.5 (optimizer) and 18Ψ/nodes·1.5 (params too). jzero creates the state directly in
   its placement, so per node it counts devices_per_node x the per-process bytes:
   (2 + 12)Ψ/nodes and (2 + 2 + 12)Ψ/nodes, with no buffer factor.
+
 The measured side -- what a live engine holds next to this prediction -- is
 :mod:`jzero.analysis.memory_report`.
 
@@ -230,12 +231,12 @@ class Estimate:
 
   @property
   def model_states(self) -> float:
-    """Model-state bytes on the device: params + grads + optimizer state."""
+    """Model-state bytes on the device, params + grads + optimizer state."""
     return self.tier_total("device")
 
   @property
   def device_total(self) -> float:
-    """Bytes on the device: model states + the gathered working set + activations."""
+    """Bytes on the device, model states + the gathered working set + activations."""
     return self.model_states + self.gathered + self.activations
 
   @property

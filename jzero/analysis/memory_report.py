@@ -104,7 +104,8 @@ class CompiledMemory:
 
   @property
   def peak(self) -> int:
-    """argument + output + temp - alias: donated buffers reused for outputs count once."""
+    """Peak bytes, argument + output + temp - alias (donated buffers reused for outputs count
+    once)."""
     return self.argument + self.output + self.temp - self.alias
 
 

@@ -16,6 +16,10 @@ One module per phase:
   (:func:`read_deepspeed`, ``.pt`` files through :mod:`jzero.checkpoint.deepspeed_pt`) and
   :mod:`jzero.checkpoint.deepspeed_import` -- continuing their run in an engine
   (:func:`import_deepspeed`).
+* :mod:`jzero.checkpoint.optax_import` -- a plain Flax + optax run's Orbax checkpoint read
+  (:func:`read_optax`) and continued in an engine (:func:`import_optax`);
+  :mod:`jzero.checkpoint.optax_export` -- a jzero checkpoint written as such a run's
+  (:func:`export_optax`).
 
 A checkpoint is named by a *tag*, DeepSpeed's word: by default the optimizer step (``DIR/20``), or
 any name (``engine.save_checkpoint(state, DIR, tag="epoch_0")``); ``DIR/latest`` holds the tag of
@@ -28,6 +32,8 @@ from jzero.checkpoint.deepspeed import (DeepSpeedCheckpoint, convert_deepspeed,
                                         stream_fp32)
 from jzero.checkpoint.deepspeed_import import import_deepspeed
 from jzero.checkpoint.describe import describe
+from jzero.checkpoint.optax_export import export_optax
+from jzero.checkpoint.optax_import import import_optax, read_optax
 from jzero.checkpoint.layout import (CHECKSUM, FILES_FILE, LATEST_FILE, META_FILE, WEIGHTS16,
                                      all_tags, incomplete_tags, is_complete, latest_step,
                                      latest_tag, read_metadata, resume_tag)
@@ -40,5 +46,6 @@ __all__ = [
     "latest_step", "resume_tag", "all_tags", "incomplete_tags", "is_complete", "read_metadata", "consolidate", "ConsolidateReport",
     "load_weights", "read_weights", "describe", "CHECKSUM", "FILES_FILE", "LATEST_FILE",
     "META_FILE", "WEIGHTS16", "DeepSpeedCheckpoint", "read_deepspeed", "import_deepspeed",
-    "convert_deepspeed", "describe_deepspeed", "find_deepspeed", "stream_fp32",
+    "convert_deepspeed", "describe_deepspeed", "find_deepspeed", "stream_fp32", "read_optax",
+    "import_optax", "export_optax",
 ]

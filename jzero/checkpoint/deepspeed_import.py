@@ -4,7 +4,8 @@
 path as :func:`jzero.checkpoint.restore.load_checkpoint`, from host arrays instead of Orbax): the
 user's ``convert`` maps torch names to the model's params tree and is applied alike to the fp32
 master and to each Adam moment; each tree is laid out as the plan's master / optimizer state and
-placed straight into its shardings, on any stage and device count.
+placed straight into its shardings, on any stage and device count, by the assembly a plain optax
+run's import uses (:func:`jzero.checkpoint.optax_import.placed_state`).
 
 What carries over, and how it maps to optax (:mod:`jzero.train.optim` builds the optimizer):
 
@@ -28,12 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 
 from jzero.checkpoint.deepspeed import DeepSpeedCheckpoint
-from jzero.checkpoint.restore import _carried, _compute_params, abstract_state, broadcast
+from jzero.checkpoint.optax_import import opt_layout, placed_state
+from jzero.checkpoint.restore import abstract_state, broadcast
 from jzero.errors import CheckpointError, JZeroWarning
-from jzero.sharding.plan import LeafPlan, flatten_paths
+from jzero.sharding.plan import flatten_paths
 
 __all__ = ["import_deepspeed"]
 
@@ -149,38 +150,16 @@ def import_deepspeed(engine: Any, ds: DeepSpeedCheckpoint, convert: Callable[[di
       no single Adam state -- before any device work.
   """
   abstract = engine.expand_abstract(abstract_state(engine, sample_batch))  # tiers' real shapes
-  plan = engine.plan
   master, mu, nu = _converted(engine, ds, convert, sample_batch)
   _check_optimizer(engine, ds)
   adam_count, schedule_count = ds.step, _schedule_count(ds)
   shardings = broadcast(engine.state_shardings(), abstract)
 
-  def state_layout(leaf: LeafPlan, x: jax.Array) -> jax.Array:
-    return leaf.to_padded(x) if leaf.state_partitioned else x
-
-  def param_layout(leaf: LeafPlan, x: jax.Array) -> jax.Array:
-    return leaf.to_padded(x) if leaf.param_partitioned else x
-
   def opt_state(master, mu, nu):
-    fresh = engine.tx.init(plan.map(state_layout, master))
-    return _with_adam_state(fresh, plan.map(state_layout, mu), plan.map(state_layout, nu),
-                            adam_count, schedule_count, ds.directory)
+    fresh = engine.tx.init(master)
+    return opt_layout(engine, _with_adam_state(fresh, mu, nu, adam_count, schedule_count,
+                                               ds.directory))
 
   optimizer = jax.jit(opt_state, out_shardings=shardings.opt_state)(master, mu, nu)
-  if plan.has_master:
-    master = jax.jit(lambda m: plan.map(state_layout, m), out_shardings=shardings.master)(master)
-    params = _compute_params(engine, master, shardings.params)
-  else:
-    params = jax.jit(lambda m: plan.map(param_layout, m), out_shardings=shardings.params)(master)
-    master = None
-  replicated = plan.sharding(P())
-  scalar = lambda n: jax.device_put(jnp.asarray(n, jnp.int32), replicated)
-  _, train_key = jax.random.split(jax.random.key(0) if rng is None else rng)
-  state = type(abstract)(
-      step=scalar(ds.global_steps), skipped=scalar(ds.skipped_steps), params=params,
-      master=master, opt_state=optimizer,
-      loss_scale=jax.device_put(engine.scaler.init(), replicated),
-      rng=jax.device_put(jax.random.key_data(train_key), replicated),
-      delayed=_carried(engine.delayed, abstract, shardings, {}, {}, True, ds.directory))
-  state = engine.absorb(state)  # e.g. the NVMe tier: into the store, placeholders in the state
-  return engine.with_secondary(state)  # hpZ: from the imported params, as the step makes them
+  return placed_state(engine, abstract, master, optimizer, step=ds.global_steps,
+                      skipped=ds.skipped_steps, rng=rng, where=ds.directory)

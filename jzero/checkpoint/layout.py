@@ -54,10 +54,10 @@ from jzero.errors import CheckpointError, JZeroWarning
 from jzero.sharding.plan import LeafPlan, flatten_paths, path_str
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "META_FILE", "FILES_FILE", "LATEST_FILE", "WEIGHTS16",
-           "DELETING", "ORBAX_TMP", "CHECKSUM", "nest", "module_names", "opt_leaves",
-           "array_leaves", "array_handler", "check_tag", "is_complete", "latest_tag", "all_tags",
-           "incomplete_tags", "resume_tag", "latest_step", "checkpoint_dir", "write_atomic",
-           "record_files", "recorded_files", "verify_files", "read_metadata", "optimizer_name",
+           "DELETING", "ORBAX_TMP", "CHECKSUM", "nest", "module_names", "leaf_names",
+           "opt_leaves", "array_leaves", "array_handler", "check_tag", "is_complete", "latest_tag",
+           "all_tags", "incomplete_tags", "resume_tag", "latest_step", "checkpoint_dir",
+           "write_atomic", "record_files", "recorded_files", "verify_files", "read_metadata", "optimizer_name",
            "open_checkpoint"]
 
 PyTree = Any
@@ -98,6 +98,14 @@ def module_names(tree: PyTree) -> dict[str, str]:
   params-only Orbax checkpoints) use the module's names.
   """
   return dict(zip(flatten_paths(tree), flatten_paths(flax_meta.unbox(tree))))
+
+
+def leaf_names(model: PyTree, stored: dict[str, Any]) -> dict[str, str]:
+  """Each leaf path of ``model`` -> its name in ``stored`` ({name: ...} of plain weights): the
+  module's own name (:func:`module_names`), or the path itself where ``stored`` was written with
+  the boxes' names (before they were unboxed)."""
+  return {p: (p if p in stored and name not in stored else name)
+          for p, name in module_names(model).items()}
 
 
 def opt_leaves(engine: Any, opt_state: PyTree) -> dict[str, LeafPlan | None]:

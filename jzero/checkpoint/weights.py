@@ -41,6 +41,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jzero.checkpoint import layout
+from jzero.checkpoint.optax_import import PYTREE_METADATA, pytree_items, step_folder
 from jzero.checkpoint.restore import _root_cause, abstract_state
 from jzero.checkpoint.save import weights_json
 from jzero.errors import CheckpointError
@@ -256,26 +257,52 @@ def _index_tensors(index: Path) -> dict[str, _Stored]:
   return {name: tensors[name] for name in weight_map}
 
 
-def _source(path: str | os.PathLike) -> tuple[str, Path]:
-  """("safetensors", a file), ("index", an index file) or ("orbax", a directory) at ``path``: a
-  safetensors file, an index, a params-only Orbax checkpoint, or a Hugging Face model directory
-  (its index, else its one ``model.safetensors``)."""
+def _source(path: str | os.PathLike) -> tuple[str, Path, str | None]:
+  """(kind, path, subtree) of the weights at ``path``: ("safetensors", a file), ("index", an
+  index file) or ("orbax", a PyTree item, and the key of the params within it or None) -- a
+  safetensors file, an index, a params-only Orbax checkpoint, a Hugging Face model directory (its
+  index, else its one ``model.safetensors``), or a plain run's ``CheckpointManager`` directory or
+  step folder (:func:`_manager_params`)."""
   if not Path(path).exists():
     raise CheckpointError(f"weights {str(path)!r} do not exist.")
   path = Path(path).absolute()
   if path.is_file():
-    return ("index" if path.name.endswith(".index.json") else "safetensors"), path
-  if (path / "_METADATA").is_file():
-    return "orbax", path
+    return ("index" if path.name.endswith(".index.json") else "safetensors"), path, None
+  if (path / PYTREE_METADATA).is_file():
+    return "orbax", path, None
   if (path / INDEX_FILE).is_file():
-    return "index", path / INDEX_FILE
+    return "index", path / INDEX_FILE, None
   if (path / SINGLE_FILE).is_file():
-    return "safetensors", path / SINGLE_FILE
-  hint = ("; for a training checkpoint use load_checkpoint(..., params_only=True) or convert it "
-          "first" if (path / layout.LATEST_FILE).exists() or (path / layout.FILES_FILE).exists()
-          else "")
-  raise CheckpointError(f"{path} is neither a params-only Orbax checkpoint (no _METADATA) nor a "
-                        f"Hugging Face model directory (no {INDEX_FILE} or {SINGLE_FILE}){hint}.")
+    return "safetensors", path / SINGLE_FILE, None
+  if (path / layout.LATEST_FILE).exists() or (path / layout.FILES_FILE).exists():
+    raise CheckpointError(f"{path} is a jzero training checkpoint, not plain weights: use "
+                          f"load_checkpoint(..., params_only=True), or convert it first.")
+  try:
+    return ("orbax", *_manager_params(path))
+  except CheckpointError as e:
+    raise CheckpointError(
+        f"{path} is neither a params-only Orbax checkpoint (no {PYTREE_METADATA}) nor a Hugging "
+        f"Face model directory (no {INDEX_FILE} or {SINGLE_FILE}) nor a CheckpointManager's: "
+        f"{e}") from None
+
+
+def _manager_params(path: Path) -> tuple[Path, str | None]:
+  """The params of a ``CheckpointManager`` directory (its latest step) or step folder: its
+  ``params`` item, or the ``params`` entry of its one PyTree item (flax's TrainState)."""
+  folder, _ = step_folder(path)
+  items = pytree_items(folder)
+  if "params" in items:
+    return items["params"], None
+  if len(items) == 1:
+    item = next(iter(items.values()))
+    tree = _metadata_tree(item)
+    if isinstance(tree, dict) and "params" in tree:
+      return item, "params"
+    raise CheckpointError(f"its one item {item.name!r} holds "
+                          f"{sorted(tree) if isinstance(tree, dict) else type(tree).__name__}, "
+                          f"no params.")
+  raise CheckpointError(f"the step folder {folder} holds the items {sorted(items)}, none of them "
+                        f"params.")
 
 
 def _safetensors(kind: str, path: Path) -> dict[str, _Stored]:
@@ -285,28 +312,39 @@ def _safetensors(kind: str, path: Path) -> dict[str, _Stored]:
   return {name: _Stored(path, shape) for name, shape in _header(path).items()}
 
 
-def _orbax_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-  """{'/'-joined leaf path: shape} of a params-only Orbax checkpoint, from its metadata."""
+def _metadata_tree(path: Path) -> PyTree:
+  """The structure of an Orbax PyTree item, from its metadata."""
   try:
-    structure = ocp.PyTreeCheckpointHandler().metadata(path).tree
+    return ocp.PyTreeCheckpointHandler().metadata(path).tree
   except Exception as e:
     raise CheckpointError(f"{path}: the Orbax checkpoint cannot be read: {type(e).__name__}: "
                           f"{e}") from e
+
+
+def _orbax_shapes(path: Path, subtree: str | None) -> dict[str, tuple[int, ...]]:
+  """{'/'-joined leaf path: shape} of a params-only Orbax checkpoint (or of its ``subtree``),
+  from its metadata."""
+  structure = _metadata_tree(path)
+  structure = structure if subtree is None else structure[subtree]
   return {name: tuple(m.shape) for name, m in flatten_paths(structure).items()}
 
 
-def _restore_orbax(path: Path, args: Any) -> dict[str, Any]:
-  """An Orbax PyTree restored with ``args(leaf path) -> RestoreArgs``, flattened by leaf path."""
+def _restore_orbax(path: Path, subtree: str | None, args: Any) -> dict[str, Any]:
+  """An Orbax PyTree (or its ``subtree``) restored with ``args(leaf path) -> RestoreArgs``,
+  flattened by leaf path."""
   handler = ocp.PyTreeCheckpointHandler()
+  structure = _metadata_tree(path)
+  if subtree is not None:
+    structure = {subtree: structure[subtree]}
+  restore_args = jax.tree_util.tree_map_with_path(
+      lambda p, _: args(path_str(p[1:] if subtree is not None else p)), structure)
   try:
-    structure = handler.metadata(path).tree
-    restore_args = jax.tree_util.tree_map_with_path(lambda p, _: args(path_str(p)), structure)
     tree = ocp.Checkpointer(handler).restore(path, args=ocp.args.PyTreeRestore(
-        item=structure, restore_args=restore_args))
+        item=structure, restore_args=restore_args, partial_restore=subtree is not None))
   except Exception as e:
     raise CheckpointError(f"{path}: the Orbax checkpoint cannot be read: {type(e).__name__}: "
                           f"{e}") from e
-  return flatten_paths(tree)
+  return flatten_paths(tree if subtree is None else tree[subtree])
 
 
 def read_weights(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -318,9 +356,9 @@ def read_weights(path: str | os.PathLike) -> dict[str, np.ndarray]:
   read: safetensors' JSON headers and raw tensors, Orbax's JSON metadata and zarr arrays. Every
   tensor is read into this process; :func:`load_weights` reads only what its devices hold.
   """
-  kind, path = _source(path)
+  kind, path, subtree = _source(path)
   if kind == "orbax":
-    return _restore_orbax(path, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))
+    return _restore_orbax(path, subtree, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))
   tensors = _safetensors(kind, path)
   out = {}
   for file in dict.fromkeys(t.file for t in tensors.values()):
@@ -394,13 +432,13 @@ def load_weights(engine: Any, path: str | os.PathLike, *, sample_batch: Any = No
     CheckpointError: unreadable weights, or weights of another model (naming the leaves) --
       before any tensor is read.
   """
-  kind, path = _source(path)
+  kind, path, subtree = _source(path)
   tensors = _safetensors(kind, path) if kind != "orbax" else {}
-  stored = _orbax_shapes(path) if kind == "orbax" else {n: t.shape for n, t in tensors.items()}
+  stored = (_orbax_shapes(path, subtree) if kind == "orbax"
+            else {n: t.shape for n, t in tensors.items()})
   model = engine.model.abstract_params(jax.random.key(0), sample_batch)
   # by the module's names; a file written with the boxes' names (before they were unboxed) too
-  names = {p: (p if p in stored and name not in stored else name)
-           for p, name in layout.module_names(model).items()}
+  names = layout.leaf_names(model, stored)
   want = {names[p]: x for p, x in flatten_paths(model).items()}
   missing, unexpected = sorted(set(want) - set(stored)), sorted(set(stored) - set(want))
   if missing or unexpected:
@@ -419,7 +457,7 @@ def load_weights(engine: Any, path: str | os.PathLike, *, sample_batch: Any = No
       plan.param_shape(leaves[p]), x.dtype, sharding=plan.sharding(plan.param_spec(leaves[p])))
              for p, x in flatten_paths(model).items()}
   if kind == "orbax":
-    placed = _restore_orbax(path, lambda n: ocp.ArrayRestoreArgs(
+    placed = _restore_orbax(path, subtree, lambda n: ocp.ArrayRestoreArgs(
         sharding=targets[n].sharding, global_shape=targets[n].shape, dtype=targets[n].dtype,
         strict=False))  # the plan's padding past the stored shape: zeros
   else:

@@ -24,19 +24,25 @@ into plain weights (DeepSpeed's ``zero_to_fp32``); ``jzero inspect CKPT`` descri
 checkpoint without torch; ``jzero inspect DIR`` describes a DeepSpeed checkpoint too.
 
 Bad input (config, mesh, data, checkpoint) is reported as one paragraph on stderr with exit status
-2, before any device work.
+2, before any device work. A warning is printed as ``jzero: warning: MESSAGE``, or at the user's
+line when it points into a file of theirs (the ``--model`` module): jzero's warnings name the
+first frame outside jzero, which in the command is the ``jzero`` script's own ``sys.exit(main())``
+(or ``runpy``'s, under ``python -m``) -- no line of the user's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import sysconfig
+import warnings
 from typing import Sequence
 
 from jzero.cli import aot, checkpoint, estimate, launch, plan, train
-from jzero.errors import JZeroError
+from jzero.errors import JZeroError, JZeroWarning
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "format_warning"]
 
 #: The subcommands, in ``jzero --help``'s order: each module's ``add_parser(subparsers)``.
 COMMANDS = (train, launch, estimate, aot, plan, checkpoint)
@@ -55,8 +61,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
+  shown, warnings.formatwarning = warnings.formatwarning, format_warning
   try:
     return args.func(args)
   except JZeroError as e:
     print(f"jzero: error: {e}", file=sys.stderr)
     return 2
+  finally:
+    warnings.formatwarning = shown
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # jzero/
+# Python's own library, installed packages and console scripts: none of them the user's files
+_NOT_USERS = tuple(os.path.abspath(sysconfig.get_path(name)) + os.sep
+                   for name in ("stdlib", "platstdlib", "purelib", "platlib", "scripts"))
+_PYTHON_FORMAT = warnings.formatwarning
+
+
+def _users_file(filename: str) -> bool:
+  path = os.path.abspath(filename)
+  return (os.path.isfile(path) and not path.startswith((_PACKAGE, *_NOT_USERS))
+          and path != os.path.abspath(sys.argv[0]))
+
+
+def format_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                   line: str | None = None) -> str:
+  """How the command prints a warning (module docstring): Python's format, source line
+  included, where ``filename`` is the user's; else ``jzero: warning: MESSAGE`` (a category
+  other than JZeroWarning named before the message)."""
+  if _users_file(filename):
+    return _PYTHON_FORMAT(message, category, filename, lineno, line)
+  kind = "" if issubclass(category, JZeroWarning) else f"{category.__name__}: "
+  return f"jzero: warning: {kind}{message}\n"

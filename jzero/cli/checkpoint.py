@@ -1,6 +1,7 @@
-"""``jzero convert`` (DeepSpeed's ``zero_to_fp32``) and ``jzero inspect``: checkpoints on the
-host (:mod:`jzero.checkpoint`). Both also take a DeepSpeed checkpoint (``convert --from-deepspeed
-DIR``; ``inspect`` recognises one), read without torch (:mod:`jzero.checkpoint.deepspeed`)."""
+"""``jzero convert`` (DeepSpeed's ``zero_to_fp32``; ``--optax``: a plain Flax + optax run's Orbax
+checkpoint) and ``jzero inspect``: checkpoints on the host (:mod:`jzero.checkpoint`). Both also
+take a DeepSpeed checkpoint (``convert --from-deepspeed DIR``; ``inspect`` recognises one), read
+without torch (:mod:`jzero.checkpoint.deepspeed`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ def convert(args: argparse.Namespace) -> int:
   from jzero import checkpoint  # noqa: PLC0415 (imports JAX after host_only chose the CPU)
   if args.from_deepspeed is not None or args.checkpoint is None:
     return _convert_deepspeed(args)
+  if args.optax is not None:
+    _export_optax(args)
+    if args.safetensors is None and args.orbax is None:
+      return 0
   report = checkpoint.consolidate(args.checkpoint, tag=args.tag, safetensors=args.safetensors,
                                   orbax=args.orbax, dtype=args.dtype)
   print(f"jzero: checkpoint {report.tag!r} (step {report.step}): {report.leaves} leaves, "
@@ -26,6 +31,27 @@ def convert(args: argparse.Namespace) -> int:
   return 0
 
 
+def _export_optax(args: argparse.Namespace) -> None:
+  """``jzero convert DIR --optax OUT``: the checkpoint as a plain Flax + optax run's Orbax
+  ``CheckpointManager`` step (:func:`jzero.checkpoint.export_optax`), its optimizer rebuilt from
+  the config the checkpoint records."""
+  from jzero import checkpoint  # noqa: PLC0415
+  from jzero.errors import CheckpointError  # noqa: PLC0415
+  from jzero.train.optim import build_optimizer  # noqa: PLC0415
+
+  config = checkpoint.read_metadata(args.checkpoint, args.tag)["config"]
+  if not config.get("optimizer"):
+    raise CheckpointError(
+        f"{args.checkpoint} was trained with a client optax optimizer (initialize(optimizer=...)), "
+        f"which its config does not record, so the command line cannot rebuild its state's "
+        f"structure. Export from Python: jzero.checkpoint.export_optax({str(args.checkpoint)!r}, "
+        f"{str(args.optax)!r}, optimizer=your_optax_transformation).")
+  block = lambda b: None if not b else {"type": b["type"], "params": dict(b.get("params") or {})}
+  tx, _ = build_optimizer(block(config["optimizer"]), block(config.get("scheduler")))
+  folder = checkpoint.export_optax(args.checkpoint, args.optax, tx, tag=args.tag)
+  print(f"jzero: wrote {folder} (CheckpointManager step {folder.name}: params, opt_state)")
+
+
 def _convert_deepspeed(args: argparse.Namespace) -> int:
   """``jzero convert --from-deepspeed DIR --safetensors FILE``: zero_to_fp32 without torch."""
   from jzero import checkpoint  # noqa: PLC0415
@@ -34,9 +60,10 @@ def _convert_deepspeed(args: argparse.Namespace) -> int:
   if args.from_deepspeed is None or args.checkpoint is not None:
     raise CheckpointError("give one checkpoint: a jzero checkpoint directory (jzero convert DIR "
                           "...) or a DeepSpeed one (jzero convert --from-deepspeed DIR ...).")
-  if args.safetensors is None or args.orbax is not None:
+  if args.safetensors is None or args.orbax is not None or args.optax is not None:
     raise CheckpointError("a DeepSpeed checkpoint converts to a safetensors file: give "
-                          "--safetensors FILE (and no --orbax).")
+                          "--safetensors FILE (and no --orbax or --optax; to continue it in "
+                          "jzero, engine.import_deepspeed).")
   report = checkpoint.convert_deepspeed(args.from_deepspeed, args.safetensors, tag=args.tag,
                                         dtype=args.dtype)
   print(f"jzero: DeepSpeed checkpoint {report['tag']!r} (step {report['step']}): "
@@ -69,6 +96,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   c.add_argument("--safetensors", default=None, help="write the weights to this safetensors file")
   c.add_argument("--orbax", default=None,
                  help="write the weights as a params-only Orbax checkpoint in this directory")
+  c.add_argument("--optax", metavar="DIR", default=None,
+                 help="write the fp32 params and the optax state as a plain Flax + optax run's "
+                 "Orbax CheckpointManager step in this directory (DIR/<step>/params, opt_state)")
   c.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                  help="dtype of the written weights (default fp32)")
   c.set_defaults(func=convert)

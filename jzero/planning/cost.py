@@ -4,7 +4,7 @@ A candidate's step is described by what it uses per device (:class:`Resources`):
 (recompute included), collective bytes sent inside a node and across nodes, bytes over PCIe between
 host and device, bytes the host-side optimizer touches in host memory, and bytes read from and
 written to NVMe. Each is turned into seconds by one rate of the target (:class:`Hardware`), and the
-step is
+step is::
 
     compute  = FLOPs / (peak x matmul_efficiency) + memory bytes / HBM bandwidth
     network  = intra-node bytes / intra-node bandwidth + inter-node bytes / inter-node bandwidth
@@ -289,8 +289,8 @@ def cpu_hardware(devices: int, *, flops_per_second: float | None = None,
   the host update are memory copies here: every link is the memory bandwidth's share.
 
   Args:
-    flops_per_second: all devices together (default: measured, :func:`jzero.analysis.flops.
-      peak_flops` in fp32).
+    flops_per_second: all devices together (default: measured,
+      :func:`jzero.analysis.flops.peak_flops` in fp32).
     memory_bandwidth: bytes/s of the host (default: measured, :func:`measure_memory_bandwidth`).
     memory_bytes: what each simulated device may hold (a budget: CPU devices share host memory).
   """

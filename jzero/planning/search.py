@@ -4,9 +4,10 @@ fastest one that fits is proven by its compile, the best written as a DeepSpeed 
 1. **Candidates** (:func:`jzero.planning.candidates.candidates`): ZeRO stage 0-3, ZeRO++ (more than
    one node), optimizer and parameter offload, activation checkpointing, micro-batch.
 2. **One budget.** Each GPU's *usable* memory is its memory times ``mem_fraction`` (what
-   ``XLA_PYTHON_CLIENT_MEM_FRACTION`` makes JAX preallocate; :data:`~jzero.planning.cost.
-   DEFAULT_MEM_FRACTION`) less the ``margin``; host memory and NVMe per node less the margin. Every
-   row, the pruning and the compiled fit use these same figures (:attr:`Plan.usable`).
+   ``XLA_PYTHON_CLIENT_MEM_FRACTION`` makes JAX preallocate;
+   :data:`~jzero.planning.cost.DEFAULT_MEM_FRACTION`) less the ``margin``; host memory and NVMe per
+   node less the margin. Every row, the pruning and the compiled fit use these same figures
+   (:attr:`Plan.usable`).
 3. **Pricing by arithmetic** (:func:`jzero.planning.candidates.estimated`): the compiled step's
    peak device bytes as :mod:`jzero.analysis.step_memory` models them, the host and NVMe bytes
    per node, and the predicted step time. A candidate whose estimate exceeds a budget is *pruned*
@@ -259,8 +260,8 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
   """Plans a job: which ZeRO config runs it fastest on the target (see the module docstring).
 
   Args:
-    model: a GPT preset name, a parameter count (:func:`~jzero.planning.candidates.
-      gpt_for_params`), or a ``GPTConfig``.
+    model: a GPT preset name, a parameter count
+      (:func:`~jzero.planning.candidates.gpt_for_params`), or a ``GPTConfig``.
     gpu: the target GPU (a :data:`jzero.planning.aot.GPU_SPECS` name); ``None`` with ``hardware``
       for this machine's CPU devices (:func:`jzero.planning.cost.cpu_hardware`).
     devices: devices per node; nodes: nodes.

@@ -195,7 +195,7 @@ class ZeroMesh:
 
   @property
   def dp_size(self) -> int:
-    """Data-parallel size: how many ways the global batch is split."""
+    """Data-parallel size, how many ways the global batch is split."""
     return math.prod(self.mesh.shape[a] for a in self.batch_axes)
 
   @property

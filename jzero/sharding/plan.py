@@ -236,7 +236,7 @@ class Plan:
     return jax.tree.leaves(self.leaves, is_leaf=lambda x: isinstance(x, LeafPlan))
 
   def map(self, fn: Callable[..., Any], *trees: PyTree) -> PyTree:
-    """tree.map over (LeafPlan, *matching leaves of trees)."""
+    """``tree.map`` over (LeafPlan, the matching leaf of each of ``trees``)."""
     return jax.tree.map(fn, self.leaves, *trees, is_leaf=lambda x: isinstance(x, LeafPlan))
 
   def placed(self, placement: Placement) -> Plan:

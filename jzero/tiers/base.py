@@ -82,10 +82,13 @@ class Update:
     self.inner = inner
 
   @property
-  def needs_cond(self) -> bool:
-    """A skipped step must be a ``lax.cond`` (host-memory arrays cannot be selected
-    elementwise), not :meth:`apply`'s ``keep``."""
-    return self.inner.needs_cond
+  def skip_by(self) -> str | None:
+    """How a skipped step must be written: "cond" -- a ``lax.cond`` around the update choosing
+    :meth:`skipped` (host-memory arrays cannot be selected elementwise on the device); "select"
+    -- :meth:`apply` with ``keep`` (a host computation cannot sit inside a conditional on the
+    GPU); None -- either, the step chooses (a ``lax.cond`` where the loss scale checks
+    overflow, else the select)."""
+    return self.inner.skip_by
 
   def hand_out(self, state: Any, grads: PyTree, factor: jax.Array | None) -> tuple[PyTree, dict]:
     """(the gradients left for :meth:`apply`, what leaves the jit for work after it -- by name,
@@ -100,7 +103,7 @@ class Update:
             keep: jax.Array | None = None) -> tuple[PyTree, PyTree, PyTree]:
     """(new master where it is stored, the same on the device -- what compute params are cast
     from --, new optimizer state) from the clipped ``grads``. ``keep`` (a traced bool, only where
-    :attr:`needs_cond` is false): keep the old master and state where it is true."""
+    :attr:`skip_by` allows it): keep the old master and state where it is true."""
     return self.inner.apply(grads, opt_state, master, keep)
 
   def skipped(self, params: PyTree, master: PyTree,

@@ -51,6 +51,7 @@ import inspect
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax import lax
 
@@ -165,7 +166,8 @@ def split_state(opt_state: PyTree, params_def: Any):
 
 def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyTree,
                  master: PyTree, on_host: PyTree, *, mode: str, grouped: bool,
-                 master_on_host: bool | PyTree) -> tuple[PyTree, PyTree, PyTree]:
+                 master_on_host: bool | PyTree,
+                 keep: jax.Array | None = None) -> tuple[PyTree, PyTree, PyTree]:
   """optax update of ``master`` with ``grads``, state leaves on the host where ``on_host`` says.
 
   Args:
@@ -182,6 +184,9 @@ def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
       a bool per parameter leaf: that leaf's master arrives and goes back in host memory,
       whatever its state's tier (fp32 training with parameter offload,
       :mod:`jzero.tiers.host_params`).
+    keep: "host" mode only: a traced bool; where true (a skipped step) the old master and state
+      are selected, on the host for the host leaves (inside the host computation) and on the
+      device for the others.
 
   Returns:
     (new master, the same on the device -- what the compute params are cast from --, new
@@ -208,7 +213,7 @@ def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
     moved = [host[i] for i in group]
     m_host = [master_host[i] for i in group]
     if mode == "host" and any(moved):
-      m_out, s_out = _host_update(tx, g, s, m, flags, moved, node_def, m_host)
+      m_out, s_out = _host_update(tx, g, s, m, flags, moved, node_def, m_host, keep)
       m_dev_out = [to_device(x) if hm else x for x, hm in zip(m_out, m_host)]
     else:
       streamed = any(moved) or any(m_host)
@@ -225,9 +230,12 @@ def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
       s_dev = [[to_device(x) if h else x for x, h in zip(node, moved)] if f else node
                for node, f in zip(s, flags)]
       state = jax.tree.unflatten(node_def, s_dev)
-      updates, state = tx.update(g, state, m_dev)
+      updates, new_state = tx.update(g, state, m_dev)
       m_out = m_dev_out = optax.apply_updates(m_dev, updates)
-      s_out = node_def.flatten_up_to(state)
+      if keep is not None:
+        m_out = m_dev_out = _select(keep, m_dev, m_out)
+        new_state = _select(keep, state, new_state)
+      s_out = node_def.flatten_up_to(new_state)
       s_out = [[to_host(x) if h else x for x, h in zip(node, moved)] if f else node
                for node, f in zip(s_out, flags)]
       m_out = [to_host(x) if hm else x for x, hm in zip(m_out, m_host)]
@@ -247,20 +255,33 @@ def apply_update(tx: optax.GradientTransformation, grads: PyTree, opt_state: PyT
           jax.tree.unflatten(node_def, out_nodes))
 
 
-def _host_update(tx, g, s, m, flags, moved, node_def, host_m):
+def _select(keep: jax.Array, old: PyTree, new: PyTree) -> PyTree:
+  """``old`` where ``keep`` (a traced bool) is true, else ``new``, leaf by leaf."""
+  return jax.tree.map(lambda a, b: jnp.where(keep, a, b), old, new)
+
+
+def _host_update(tx, g, s, m, flags, moved, node_def, host_m, keep=None):
   """The "host" mode: gradients to the host, the optax update under compute_on("device_host");
-  ``host_m``: per leaf, its master arrives and goes back in host memory."""
+  ``host_m``: per leaf, its master arrives and goes back in host memory. ``keep``: a skipped
+  step selects the old master and state inside the host computation -- the step needs no
+  ``lax.cond`` around it (XLA's GPU compiler rejects a host computation inside a conditional:
+  "Expected computation ... to be called only by one caller and that caller to be a While",
+  jax 0.11.2 on an H200)."""
   g = [to_host(x) for x in g]
   m_in = [x if hm else to_host(x) for x, hm in zip(m, host_m)]
   # Everything the host computation reads is in host memory: device-resident state (the step
   # count, leaves of a mixed group that stay on the device) goes over and comes back.
   s = [[x if h else to_host(x) for x, h in zip(node, moved)] if f else to_host(node)
        for node, f in zip(s, flags)]
-  def update(g, s, m_in):
-    updates, state = tx.update(g, jax.tree.unflatten(node_def, s), m_in)
-    return optax.apply_updates(m_in, updates), state
+  def update(g, s, m_in, *keep):
+    old = jax.tree.unflatten(node_def, s)
+    updates, state = tx.update(g, old, m_in)
+    m_out = optax.apply_updates(m_in, updates)
+    if keep:
+      return _select(keep[0], m_in, m_out), _select(keep[0], old, state)
+    return m_out, state
 
-  m_out, state = on_host(update, g, s, m_in)
+  m_out, state = on_host(update, g, s, m_in, *(() if keep is None else (to_host(keep),)))
   s_out = node_def.flatten_up_to(state)
   # Device-resident parts of the state (the step count) come back to the device.
   s_out = [[x if h else to_device(x) for x, h in zip(node, moved)] if f else to_device(node)
@@ -322,8 +343,10 @@ class HostUpdate(Update):
   """The update of a state with arrays in host memory: the optimizer update streamed from host
   memory or run on the host (:func:`apply_update`, replacing the device's), the new params of
   leaves whose params live in host memory stored there (:mod:`jzero.tiers.host_params`), and a
-  skipped step's unchanged state placed as the update places its results; a skip is a
-  ``lax.cond`` (host arrays cannot be selected elementwise)."""
+  skipped step's unchanged state placed as the update places its results. A skip is a
+  ``lax.cond`` in the "stream" mode (host arrays cannot be selected elementwise on the device) and
+  an elementwise select inside the host computation in the "host" mode (XLA's GPU compiler
+  rejects a host computation inside a conditional)."""
 
   def __init__(self, engine: EngineView, inner: Update):
     super().__init__(inner)
@@ -334,8 +357,8 @@ class HostUpdate(Update):
     self.state_on_host = plan.map(lambda l: l.state_tier == where.HOST)  # per parameter leaf
 
   @property
-  def needs_cond(self) -> bool:
-    return True
+  def skip_by(self) -> str:
+    return "select" if self.mode == "host" else "cond"
 
   def apply(self, grads: PyTree, opt_state: PyTree, master: PyTree,
             keep: jax.Array | None = None) -> tuple[PyTree, PyTree, PyTree]:
@@ -344,8 +367,13 @@ class HostUpdate(Update):
     # state's tier; in fp32 training the master is the param partition, in the param's memory.
     master_on_host = (self.state_on_host if plan.has_master
                       else plan.map(lambda l: where.param_in_host_memory(plan, l)))
+    if keep is not None:
+      # The update starts from finished gradients, as inside the step's lax.cond it would: without
+      # the barrier XLA fuses the unscale and clipping into the update and rounds the master one
+      # ulp differently from the update without offload (bf16 must be bit for bit).
+      grads, opt_state, master = lax.optimization_barrier((grads, opt_state, master))
     return apply_update(self.tx, grads, opt_state, master, self.state_on_host, mode=self.mode,
-                        grouped=self.grouped, master_on_host=master_on_host)
+                        grouped=self.grouped, master_on_host=master_on_host, keep=keep)
 
   def skipped(self, params: PyTree, master: PyTree,
               opt_state: PyTree) -> tuple[PyTree, PyTree, PyTree]:

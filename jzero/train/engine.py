@@ -23,6 +23,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from jzero import checkpoint
+from jzero.checkpoint.optax_import import host_or_mesh
 from jzero.analysis import memory_report as memory_report_lib
 from jzero.analysis.hlo import StepTiming
 from jzero.config import Config
@@ -92,7 +93,8 @@ class Engine:
     self._batches = Batches(self.config, self.mesh)
     self.delayed = DelayedUpdate.from_config(self.config)
     self._runner = StepRunner(reporting.StepReporter(
-        self.config, here, DTYPES[self.config.precision], self.monitor, self.tokens_per_sample))
+        self.config, here, DTYPES[self.config.precision], self.monitor, self.tokens_per_sample,
+        self.schedule))
 
   # -- the config's numbers, DeepSpeed's engine shapes -------------------------------------------
   @property
@@ -124,9 +126,9 @@ class Engine:
     return self._runner.step or 0
 
   def get_lr(self) -> list[float]:
-    """DeepSpeed's ``engine.get_lr()``, one per param group (jzero has one):
-    :meth:`jzero.train.reporting.StepReporter.last_lr`."""
-    return [self._runner.reporter.last_lr(self.schedule)]
+    """DeepSpeed's ``engine.get_lr()``, one per param group (jzero has one): the learning rate the
+    next step uses, :meth:`jzero.train.reporting.StepReporter.next_lr`."""
+    return [self._runner.reporter.next_lr()]
 
   # DeepSpeed's loss = engine(batch); engine.backward(loss); engine.step(): one call here
   __call__ = forward = refuse_deepspeed_call("engine(batch)")
@@ -192,13 +194,19 @@ class Engine:
     """Creates the train state directly in its ZeRO placement.
 
     Args:
-      rng: a PRNG key; split into the model-init key and the training key (dropout etc.).
+      rng: a PRNG key. The model is initialised with it as it is: the parameters are
+        ``module.init(rng, ...)["params"]`` for a Linen module, those of ``factory(nnx.Rngs(rng))``
+        for an NNX factory -- what a plain Flax loop gets from the same key. The training key
+        (dropout etc.) is ``split(rng)[1]`` (:func:`jzero.train.setup.train_key`).
       sample_batch: Linen models: a batch to trace ``module.init`` with, unless ``initialize``
         got ``sample_batch`` or ``training_data``.
       params: start from these parameters (the model's logical shapes, e.g. imported weights)
-        instead of the model's initialisation; optimizer state starts fresh. A partitioned leaf
-        may also come as the plan lays out its param, a jax.Array zero-padded to
-        ``plan.param_shape`` (``checkpoint.load_weights`` places them so): it stays sharded.
+        instead of the model's initialisation; optimizer state starts fresh (to continue a plain
+        optax run with its optimizer state: :meth:`import_optax`). numpy arrays, or jax arrays on
+        any devices (an array on others, e.g. one device as plain Orbax restores it, is read to
+        the host first). A partitioned leaf may also come as the plan lays out its param, a
+        jax.Array zero-padded to ``plan.param_shape`` (``checkpoint.load_weights`` places them
+        so): it stays sharded.
     """
     self._runner.step = None  # a new state starts its own step count
     if self.plan is None:
@@ -206,6 +214,10 @@ class Engine:
                                          self.zeropp, rng, sample_batch)
     for tier in self.tiers:
       tier.prepare(self)
+    devices = list(self.mesh.mesh.devices.flat)
+    rng = host_or_mesh(rng, devices, "rng")
+    if params is not None:
+      params = host_or_mesh(params, devices, "params")
     state = setup.initial_state(self.plan, self.model, self.tx, self.scaler, self.tiers,
                                 self.delayed, self, self.state_shardings(), rng, sample_batch,
                                 params)
@@ -384,6 +396,17 @@ class Engine:
     (:func:`jzero.checkpoint.import_deepspeed`)."""
     self._runner.step = None  # read from the imported state at its first step
     return checkpoint.import_deepspeed(self, ds, convert, rng=rng, sample_batch=sample_batch)
+
+  def import_optax(self, params: PyTree, opt_state: PyTree, *, step: int | None = None,
+                   rng: jax.Array | None = None, sample_batch: Any = None,
+                   **collections: PyTree) -> TrainState:
+    """A plain Flax + optax run continued in this engine's plan, at any stage and device count:
+    its parameters and optax state (matched to ``engine.tx``'s up to stateless stages), laid out
+    and sharded by the plan (:func:`jzero.checkpoint.import_optax`). Its Orbax checkpoint:
+    ``engine.import_optax(**checkpoint.read_optax(directory))``."""
+    self._runner.step = None  # read from the imported state at its first step
+    return checkpoint.import_optax(self, params, opt_state, step=step, rng=rng,
+                                   sample_batch=sample_batch, **collections)
 
   def wait_for_checkpoints(self) -> None:
     """Blocks until every pending save is finalized (``latest`` moved)."""

@@ -82,9 +82,9 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
     hidden_size: fills hidden-size "auto" values (default: read from the model when it has one).
     total_num_steps: fills ``scheduler.params.total_num_steps: "auto"``.
     auto_values: values for other "auto" keys (``micro_batch_size``, ``lr``,
-    ``warmup_num_steps``...). init_inputs: Linen only: ``batch -> args`` for ``module.init``
-    (default: ``(batch,)``). sample_batch: Linen only: a batch to create the parameters' shapes
-    from, here (the model's
+      ``warmup_num_steps``...).
+    init_inputs: Linen only: ``batch -> args`` for ``module.init`` (default: ``(batch,)``).
+    sample_batch: Linen only: a batch to create the parameters' shapes from, here (the model's
       variables are checked now) instead of at ``engine.init``; default: the first batch of
       ``training_data``.
     training_data: an indexable dataset (``dataset[i]`` a numpy array or a dict / tuple of them);
@@ -92,7 +92,7 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
       (:class:`jzero.runtime.data.DataLoader`: shuffled with ``seed`` unless ``shuffle=False``, a
       pure function of the optimizer step, each process reading only its rows).
     tokens_per_sample: tokens one sample trains on (a language model's sequence length): the
-      engine then reports tokens/s beside samples/s (its log, monitors, ``jzero.train_loop``).
+      engine then reports tokens/s beside samples/s (its log, monitors, :func:`jzero.train.loop.train_loop`).
 
   The config's monitors (``tensorboard``, ``csv_monitor``, ``wandb``) are opened here, on process
   0, and written every step (:mod:`jzero.train.monitor`).

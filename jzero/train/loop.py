@@ -1,4 +1,4 @@
-"""The resumable training loop: :func:`train_loop`, what ``jzero train`` runs, for any model.
+"""The resumable training loop: :func:`~jzero.train.loop.train_loop`, what ``jzero train`` runs, for any model.
 
 A loop over optimizer steps ``start + 1 .. steps`` with what a long job needs around
 :meth:`jzero.Engine.train_step`: a progress bar (on a terminal or in a notebook; written to a log

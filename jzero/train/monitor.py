@@ -12,6 +12,10 @@ and write what DeepSpeed writes, where it writes it, so that dashboards and scri
   ``train_loss`` at the samples seen before the step (the parameters the loss was computed
   with), ``lr`` and, in fp16, ``loss_scale`` after it (DeepSpeed logs the loss in ``backward`` and
   the rest after ``step`` has added ``train_batch_size``);
+* ``lr`` is the learning rate the *next* step uses, as DeepSpeed logs it: its engine's ``step()``
+  writes ``get_lr()`` after ``_take_model_step`` has called ``lr_scheduler.step()``, so the event
+  at k x ``train_batch_size`` samples is step k+1's lr -- and after a skipped fp16 step, which
+  does not step the scheduler, step k's own (:meth:`jzero.Engine.get_lr` returns the same);
 * TensorBoard: one event file (written with tensorboardX; TensorBoard reads it) in
   ``output_path/job_name``, on disk after every step; the config as the text ``DeepSpeed/config``;
 * CSV: in ``output_path/job_name``, one file per metric named after its tag
@@ -38,6 +42,12 @@ Where jzero differs, and why:
   ``Memory/predicted_bytes/<category>`` (the placement does not change between steps).
 * ``loss_scale`` is written in fp16 only, as DeepSpeed does; the lr is left out where it is
   unknown (a client optimizer without ``optax.inject_hyperparams``).
+* with a client optimizer (``jzero.initialize(optimizer=optax.inject_hyperparams(...)(...))``)
+  the lr written is the one the step used: its schedule lives inside the optax transformation,
+  so the next step's lr is known only once that step runs. With the config's ``scheduler``, the
+  lr is DeepSpeed's, the next step's.
+* the console line every ``steps_per_print`` steps shows the lr the step used, beside that
+  step's loss (DeepSpeed's progress line prints ``get_lr()``, the next step's).
 * a CSV file that already exists is appended to without a second header (DeepSpeed writes the
   header again in each new process, so a resumed run's file has two).
 * an enabled monitor reads the step's scalars, so the host waits for each step, as DeepSpeed's
@@ -107,7 +117,7 @@ class Throughput:
 
   @property
   def mfu(self) -> float | None:
-    """Model FLOPs utilization: FLOP/s achieved over the peak (None without FLOPs or a peak)."""
+    """Model FLOPs utilization, FLOP/s achieved over the peak (None without FLOPs or a peak)."""
     if not self.flops_per_step or self.peak is None:
       return None
     return self.flops_per_step * self.devices / self.step_seconds / self.peak.flops_per_second
@@ -121,12 +131,14 @@ class Throughput:
 
 
 def step_events(step: int, samples_per_step: int, metrics: dict, *, fp16: bool,
-                throughput: Throughput | None = None, timing: Any = None,
+                lr: float | None = None, throughput: Throughput | None = None, timing: Any = None,
                 memory_stats: dict | None = None) -> list[Event]:
-  """DeepSpeed's events of optimizer step ``step`` (1-based), and jzero's (module docstring)."""
+  """DeepSpeed's events of optimizer step ``step`` (1-based), and jzero's (module docstring).
+  ``lr``: the learning rate the next step uses, which DeepSpeed logs (default: the step's own,
+  ``metrics["lr"]``)."""
   before, after = (step - 1) * samples_per_step, step * samples_per_step
   events = [(TRAIN + "train_loss", float(metrics["loss"]), before)]
-  lr = float(metrics["lr"])
+  lr = float(metrics["lr"] if lr is None else lr)
   if not math.isnan(lr):
     events.append((TRAIN + "lr", lr, after))
   if fp16:

@@ -30,7 +30,8 @@ logger = logging.getLogger("jzero")
 class StepReporter:
   """Reports on one engine's steps (module docstring).
 
-  ``devices``: this process's devices; ``peak_dtype``: the compute dtype MFU's peak is read for.
+  ``devices``: this process's devices; ``peak_dtype``: the compute dtype MFU's peak is read for;
+  ``schedule``: the config's lr schedule (``count -> lr``), None with a client optimizer.
   """
 
   config: Any
@@ -38,6 +39,7 @@ class StepReporter:
   peak_dtype: Any
   monitor: monitor_lib.Monitor
   tokens_per_sample: int | None = None
+  schedule: Callable[[Any], Any] | None = None
   timings: list[StepTiming] = dataclasses.field(default_factory=list)
   # the jitted functions of each step variant with the abstract arguments to lower them again,
   # and their matmul FLOPs per device, by variant key; the key of the variant that ran last
@@ -51,18 +53,26 @@ class StepReporter:
   _warned_skip: bool = dataclasses.field(default=False, repr=False)
   _reported_memory: bool = dataclasses.field(default=False, repr=False)
   _last_lr: Any = dataclasses.field(default=None, repr=False)  # the last step's lr (on device)
+  # reads the updates the last step's state has applied (the schedule's count), on the host
+  _applied: Callable[[], int] | None = dataclasses.field(default=None, repr=False)
 
   @property
   def batch_size(self) -> int:
     return self.config.train_batch_size
 
-  def last_lr(self, schedule: Callable[[Any], Any] | None) -> float:
-    """The learning rate of the last step; before the first, the ``schedule``'s (or the config's)
-    first value; NaN for a client optimizer without ``optax.inject_hyperparams``."""
+  def next_lr(self) -> float:
+    """The learning rate the next step uses: DeepSpeed's ``get_lr()`` between steps, which its
+    engine also logs (after ``lr_scheduler.step()``). With the config's schedule, the schedule at
+    the count of updates applied so far -- a skipped fp16 step applies none, so the next step's lr
+    is then the skipped step's own, as DeepSpeed's scheduler does not step either; before the
+    first step, its first value. With a client optimizer, its ``learning_rate`` hyperparameter
+    (``optax.inject_hyperparams``) of the last step -- the schedule is inside the transformation,
+    so the next step's is known only once it runs -- or the config's ``lr`` before it; NaN
+    without one."""
+    if self.schedule is not None:
+      return float(self.schedule(0 if self._applied is None else self._applied()))
     if self._last_lr is not None:
       return float(self._last_lr)
-    if schedule is not None:
-      return float(schedule(0))
     optimizer = self.config.optimizer
     lr = optimizer.params.get("lr") if optimizer is not None else None
     return float("nan") if lr is None else float(lr)
@@ -109,10 +119,12 @@ class StepReporter:
         flops_per_step=self._flops[self._ran], devices=len(self.devices),
         peak=flops_lib.peak_flops(self.peak_dtype, self.devices))
 
-  def after_step(self, step: int, metrics: dict, memory_report: Callable[[], Any]) -> None:
+  def after_step(self, step: int, metrics: dict, memory_report: Callable[[], Any],
+                 applied: Callable[[], int] | None = None) -> None:
     """Reports on step ``step`` (1-based, just dispatched): the first-skip warning, the log line
-    and the monitor's events (``memory_report()`` once, at the first event)."""
-    self._last_lr = metrics["lr"]
+    and the monitor's events (``memory_report()`` once, at the first event). ``applied()``
+    reads the updates the step's state has applied (:meth:`next_lr`)."""
+    self._last_lr, self._applied = metrics["lr"], applied
     self._warn_first_skip(step, metrics["overflow"])
     every = self.config.steps_per_print
     printing = every and step % every == 0 and jax.process_index() == 0  # one per job
@@ -122,7 +134,7 @@ class StepReporter:
     if self.monitor.enabled:
       timing = self.timings[-1] if self.config.wall_clock_breakdown and self.timings else None
       events = monitor_lib.step_events(
-          step, self.batch_size, metrics, fp16=self.config.precision == "fp16",
+          step, self.batch_size, metrics, fp16=self.config.precision == "fp16", lr=self.next_lr(),
           throughput=throughput, timing=timing, memory_stats=self.devices[0].memory_stats())
       if not self._reported_memory:
         self._reported_memory = True

@@ -31,9 +31,17 @@ from jzero.train.update import DeviceUpdate
 from jzero.train.precision import LossScaler
 from jzero.train.state import TrainState
 
-__all__ = ["initial_state", "plan_from_config", "step_parts"]
+__all__ = ["initial_state", "plan_from_config", "step_parts", "train_key"]
 
 PyTree = Any
+
+
+def train_key(rng: jax.Array) -> jax.Array:
+  """The training PRNG key of a state created from ``rng`` (dropout etc.; the step folds in its
+  number): ``split(rng)[1]``. The model's initialisation takes ``rng`` itself, as
+  ``module.init(rng)`` does, so ``engine.init(key)`` gives the parameters a plain Flax loop gets
+  from ``key``."""
+  return jax.random.split(rng)[1]
 
 
 def plan_from_config(config: Config, mesh: ZeroMesh, model: ModelAdapter,
@@ -101,9 +109,8 @@ def initial_state(plan: Plan, model: ModelAdapter, tx: optax.GradientTransformat
     return x if x.shape == leaf.padded_shape else leaf.to_padded(x)  # given padded: as it is
 
   def make_state(rng, params):
-    init_key, train_key = jax.random.split(rng)
     if params is None:
-      params = model.init_params(init_key, sample_batch)
+      params = model.init_params(rng, sample_batch)  # module.init(rng)'s parameters
     p32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     state_layout = plan.map(lambda l, x: to_layout(l, x, l.state_partitioned), p32)
     params = plan.map(lambda l, x: to_layout(l, x, l.param_partitioned).astype(
@@ -116,7 +123,7 @@ def initial_state(plan: Plan, model: ModelAdapter, tx: optax.GradientTransformat
     state = TrainState(
         step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32), params=params,
         master=state_layout if plan.has_master else None, opt_state=tx.init(state_layout),
-        loss_scale=scaler.init(), rng=jax.random.key_data(train_key),
+        loss_scale=scaler.init(), rng=jax.random.key_data(train_key(rng)),
         delayed=delayed.init(state_layout) if delayed else None)
     return state, outputs
 

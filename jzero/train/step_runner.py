@@ -15,8 +15,10 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 from jzero.train import reporting
+from jzero.train.update import applied_updates
 from jzero.train.preemption import PreemptionWatch
 from jzero.train.programs import Programs, variant_key
 
@@ -67,7 +69,20 @@ class StepRunner:
       if delayed is not None:
         delayed.seen(state, variants.get(delayed.name))
     self.step += 1
-    self.reporter.after_step(self.step, metrics, lambda: memory_report(state))
+    self.reporter.after_step(self.step, metrics, lambda: memory_report(state),
+                             _applied_updates(state, delayed))
     if jax.process_count() > 1:  # a preemption the script does not poll for
       self.preemption.after_step(self.step, lambda d: save(state, d), wait)
     return state, metrics
+
+
+def _applied_updates(state: Any, delayed: Any) -> Callable[[], int]:
+  """Reads, when called, the updates ``state`` has applied (:func:`applied_updates`) from its
+  counters on the host. Holds those scalars, not the state: the next step donates them, and the
+  reporter is handed the next state's by then."""
+  step, skipped = state.step, state.skipped
+  if delayed is None:
+    return lambda: int(applied_updates(np.asarray(step), np.asarray(skipped)))
+  carried, ready = type(state.delayed), state.delayed.ready
+  return lambda: int(applied_updates(np.asarray(step), np.asarray(skipped), delayed,
+                                     carried(grads=None, ready=np.asarray(ready))))

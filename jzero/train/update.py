@@ -5,8 +5,10 @@
    dynamic loss scaling; bf16 with ``check_grad_overflow``); fp32: a global norm that is not finite
    (a NaN row, a loss that divides by zero) skips the step too -- an elementwise select of the old
    state fused into the update (:func:`_skippable_update`), where fp16's ``lax.cond`` would hold a
-   second copy of the state (a cond still with host-memory state; not with the delayed update,
-   whose steady step always applies: the engine warns).
+   second copy of the state (a cond still with host-memory state streamed through the device; the
+   host update selects inside its host computation instead, since XLA's GPU compiler rejects a
+   host computation inside a conditional -- :attr:`jzero.tiers.base.Update.skip_by`; not with the
+   delayed update, whose steady step always applies: the engine warns).
 2. Gradients are unscaled, the true global norm is computed from the partitions (a ``psum`` of
    partial sums of squares) and the gradient clipped DeepSpeed's way: ``g *= min(1, clip / (norm +
    1e-6))``.
@@ -40,7 +42,7 @@ from jzero.train.state import TrainState
 if TYPE_CHECKING:  # annotations only (step imports this module)
   from jzero.train.step import StepParts
 
-__all__ = ["DeviceUpdate", "local_update", "global_norm"]
+__all__ = ["DeviceUpdate", "local_update", "applied_updates", "global_norm"]
 
 PyTree = Any
 
@@ -57,8 +59,8 @@ class DeviceUpdate(Update):
     self.plan, self.tx = plan, tx
 
   @property
-  def needs_cond(self) -> bool:
-    return False
+  def skip_by(self) -> str | None:
+    return None
 
   def hand_out(self, state: Any, grads: PyTree, factor: jax.Array | None) -> tuple[PyTree, dict]:
     return grads, {}
@@ -136,14 +138,12 @@ def local_update(parts: StepParts, state: TrainState, grads: PyTree, loss: jax.A
 
   if isinstance(skip_update, bool):
     params, master, opt_state, secondary = (skip if skip_update else apply_update)(None)
-  elif checks or update.needs_cond:
+  elif update.skip_by == "cond" or (checks and update.skip_by is None):
     params, master, opt_state, secondary = lax.cond(skip_update, skip, apply_update, None)
   else:  # an elementwise select fuses into the update: no second copy of the state (a cond's)
     params, master, opt_state, secondary = apply_update(None, keep=skip_update)
 
-  applied = state.step - state.skipped
-  if delayed is not None:
-    applied = delayed.applied_steps(state.delayed, applied)
+  applied = applied_updates(state.step, state.skipped, delayed, state.delayed)
   skipped = state.skipped + overflow.astype(jnp.int32)
   metrics = {
       "loss": loss,
@@ -184,6 +184,16 @@ def _skippable_update(tx: optax.GradientTransformation, grads: PyTree, opt_state
                                                transform_non_params=lambda x: x)
   _, new_state = tx.update(grads, old_state, master)
   return new_master, jax.tree.map(lambda old, new: jnp.where(keep, old, new), old_state, new_state)
+
+
+def applied_updates(step: Any, skipped: Any, delayed: Any = None, carried: Any = None) -> Any:
+  """The updates applied before a state's next step: the lr schedule's count (optax's update
+  count; DeepSpeed's ``lr_scheduler.step()`` calls). A state's steps less those skipped, less the
+  gradient the delayed update (``delayed``) still carries (``carried``, the state's ``delayed``).
+  The state's counters are device arrays in the step, numpy on the host (the lr the next step
+  uses, :meth:`jzero.train.reporting.StepReporter.next_lr`)."""
+  applied = step - skipped
+  return applied if delayed is None else delayed.applied_steps(carried, applied)
 
 
 def _learning_rate(parts: StepParts, applied: jax.Array, opt_state: PyTree) -> jax.Array:

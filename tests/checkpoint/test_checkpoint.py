@@ -562,16 +562,17 @@ def test_saving_twice_or_bad_arguments_is_refused(small_checkpoint):
 # --- the notebook --------------------------------------------------------------------------------
 
 
-def test_notebook_zero3_to_flax_executes():
-  """notebooks/zero3_to_flax.ipynb runs headless: ZeRO-3 training, checkpoint, convert, plain
-  Flax evaluation equal to the engine's (the notebook asserts it)."""
+def test_notebook_zero3_to_flax_executes(tmp_path):
+  """notebooks/zero3_to_flax.ipynb runs headless, from a folder that is not notebooks/: ZeRO-3
+  training, checkpoint, convert, plain Flax evaluation equal to the engine's (the notebook
+  asserts it)."""
   import nbclient
   import nbformat
 
   path = TESTS.parent / "notebooks" / "zero3_to_flax.ipynb"
   notebook = nbformat.read(path, as_version=4)
   nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
-                          resources={"metadata": {"path": str(path.parent)}}).execute()
+                          resources={"metadata": {"path": str(tmp_path)}}).execute()
   outputs = "".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code"
                     for o in c.get("outputs", []))
   assert "validation loss: plain Flax" in outputs

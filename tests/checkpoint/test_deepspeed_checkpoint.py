@@ -525,9 +525,10 @@ def test_cli_convert_from_deepspeed_is_zero_to_fp32_streamed(tmp_path, name, cap
   assert "already exists" in capsys.readouterr().err
 
 
-def test_notebook_deepspeed_resume_executes_and_is_committed_with_its_plot():
+def test_notebook_deepspeed_resume_executes_and_is_committed_with_its_plot(tmp_path):
   """notebooks/deepspeed_resume.ipynb resumes two shared checkpoints and plots DeepSpeed's losses
-  beside jzero's continuation (its own asserts carry the bounds)."""
+  beside jzero's continuation (its own asserts carry the bounds), run from a folder that is not
+  notebooks/ (it reads the checkpoints wherever it runs)."""
   import nbclient
   import nbformat
 
@@ -538,7 +539,7 @@ def test_notebook_deepspeed_resume_executes_and_is_committed_with_its_plot():
       "committed without its plot: run notebooks/build_deepspeed_resume.py")
   notebook = nbformat.read(path, as_version=4)
   nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
-                          resources={"metadata": {"path": str(path.parent)}}).execute()
+                          resources={"metadata": {"path": str(tmp_path)}}).execute()
   assert not [o for o in outputs(notebook) if o.get("output_type") == "error"]
   assert "zero2_fp32_w2: max relative distance" in "".join(o.get("text", "")
                                                              for o in outputs(notebook))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jzero import cli
+from jzero.errors import JZeroWarning
 from zero_testing import free_port
 
 CONFIGS = Path(__file__).parents[2] / "configs"
@@ -249,6 +250,40 @@ def test_process_flags_are_checked_before_any_device_work():
   out = _jzero("train", "--config", str(CONFIGS / "zero3.json"), "--coordinator", "localhost",
                "--num-processes", "2", "--process-id", "0")
   assert out.returncode == 2 and "HOST:PORT" in out.stderr
+
+
+def test_warnings_name_the_users_line_or_none(tmp_path):
+  """A config warning reaches the terminal as ``jzero: warning: ...``, not pointing at the
+  ``jzero`` script's ``sys.exit(main())`` (nor runpy's line under ``python -m``); the config's
+  batch error then stops the command before any device work."""
+  config = tmp_path / "ds.json"
+  config.write_text(json.dumps({"train_batch_size": 3, "train_micro_batch_size_per_gpu": 1,
+                                "flops_profiler": {"enabled": False}}))
+  script = Path(sys.executable).parent / "jzero"  # the console script pip installed
+  commands = [[sys.executable, "-m", "jzero.cli"]] + ([[str(script)]] if script.exists() else [])
+  for command in commands:
+    out = subprocess.run([*command, "train", "--config", str(config)], capture_output=True,
+                         text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+    assert out.returncode == 2 and "invalid batch size" in out.stderr, out.stderr
+    warned = [line for line in out.stderr.splitlines() if "flops_profiler" in line]
+    assert warned == ["jzero: warning: 'flops_profiler': jzero ignores this top-level key"], (
+        command, out.stderr)
+    assert "sys.exit" not in out.stderr and "runpy" not in out.stderr
+
+
+def test_a_warning_from_the_users_own_file_keeps_its_line(tmp_path):
+  """The command's warning format: the user's file keeps Python's format (file, line, category,
+  source line); a line inside jzero, or in an installed package, is left out."""
+  model = tmp_path / "model.py"
+  model.write_text("import warnings\nwarnings.warn('check the vocabulary')\n")
+  shown = cli.format_warning("check the vocabulary", UserWarning, str(model), 2)
+  assert shown.startswith(f"{model}:2: UserWarning: check the vocabulary")
+  assert "warnings.warn('check the vocabulary')" in shown  # the source line
+  engine_py = str(Path(cli.__file__).parents[1] / "train" / "engine.py")
+  assert cli.format_warning("unused key", JZeroWarning, engine_py, 10) == (
+      "jzero: warning: unused key\n")
+  assert cli.format_warning("old", DeprecationWarning, json.__file__, 1) == (
+      "jzero: warning: DeprecationWarning: old\n")
 
 
 def _bytes(text: str) -> float:

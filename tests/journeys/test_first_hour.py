@@ -133,7 +133,9 @@ def test_deepspeed_call_shapes(tmp_path):
   for step in range(3):
     state, metrics = engine.train_step(state, engine.shard_batch(_batch(step)))
   assert engine.global_steps == 3 == int(state.step)
-  assert engine.get_lr() == [float(metrics["lr"])] and 0 < engine.get_lr()[0] < 1e-2
+  # the lr the next step uses, as DeepSpeed's get_lr() after step(): the schedule at count 3
+  assert engine.get_lr() == [float(scheduler(3))] and 0 < engine.get_lr()[0] < 1e-2
+  assert engine.get_lr()[0] > float(metrics["lr"])  # warming up: the next step's is larger
 
   for call in (lambda: engine(_batch(0)), lambda: engine.forward(_batch(0)),
                lambda: engine.backward(metrics["loss"]), lambda: engine.step()):

@@ -91,6 +91,32 @@ def test_bf16_offload_is_bitwise_the_step_without_offload(update):
   np.testing.assert_array_equal(losses, ref_losses)
 
 
+def test_host_update_skips_a_non_finite_step_without_a_conditional():
+  """A step whose gradient is not finite (fp32: a token id past the embedding gives a NaN lookup)
+  is skipped by the "host" update as without offload -- the same losses, skip count and params --
+  by a select inside the host computation: the compiled step has no conditional (XLA's GPU
+  compiler rejects a host computation inside one; seen on an H200 with jax 0.11.2)."""
+  def run(engine):
+    engine.check_input_ids = False
+    state, losses = engine.init(jax.random.key(0)), []
+    for i, batch in enumerate(_data()):
+      if i == 1:
+        batch = {k: np.array(v) for k, v in batch.items()}
+        batch["tokens"][0, 3] = SMALL.vocab_size + 44
+      state, metrics = engine.train_step(state, engine.shard_batch(batch))
+      losses.append(float(metrics["loss"]) if i != 1 else int(metrics["skipped"]))
+    return engine, state, losses
+
+  engine, state, losses = run(_engine(2, update="host"))
+  _, ref_state, ref_losses = run(_engine(2, offload=False))
+  assert losses[1] == ref_losses[1] == 1  # the second step was skipped
+  np.testing.assert_allclose(losses, ref_losses, rtol=SAME_MATH)
+  assert max_relative_diff(jax.tree.map(np.asarray, engine.logical_params(state)),
+                           jax.tree.map(np.asarray, engine.logical_params(ref_state))) <= SAME_MATH
+  batch = engine.shard_batch(_data()[0])
+  assert " conditional(" not in engine.compile_step(state, batch).as_text()
+
+
 def test_host_update_in_the_function_spelling_of_compute_on(monkeypatch):
   """JAX 0.11's ``compute_on`` is a function wrapper that takes the results' memory spaces (0.10's
   ``compute_on2``); the context manager of 0.10 is gone. The host update in that spelling gives

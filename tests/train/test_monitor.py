@@ -114,6 +114,38 @@ def test_tensorboard_and_csv_hold_every_step_with_the_console_losses(tmp_path, c
   assert config["train_batch_size"] == "8"
 
 
+def test_lr_is_the_next_steps_as_deepspeed_logs_it(tmp_path):
+  """DeepSpeed's engine writes ``get_lr()`` after ``lr_scheduler.step()``: the lr event at k x
+  train_batch_size samples is the lr step k+1 uses, and after a skipped fp16 step (no scheduler
+  step) step k's own. Step 2's batch holds a token past the vocabulary (a NaN loss: skipped);
+  each event is checked against the lr the next step reports using, and engine.get_lr()."""
+  warmup = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                           "warmup_num_steps": 10, "warmup_type": "linear"}}
+  engine = _engine(scheduler=warmup, fp16={"enabled": True, "initial_scale_power": 8},
+                   csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "lr"})
+  engine.check_input_ids = False
+  data = batches(TINY.seq_len, N, 4)
+  data[1] = {**data[1], "tokens": data[1]["tokens"].copy()}
+  data[1]["tokens"][0, 3] = TINY.vocab_size + 44
+  state, used, skipped, next_lr = engine.init(jax.random.key(0)), [], [], []
+  assert engine.get_lr() == [pytest.approx(float(engine.schedule(0)))]
+  for batch in data:
+    state, metrics = engine.train_step(state, engine.shard_batch(batch))
+    used.append(float(metrics["lr"]))
+    skipped.append(bool(metrics["overflow"]))
+    next_lr.append(engine.get_lr()[0])
+  assert skipped == [False, True, False, False]
+  logged = _csv_rows(tmp_path / "lr", "Train/Samples/lr")[1]
+  assert [samples for samples, _ in logged] == [8, 16, 24, 32]
+  # WarmupLR's count k lr: the first two steps share count 0's (DeepSpeed's scheduler)
+  schedule = [float(engine.schedule(count)) for count in range(4)]
+  assert used == pytest.approx([schedule[0], schedule[1], schedule[1], schedule[2]])
+  assert [lr for _, lr in logged] == pytest.approx(used[1:] + [schedule[3]])  # the next step's
+  assert logged[1][1] == pytest.approx(used[1])  # the skipped step: its own
+  assert next_lr == pytest.approx([lr for _, lr in logged])
+  assert used[2] != pytest.approx(used[3])  # the warm-up moves: the test can tell steps apart
+
+
 def test_step_events_follow_deepspeed_names_and_axes():
   """fp16's loss scale, the breakdown's times and GPU memory, without an engine: step 3 of 8
   samples writes the loss at 16 samples seen, the rest at 24; an unknown lr is left out."""
