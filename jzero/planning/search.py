@@ -133,8 +133,8 @@ class Plan:
 
   @property
   def usable(self) -> float:
-    """The usable bytes per device every row is measured against: the device's memory x
-    ``memory_fraction`` x (1 - margin)."""
+    """Usable bytes per device, the one figure every row is measured against -- the device's
+    memory x ``memory_fraction`` x (1 - margin)."""
     return self.hardware.usable_device_memory * (1 - self.margin)
 
   @property
