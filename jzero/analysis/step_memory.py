@@ -28,9 +28,9 @@ micro-batch):
 * *gathered* -- stage 3: the gathered layer and the next one, prefetched;
 
 the saved activations in the dtype the layers pass along (``activation_bytes``, read from the
-model's traced forward by :func:`jzero.planning.candidates.activation_bytes_of`: the embedded GPT's
-residual stream is fp32 even with bf16 parameters, because ``nnx.Embed`` promotes its lookup to
-its ``param_dtype``).
+model's traced forward by :func:`jzero.models.gpt.residual_dtype`: the embedded GPT's residual
+stream is fp32 even with bf16 parameters, because ``nnx.Embed`` promotes its lookup to its
+``param_dtype``).
 
 **Update**: the state, the gradients and the accumulator, plus the fp32 gradient partition the
 optimizer reads (converted from the compute dtype; with gas > 1 the accumulator itself, reduced
@@ -131,7 +131,7 @@ def step_memory(model: Any, *, state: float, grad_elements: float, micro_batch: 
     checkpointing: "none", "block" (activation checkpointing) or "offload" (``cpu_checkpointing``).
     stage: the ZeRO stage (stage 3 gathers layers).
     param_bytes: bytes per compute parameter; activation_bytes: per activation element
-      (:func:`jzero.planning.candidates.activation_bytes_of`).
+      (:func:`jzero.models.gpt.residual_dtype`).
     update_elements: elements of the fp32 gradient partition the update reads.
     hpz_secondary: bytes of hpZ's secondary partition (0: no hpZ).
     stream_elements: optimizer offload: elements of the largest parameter leaf's partition,

@@ -274,7 +274,7 @@ def _step_estimate(engine: Any, state: Any, gpt: Any) -> float:
   import jax.numpy as jnp  # noqa: PLC0415
 
   from jzero.analysis.step_memory import step_memory  # noqa: PLC0415
-  from jzero.planning.candidates import activation_bytes_of  # noqa: PLC0415
+  from jzero.models.gpt import residual_dtype  # noqa: PLC0415
 
   plan, cfg = engine.plan, engine.config
   held = _state_bytes(engine, state)
@@ -290,7 +290,7 @@ def _step_estimate(engine: Any, state: Any, gpt: Any) -> float:
       micro_batch=cfg.train_micro_batch_size_per_gpu,
       gradient_accumulation=cfg.gradient_accumulation_steps, checkpointing=mode,
       stage=plan.stage, param_bytes=compute.itemsize,
-      activation_bytes=activation_bytes_of(gpt, cfg.precision),
+      activation_bytes=residual_dtype(gpt, compute).itemsize,
       update_elements=numel / n if plan.stage else numel,
       hpz_secondary=held.get("secondary", 0), quantized_gathers=plan.zeropp.quantized_weights).peak
 

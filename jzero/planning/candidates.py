@@ -24,7 +24,6 @@ tier moves per step.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 from typing import Any
@@ -241,46 +240,11 @@ def _leaves(model: Any) -> list[est.ParamShape]:
 
 
 def activation_bytes_of(model: Any, precision: str) -> int:
-  """Bytes per element of the activations the embedded GPT's layers pass along (the layer scan's
-  carry, its residual stream) when its parameters are in ``precision``: the dtype of the first
-  carry of the first ``scan`` in the traced forward of a two-layer model of the same kind (bf16
-  parameters give an fp32 stream today: ``nnx.Embed`` promotes its lookup to its
-  ``param_dtype``)."""
-  return _residual_itemsize(model.gated_mlp, model.tie_embeddings, precision)
+  """Bytes per element of the activations the embedded GPT's layers pass along when its parameters
+  are in ``precision`` (:func:`jzero.models.gpt.residual_dtype`: fp32 even in bf16 today)."""
+  from jzero.models.gpt import residual_dtype  # noqa: PLC0415
 
-
-@functools.cache
-def _residual_itemsize(gated: bool, tied: bool, precision: str) -> int:
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-
-  from jzero.models import GPT, GPTConfig  # noqa: PLC0415
-
-  cfg = GPTConfig(vocab_size=16, seq_len=4, d_model=8, n_layers=2, n_heads=2, mlp_dim=8,
-                  gated_mlp=gated, tie_embeddings=tied)
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
-  dtype = est.DTYPES[precision]
-  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), state)
-  jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(
-      state, jax.ShapeDtypeStruct((1, 4), jnp.int32))
-  scan = _first_scan(jaxpr.jaxpr)
-  return int(np.dtype(scan.invars[scan.params["num_consts"]].aval.dtype).itemsize)
-
-
-def _first_scan(jaxpr: Any) -> Any:
-  """The first ``scan`` equation of ``jaxpr``, nested jaxprs searched in order."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "scan":
-      return eqn
-    for value in eqn.params.values():
-      for item in value if isinstance(value, (list, tuple)) else (value,):
-        sub = getattr(item, "jaxpr", item)  # a ClosedJaxpr's jaxpr, or a Jaxpr
-        found = _first_scan(sub) if hasattr(sub, "eqns") else None
-        if found is not None:
-          return found
-  return None
+  return residual_dtype(model, est.DTYPES[precision]).itemsize
 
 
 def estimated(c: Candidate, job: Job, hw: Hardware, leaves: list | None = None,
