@@ -40,8 +40,10 @@ Limits: memory kinds are dropped on compile-only devices, so host offload cannot
 (``jax.export`` for CUDA shows it instead); the schedule and the overlap are XLA's cost model's
 decisions, not a measurement of a run.
 
-``GPU_SPECS`` are XLA's own GPU target configs (``jzero/planning/gpu_specs/``; source and licence in
-the README there). ``jzero aot`` is the command line (:mod:`jzero.cli.aot`).
+``GPU_SPECS`` are XLA GPU target configs (``jzero/planning/gpu_specs/``): XLA's own for the H100,
+A100 and B200, one XLA read from a real H200, and ones written from NVIDIA's datasheets for the
+RTX 3090 and 4090, L4, L40S and A10G (sources in each file and the README there). ``jzero aot``
+is the command line (:mod:`jzero.cli.aot`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,13 @@ GPU_SPECS = {  # --gpu name -> XLA GPU target config in jzero/planning/gpu_specs
     "a100": "a100_sxm_80.txtpb",
     "a100-80gb": "a100_sxm_80.txtpb",
     "a100-40gb": "a100_sxm_40.txtpb",
+    "h200": "h200.txtpb",
+    "b200": "b200.txtpb",
+    "l40s": "l40s.txtpb",
+    "l4": "l4.txtpb",
+    "a10g": "a10g.txtpb",
+    "rtx4090": "rtx4090.txtpb",
+    "rtx3090": "rtx3090.txtpb",
 }
 INSTALL_HINT = ('pip install -e ".[gpu-aot]" (or pip install "jzero[gpu-aot]"): the CUDA compiler '
                 'plugin, jax-cuda12-plugin and jax-cuda12-pjrt matching your jax; no GPU and no '
@@ -263,6 +272,35 @@ def _estimate(engine: Any, state: Any, gpt: Any) -> dict[str, float]:
   if activations:
     out["activations"] = activations
   return out
+
+
+def _step_estimate(engine: Any, state: Any, gpt: Any) -> float:
+  """The arithmetic's peak for this step (:func:`jzero.analysis.step_memory.step_memory`): the
+  plan's persistent state as this compile places it, the GPT's shapes; 0 for another model."""
+  if gpt is None:
+    return 0.0
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from jzero.analysis.step_memory import step_memory  # noqa: PLC0415
+  from jzero.models.gpt import residual_dtype  # noqa: PLC0415
+
+  plan, cfg = engine.plan, engine.config
+  held = _state_bytes(engine, state)
+  numel = sum(l.numel for l in plan.leaf_list())
+  n = engine.mesh.zero_size
+  checkpointing = cfg.activation_checkpointing
+  mode = ("none" if checkpointing is None else
+          "offload" if checkpointing.cpu_checkpointing else "block")
+  compute = jnp.dtype(plan.compute_dtype)
+  return step_memory(
+      gpt, state=held["params"] + held["master"] + held["optimizer"] + held.get("secondary", 0),
+      grad_elements=numel / n if plan.stage >= 2 else numel,
+      micro_batch=cfg.train_micro_batch_size_per_gpu,
+      gradient_accumulation=cfg.gradient_accumulation_steps, checkpointing=mode,
+      stage=plan.stage, param_bytes=compute.itemsize,
+      activation_bytes=residual_dtype(gpt, compute).itemsize,
+      update_elements=numel / n if plan.stage else numel,
+      hpz_secondary=held.get("secondary", 0), quantized_gathers=plan.zeropp.quantized_weights).peak
 
 
 def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, advise: bool = False,
@@ -463,7 +501,8 @@ def compile_once(target: Target, data: dict[str, Any], slop: int | None = None,
       matmul_flops=matmul_flops(hlo), memory_traffic=memory_traffic(hlo),
       scheduler_limit=_limit(target, io, run_slop, slop), prefetch=engine.plan.prefetch,
       largest_gathered=engine.plan.gathered_working_set()[0]
-      * jnp.dtype(engine.plan.compute_dtype).itemsize)
+      * jnp.dtype(engine.plan.compute_dtype).itemsize,
+      step_estimate=_step_estimate(engine, state, gpt))
 
 
 def _limit(target: Target, io: float, run_slop: int, slop: int | None) -> float:

@@ -77,6 +77,9 @@ class AotReport:
     choices: what ``"auto"`` settings chose, and why (:mod:`jzero.planning.overlap`).
     advice: with less than 90% of the bytes overlapped, each knob that would raise it: the step
       compiled again with it (:class:`Advice`).
+    step_estimate: the peak the arithmetic predicts for this step
+      (:func:`jzero.analysis.step_memory.step_memory`; 0 for a model that is not the embedded
+      GPT).
   """
 
   gpu: str
@@ -113,6 +116,7 @@ class AotReport:
   largest_gathered: int = 0
   choices: tuple[str, ...] = ()
   advice: tuple[Advice, ...] = ()
+  step_estimate: float = 0.0
 
   @property
   def kinds(self) -> tuple[str, ...]:
@@ -247,6 +251,8 @@ def report_parts(r: AotReport) -> list[Any]:
                 f"params + master + optimizer {format_bytes(r.persistent_state)}, ratio "
                 f"{ratio:.4f}), outputs {format_bytes(r.output)}, temp {format_bytes(r.temp)}, "
                 f"aliased {format_bytes(r.alias)}; peak {format_bytes(r.peak)}",
+            *([f"estimated peak (jzero.analysis.step_memory): {format_bytes(r.step_estimate)}, "
+               f"estimate / compiled {r.step_estimate / r.peak:.2f}"] if r.step_estimate else []),
             f"fits: {'yes' if r.fits else 'NO'} -- peak {format_bytes(r.peak)} of "
             f"{format_bytes(r.usable_memory)} usable ({r.memory_fraction:.0%} of "
             f"{format_bytes(r.device_memory)})", ""]

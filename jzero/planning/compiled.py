@@ -14,12 +14,16 @@ compute -- over the step and inside the gradient-accumulation loop
 target's memory fraction has (:func:`jzero.planning.aot.compile_once`), so the fraction is part of
 the cache key.
 
-Offload on a GPU target: compile-only devices drop memory kinds and XLA's GPU compiler cannot
-schedule host copies for them, so a candidate that offloads is compiled as its *device twin* (the
-same step with the offload removed: the same collectives and FLOPs) and the bytes its offload takes
-off the device (the estimator's host and NVMe tiers) are subtracted from the twin's peak. Host and
-NVMe bytes and the PCIe / NVMe streams always come from the arithmetic
-(:mod:`jzero.planning.candidates`), which says so in the plan's table.
+Offload on a GPU target: XLA's compile-only GPU devices list no memory spaces, so a deviceless
+compile cannot place ``pinned_host`` arguments, and a candidate that offloads optimizer state or
+parameters is compiled as its *device twin* (the same step with that offload removed: the same
+collectives and FLOPs). Its device bytes are derived from the twin's compile
+(:func:`jzero.planning.search.plan_for`): the twin's peak less the state the offload keeps on the
+host, or the arithmetic's update phase if larger (the streamed update, which the twin does not
+run), and the plan's table labels them "twin - offload", never as the twin's peak.
+``cpu_checkpointing`` needs no twin: the compile keeps the layer inputs in host memory itself.
+Host and NVMe bytes and the PCIe / NVMe streams always come from the arithmetic
+(:mod:`jzero.planning.candidates`).
 
 Compiles are cached as small JSON files keyed by the config, the target, the model's shape and
 the jax / jzero versions (``cache_dir``; default ``$JZERO_CACHE_DIR`` or
