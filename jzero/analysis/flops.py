@@ -13,7 +13,11 @@ count here agrees with it on a program without loops (tests/train/test_monitor.p
 
 * NVIDIA GPUs: the dense (no sparsity) tensor-core peak of the part from NVIDIA's datasheets
   (:data:`GPU_PEAKS`): H100 SXM and H200 989.5 TFLOP/s bf16 / fp16, 494.5 tf32; H100 NVL 835.5 /
-  417.5; H100 PCIe 756.5 / 378; A100 312 / 156 (the datasheets' "with sparsity" figures halved).
+  417.5; H100 PCIe 756.5 / 378; A100 312 / 156; B200 2250 / 1125; L40S 362 / 183; L4 121 / 60
+  (the datasheets' "with sparsity" figures halved); the GeForce RTX 4090 165.2 / 82.6 and RTX 3090
+  71 / 35.6 (NVIDIA's Ada and GA102 whitepapers: fp16 / bf16 with fp32 accumulate, which GeForce
+  parts run at half the fp16-accumulate rate), and the A10G 70 / 35 (the A10's GA102 at 80 SMs
+  with GeForce's half-rate fp32 accumulate, as AWS and Baseten's A10 / A10G table list it).
   fp32 training counts tf32's peak: XLA's default precision runs fp32 matmuls on the tensor cores
   in tf32 on these parts.
 * CPU: measured, once per process and dtype -- the best of three square matmuls in the step's
@@ -44,6 +48,12 @@ GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
     ("H100", 989.5, 494.5),  # SXM: device_kind "NVIDIA H100 80GB HBM3"
     ("H200", 989.5, 494.5),
     ("A100", 312.0, 156.0),
+    ("B200", 2250.0, 1125.0),
+    ("L40S", 362.05, 183.0),  # before "L4", its prefix
+    ("L4", 121.0, 60.0),
+    ("A10G", 70.0, 35.0),
+    ("RTX 4090", 165.2, 82.6),
+    ("RTX 3090", 71.0, 35.6),
 )
 _DATASHEET = "NVIDIA datasheet, dense"
 _CPU_TARGET_S = 0.02  # a measuring matmul takes at least this long (or is 2048 wide)

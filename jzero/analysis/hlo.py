@@ -50,7 +50,7 @@ import collections
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -93,6 +93,7 @@ class Collective:
   overlapped_matmuls: int = 0  # of which matrix multiplications (gemms, dots, convolutions)
   computation: str = ""  # the HLO computation it is in (a loop body, or the entry)
   payload: tuple[str, ...] = ()  # element types moved, e.g. ("s8", "f32") for int8 blocks
+  loops: tuple[tuple[str, int], ...] = ()  # enclosing while loops, outermost first: (name, trips)
 
   @property
   def overlapped(self) -> bool:
@@ -190,11 +191,23 @@ def _axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...
 _Instruction = tuple[str, str, str, str]  # (name, result type, opcode, operands and attributes)
 
 
-def _parse_module(hlo_text: str) -> tuple[dict[str, list[_Instruction]],
-                                          dict[str, list[tuple[str, int]]], str]:
-  """(instructions per computation in text order, (callee, trip count) per computation, entry)."""
+class _Module(NamedTuple):
+  """A parsed HLO module: instructions per computation in text order, (callee, trip count) per
+  computation, the entry, and for each loop body the (caller, while instruction, trip count) that
+  runs it."""
+
+  comps: dict[str, list[_Instruction]]
+  calls: dict[str, list[tuple[str, int]]]
+  entry: str
+  loops: dict[str, tuple[str, str, int]]
+
+
+def _parse_module(hlo_text: str) -> _Module:
+  """The computations of an optimized HLO module and how they call one another (:class:`_Module`);
+  a loop without XLA's trip count annotation is counted by :func:`trip_count`."""
   comps: dict[str, list[_Instruction]] = {}
   calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+  whiles: list[tuple[str, str, str]] = []  # (caller, while's name, its operands and attributes)
   entry, current = None, None
   for line in hlo_text.splitlines():
     header = _HEADER.match(line)
@@ -209,18 +222,118 @@ def _parse_module(hlo_text: str) -> tuple[dict[str, list[_Instruction]],
       continue
     name, type_str, op, rest = inst.group(2), inst.group(3), inst.group(4), inst.group(5)
     comps[current].append((name, type_str, op, rest))
-    trips = 1
     if op == "while":
-      m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
-      trips = int(m.group(1)) if m else 1
+      whiles.append((current, name, rest))
+      continue
     for callee in _CALLS.findall(rest):
-      calls[current].append((callee, trips))
+      calls[current].append((callee, 1))
     for branches in _BRANCHES.findall(rest):
       for callee in branches.split(","):
         calls[current].append((callee.strip().lstrip("%"), 1))
   if entry is None:
     raise ValueError("not an HLO module: no ENTRY computation found")
-  return comps, calls, entry
+  loops = {}
+  for caller, name, rest in whiles:
+    trips = trip_count(comps, caller, rest) or 1
+    for callee in _CALLS.findall(rest):
+      calls[caller].append((callee, trips))
+    body = re.search(r"body=%?([\w.\-]+)", rest)
+    if body:
+      loops[body.group(1)] = (caller, name, trips)
+  return _Module(comps, calls, entry, loops)
+
+
+_COMPARE = re.compile(r"direction=(LT|LE|GT|GE|NE)")
+_LOOP_TRIPS = {"LT": lambda n, d: n, "LE": lambda n, d: n + d, "NE": lambda n, d: n,
+               "GT": lambda n, d: n, "GE": lambda n, d: n + d}
+
+
+def trip_count(comps: dict[str, list[_Instruction]], caller: str, rest: str) -> int | None:
+  """How many times the ``while`` whose operands and attributes are ``rest`` (an instruction of
+  ``caller``) runs its body: XLA's ``known_trip_count`` where it gives one, else read from the loop
+  itself -- the induction variable's initial constant (the while's operand tuple), its constant
+  step (the body's root tuple) and the constant its condition compares it with. XLA drops the
+  annotation from a loop it peels (the gradient-accumulation loop whose first micro-batch the
+  collective pipeliner moved out of it runs ``gas - 1`` times, unannotated). None when the loop
+  is not of that counted form."""
+  known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
+  if known:
+    return int(known.group(1))
+  index = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"\}', rest)
+  cond = re.search(r"condition=%?([\w.\-]+)", rest)
+  body = re.search(r"body=%?([\w.\-]+)", rest)
+  operands = _operands(rest)
+  if not (index and cond and body and operands):
+    return None
+  i = int(index.group(1))
+  init = _constant(comps, caller, _element(comps.get(caller, []), operands[0], i))
+  step = _constant(comps, body.group(1), _element(comps.get(body.group(1), []), None, i),
+                   through_add=True)
+  bound = _compare_bound(comps, cond.group(1))
+  if init is None or not step or bound is None:
+    return None
+  limit, direction = bound
+  span = _LOOP_TRIPS[direction](limit - init, 1 if step > 0 else -1)
+  trips = -(-span // step) if step > 0 else -(-(-span) // -step)
+  return trips if trips > 0 else None
+
+
+def _element(insts: list[_Instruction], tuple_name: str | None, index: int) -> str | None:
+  """The name of element ``index`` of the tuple instruction ``tuple_name`` (None: the root)."""
+  for name, _, op, rest in insts:
+    if op == "tuple" and (name == tuple_name or tuple_name is None and insts[-1][0] == name):
+      operands = _operands(rest)
+      return operands[index] if index < len(operands) else None
+  return None
+
+
+def _constant(comps: dict[str, list[_Instruction]], comp: str, name: str | None, *,
+              through_add: bool = False, depth: int = 0) -> int | None:
+  """The integer constant instruction ``name`` of ``comp`` is, through copies and bitcasts (and,
+  with ``through_add``, the constant operand of an add -- or of the add a fusion computes)."""
+  if name is None or depth > 8:
+    return None
+  found = next(((op, rest) for n, _, op, rest in comps.get(comp, []) if n == name), None)
+  if found is None:
+    return None
+  op, rest = found
+  if op == "constant":
+    value = re.match(r"\s*(-?\d+)\)", rest)
+    return int(value.group(1)) if value else None
+  operands = _operands(rest)
+  if op in ("copy", "bitcast") and operands:
+    return _constant(comps, comp, operands[0], through_add=through_add, depth=depth + 1)
+  if through_add and op == "add":
+    for o in operands:
+      value = _constant(comps, comp, o, depth=depth + 1)
+      if value is not None:
+        return value
+  if through_add and op == "fusion":
+    callee = re.search(r"calls=%?([\w.\-]+)", rest)
+    if callee and comps.get(callee.group(1)):
+      return _constant(comps, callee.group(1), comps[callee.group(1)][-1][0], through_add=True,
+                       depth=depth + 1)
+  return None
+
+
+def _compare_bound(comps: dict[str, list[_Instruction]], cond: str) -> tuple[int, str] | None:
+  """(constant, direction) of a loop condition ``i <op> constant`` (the compare at its root, or
+  at the root of the fusion there)."""
+  insts = comps.get(cond)
+  if not insts:
+    return None
+  _, _, op, rest = insts[-1]
+  if op == "fusion":
+    callee = re.search(r"calls=%?([\w.\-]+)", rest)
+    return _compare_bound(comps, callee.group(1)) if callee else None
+  direction = _COMPARE.search(rest)
+  if op != "compare" or direction is None:
+    return None
+  operands = _operands(rest)
+  if len(operands) != 2:
+    return None
+  value = _constant(comps, cond, operands[1])
+  return None if value is None else (value, direction.group(1))
 
 
 def _run_counts(comps: dict[str, list[_Instruction]], calls: dict[str, list[tuple[str, int]]],
@@ -258,7 +371,7 @@ def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str]]:
 
   Empty when every computation's collectives form one chain -- what
   :mod:`jzero.comm.collective_order` builds, so that XLA's CPU runtime cannot run two at once."""
-  comps, calls, _ = _parse_module(hlo_text)
+  comps, calls, _, _ = _parse_module(hlo_text)
   bearing: dict[str, bool] = {}
 
   def holds(comp: str) -> bool:
@@ -303,9 +416,10 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
   """
   mesh_shape = dict(mesh.mesh.shape) if mesh is not None else {}
   n_devices = math.prod(mesh_shape.values()) if mesh_shape else 1
-  comps, calls, entry = _parse_module(hlo_text)
+  comps, calls, entry, loops = _parse_module(hlo_text)
 
   runs = _run_counts(comps, calls, entry)
+  nests = _loop_nests(calls, entry, loops)
   found = []
   for comp, insts in comps.items():
     if not runs.get(comp):
@@ -328,8 +442,26 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
                               count=runs[comp], buffers=len(_ARRAY.findall(outputs)),
                               is_async=is_async, overlapped_ops=overlapped,
                               overlapped_matmuls=matmuls, computation=comp,
-                              payload=_payload(outputs)))
+                              payload=_payload(outputs), loops=nests.get(comp, ())))
   return found
+
+
+def _loop_nests(calls: dict[str, list[tuple[str, int]]], entry: str,
+                loops: dict[str, tuple[str, str, int]]) -> dict[str, tuple[tuple[str, int], ...]]:
+  """For each computation reached from ``entry``: the while loops it runs inside, outermost first,
+  as (while instruction, trip count) -- through loop bodies, calls and branches, the first path
+  found."""
+  nests: dict[str, tuple[tuple[str, int], ...]] = {entry: ()}
+  stack = [entry]
+  while stack:
+    comp = stack.pop()
+    for callee, _ in calls.get(comp, ()):
+      if callee in nests:
+        continue
+      loop = loops.get(callee)
+      nests[callee] = nests[comp] + (((loop[1], loop[2]),) if loop and loop[0] == comp else ())
+      stack.append(callee)
+  return nests
 
 
 def matmul_flops(hlo_text: str) -> float:
@@ -343,7 +475,7 @@ def matmul_flops(hlo_text: str) -> float:
   this count does not. Elementwise work and convolutions are not counted (a transformer's are a
   few percent of its matmuls; model-FLOPs formulas leave them out too).
   """
-  comps, calls, entry = _parse_module(hlo_text)
+  comps, calls, entry, _ = _parse_module(hlo_text)
   runs = _run_counts(comps, calls, entry)
   total = 0.0
   for comp, insts in comps.items():
@@ -387,7 +519,7 @@ def memory_traffic(hlo_text: str) -> float:
   work, normalizations, softmax, the optimizer update, copies between memory kinds -- is bound by
   memory bandwidth, which this count divides into a time (:func:`jzero.planning.cost.predict`).
   """
-  comps, calls, entry = _parse_module(hlo_text)
+  comps, calls, entry, _ = _parse_module(hlo_text)
   fused = set()
   for insts in comps.values():
     for _, _, op, rest in insts:

@@ -56,6 +56,10 @@ def add_aot_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--mem-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
                       help="fraction of GPU memory the step may use (default 0.75, what JAX "
                            "preallocates)")
+  parser.add_argument("--advice", action=argparse.BooleanOptionalAction, default=True,
+                      help="where under 90%% of the bytes overlap compute, compile the step again "
+                           "with each knob that would raise it and report what each gives and "
+                           "costs (a compile each; default on)")
   parser.add_argument("--json", action="store_true",
                       help="print the report as JSON on stdout (progress stays on stderr)")
 
@@ -77,7 +81,8 @@ def run_aot(args: argparse.Namespace) -> int:
   report = compile_for(args.config, args.gpu, args.devices, nodes=args.nodes, mesh=args.mesh,
                        model=model, micro_batch=args.micro_batch, precision=args.precision,
                        checkpoint_activations=args.checkpoint_activations,
-                       memory_fraction=args.mem_fraction, progress=progress)
+                       memory_fraction=args.mem_fraction, progress=progress,
+                       advise=args.advice)
   if args.json:
     print(json.dumps(report.to_json(), indent=1))
   else:

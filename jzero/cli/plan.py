@@ -28,7 +28,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
   """Adds the ``jzero plan`` flags to ``parser`` (see :func:`run_plan`)."""
   from jzero.models.gpt import PRESETS  # noqa: PLC0415
   from jzero.planning.aot import GPU_SPECS  # noqa: PLC0415
-  from jzero.planning.search import DEFAULT_COMPILE_TOP, DEFAULT_MARGIN  # noqa: PLC0415
+  from jzero.planning.cost import DEFAULT_MEM_FRACTION, MEM_FRACTION_ENV  # noqa: PLC0415
+  from jzero.planning.search import (DEFAULT_COMPILE_TOP, DEFAULT_MARGIN,  # noqa: PLC0415
+                                     DEFAULT_TIME_BUDGET)
 
   m = parser.add_argument_group("model (the embedded GPT)")
   what = m.add_mutually_exclusive_group()
@@ -41,7 +43,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                       ("--seq-len", "seq_len"), ("--vocab-size", "vocab_size"),
                       ("--mlp-dim", "mlp_dim")):
     m.add_argument(flag, type=int, default=None, dest=field, help=f"GPTConfig.{field}")
-  t = parser.add_argument_group("target (defaults: the GPU's datasheet and DGX node, printed)")
+  t = parser.add_argument_group("target (defaults: the part's datasheets and node, printed)")
   t.add_argument("--gpu", default="h100", help=f"GPU part: {', '.join(sorted(GPU_SPECS))}")
   t.add_argument("--devices", type=int, default=8, help="GPUs per node (default 8)")
   t.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
@@ -50,6 +52,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                  help="NVMe bytes per node")
   t.add_argument("--nvme-bandwidth", type=parse_bytes, default=None,
                  help="NVMe bytes/s per node, e.g. 25GB")
+  t.add_argument("--mem-fraction", type=float, default=DEFAULT_MEM_FRACTION,
+                 help=f"share of each GPU's memory the step may use (default "
+                      f"{DEFAULT_MEM_FRACTION}); the run must set {MEM_FRACTION_ENV} to it "
+                      f"(written beside --out), JAX preallocates 0.75 otherwise")
   j = parser.add_argument_group("job and search")
   j.add_argument("--global-batch", type=int, default=None,
                  help="sequences per step (default 4 per GPU)")
@@ -58,8 +64,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
   j.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                  help=f"share of each memory left free (default {DEFAULT_MARGIN})")
   j.add_argument("--compile-top", type=int, default=DEFAULT_COMPILE_TOP,
-                 help=f"candidates compiled for the target, least predicted time first (default "
+                 help=f"compile candidates in order of predicted time until one fits by its "
+                      f"compile and at least this many were compiled (default "
                       f"{DEFAULT_COMPILE_TOP}); 0 ranks by arithmetic alone")
+  j.add_argument("--time-budget", type=float, default=DEFAULT_TIME_BUDGET,
+                 help=f"seconds of compiling after which the search stops and says so (default "
+                      f"{DEFAULT_TIME_BUDGET:g})")
   j.add_argument("--cache-dir", default=None,
                  help="compile cache (default $JZERO_CACHE_DIR or ~/.cache/jzero/plan)")
   o = parser.add_argument_group("output")
@@ -87,12 +97,34 @@ def _model(args: argparse.Namespace):
   return model
 
 
-def run_plan(args: argparse.Namespace) -> int:
-  """``jzero plan``: prints the table, writes the chosen config to ``--out``."""
-  from tqdm import tqdm  # noqa: PLC0415
+def _advise(plan) -> None:
+  """Where the chosen config overlaps less than 90% of its collective bytes on a GPU: its step
+  compiled again with each knob that would raise it (``jzero aot``'s advice), printed."""
+  from jzero.planning.aot import compile_for  # noqa: PLC0415
+  from jzero.planning.aot_report import format_overlap  # noqa: PLC0415
+  from jzero.planning.compiled import device_twin  # noqa: PLC0415
+  from jzero.planning.overlap import ADVISE_BELOW  # noqa: PLC0415
 
+  chosen = plan.chosen
+  if (chosen is None or chosen.compiled is None or plan.target == "cpu"
+      or chosen.resources.overlap >= ADVISE_BELOW):
+    return
+  progress = lambda line: print(f"jzero plan: {line}", file=sys.stderr, flush=True)  # noqa: E731
+  hw = plan.hardware
+  report = compile_for(device_twin(plan.deepspeed_config()), plan.target, hw.devices,
+                       nodes=hw.nodes, model=plan.job.model,
+                       memory_fraction=hw.memory_fraction.value, progress=progress, advise=True)
+  print(f"\nthe chosen config overlaps {chosen.resources.overlap:.0%} of its collective bytes; "
+        f"its step compiled with each knob that would raise it:")
+  print(format_overlap(report))
+
+
+def run_plan(args: argparse.Namespace) -> int:
+  """``jzero plan``: prints the table, writes the chosen config to ``--out`` and the environment
+  the run needs (``XLA_PYTHON_CLIENT_MEM_FRACTION``) beside it, ``<out>.env``."""
   from jzero.cli.processes import host_only  # noqa: PLC0415
   from jzero.planning import plan_for  # noqa: PLC0415
+  from jzero.planning.cost import MEM_FRACTION_ENV  # noqa: PLC0415
   from jzero.planning.plan_report import format_plan  # noqa: PLC0415
 
   host_only()
@@ -103,21 +135,26 @@ def run_plan(args: argparse.Namespace) -> int:
   if not stages or not set(stages) <= {0, 1, 2, 3}:
     raise ConfigError(f"--stages {args.stages!r}: give ZeRO stages 0-3 separated by commas, "
                       f"e.g. --stages 1,2,3.")
-  if args.compile_top < 0:
-    raise ConfigError(f"--compile-top {args.compile_top}: give 0 or more candidates to compile.")
-  progress = lambda todo: tqdm(todo, desc="jzero plan: compiling", unit="candidate",  # noqa: E731
-                               file=sys.stderr)
   plan = plan_for(_model(args), gpu=args.gpu, devices=args.devices, nodes=args.nodes,
                   global_batch=args.global_batch, precision=args.precision,
                   host_memory=args.host_memory, nvme_bytes=args.nvme_bytes,
-                  nvme_bandwidth=args.nvme_bandwidth, compile=args.compile_top > 0,
-                  compile_top=args.compile_top, margin=args.margin, stages=stages,
-                  cache_dir=args.cache_dir, progress=progress)
+                  nvme_bandwidth=args.nvme_bandwidth, mem_fraction=args.mem_fraction,
+                  compile=args.compile_top > 0, compile_top=args.compile_top,
+                  time_budget=args.time_budget, margin=args.margin, stages=stages,
+                  cache_dir=args.cache_dir,
+                  progress=lambda line: print(f"jzero plan: {line}", file=sys.stderr, flush=True))
   print(format_plan(plan, limit=None if args.all else 40))
+  _advise(plan)
   if args.report:
     Path(args.report).write_text(json.dumps(plan.to_json(), indent=1))
   if plan.chosen is None:
     return 1
-  Path(args.out).write_text(json.dumps(plan.deepspeed_config(args.nvme_path), indent=2) + "\n")
-  print(f"written: {args.out} (jzero train --config {args.out})")
+  out = Path(args.out)
+  env = out.with_suffix(".env")
+  fraction = f"{plan.hardware.memory_fraction.value:.2f}"
+  out.write_text(json.dumps(plan.deepspeed_config(args.nvme_path), indent=2) + "\n")
+  env.write_text(f"{MEM_FRACTION_ENV}={fraction}\n")
+  print(f"written: {out} and {env}; run with {MEM_FRACTION_ENV}={fraction}, the share of each "
+        f"GPU's memory this plan budgets (JAX preallocates 0.75 without it):\n"
+        f"  export $(cat {env}); jzero train --config {out}")
   return 0

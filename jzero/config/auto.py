@@ -4,9 +4,10 @@
 ``auto_values`` (keys :data:`AUTO_VALUE_KEYS`) fill what the trainer knows (micro-batch size,
 accumulation, clipping, learning rate, fp16 / bf16, ...); the model's hidden size (read from the
 attributes :data:`HIDDEN_SIZE_NAMES`) fills the bucket and persistence sizes as Hugging Face does,
-and without one they are an error, as in Hugging Face; every other "auto" takes DeepSpeed's default
-for its field, with a warning. The batch triple is then completed and checked as DeepSpeed's
-``_set_batch_related_parameters`` does.
+and without one they are an error, as in Hugging Face; ``stage3_max_live_parameters: "auto"`` stays
+"auto" in stage 3 (jzero chooses the prefetch: :func:`jzero.modeling.gather_units.prefetches`);
+every other "auto" takes DeepSpeed's default for its field, with a warning. The batch triple is
+then completed and checked as DeepSpeed's ``_set_batch_related_parameters`` does.
 """
 
 from __future__ import annotations
@@ -87,9 +88,10 @@ def _fill_zero(data: dict, hidden_size: int | None, missing: list[str]) -> None:
             "zero_optimization.offload_optimizer": (zero["offload_optimizer"],
                                                     OffloadOptimizerConfig),
             "fp16": (data["fp16"], Fp16Config), "bf16": (data["bf16"], Bf16Config)}
+  kept = set(rules) | ({"stage3_max_live_parameters"} if zero["stage"] == 3 else set())
   for where, (block, model) in blocks.items():
     for key in [key for key, value in (block or {}).items()
-                if value == "auto" and not (model is ZeroConfig and key in rules)]:
+                if value == "auto" and not (model is ZeroConfig and key in kept)]:
       del block[key]  # DeepSpeed drops "auto" keys: the field's default applies
       default = _field_default(model, key)
       if model is ZeroConfig and key == "overlap_comm":

@@ -72,8 +72,8 @@ from jzero.errors import JZeroWarning
 from jzero.modeling.layer_scan import current_layer_policy, current_policy, gather, name_layer_inputs
 from jzero.sharding.plan import path_str
 
-__all__ = ["ModuleInfo", "UnitRules", "choose_units", "check_units", "nnx_units", "LinenUnits",
-           "inside_unit", "holds_partitions"]
+__all__ = ["ModuleInfo", "UnitRules", "choose_units", "check_units", "prefetches", "nnx_units",
+           "LinenUnits", "inside_unit", "holds_partitions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,10 +158,10 @@ def choose_units(modules: Sequence[ModuleInfo], leaf_sizes: dict[str, int],
 _WARN_MIN_NUMEL = 1_000_000  # below this a unit's size is no memory worth warning about
 
 
-def check_units(plan: Any, max_live_parameters: int) -> None:
+def check_units(plan: Any, max_live_parameters: int | str) -> None:
   """Warns when the model's structure keeps ZeRO-3 from gathering per unit: a unit or the
-  parameters gathered at the start of the forward pass hold much of the model, or a unit is larger
-  than ``stage3_max_live_parameters``."""
+  parameters gathered at the start of the forward pass hold much of the model, or a unit or a
+  scanned layer is larger than ``stage3_max_live_parameters`` (``"auto"``: no cap)."""
   leaves = [l for l in plan.leaf_list() if l.param_partitioned]
   total = sum(l.numel for l in leaves)
   if not total:
@@ -189,12 +189,34 @@ def check_units(plan: Any, max_live_parameters: int) -> None:
           f"({biggest / total:.0%}); it is gathered whole, so the step holds that much at once. "
           f"Split it into submodules, or choose smaller units (zero_optimization.leaf_module, "
           f"stage3_module_granularity_threshold).", JZeroWarning, stacklevel=3)
-    if biggest > max_live_parameters:
+    if max_live_parameters != "auto" and biggest > max_live_parameters:
       warnings.warn(
           f"ZeRO-3: unit {unit or '<model>'} holds {biggest:,} parameters, more than "
           f"stage3_max_live_parameters = {max_live_parameters:,}; a unit is gathered whole, so "
           f"this cap cannot be kept. Choose smaller units (zero_optimization.leaf_module) or raise "
           f"the cap.", JZeroWarning, stacklevel=3)
+  layer = sum(l.layer_numel for l in leaves if l.stacked)
+  if max_live_parameters != "auto" and layer > max_live_parameters:
+    warnings.warn(
+        f"ZeRO-3: one layer of the scanned stack holds {layer:,} parameters, more than "
+        f"stage3_max_live_parameters = {max_live_parameters:,}; the layer scan gathers a layer "
+        f"whole, so this cap cannot be kept. Raise the cap (or use more, smaller layers).",
+        JZeroWarning, stacklevel=3)
+
+
+def prefetches(plan: Any, prefetch_bucket_size: int, max_live_parameters: int | str) -> bool:
+  """Whether stage 3 gathers the next layer or unit while one computes (DeepSpeed's prefetch):
+  ``stage3_prefetch_bucket_size`` > 0, and ``stage3_max_live_parameters`` holds the two groups
+  alive then -- the one computing and the one arriving -- of the largest gathered group (a scanned
+  layer, or a unit; :meth:`jzero.sharding.plan.Plan.gathered_working_set`). XLA's pipeliner
+  prefetches one layer ahead, never more, so a cap of two groups or more allows it and a smaller
+  one turns it off; ``"auto"`` caps nothing here (``jzero aot`` and ``jzero plan`` compile the
+  step both ways and take the one that overlaps more within the memory:
+  :mod:`jzero.planning.overlap`)."""
+  if plan.stage != 3 or prefetch_bucket_size <= 0:
+    return False
+  largest, _ = plan.gathered_working_set()
+  return max_live_parameters == "auto" or 2 * largest <= max_live_parameters
 
 
 # --- running a unit -------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ cross-entropy in nats.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +29,7 @@ from flax import nnx
 
 from jzero.modeling.layer_scan import scan_layers
 
-__all__ = ["GPTConfig", "GPT", "lm_loss", "PRESETS", "preset"]
+__all__ = ["GPTConfig", "GPT", "lm_loss", "PRESETS", "preset", "residual_dtype"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,3 +163,37 @@ def lm_loss(model: GPT, batch: dict) -> jax.Array:
   tokens = batch["tokens"]
   logits = model(tokens[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def residual_dtype(config: GPTConfig, param_dtype: Any) -> jnp.dtype:
+  """The dtype of what the layers pass along (the layer scan's carry, the residual stream) when
+  the parameters are ``param_dtype``: read from the traced forward of a two-layer model of the
+  same kind, so that it follows the model. Today it is fp32 even with bf16 parameters:
+  ``nnx.Embed`` promotes its lookup to its ``param_dtype`` (fp32), and the layers follow it."""
+  return _residual_dtype(config.gated_mlp, config.tie_embeddings, jnp.dtype(param_dtype).name)
+
+
+@functools.cache
+def _residual_dtype(gated: bool, tied: bool, dtype_name: str) -> jnp.dtype:
+  cfg = GPTConfig(vocab_size=16, seq_len=4, d_model=8, n_layers=2, n_heads=2, mlp_dim=8,
+                  gated_mlp=gated, tie_embeddings=tied)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype_name), state)
+  jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(
+      state, jax.ShapeDtypeStruct((1, 4), jnp.int32))
+  scan = _first_scan(jaxpr.jaxpr)
+  return jnp.dtype(scan.invars[scan.params["num_consts"]].aval.dtype)
+
+
+def _first_scan(jaxpr: Any) -> Any:
+  """The first ``scan`` equation of ``jaxpr``, nested jaxprs searched in order."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      return eqn
+    for value in eqn.params.values():
+      for item in value if isinstance(value, (list, tuple)) else (value,):
+        sub = getattr(item, "jaxpr", item)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+        found = _first_scan(sub) if hasattr(sub, "eqns") else None
+        if found is not None:
+          return found
+  return None

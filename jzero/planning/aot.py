@@ -14,10 +14,16 @@ latency-hiding scheduler. :func:`compile_for` does that for jzero's own train st
    devices report) are the ones a real run gets;
 2. the engine: :func:`jzero.initialize` with the config, the model (an embedded GPT shape or any
    model with its loss and an abstract batch);
-3. the state, abstractly: ``jax.eval_shape(engine.init, key)`` -- nothing is allocated, and no
-   device work is done on the compile-only devices;
+3. the state, abstractly: ``engine.abstract_state(full=False)``, a pure function of the plan --
+   nothing is allocated, and no device work is done on the compile-only devices;
 4. the step: ``engine.jitted_step(batch).trace(state, batch).lower().compile()`` with the batch as
-   a ``ShapeDtypeStruct`` carrying its sharding.
+   a ``ShapeDtypeStruct`` carrying its sharding -- and with the latency-hiding scheduler's memory
+   limit a run has: on a GPU, XLA plans with the allocator's pool (``memory_fraction`` of the
+   part) less the step's inputs and outputs; without the device it would take 80% of the part, so
+   the compile gets the slop factor that makes the two equal
+   (:func:`jzero.comm.program.scheduler_slop_for`, :func:`compile_once`). ``"auto"`` for
+   ``stage3_max_live_parameters`` is resolved by compiling both ways, and below 90% overlapped
+   ``advise`` compiles each knob that would raise it (:mod:`jzero.planning.overlap`).
 
 The answer (:class:`jzero.planning.aot_report.AotReport`) puts side by side, per device: the model-state bytes by kind as the
 plan lays them out (params, grads, fp32 master, optimizer state), the estimator's prediction
@@ -34,8 +40,10 @@ Limits: memory kinds are dropped on compile-only devices, so host offload cannot
 (``jax.export`` for CUDA shows it instead); the schedule and the overlap are XLA's cost model's
 decisions, not a measurement of a run.
 
-``GPU_SPECS`` are XLA's own GPU target configs (``jzero/planning/gpu_specs/``; source and licence in
-the README there). ``jzero aot`` is the command line (:mod:`jzero.cli.aot`).
+``GPU_SPECS`` are XLA GPU target configs (``jzero/planning/gpu_specs/``): XLA's own for the H100,
+A100 and B200, one XLA read from a real H200, and ones written from NVIDIA's datasheets for the
+RTX 3090 and 4090, L4, L40S and A10G (sources in each file and the README there). ``jzero aot``
+is the command line (:mod:`jzero.cli.aot`).
 """
 
 from __future__ import annotations
@@ -47,13 +55,15 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from jzero.analysis.tables import format_count
+from jzero.analysis.tables import format_bytes, format_count
 from jzero.comm import program
 from jzero.errors import ConfigError, JZeroError
+from jzero.planning import overlap
 from jzero.planning.aot_report import AotReport
 from jzero.runtime import quiet_start
 
-__all__ = ["GPU_SPECS", "GpuSpec", "gpu_spec", "gpu_devices", "compile_for", "INSTALL_HINT",
+__all__ = ["GPU_SPECS", "GpuSpec", "gpu_spec", "gpu_devices", "compile_for", "prepare",
+           "compile_once", "Target", "INSTALL_HINT",
            "DEFAULT_MEMORY_FRACTION", "SPEC_DIR"]
 
 SPEC_DIR = Path(__file__).parent / "gpu_specs"
@@ -64,6 +74,13 @@ GPU_SPECS = {  # --gpu name -> XLA GPU target config in jzero/planning/gpu_specs
     "a100": "a100_sxm_80.txtpb",
     "a100-80gb": "a100_sxm_80.txtpb",
     "a100-40gb": "a100_sxm_40.txtpb",
+    "h200": "h200.txtpb",
+    "b200": "b200.txtpb",
+    "l40s": "l40s.txtpb",
+    "l4": "l4.txtpb",
+    "a10g": "a10g.txtpb",
+    "rtx4090": "rtx4090.txtpb",
+    "rtx3090": "rtx3090.txtpb",
 }
 INSTALL_HINT = ('pip install -e ".[gpu-aot]" (or pip install "jzero[gpu-aot]"): the CUDA compiler '
                 'plugin, jax-cuda12-plugin and jax-cuda12-pjrt matching your jax; no GPU and no '
@@ -257,14 +274,58 @@ def _estimate(engine: Any, state: Any, gpt: Any) -> dict[str, float]:
   return out
 
 
-def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int = 1,
-                mesh: str | Path | None = None, model: Any = "default",
-                loss_fn: Callable[..., Any] | None = None, batch: Any = None,
-                micro_batch: int | None = None, precision: str | None = None,
-                checkpoint_activations: bool | None = None,
-                memory_fraction: float = DEFAULT_MEMORY_FRACTION, total_num_steps: int = 1000,
-                progress: Callable[[str], None] | None = None) -> AotReport:
+def _step_estimate(engine: Any, state: Any, gpt: Any) -> float:
+  """The arithmetic's peak for this step (:func:`jzero.analysis.step_memory.step_memory`): the
+  plan's persistent state as this compile places it, the GPT's shapes; 0 for another model."""
+  if gpt is None:
+    return 0.0
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from jzero.analysis.step_memory import step_memory  # noqa: PLC0415
+  from jzero.models.gpt import residual_dtype  # noqa: PLC0415
+
+  plan, cfg = engine.plan, engine.config
+  held = _state_bytes(engine, state)
+  numel = sum(l.numel for l in plan.leaf_list())
+  n = engine.mesh.zero_size
+  checkpointing = cfg.activation_checkpointing
+  mode = ("none" if checkpointing is None else
+          "offload" if checkpointing.cpu_checkpointing else "block")
+  compute = jnp.dtype(plan.compute_dtype)
+  return step_memory(
+      gpt, state=held["params"] + held["master"] + held["optimizer"] + held.get("secondary", 0),
+      grad_elements=numel / n if plan.stage >= 2 else numel,
+      micro_batch=cfg.train_micro_batch_size_per_gpu,
+      gradient_accumulation=cfg.gradient_accumulation_steps, checkpointing=mode,
+      stage=plan.stage, param_bytes=compute.itemsize,
+      activation_bytes=residual_dtype(gpt, compute).itemsize,
+      update_elements=numel / n if plan.stage else numel,
+      hpz_secondary=held.get("secondary", 0), quantized_gathers=plan.zeropp.quantized_weights).peak
+
+
+def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, advise: bool = False,
+                **kwargs: Any) -> AotReport:
   """Compiles one train step for ``devices`` GPUs of one part without a GPU; see the module doc.
+
+  The arguments are :func:`prepare`'s, and ``advise``: where less than
+  :data:`jzero.planning.overlap.ADVISE_BELOW` of the bytes overlap, compile the step again with
+  each knob that would raise it, and report what each gives and costs (:attr:`AotReport.advice`;
+  a compile each). ``stage3_max_live_parameters: "auto"`` is resolved by compiling
+  (:func:`jzero.planning.overlap.compile_resolved`).
+  """
+  target, data = prepare(config, gpu, devices, **kwargs)
+  return overlap.compile_resolved(compile_once, target, data, advise=advise)
+
+
+def prepare(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int = 1,
+            mesh: str | Path | None = None, model: Any = "default",
+            loss_fn: Callable[..., Any] | None = None, batch: Any = None,
+            micro_batch: int | None = None, precision: str | None = None,
+            checkpoint_activations: bool | None = None,
+            memory_fraction: float = DEFAULT_MEMORY_FRACTION, total_num_steps: int = 1000,
+            progress: Callable[[str], None] | None = None) -> tuple[Target, dict[str, Any]]:
+  """The compile-only target and the config (as a dict, overrides applied) that
+  :func:`compile_once` compiles; checked before any compile.
 
   Args:
     config: a DeepSpeed config (path, dict or :class:`jzero.Config`).
@@ -289,10 +350,6 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
     ConfigError: bad config, GPU name, device count or mesh file (before any compile).
     JZeroError: the CUDA compiler plugin is missing (the message names the extra to install).
   """
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-
-  from jzero.train.initialize import initialize  # noqa: PLC0415
   from jzero.sharding.mesh import MeshSpec  # noqa: PLC0415
   from jzero.models import lm_loss  # noqa: PLC0415
 
@@ -324,11 +381,80 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
   zmesh = mesh_spec.build(gpus)
   say(f"{devices} x {spec.description} ({nodes} node{'s' * (nodes > 1)}), compile-only; mesh "
       f"{zmesh.describe()}")
-  engine = initialize(model=factory, loss_fn=loss_fn or lm_loss, config=data, mesh=zmesh,
-                            total_num_steps=total_num_steps)
+  target = Target(spec=spec, devices=devices, nodes=nodes, mesh=zmesh, factory=factory, gpt=gpt,
+                  what=what, loss_fn=loss_fn or lm_loss, batch=batch,
+                  memory_fraction=memory_fraction, total_num_steps=total_num_steps, say=say)
+  return target, data
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """What every compile of one :func:`compile_for` call shares: the part, the topology and its
+  mesh, the model, its loss and batch, the memory the step may use, and where progress goes."""
+
+  spec: GpuSpec
+  devices: int
+  nodes: int
+  mesh: Any
+  factory: Any
+  gpt: Any
+  what: str | None
+  loss_fn: Callable[..., Any]
+  batch: Any
+  memory_fraction: float
+  total_num_steps: int
+  say: Callable[[str], None]
+
+  @property
+  def pool(self) -> float:
+    """The memory a run may use per device: the part's memory times the memory fraction (what
+    JAX's allocator preallocates, and hands XLA's compiler as the device's memory)."""
+    return self.spec.memory_bytes * self.memory_fraction
+
+
+def _io_bytes(batch: Any, lowered: Any) -> float:
+  """Per-device bytes of the step's inputs and outputs that are not donated -- what XLA subtracts
+  from the device's memory before it sets the scheduler's limit: arguments + outputs - the donated
+  state (aliased to the new state) = the batch + every output."""
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  def shard_bytes(x: Any) -> float:
+    return math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+
+  return sum(shard_bytes(x) for x in jax.tree.leaves((batch, lowered.out_info)))
+
+
+def _scheduler_slop(options: dict[str, Any]) -> int:
+  """The slop factor a run of the plan's step compiles with: jzero's (the plan's options), the
+  user's ``XLA_FLAGS``, or XLA's default."""
+  import os  # noqa: PLC0415
+
+  if program.SLOP_OPTION in options:
+    return int(options[program.SLOP_OPTION])
+  found = re.search(rf"--{program.SLOP_OPTION}=(\d+)", os.environ.get("XLA_FLAGS", ""))
+  return int(found.group(1)) if found else program.XLA_DEFAULT_SLOP_PERCENT
+
+
+def compile_once(target: Target, data: dict[str, Any], slop: int | None = None,
+                 run_slop: int | None = None) -> AotReport:
+  """One compile of the step of config ``data`` for ``target``: XLA's scheduler plans with the
+  memory limit a run on the part would have (:func:`jzero.comm.program.scheduler_slop_for`) with
+  the slop factor the plan passes (or ``run_slop``: what a run with that factor would have), or
+  -- a what-if -- with slop factor ``slop`` as the compile-only part reads it."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from jzero.analysis.hlo import collectives, matmul_flops, memory_traffic  # noqa: PLC0415
+  from jzero.train.initialize import initialize  # noqa: PLC0415
+
+  say, zmesh, spec, gpt = target.say, target.mesh, target.spec, target.gpt
+  engine = initialize(model=target.factory, loss_fn=target.loss_fn, config=data, mesh=zmesh,
+                      total_num_steps=target.total_num_steps)
   t0 = time.perf_counter()
-  state = jax.eval_shape(engine.init, jax.random.key(0))  # abstract: nothing is allocated
+  state = engine.abstract_state(full=False)  # as the step takes it: nothing is allocated
   global_batch = engine.global_batch_size
+  batch = target.batch
   if gpt is not None and batch is None:
     batch = {"tokens": jax.ShapeDtypeStruct((global_batch, gpt.seq_len + 1), jnp.int32)}
   elif callable(batch):
@@ -336,7 +462,7 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
   sharding = engine.batch_sharding()
   batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch)
   num_params = sum(l.numel for l in engine.plan.leaf_list())
-  what = what or type(engine.model.module).__name__  # a factory's: the class it builds
+  what = target.what or type(engine.model.module).__name__  # a factory's: the class it builds
   cfg = engine.config
   say(f"model {what}: {format_count(num_params)} params; ZeRO-{cfg.zero_optimization.stage}, "
       f"{cfg.precision}, micro-batch {cfg.train_micro_batch_size_per_gpu} x gas "
@@ -346,16 +472,21 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
   say(f"traced in {t1 - t0:.1f} s; lowering")
   lowered = traced.lower()
   t2 = time.perf_counter()
-  say(f"lowered in {t2 - t1:.1f} s; XLA GPU compile (fusion, combiners, scheduling)")
-  compiled = lowered.compile()
+  options = program.compile_options(engine.plan)
+  run_slop = run_slop if run_slop is not None else _scheduler_slop(options)
+  io = _io_bytes(batch, lowered)
+  emulated = slop if slop is not None else program.scheduler_slop_for(
+      run_slop, target.pool, spec.memory_bytes, io)
+  extra = program.supported(zmesh.mesh.devices.flat[0], {program.SLOP_OPTION: emulated})
+  say(f"lowered in {t2 - t1:.1f} s; XLA GPU compile (fusion, combiners, scheduling; the "
+      f"scheduler's memory limit {format_bytes(_limit(target, io, run_slop, slop))})")
+  compiled = lowered.compile(compiler_options=extra or None)
   t3 = time.perf_counter()
   say(f"compiled in {t3 - t2:.1f} s")
-  from jzero.analysis.hlo import collectives, matmul_flops, memory_traffic  # noqa: PLC0415
-
   analysis = compiled.memory_analysis()
   hlo = compiled.as_text()
   return AotReport(
-      gpu=spec.description, gpu_name=spec.name, devices=devices, nodes=nodes,
+      gpu=spec.description, gpu_name=spec.name, devices=target.devices, nodes=target.nodes,
       mesh=zmesh.describe(), stage=cfg.zero_optimization.stage, precision=cfg.precision,
       model=what, num_params=num_params, micro_batch=cfg.train_micro_batch_size_per_gpu,
       gradient_accumulation_steps=cfg.gradient_accumulation_steps,
@@ -363,10 +494,23 @@ def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int 
       state=_state_bytes(engine, state), estimate=_estimate(engine, state, gpt),
       argument=analysis.argument_size_in_bytes, output=analysis.output_size_in_bytes,
       temp=analysis.temp_size_in_bytes, alias=analysis.alias_size_in_bytes,
-      device_memory=spec.memory_bytes, memory_fraction=memory_fraction, trace_s=t1 - t0,
+      device_memory=spec.memory_bytes, memory_fraction=target.memory_fraction, trace_s=t1 - t0,
       lower_s=t2 - t1, compile_s=t3 - t2, collectives=collectives(hlo, zmesh),
-      xla_options=program.compile_options(engine.plan), pallas_kernels=pallas_calls(hlo),
-      matmul_flops=matmul_flops(hlo), memory_traffic=memory_traffic(hlo))
+      xla_options=options, scheduler_slop=extra.get(program.SLOP_OPTION, 0),
+      pallas_kernels=pallas_calls(hlo),
+      matmul_flops=matmul_flops(hlo), memory_traffic=memory_traffic(hlo),
+      scheduler_limit=_limit(target, io, run_slop, slop), prefetch=engine.plan.prefetch,
+      largest_gathered=engine.plan.gathered_working_set()[0]
+      * jnp.dtype(engine.plan.compute_dtype).itemsize,
+      step_estimate=_step_estimate(engine, state, gpt))
+
+
+def _limit(target: Target, io: float, run_slop: int, slop: int | None) -> float:
+  """The scheduler's memory limit in bytes: a run's ``(pool - io) x slop / 100``, or -- with a
+  what-if ``slop`` -- what XLA computes for the compile-only part."""
+  if slop is not None:
+    return (program.XLA_COMPILE_ONLY_MEMORY_SHARE * target.spec.memory_bytes - io) * slop / 100
+  return (target.pool - io) * run_slop / 100
 
 
 def pallas_calls(hlo_text: str) -> int:

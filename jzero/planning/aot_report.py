@@ -18,9 +18,30 @@ from jzero.analysis.hlo import Collective
 from jzero.analysis.tables import (format_bytes, format_count, html_table, require_pyplot,
                                     text_table)
 
-__all__ = ["AotReport", "report_parts", "format_report", "STATE_KINDS"]
+__all__ = ["Advice", "AotReport", "report_parts", "format_report", "format_overlap",
+           "STATE_KINDS"]
 
 STATE_KINDS = ("params", "grads", "master", "optimizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+  """A knob that raises the step's overlap, and what the step compiled with it gives and costs.
+
+  Attributes:
+    knob: the setting, as the user writes it.
+    why: what it changes in XLA's schedule.
+    overlap, in_loop_overlap: share of the bytes sent per step with compute in flight, over the
+      step and inside the accumulation loop (nan: no loop).
+    peak: the compiled peak per device with it; fits: within the usable memory.
+  """
+
+  knob: str
+  why: str
+  overlap: float
+  in_loop_overlap: float
+  peak: int
+  fits: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +68,18 @@ class AotReport:
     memory_traffic: bytes its other instructions read and write per device per step
       (:func:`jzero.analysis.hlo.memory_traffic`).
     xla_options: the compile options the plan passed (bucket and overlap knobs).
+    scheduler_limit: the bytes XLA's latency-hiding scheduler planned the step's temporaries
+      within (:mod:`jzero.comm.program`: a run's pool less the step's inputs and outputs, times
+      the slop factor); scheduler_slop: the slop factor the compile got to plan within it, for a
+      part without its pool (:func:`jzero.comm.program.scheduler_slop_for`; 0: none).
+    prefetch: stage 3 gathered the next layer while one computed (the plan's).
+    largest_gathered: bytes of the largest group stage 3 gathers at once (a layer, or a unit).
+    choices: what ``"auto"`` settings chose, and why (:mod:`jzero.planning.overlap`).
+    advice: with less than 90% of the bytes overlapped, each knob that would raise it: the step
+      compiled again with it (:class:`Advice`).
+    step_estimate: the peak the arithmetic predicts for this step
+      (:func:`jzero.analysis.step_memory.step_memory`; 0 for a model that is not the embedded
+      GPT).
   """
 
   gpu: str
@@ -77,6 +110,13 @@ class AotReport:
   pallas_kernels: int = 0
   matmul_flops: float = 0.0
   memory_traffic: float = 0.0
+  scheduler_limit: float = 0.0
+  scheduler_slop: int = 0
+  prefetch: bool = False
+  largest_gathered: int = 0
+  choices: tuple[str, ...] = ()
+  advice: tuple[Advice, ...] = ()
+  step_estimate: float = 0.0
 
   @property
   def kinds(self) -> tuple[str, ...]:
@@ -165,6 +205,15 @@ class AotReport:
     out["collectives"] = [dict(dataclasses.asdict(c), sent_bytes=c.sent_bytes,
                                step_bytes=c.step_bytes, overlapped=c.overlapped)
                           for c in self.collectives]
+    nan_free = lambda x: None if isinstance(x, float) and math.isnan(x) else x  # noqa: E731
+    out["advice"] = [{k: nan_free(v) for k, v in dataclasses.asdict(a).items()}
+                     for a in self.advice]
+    out["choices"] = list(self.choices)
+    from jzero.planning import loop_overlap  # noqa: PLC0415
+
+    out["loop_overlap"] = [dict(dataclasses.asdict(s), overlap=nan_free(s.overlap))
+                           for s in loop_overlap.breakdown(self.collectives,
+                                                           self.gradient_accumulation_steps)]
     for name in ("persistent_state", "model_states", "peak", "usable_memory", "fits",
                  "sent_bytes", "overlapped_bytes"):
       out[name] = getattr(self, name)
@@ -202,6 +251,8 @@ def report_parts(r: AotReport) -> list[Any]:
                 f"params + master + optimizer {format_bytes(r.persistent_state)}, ratio "
                 f"{ratio:.4f}), outputs {format_bytes(r.output)}, temp {format_bytes(r.temp)}, "
                 f"aliased {format_bytes(r.alias)}; peak {format_bytes(r.peak)}",
+            *([f"estimated peak (jzero.analysis.step_memory): {format_bytes(r.step_estimate)}, "
+               f"estimate / compiled {r.step_estimate / r.peak:.2f}"] if r.step_estimate else []),
             f"fits: {'yes' if r.fits else 'NO'} -- peak {format_bytes(r.peak)} of "
             f"{format_bytes(r.usable_memory)} usable ({r.memory_fraction:.0%} of "
             f"{format_bytes(r.device_memory)})", ""]
@@ -219,14 +270,52 @@ def report_parts(r: AotReport) -> list[Any]:
   parts.append(f"overlapped with compute: {pct(r.overlap_fraction)} of "
                f"{format_bytes(r.sent_bytes)} sent per device per step "
                f"({pct(r.matmul_overlap_fraction)} with a matmul in flight)")
+  parts += _overlap_parts(r)
   parts.append(f"Pallas kernels (ZeRO++ block quantization, Triton): {r.pallas_kernels} calls")
+  return parts
+
+
+def _overlap_parts(r: AotReport) -> list[Any]:
+  """Where the bytes overlap (in the accumulation loop, outside it, per kind), the scheduler's
+  memory limit, what "auto" chose, and the knobs that would raise the overlap."""
+  from jzero.planning import loop_overlap  # noqa: PLC0415
+
+  pct = lambda x: "-" if math.isnan(x) else f"{x:.1%}"  # noqa: E731
+  shares = loop_overlap.breakdown(r.collectives, r.gradient_accumulation_steps)
+  rows = [[s.where, s.kind, format_bytes(s.sent_bytes), pct(s.overlap),
+           format_bytes(s.sync_bytes) if s.sync_bytes else "-"] for s in shares]
+  parts: list[Any] = [("overlap by place and kind (sent per device per step)",
+                       ["where", "collective", "sent/step", "overlapped", "sync"], rows)]
+  if r.scheduler_limit:
+    parts.append(f"XLA's latency-hiding scheduler planned within {format_bytes(r.scheduler_limit)}"
+                 f" of temporaries (a run's pool, the usable memory, less the step's inputs and "
+                 f"outputs, times the slop factor); prefetch {'on' if r.prefetch else 'off'}")
+  parts += [f"auto: {c}" for c in r.choices]
+  if r.advice:
+    parts.append(("to raise the overlap, each knob compiled (overlap: over the step / in the "
+                  "accumulation loop; peak per device)",
+                  ["knob", "what it changes", "overlap", "in loop", "peak", "fits"],
+                  [[a.knob, a.why, pct(a.overlap), pct(a.in_loop_overlap),
+                    f"{format_bytes(a.peak)} ({'+' if a.peak >= r.peak else '-'}"
+                    f"{format_bytes(abs(a.peak - r.peak))})", "yes" if a.fits else "NO"]
+                   for a in r.advice]))
   return parts
 
 
 def format_report(r: AotReport) -> str:
   """The report as text: memory by kind (plan vs estimator), XLA's analysis, fit, collectives."""
+  return _text(report_parts(r))
+
+
+def format_overlap(r: AotReport) -> str:
+  """The overlap by place and kind, the scheduler's limit, "auto"'s choices and the advice, as
+  text (what ``jzero plan`` prints for its chosen config)."""
+  return _text(_overlap_parts(r))
+
+
+def _text(parts: list[Any]) -> str:
   lines = []
-  for part in report_parts(r):
+  for part in parts:
     if isinstance(part, str):
       lines.append(part)
       continue

@@ -8,13 +8,17 @@ micro-batch, which sets the gradient accumulation. :func:`candidates` lists ever
 :meth:`Candidate.deepspeed_config` writes it as the DeepSpeed JSON ``jzero train`` and
 ``jzero.initialize`` take.
 
-:func:`estimated` prices a candidate without compiling it: memory per tier from
-:func:`jzero.analysis.estimate.estimate` (activations by Korthikanti et al., stage 3's gathered
-layers), FLOPs from the GPT's shapes (6 per parameter and token, the attention scores, one forward
-more when blocks are recomputed), collective bytes from ZeRO's communication analysis (2Ψ per step
-for stages 0-2, 3Ψ per micro-batch for stage 3; ZeRO++ as its paper counts: qwZ halves the
-forward gather, hpZ keeps the backward gather inside the node, qgZ sends a quarter of the
-gradient bytes across nodes), and the offload streams from the bytes each tier moves per step.
+:func:`estimated` prices a candidate without compiling it: the device bytes of its compiled step
+by :func:`jzero.analysis.step_memory.step_memory` (state, gradients and their fp32 accumulator,
+saved activations in the model's own activation dtype, one layer's working set, stage 3's
+gathered layers, the update phase), host and NVMe bytes per node from
+:func:`jzero.analysis.estimate.estimate`'s tiers (gradients stay on the device under jzero's
+offload, so none on the host), FLOPs from the GPT's shapes (6 per parameter and token, the
+attention scores, one forward more when blocks are recomputed), collective bytes from ZeRO's
+communication analysis (2Ψ per step for stages 0-2, 3Ψ per micro-batch for stage 3; ZeRO++ as its
+paper counts: qwZ halves the forward gather, hpZ keeps the backward gather inside the node, qgZ
+sends a quarter of the gradient bytes across nodes), and the offload streams from the bytes each
+tier moves per step.
 """
 
 from __future__ import annotations
@@ -124,8 +128,13 @@ class Candidate:
     parts.append(f"mb {self.micro_batch}x{self.gradient_accumulation}")
     return " ".join(parts)
 
-  def deepspeed_config(self, job: Job, devices: int, nvme_path: str = DEFAULT_NVME_PATH) -> dict:
-    """The candidate as a DeepSpeed config for ``devices`` devices (the job's base blocks kept)."""
+  def deepspeed_config(self, job: Job, devices: int, nvme_path: str = DEFAULT_NVME_PATH, *,
+                       devices_per_node: int | None = None) -> dict:
+    """The candidate as a DeepSpeed config for ``devices`` devices (the job's base blocks kept).
+
+    Every value has the type DeepSpeed's config classes declare (tests/deepspeed_fields.py):
+    hpZ's ``zero_hpz_partition_size`` is the integer ``devices_per_node``
+    (DeepSpeed drops an "auto" value, which leaves hpZ off)."""
     zero: dict[str, Any] = {"stage": self.stage, "overlap_comm": self.stage == 3}
     if self.offload_optimizer:
       zero["offload_optimizer"] = {"device": self.offload_optimizer, "pin_memory": True}
@@ -139,7 +148,10 @@ class Candidate:
         zero["offload_param"].update(nvme_path=nvme_path, buffer_count=_BUFFER_COUNT,
                                      buffer_size=param_buffer_size(job.model, devices))
     if "hpz" in self.zeropp:
-      zero["zero_hpz_partition_size"] = "auto"
+      if devices_per_node is None or devices_per_node < 2:
+        raise ValueError(f"{self.name}: hpZ's partition is a node's devices; give "
+                         f"devices_per_node (2 or more), got {devices_per_node!r}.")
+      zero["zero_hpz_partition_size"] = int(devices_per_node)
     if "qwz" in self.zeropp:
       zero["zero_quantized_weights"] = True
     if "qgz" in self.zeropp:
@@ -194,14 +206,29 @@ def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...
 
 @dataclasses.dataclass(frozen=True)
 class Estimated:
-  """A candidate priced by arithmetic: its memory per tier and its :class:`Resources`."""
+  """A candidate priced by arithmetic: its memory per tier and its :class:`Resources`.
 
-  device_bytes: float  # per device: model states + gathered layers + activations
-  host_bytes: float  # per node
-  nvme_bytes: float  # per node
+  Attributes:
+    device_bytes: per device: the compiled step's peak as ``memory`` models it.
+    host_bytes, nvme_bytes: per node.
+    estimate: the model states per tier (:func:`jzero.analysis.estimate.estimate`).
+    memory: the step's device bytes by part (:class:`jzero.analysis.step_memory.StepMemory`).
+    host_update_share: per device: bytes of the update the host tier runs.
+    offloaded_bytes: per device: the state its offload keeps off the device (what its device
+      twin holds more).
+    offload_floor: per device, with offload: the update phase's bytes, which a twin's compile
+      cannot show (the streamed update holds a leaf's state at a time); 0 without offload.
+  """
+
+  device_bytes: float
+  host_bytes: float
+  nvme_bytes: float
   resources: Resources
   estimate: est.Estimate
-  host_update_share: float = 0.0  # per device: bytes of the update the host tier runs
+  host_update_share: float = 0.0
+  memory: Any = None
+  offloaded_bytes: float = 0.0
+  offload_floor: float = 0.0
 
 
 def _leaves(model: Any) -> list[est.ParamShape]:
@@ -212,23 +239,46 @@ def _leaves(model: Any) -> list[est.ParamShape]:
   return est.param_shapes(adapter.abstract_params(None, None), adapter.stacked_layers)
 
 
-def estimated(c: Candidate, job: Job, hw: Hardware, leaves: list | None = None) -> Estimated:
-  """Memory and resources of ``c`` by ZeRO's arithmetic (the module docstring); ``leaves``
-  (:func:`jzero.analysis.estimate.param_shapes` of the model) saves building them again."""
+def activation_bytes_of(model: Any, precision: str) -> int:
+  """Bytes per element of the activations the embedded GPT's layers pass along when its parameters
+  are in ``precision`` (:func:`jzero.models.gpt.residual_dtype`: fp32 even in bf16 today)."""
+  from jzero.models.gpt import residual_dtype  # noqa: PLC0415
+
+  return residual_dtype(model, est.DTYPES[precision]).itemsize
+
+
+def estimated(c: Candidate, job: Job, hw: Hardware, leaves: list | None = None,
+              activation_bytes: int | None = None) -> Estimated:
+  """Memory and resources of ``c`` by arithmetic (the module docstring): the device bytes of its
+  compiled step (:func:`jzero.analysis.step_memory.step_memory`), host and NVMe bytes per node,
+  and what a step moves. ``leaves`` (:func:`jzero.analysis.estimate.param_shapes` of the model)
+  and ``activation_bytes`` (:func:`activation_bytes_of`) save working them out again."""
+  from jzero.analysis.step_memory import step_memory  # noqa: PLC0415
+
   m, p, k = job.model, job.param_bytes, job.optimizer_bytes
   leaves = leaves if leaves is not None else _leaves(m)
+  a = activation_bytes if activation_bytes is not None else activation_bytes_of(m, job.precision)
   n, per_node = hw.devices, hw.devices_per_node
-  acts = est.activation_bytes(c.micro_batch, m.seq_len, m.d_model, m.n_layers, m.n_heads,
-                              bytes_per_element=p, checkpointing=c.checkpointing != "none")
-  logits = 4 * c.micro_batch * m.seq_len * m.vocab_size  # fp32 logits of one micro-batch
-  e = est.estimate(leaves, c.stage, per_node, hw.nodes, param_bytes=p, optimizer_bytes=k,
-                   offload_optimizer=c.offload_optimizer, offload_param=c.offload_param,
-                   offload_ratio=c.offload_ratio,
-                   activations=(0.0 if c.checkpointing == "offload" else acts) + logits,
-                   gathered=(est.largest_gathered_numel(leaves), 0), prefetch=True,
-                   hpz_partition_size=per_node if "hpz" in c.zeropp else 1,
+  hpz = per_node if "hpz" in c.zeropp else 1
+  common = dict(param_bytes=p, optimizer_bytes=k, hpz_partition_size=hpz)
+  e = est.estimate(leaves, c.stage, per_node, hw.nodes, offload_optimizer=c.offload_optimizer,
+                   offload_param=c.offload_param, offload_ratio=c.offload_ratio,
                    param_buffer_elements=_BUFFER_COUNT * param_buffer_size(m, n),
-                   param_cache_elements=1e9)
+                   param_cache_elements=1e9, **common)
+  twin = est.estimate(leaves, c.stage, per_node, hw.nodes, **common)
+  def on_device(x: est.Estimate) -> float:  # the state on the device (gradients: the step's)
+    return sum(v for kind, v in x.bytes["device"].items() if kind != "grads")
+  psi = e.num_params
+  largest = max(math.prod(l.shape) for l in leaves)
+  memory = step_memory(
+      m, state=on_device(e), grad_elements=psi / n if c.stage >= 2 else psi,
+      micro_batch=c.micro_batch, gradient_accumulation=c.gradient_accumulation,
+      checkpointing=c.checkpointing, stage=c.stage, param_bytes=p, activation_bytes=a,
+      update_elements=psi / n if c.stage else psi, hpz_secondary=e.secondary,
+      stream_elements=largest / n if c.stage else largest,
+      streamed_update=c.offload_optimizer == "cpu", quantized_gathers="qwz" in c.zeropp)
+  offloaded = on_device(twin) - on_device(e)
+  acts = m.n_layers * c.micro_batch * m.seq_len * m.d_model * a  # the layer inputs, every layer
   psi = e.num_params
   host_acts = acts if c.checkpointing == "offload" else 0.0
   tokens = job.global_batch * m.seq_len / n
@@ -268,6 +318,9 @@ def estimated(c: Candidate, job: Job, hw: Hardware, leaves: list | None = None) 
       flops=flops, memory_bytes=(1 - r) * update, intra_node_bytes=intra,
       inter_node_bytes=inter, overlap=1.0 if c.stage == 3 else 0.0, pcie_bytes=pcie,
       host_update_bytes=per_node * r * update, nvme_traffic=nvme, source="estimator")
-  return Estimated(device_bytes=e.device_total, host_bytes=e.host_per_node + per_node * host_acts,
+  # jzero keeps the gradients on the device under every offload: none of them on the host
+  host = (e.tier_total("host") - e.bytes["host"]["grads"]) * per_node + per_node * host_acts
+  return Estimated(device_bytes=memory.peak, host_bytes=host,
                    nvme_bytes=e.tier_total("nvme") * per_node, resources=resources, estimate=e,
-                   host_update_share=r * update)
+                   host_update_share=r * update, memory=memory, offloaded_bytes=offloaded,
+                   offload_floor=memory.update_phase if offloaded else 0.0)

@@ -9,14 +9,21 @@ bytes the other instructions read and write (:func:`jzero.analysis.hlo.memory_tr
 the collective bytes sent per step split into those inside a node and those crossing nodes (by the
 mesh axes their replica groups span: a collective over a ``node`` axis, or over the flat data
 axis of a multi-node topology, crosses), and the share of those bytes the schedule overlaps with
-compute.
+compute -- over the step and inside the gradient-accumulation loop
+(:mod:`jzero.planning.loop_overlap`). A GPU compile schedules with the memory a run with the
+target's memory fraction has (:func:`jzero.planning.aot.compile_once`), so the fraction is part of
+the cache key.
 
-Offload on a GPU target: compile-only devices drop memory kinds and XLA's GPU compiler cannot
-schedule host copies for them, so a candidate that offloads is compiled as its *device twin* (the
-same step with the offload removed: the same collectives and FLOPs) and the bytes its offload takes
-off the device (the estimator's host and NVMe tiers) are subtracted from the twin's peak. Host and
-NVMe bytes and the PCIe / NVMe streams always come from the arithmetic
-(:mod:`jzero.planning.candidates`), which says so in the plan's table.
+Offload on a GPU target: XLA's compile-only GPU devices list no memory spaces, so a deviceless
+compile cannot place ``pinned_host`` arguments, and a candidate that offloads optimizer state or
+parameters is compiled as its *device twin* (the same step with that offload removed: the same
+collectives and FLOPs). Its device bytes are derived from the twin's compile
+(:func:`jzero.planning.search.plan_for`): the twin's peak less the state the offload keeps on the
+host, or the arithmetic's update phase if larger (the streamed update, which the twin does not
+run), and the plan's table labels them "twin - offload", never as the twin's peak.
+``cpu_checkpointing`` needs no twin: the compile keeps the layer inputs in host memory itself.
+Host and NVMe bytes and the PCIe / NVMe streams always come from the arithmetic
+(:mod:`jzero.planning.candidates`).
 
 Compiles are cached as small JSON files keyed by the config, the target, the model's shape and
 the jax / jzero versions (``cache_dir``; default ``$JZERO_CACHE_DIR`` or
@@ -49,9 +56,12 @@ class Compiled:
   overlap: float
   compile_s: float
   cached: bool = False
+  loop_overlap: float | None = None  # inside the accumulation loop (None: no such loop)
 
 
-_FORMAT = 3  # of a cached Compiled: 2 added memory_bytes, 3 counts dynamic slices as slices
+# of a cached Compiled: 2 added memory_bytes, 3 counts dynamic slices as slices, 4 counts the runs
+# of loops XLA leaves unannotated, adds loop_overlap and schedules with the run's memory pool
+_FORMAT = 4
 
 
 def default_cache_dir() -> Path:
@@ -65,13 +75,14 @@ def device_twin(config: dict) -> dict:
   return dict(config, zero_optimization=zero)
 
 
-def _key(config: dict, target: str, devices: int, nodes: int, model: Any) -> str:
+def _key(config: dict, target: str, devices: int, nodes: int, model: Any,
+         memory_fraction: float) -> str:
   import jax  # noqa: PLC0415
 
   from jzero.version import __version__  # noqa: PLC0415
 
   text = json.dumps([config, target, devices, nodes, dataclasses.asdict(model), jax.__version__,
-                     __version__, _FORMAT], sort_keys=True, default=str)
+                     __version__, _FORMAT, memory_fraction], sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -89,15 +100,21 @@ def _split(collectives: list, nodes: int) -> tuple[float, float, float]:
   return intra, inter, hidden / total if total else 0.0
 
 
-def _compile_gpu(config: dict, gpu: str, devices: int, nodes: int, model: Any) -> Compiled:
+def _compile_gpu(config: dict, gpu: str, devices: int, nodes: int, model: Any,
+                 memory_fraction: float) -> Compiled:
+  from jzero.planning import loop_overlap  # noqa: PLC0415
   from jzero.planning.aot import compile_for  # noqa: PLC0415
 
-  report = compile_for(config, gpu, devices, nodes=nodes, model=model)
+  report = compile_for(config, gpu, devices, nodes=nodes, model=model,
+                       memory_fraction=memory_fraction)
   intra, inter, overlap = _split(report.collectives, nodes)
+  shares = loop_overlap.breakdown(report.collectives, report.gradient_accumulation_steps)
+  in_loop = loop_overlap.place_overlap(shares, loop_overlap.IN_LOOP)
   return Compiled(peak=report.peak, flops=report.matmul_flops,
                   memory_bytes=report.memory_traffic, intra_node_bytes=intra,
                   inter_node_bytes=inter, overlap=overlap,
-                  compile_s=report.trace_s + report.lower_s + report.compile_s)
+                  compile_s=report.trace_s + report.lower_s + report.compile_s,
+                  loop_overlap=None if math.isnan(in_loop) else in_loop)
 
 
 def _compile_cpu(config: dict, model: Any) -> Compiled:
@@ -110,7 +127,7 @@ def _compile_cpu(config: dict, model: Any) -> Compiled:
 
   t0 = time.perf_counter()
   engine = initialize(model=lambda rngs: GPT(model, rngs=rngs), loss_fn=lm_loss, config=config)
-  state = jax.eval_shape(engine.init, jax.random.key(0))
+  state = engine.abstract_state(full=False)
   batch = {"tokens": jax.ShapeDtypeStruct((engine.global_batch_size, model.seq_len + 1),
                                           jnp.int32, sharding=engine.batch_sharding())}
   compiled = engine.compile_step(state, batch)
@@ -125,18 +142,19 @@ def _compile_cpu(config: dict, model: Any) -> Compiled:
 
 
 def compile_candidate(config: dict, target: str, devices: int, nodes: int, model: Any, *,
-                      cache_dir: Path | None = None) -> Compiled:
+                      cache_dir: Path | None = None, memory_fraction: float = 0.75) -> Compiled:
   """The compiled step of ``config`` on ``target`` ("cpu": this process's devices; else a
-  ``--gpu`` name for :func:`jzero.planning.aot.compile_for`), from the cache when it is there.
-  A GPU target compiles the config's :func:`device_twin`."""
+  ``--gpu`` name for :func:`jzero.planning.aot.compile_for`, scheduled for a run that may use
+  ``memory_fraction`` of the part's memory), from the cache when it is there. A GPU target
+  compiles the config's :func:`device_twin`."""
   if target != "cpu":
     config = device_twin(config)
   cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-  path = cache / f"{_key(config, target, devices, nodes, model)}.json"
+  path = cache / f"{_key(config, target, devices, nodes, model, memory_fraction)}.json"
   if path.is_file():
     return dataclasses.replace(Compiled(**json.loads(path.read_text())), cached=True)
   result = (_compile_cpu(config, model) if target == "cpu"
-            else _compile_gpu(config, target, devices, nodes, model))
+            else _compile_gpu(config, target, devices, nodes, model, memory_fraction))
   if not all(math.isfinite(v) for v in (result.peak, result.flops, result.memory_bytes,
                                          result.overlap)):
     return result

@@ -25,23 +25,37 @@ compute: jzero runs the host optimizer step after the backward pass. The *bound*
 largest term. Times are **predictions**, not measurements.
 
 Every rate is a :class:`Constant` with its source: the GPU's XLA spec (HBM bandwidth), NVIDIA's
-datasheets (peak FLOP/s, NVLink, PCIe, the DGX node's network, host memory and NVMe), a paper's
-measurement (matmul efficiency, NVMe bandwidth), or a measurement on this machine
-(:func:`cpu_hardware`, for validating the model where a step can be run: the CPU).
+datasheets (peak FLOP/s, NVLink, PCIe, the DGX node's network, host memory and NVMe), the Amazon
+EC2 instance a cloud PCIe part is rented in, a stated assumption (a GeForce part's desktop), a
+paper's measurement (matmul efficiency, NVMe bandwidth), or a measurement on this machine
+(:func:`cpu_hardware`, for validating the model where a step can be run: the CPU). The share of
+each GPU's memory a step may use is the memory fraction the run sets with
+``XLA_PYTHON_CLIENT_MEM_FRACTION`` (:data:`DEFAULT_MEM_FRACTION`, 0.90; JAX's own default, 0.75,
+leaves a quarter of the card unused).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from jzero.analysis.flops import GPU_PEAKS
 from jzero.errors import ConfigError
 
 __all__ = ["Constant", "Hardware", "Resources", "Prediction", "gpu_hardware", "cpu_hardware",
            "predict", "measure_memory_bandwidth", "describe_constants",
-           "NODE_DATASHEETS", "MATMUL_EFFICIENCY"]
+           "NODE_DATASHEETS", "MATMUL_EFFICIENCY", "DEFAULT_MEM_FRACTION", "JAX_MEM_FRACTION",
+           "MEM_FRACTION_ENV"]
+
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # what JAX preallocates of each GPU
+JAX_MEM_FRACTION = 0.75  # JAX's default preallocation
+# What a plan may use of each GPU unless told otherwise, and what the written config's env file
+# sets: 0.90 leaves 10% outside XLA's pool for the CUDA context, cuBLAS / cuDNN workspaces and
+# NCCL's buffers (2.4 GB on a 24 GB card, 8 GB on 80 GB), where JAX's 0.75 leaves a quarter of the
+# card idle.
+DEFAULT_MEM_FRACTION = 0.90
 
 
 class Constant(NamedTuple):
@@ -51,22 +65,71 @@ class Constant(NamedTuple):
   source: str
 
 
-# Per-GPU links and per-node resources of the DGX node each part ships in (NVIDIA datasheets).
+# Per-GPU links and per-node resources of the node each part ships in: NVIDIA's DGX datasheets for
+# the SXM parts; the Amazon EC2 instance each cloud PCIe part is rented in (its largest size, 8
+# GPUs); a desktop workstation for the GeForce parts. Keys are matched as whole words of the XLA
+# spec's device description ("L4" is not "L40S").
+_ZERO_INFINITY_NVME = Constant(25e9, "about 25 GB/s aggregate read of a DGX node's NVMe array "
+                               "(ZeRO-Infinity paper, Rajbhandari et al. 2021, Sec. 2)")
+_PCIE4 = Constant(32e9, "PCIe Gen4 x16: 64 GB/s bidirectional, 32 GB/s each way (datasheet)")
+_PCIE5 = Constant(64e9, "PCIe Gen5 x16: 128 GB/s bidirectional, 64 GB/s each way (datasheet)")
+_DGX_H = {
+    "intra_node_bandwidth": Constant(450e9, "NVLink 4: 900 GB/s bidirectional per GPU, 450 GB/s "
+                                     "each way (H100 / H200 SXM datasheets)"),
+    "inter_node_bandwidth": Constant(50e9, "one 400 Gb/s ConnectX-7 NIC per GPU (DGX H100 / H200 "
+                                     "datasheets)"),
+    "pcie_bandwidth": _PCIE5,
+    "host_bandwidth": Constant(614e9, "2 x Xeon 8480C, 8 channels of DDR5-4800 each: "
+                               "2 x 8 x 38.4 GB/s (DGX H100 / H200 datasheets, Intel ark)"),
+    "host_memory": Constant(2e12, "2 TB system memory (DGX H100 / H200 datasheets)"),
+    "nvme_bytes": Constant(30.72e12, "8 x 3.84 TB U.2 NVMe data drives (DGX H100 / H200 "
+                           "datasheets)"),
+    "nvme_bandwidth": _ZERO_INFINITY_NVME,
+}
+
+
+def _ec2(instance: str, memory_gib: int, network_gbps: int, nvme_tb: float, nvme_drives: str,
+         cpu: str) -> dict[str, Constant]:
+  """The per-GPU share of an 8-GPU Amazon EC2 instance (its instance-type page)."""
+  page = f"Amazon EC2 {instance} instance type page"
+  return {
+      "intra_node_bandwidth": Constant(32e9, "no NVLink: GPU to GPU over PCIe Gen4 x16, 32 GB/s "
+                                       "each way at most (datasheet)"),
+      "inter_node_bandwidth": Constant(network_gbps / 8 * 1e9 / 8,
+                                       f"{network_gbps} Gb/s network per instance, shared by its 8 "
+                                       f"GPUs ({page})"),
+      "pcie_bandwidth": _PCIE4,
+      "host_bandwidth": Constant(2 * 8 * 25.6e9, f"{cpu}, 8 channels of DDR4-3200 per socket, two "
+                                 f"sockets assumed: 2 x 8 x 25.6 GB/s (AMD spec)"),
+      "host_memory": Constant(memory_gib * 2**30, f"{memory_gib} GiB memory ({page})"),
+      "nvme_bytes": Constant(nvme_tb * 1e12, f"{nvme_drives} local NVMe ({page})"),
+      "nvme_bandwidth": Constant(2e9 * int(nvme_drives.split()[0]),
+                                 f"assumed: about 2 GB/s per local NVMe drive ({nvme_drives}); "
+                                 f"AWS publishes no figure"),
+  }
+
+
+def _desktop(ddr: str, channel_gbs: float) -> dict[str, Constant]:
+  """A GeForce workstation: what a plan on one should be told with --host-memory and --nvme."""
+  return {
+      "intra_node_bandwidth": Constant(32e9, "no NVLink between more than two cards: GPU to GPU "
+                                       "over PCIe Gen4 x16, 32 GB/s each way at most"),
+      "inter_node_bandwidth": Constant(12.5e9, "assumed: one 100 Gb/s Ethernet NIC (no vendor "
+                                       "node)"),
+      "pcie_bandwidth": _PCIE4,
+      "host_bandwidth": Constant(2 * channel_gbs * 1e9, f"assumed desktop: 2 channels of {ddr}, "
+                                 f"2 x {channel_gbs:g} GB/s"),
+      "host_memory": Constant(128e9, "assumed desktop: 128 GB (4 x 32 GB DIMMs); give "
+                              "--host-memory"),
+      "nvme_bytes": Constant(2e12, "assumed: one 2 TB PCIe 4.0 NVMe drive; give --nvme"),
+      "nvme_bandwidth": Constant(7e9, "one PCIe 4.0 NVMe drive's 7 GB/s sequential read "
+                                 "(Samsung 980 PRO datasheet); give --nvme-bandwidth"),
+  }
+
+
 NODE_DATASHEETS: dict[str, dict[str, Constant]] = {
-    "H100": {
-        "intra_node_bandwidth": Constant(450e9, "NVLink 4: 900 GB/s bidirectional per GPU, "
-                                         "450 GB/s each way (H100 SXM datasheet)"),
-        "inter_node_bandwidth": Constant(50e9, "one 400 Gb/s ConnectX-7 NIC per GPU (DGX H100 "
-                                         "datasheet)"),
-        "pcie_bandwidth": Constant(64e9, "PCIe Gen5 x16: 128 GB/s bidirectional, 64 GB/s each "
-                                   "way (H100 SXM datasheet)"),
-        "host_bandwidth": Constant(614e9, "2 x Xeon 8480C, 8 channels of DDR5-4800 each: "
-                                   "2 x 8 x 38.4 GB/s (DGX H100 datasheet, Intel ark)"),
-        "host_memory": Constant(2e12, "2 TB system memory (DGX H100 datasheet)"),
-        "nvme_bytes": Constant(30.72e12, "8 x 3.84 TB U.2 NVMe data drives (DGX H100 datasheet)"),
-        "nvme_bandwidth": Constant(25e9, "about 25 GB/s aggregate read of a DGX node's NVMe "
-                                   "array (ZeRO-Infinity paper, Rajbhandari et al. 2021, Sec. 2)"),
-    },
+    "H100": _DGX_H,
+    "H200": _DGX_H,
     "A100": {
         "intra_node_bandwidth": Constant(300e9, "NVLink 3: 600 GB/s bidirectional per GPU, "
                                          "300 GB/s each way (A100 datasheet)"),
@@ -79,9 +142,26 @@ NODE_DATASHEETS: dict[str, dict[str, Constant]] = {
         "host_memory": Constant(2e12, "2 TB system memory (DGX A100 640 GB datasheet)"),
         "nvme_bytes": Constant(30.72e12, "8 x 3.84 TB U.2 NVMe data drives (DGX A100 640 GB "
                                          "datasheet)"),
-        "nvme_bandwidth": Constant(25e9, "about 25 GB/s aggregate read of a DGX node's NVMe "
-                                   "array (ZeRO-Infinity paper, Rajbhandari et al. 2021, Sec. 2)"),
+        "nvme_bandwidth": _ZERO_INFINITY_NVME,
     },
+    "B200": {
+        "intra_node_bandwidth": Constant(900e9, "NVLink 5: 1.8 TB/s bidirectional per GPU, "
+                                         "900 GB/s each way (DGX B200 datasheet)"),
+        "inter_node_bandwidth": Constant(50e9, "one 400 Gb/s ConnectX-7 NIC per GPU (DGX B200 "
+                                         "datasheet)"),
+        "pcie_bandwidth": _PCIE5,
+        "host_bandwidth": Constant(717e9, "2 x Xeon Platinum 8570, 8 channels of DDR5-5600 each: "
+                                   "2 x 8 x 44.8 GB/s (DGX B200 datasheet, Intel ark)"),
+        "host_memory": Constant(2e12, "2 TB system memory (DGX B200 datasheet)"),
+        "nvme_bytes": Constant(30.72e12, "8 x 3.84 TB U.2 NVMe data drives (DGX B200 "
+                               "datasheet)"),
+        "nvme_bandwidth": _ZERO_INFINITY_NVME,
+    },
+    "L40S": _ec2("g6e.48xlarge", 1536, 400, 7.6, "4 x 1.9 TB", "AMD EPYC 7R13"),
+    "L4": _ec2("g6.48xlarge", 768, 100, 60.0, "8 x 7.5 TB", "AMD EPYC 7R13"),
+    "A10G": _ec2("g5.48xlarge", 768, 100, 7.6, "2 x 3.8 TB", "AMD EPYC 7R32"),
+    "RTX 4090": _desktop("DDR5-5600", 44.8),
+    "RTX 3090": _desktop("DDR4-3200", 25.6),
 }
 MATMUL_EFFICIENCY = Constant(0.5, "the share of peak a large transformer's matmuls reach: 52% on "
                              "A100 (Narayanan et al. 2021, Megatron-LM, Table 1)")
@@ -134,21 +214,34 @@ class Hardware:
             if isinstance(getattr(self, f.name), Constant)}
 
 
+def _part(description: str, names: Any) -> str | None:
+  """The first of ``names`` that is a whole word (or words) of ``description``."""
+  return next((n for n in names if re.search(rf"(?<!\w){re.escape(n)}(?!\w)", description)),
+              None)
+
+
 def gpu_hardware(gpu: str, devices_per_node: int, nodes: int = 1, *, precision: str = "bf16",
-                 memory_fraction: float = 0.75, **overrides: float | None) -> Hardware:
+                 memory_fraction: float = DEFAULT_MEM_FRACTION,
+                 **overrides: float | None) -> Hardware:
   """The rates of ``devices_per_node`` x ``nodes`` GPUs of one part (a ``--gpu`` name).
 
-  ``overrides`` (host_memory, nvme_bytes, nvme_bandwidth, ... in bytes or bytes/s; None keeps the
-  default) replace a datasheet value; their source then reads "given".
+  ``memory_fraction`` is the share of each GPU's memory the step may use: what
+  ``XLA_PYTHON_CLIENT_MEM_FRACTION`` makes JAX preallocate (:data:`DEFAULT_MEM_FRACTION`; JAX's
+  own default is 0.75). ``overrides`` (host_memory, nvme_bytes, nvme_bandwidth, ... in bytes or
+  bytes/s; None keeps the default) replace a datasheet value; their source then reads "given".
   """
   from jzero.planning.aot import gpu_spec  # noqa: PLC0415
 
+  if not 0 < memory_fraction <= 1:
+    raise ConfigError(f"--mem-fraction {memory_fraction}: give the share of each GPU's memory the "
+                      f"step may use, in (0, 1]; JAX preallocates 0.75 unless "
+                      f"{MEM_FRACTION_ENV} says otherwise.")
   spec = gpu_spec(gpu)
-  family = next((f for f in NODE_DATASHEETS if f in spec.description), None)
-  peak = next(((p, h, t) for p, h, t in GPU_PEAKS if p in spec.description), None)
+  family = _part(spec.description, NODE_DATASHEETS)
+  peak = next(((p, h, t) for p, h, t in GPU_PEAKS if _part(spec.description, (p,))), None)
   if family is None or peak is None:
     raise ConfigError(f"--gpu {gpu!r} ({spec.description}): jzero plan has datasheet rates for "
-                      f"{sorted(NODE_DATASHEETS)} parts only; give --gpu h100 or a100.")
+                      f"{sorted(NODE_DATASHEETS)} parts only; give one of those --gpu names.")
   part, half, tf32 = peak
   flops = Constant((tf32 if precision == "fp32" else half) * 1e12,
                    f"{part} dense {'tf32' if precision == 'fp32' else 'bf16/fp16'} tensor-core "
@@ -160,13 +253,15 @@ def gpu_hardware(gpu: str, devices_per_node: int, nodes: int = 1, *, precision: 
       raise TypeError(f"gpu_hardware: unknown override {key!r}")
     if value is not None:
       rates[key] = Constant(float(value), "given")
+  fraction_source = (f"JAX's default preallocation ({MEM_FRACTION_ENV} unset)"
+                     if memory_fraction == JAX_MEM_FRACTION else
+                     f"--mem-fraction: run with {MEM_FRACTION_ENV}={memory_fraction:.2f}")
   return Hardware(
       name=f"{devices_per_node * nodes} x {spec.description} ({nodes} node{'s' * (nodes > 1)})",
       devices_per_node=devices_per_node, nodes=nodes,
       device_memory=Constant(spec.memory_bytes, f"device_memory_size of XLA's GPU spec "
                              f"({spec.name})"),
-      memory_fraction=Constant(memory_fraction, "what JAX preallocates (XLA_PYTHON_CLIENT_MEM_"
-                               "FRACTION default)" if memory_fraction == 0.75 else "given"),
+      memory_fraction=Constant(memory_fraction, fraction_source),
       peak_flops=flops, matmul_efficiency=MATMUL_EFFICIENCY,
       hbm_bandwidth=Constant(bandwidth, f"memory_bandwidth of XLA's GPU spec ({spec.name})"),
       **rates)

@@ -1,8 +1,12 @@
-"""``jzero plan``'s output: the table of every candidate, the constants with their sources, the
-chosen config and one paragraph on why it beat the runner-up -- as text, HTML and JSON.
+"""``jzero plan``'s output: the budget, how the search went, one line per ZeRO stage, the table of
+every candidate, the constants with their sources, the chosen config and one paragraph on why it
+beat the runner-up -- as text, HTML and JSON.
 
 Times are predictions of the cost model (:mod:`jzero.planning.cost`), labelled so. Bytes are
 per device (device memory, collectives, PCIe) or per node (host memory, NVMe), GB = 1e9 bytes.
+Every device figure is measured against the one usable figure the head states
+(:attr:`jzero.planning.search.Plan.usable`); each compiled row shows the estimate over the
+compiled figure beside it (``est/compiled``) and where its device bytes come from.
 """
 
 from __future__ import annotations
@@ -11,12 +15,14 @@ import dataclasses
 from typing import Any
 
 from jzero.analysis.tables import format_bytes, format_count, html_table, text_table
-from jzero.planning.cost import describe_constants
+from jzero.planning.cost import MEM_FRACTION_ENV, describe_constants
 
-__all__ = ["plan_rows", "format_plan", "html_plan", "plan_json", "why_chosen", "HEADER"]
+__all__ = ["plan_rows", "format_plan", "html_plan", "plan_json", "why_chosen", "stage_lines",
+           "budget_line", "search_line", "HEADER"]
 
-HEADER = ["#", "candidate", "status", "device/dev", "host/node", "NVMe/node", "intra-node/dev",
-          "inter-node/dev", "PCIe/dev", "FLOPs/dev", "overlap", "predicted s", "bound", "from"]
+HEADER = ["#", "candidate", "status", "device/dev", "est/compiled", "device from", "host/node",
+          "NVMe/node", "intra-node/dev", "inter-node/dev", "PCIe/dev", "FLOPs/dev", "overlap",
+          "predicted s", "bound"]
 
 
 def _b(x: float) -> str:
@@ -29,11 +35,78 @@ def plan_rows(plan: Any) -> list[list[str]]:
   for i, r in enumerate(plan.rows, 1):
     res = r.resources
     status = r.status if not r.reason else f"{r.status}: {r.reason}"
-    rows.append([str(i), r.name, status, _b(r.device_bytes), _b(r.host_bytes), _b(r.nvme_bytes),
-                 _b(res.intra_node_bytes), _b(res.inter_node_bytes), _b(res.pcie_bytes),
-                 format_count(res.flops), f"{res.overlap:.0%}", f"{r.prediction.seconds:.4g}",
-                 r.prediction.bound, res.source])
+    ratio = r.estimate_ratio
+    rows.append([str(i), r.name, status, _b(r.device_bytes),
+                 "-" if ratio is None else f"{ratio:.2f}", r.device_from, _b(r.host_bytes),
+                 _b(r.nvme_bytes), _b(res.intra_node_bytes), _b(res.inter_node_bytes),
+                 _b(res.pcie_bytes), format_count(res.flops), _overlap(r),
+                 f"{r.prediction.seconds:.4g}", r.prediction.bound, res.source])
   return rows
+
+
+def _overlap(row: Any) -> str:
+  """The share of the collective bytes overlapped, and inside the accumulation loop when the
+  compiled step has one (:mod:`jzero.planning.loop_overlap`)."""
+  loop = getattr(row.compiled, "loop_overlap", None)
+  return f"{row.resources.overlap:.0%}" + ("" if loop is None else f" (loop {loop:.0%})")
+
+
+def budget_line(plan: Any) -> str:
+  """The usable figure every row is measured against, and how it is made."""
+  hw = plan.hardware
+  fraction = hw.memory_fraction
+  return (f"usable per device: {format_bytes(plan.usable)} = {format_bytes(hw.device_memory.value)}"
+          f" x {fraction.value:.2f} ({fraction.source}) x (1 - {plan.margin:.0%} margin); per "
+          f"node: host "
+          f"{format_bytes(hw.host_memory.value * (1 - plan.margin))}, NVMe "
+          f"{format_bytes(hw.nvme_bytes.value * (1 - plan.margin))} (less the margin)")
+
+
+def search_line(plan: Any) -> str:
+  """What the search compiled and why it stopped."""
+  s = plan.search
+  if s is None or s.stop == "arithmetic":
+    return ("search: arithmetic alone (--compile-top 0): candidates within the budget 'fit' by "
+            "their estimates, none was compiled")
+  how = {"proven": "stopped at the first candidate proven to fit by its compile, the fastest "
+                   "the arithmetic predicted to fit (uncompiled rows keep the arithmetic's time, "
+                   "which leaves out most non-matmul memory traffic a compile counts; "
+                   "--compile-top N compiles more)",
+         "exhausted": "every candidate predicted to fit was compiled",
+         "shortfall": "none was predicted to fit; the one with the fewest device bytes was "
+                      "compiled, to measure its shortfall",
+         "budget": f"STOPPED: the time budget ({s.time_budget:g} s) ran out"}[s.stop]
+  return (f"search: {s.compiled} device program{'s' * (s.compiled != 1)} compiled ({s.cached} "
+          f"from the cache) in {s.seconds:.0f} s, least predicted time first; {how}; {s.untried} "
+          f"candidate{'s' * (s.untried != 1)} predicted to fit left uncompiled")
+
+
+def stage_lines(plan: Any) -> list[str]:
+  """One line per ZeRO stage: its best candidate and the bytes that decide whether it fits."""
+  out = []
+  for stage in sorted({r.candidate.stage for r in plan.rows}):
+    rows = [r for r in plan.rows if r.candidate.stage == stage]
+    label = "DDP (stage 0)" if stage == 0 else f"ZeRO-{stage}"
+    fits = [r for r in rows if r.status == "fits"]
+    untried = [r for r in rows if r.status == "not compiled"]
+    if fits:
+      r = fits[0]
+      out.append(f"  {label}: fits -- {r.name}, {format_bytes(r.device_bytes)} per device "
+                 f"({r.device_from}), predicted {r.prediction.seconds:.4g} s")
+    elif untried:
+      r = untried[0]
+      out.append(f"  {label}: predicted to fit, not compiled -- {r.name}, "
+                 f"{format_bytes(r.device_bytes)} per device (estimate)")
+    else:
+      compiled = [r for r in rows if r.status == "too big"]  # a compiled figure, where there is
+      r = min(compiled or rows, key=lambda r: ("host" in r.reason or "NVMe" in r.reason,
+                                               r.estimate_bytes, r.host_bytes, r.nvme_bytes))
+      big = sorted(r.parts.items(), key=lambda kv: -kv[1])[:3]
+      most = ", ".join(f"{k} {format_bytes(v)}" for k, v in big)
+      out.append(f"  {label}: does not fit -- its smallest{'' if compiled else ' by estimate'}, "
+                 f"{r.name}: {r.reason}"
+                 + (f" (largest parts: {most})" if most and "device" in r.reason else ""))
+  return out
 
 
 def _seconds_terms(row: Any) -> str:
@@ -43,26 +116,38 @@ def _seconds_terms(row: Any) -> str:
 def why_chosen(plan: Any) -> str:
   """One paragraph: why the chosen candidate beat the runner-up, term by term (predictions)."""
   best, second = plan.chosen, plan.runner_up
+  usable = format_bytes(plan.usable)
   if best is None:
-    return ("Nothing fits: every candidate is pruned or over memory, each with its numbers in the "
-            "table. More devices or nodes, host memory or NVMe, or a smaller batch would help.")
+    untried = [r for r in plan.rows if r.status == "not compiled"]
+    if untried:
+      return (f"No candidate was proven to fit before the time budget ran out: {len(untried)} "
+              f"predicted to fit were not compiled, the fastest {untried[0].name} "
+              f"({format_bytes(untried[0].device_bytes)} per device by estimate, of {usable} "
+              f"usable). Raise --time-budget.")
+    return (f"Nothing fits: every candidate is pruned or over memory ({usable} usable per "
+            f"device), each with its numbers in the table and the line per stage above. More "
+            f"devices or nodes, host memory or NVMe, or a smaller batch would help.")
   if second is None:
-    return (f"{best.name} is the only candidate that fits; predicted "
-            f"{best.prediction.seconds:.4g} s.")
+    return (f"{best.name} is the only candidate that fits: {format_bytes(best.device_bytes)} of "
+            f"{usable} usable per device; predicted {best.prediction.seconds:.4g} s.")
   parts_b, parts_s = _parts(best), _parts(second)
   diffs = {k: parts_s[k] - v for k, v in parts_b.items()}
   part = max(diffs, key=lambda k: abs(diffs[k]))
   tied = best.prediction.seconds >= 0.999 * second.prediction.seconds
+  compiled = second.status == "fits"
   verdict = ("ties with" if tied else "beat") + f" the runner-up {second.name}"
+  if not compiled:
+    verdict += " (predicted to fit by arithmetic, not compiled)"
   return (f"{best.name} {verdict}: predicted {best.prediction.seconds:.4g} s against "
           f"{second.prediction.seconds:.4g} s per step (predictions of the cost model, not "
-          f"measurements){'; the tie goes to less work over all terms' if tied else ''}. The "
+          f"measurements{'' if compiled else '; the runner-up by arithmetic alone'})"
+          f"{'; the tie goes to less work over all terms' if tied else ''}. The "
           f"largest difference is {part}: {diffs[part]:+.3g} s for the runner-up. Per device, the "
           f"chosen moves {_moves(best.resources)}; the runner-up {_moves(second.resources)}. "
           f"Terms of the chosen: {_seconds_terms(best)}; of the runner-up: "
-          f"{_seconds_terms(second)}. Both fit: {format_bytes(best.device_bytes)} and "
-          f"{format_bytes(second.device_bytes)} per device of "
-          f"{format_bytes(plan.hardware.usable_device_memory * (1 - plan.margin))}.")
+          f"{_seconds_terms(second)}. Device bytes: {format_bytes(best.device_bytes)} "
+          f"({best.device_from}) and {format_bytes(second.device_bytes)} ({second.device_from}) "
+          f"of {usable} usable.")
 
 
 def _moves(r: Any) -> str:
@@ -77,6 +162,7 @@ def _parts(row: Any) -> dict[str, float]:
           "exposed collectives": (1 - overlap) * t["network"],
           "offload streams": max(t["pcie"], t["host"], t["nvme"])}
 
+
 def _head(plan: Any) -> list[str]:
   hw, job = plan.hardware, plan.job
   m = job.model
@@ -86,8 +172,9 @@ def _head(plan: Any) -> list[str]:
   lines = [f"jzero plan: {hw.name}; GPT {format_count(m.num_params())} params ({m.n_layers} layers "
            f"x d {m.d_model}, seq {m.seq_len}), {job.precision}, global batch {job.global_batch} "
            f"sequences",
+           budget_line(plan), search_line(plan),
            "  " + ", ".join(f"{v} {k}" for k, v in counts.items()) + f" of {len(plan.rows)} "
-           f"candidates; fits = within the usable memory less {plan.margin:.0%}",
+           f"candidates", "by stage (why the cheaper ones do not fit):", *stage_lines(plan),
            "constants of the cost model (jzero/planning/cost.py):"]
   lines += [f"  {name} = {value}  [{source}]" for name, value, source in describe_constants(hw)]
   return lines
@@ -115,14 +202,20 @@ def plan_json(plan: Any) -> dict[str, Any]:
   hw = plan.hardware
   return {
       "hardware": hw.name, "target": plan.target, "margin": plan.margin,
+      "mem_fraction": hw.memory_fraction.value, "mem_fraction_env": MEM_FRACTION_ENV,
+      "usable_device_bytes": plan.usable,
+      "search": dataclasses.asdict(plan.search) if plan.search else None,
+      "stages": stage_lines(plan),
       "constants": {n: {"value": c.value, "source": c.source} for n, c in hw.constants().items()},
       "model": dataclasses.asdict(plan.job.model), "num_params": plan.job.model.num_params(),
       "global_batch": plan.job.global_batch, "precision": plan.job.precision,
       "chosen": plan.chosen.name if plan.chosen else None, "why": why_chosen(plan),
       "rows": [{"name": r.name, "candidate": dataclasses.asdict(r.candidate), "status": r.status,
-                "reason": r.reason, "device_bytes": r.device_bytes, "host_bytes": r.host_bytes,
-                "nvme_bytes": r.nvme_bytes, "resources": dataclasses.asdict(r.resources),
-                "predicted_s": r.prediction.seconds, "terms": r.prediction.terms,
-                "bound": r.prediction.bound,
-                "compile_s": r.compiled.compile_s if r.compiled else None}
+                "reason": r.reason, "device_bytes": r.device_bytes,
+                "estimate_bytes": r.estimate_bytes, "device_from": r.device_from,
+                "host_bytes": r.host_bytes, "nvme_bytes": r.nvme_bytes,
+                "resources": dataclasses.asdict(r.resources), "predicted_s": r.prediction.seconds,
+                "terms": r.prediction.terms, "bound": r.prediction.bound,
+                "compile_s": r.compiled.compile_s if r.compiled else None,
+                "loop_overlap": getattr(r.compiled, "loop_overlap", None)}
                for r in plan.rows]}

@@ -209,6 +209,9 @@ class Plan:
     gather_bucket_size: elements per parameter all-gather bucket (allgather_bucket_size in stage
       1/2, stage3_prefetch_bucket_size in stage 3).
     overlap_comm: overlap collectives with compute.
+    prefetch: stage 3 gathers the next layer or unit while one computes (two gathered groups
+      alive: ``stage3_prefetch_bucket_size`` > 0 and ``stage3_max_live_parameters`` holding two of
+      the largest group; :func:`jzero.modeling.gather_units.prefetches`).
     zeropp: ZeRO++ settings and the node / local split of the ZeRO axes.
     device_kind: the memory kind of everything no tier keeps elsewhere: None (JAX's default)
       when every leaf is on the device, so plans without offload compile exactly as before;
@@ -226,6 +229,7 @@ class Plan:
   reduce_bucket_size: int = 500_000_000
   gather_bucket_size: int = 500_000_000
   overlap_comm: bool = False
+  prefetch: bool = False
   zeropp: ZeroPP = ZeroPP()
   device_kind: str | None = None
 

@@ -7,7 +7,9 @@ created directly in that plan's placement (:func:`initial_state`), and its shape
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -18,7 +20,8 @@ import optax
 from jzero.comm import layouts
 from jzero.config import Config
 from jzero.config.blocks import DTYPES
-from jzero.modeling.gather_units import UnitRules, check_units, choose_units
+from jzero.errors import JZeroWarning
+from jzero.modeling.gather_units import UnitRules, check_units, choose_units, prefetches
 from jzero.modeling.model_adapter import ModelAdapter
 from jzero.sharding.mesh import ZeroMesh
 from jzero.sharding.plan import LeafPlan, Plan, flatten_paths
@@ -51,7 +54,9 @@ def plan_from_config(config: Config, mesh: ZeroMesh, model: ModelAdapter,
                      sample_batch: Any) -> Plan:
   """The plan of a resolved config for ``model``'s parameters: stage-3 gather units from the
   model's module tree and ``leaf_module``, the layout, then where the tiers put leaves
-  (:func:`jzero.tiers.registry.placement`); checked against ``max_live_parameters`` and said once
+  (:func:`jzero.tiers.registry.placement`); prefetching when ``stage3_prefetch_bucket_size`` and
+  ``stage3_max_live_parameters`` allow it (:func:`jzero.modeling.gather_units.prefetches`);
+  checked against ``max_live_parameters`` and said once
   by each tier (:meth:`jzero.tiers.base.Tier.check_plan`)."""
   zero, types = config.zero_optimization, config.data_types
   abstract = model.abstract_params(rng, sample_batch)
@@ -75,10 +80,26 @@ def plan_from_config(config: Config, mesh: ZeroMesh, model: ModelAdapter,
       gather_bucket_size=zero.prefetch_bucket_size if zero.stage == 3 else
       zero.allgather_bucket_size, overlap_comm=bool(zero.overlap_comm), zeropp=zeropp)
   plan = make_plan(abstract, layout, dtypes, moves)
+  plan = dataclasses.replace(plan, prefetch=prefetches(plan, zero.prefetch_bucket_size,
+                                                       zero.max_live_parameters))
+  _say_auto_prefetch(plan, zero.max_live_parameters)
   plan = plan.placed(registry.placement(plan, zero))
   check_units(plan, zero.max_live_parameters)
   registry.check_plan(plan, zero)
   return plan
+
+
+def _say_auto_prefetch(plan: Plan, max_live_parameters: int | str) -> None:
+  """On GPUs present, ``stage3_max_live_parameters: "auto"`` prefetches; what would overlap more
+  within the memory is found by compiling (``jzero aot``), which a run does not do: said."""
+  device = plan.mesh.mesh.devices.flat[0]
+  if (max_live_parameters == "auto" and plan.prefetch and device.platform == "gpu"
+      and device in jax.devices()):
+    warnings.warn(
+        'zero_optimization.stage3_max_live_parameters "auto": this run prefetches (two gathered '
+        "layers alive). Whether the step overlaps more within the memory without the prefetch is "
+        "found by compiling it both ways: jzero aot --config ... does, and prints the number to "
+        "set here for the better one.", JZeroWarning, stacklevel=3)
 
 
 def step_parts(plan: Plan, config: Config, model: ModelAdapter, loss_fn: Any,
@@ -94,7 +115,8 @@ def step_parts(plan: Plan, config: Config, model: ModelAdapter, loss_fn: Any,
       tiers=tiers, resources=resources,
       update=registry.update(tiers, plan, config, tx, resources, elementwise=schedule is not None,
                              delayed=delayed),
-      delayed=delayed, settings=step_lib.StepSettings.from_config(config))
+      delayed=delayed,
+      settings=step_lib.StepSettings.from_config(config, prefetch=plan.prefetch))
 
 
 def _to_layout(leaf: LeafPlan, x: jax.Array, partitioned: bool) -> jax.Array:

@@ -102,10 +102,11 @@ class StepSettings:
   layer_policy: LayerPolicy
 
   @classmethod
-  def from_config(cls, config: Any) -> StepSettings:
-    zero, checkpointing = config.zero_optimization, config.activation_checkpointing
-    policy = LayerPolicy(checkpoint_activations=checkpointing is not None,
-                         prefetch=zero.stage == 3 and zero.prefetch_bucket_size > 0,
+  def from_config(cls, config: Any, prefetch: bool = False) -> StepSettings:
+    """The step's numbers of ``config``; ``prefetch``: the plan's
+    (:attr:`jzero.sharding.plan.Plan.prefetch`)."""
+    checkpointing = config.activation_checkpointing
+    policy = LayerPolicy(checkpoint_activations=checkpointing is not None, prefetch=prefetch,
                          offload_inputs=checkpointing is not None
                          and bool(checkpointing.cpu_checkpointing))
     return cls(gas=config.gradient_accumulation_steps,

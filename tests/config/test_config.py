@@ -715,8 +715,10 @@ def test_resolve_fills_every_auto_from_the_arguments():
   assert (zero.reduce_bucket_size, zero.prefetch_bucket_size,
           zero.param_persistence_threshold) == (100, 90, 100)
   assert zero.gather_16bit_weights_on_model_save is False
-  assert zero.max_live_parameters == 10**9 and zero.offload_param.buffer_size == 10**8
-  assert '"auto"' not in json.dumps(resolved.to_dict())
+  assert zero.offload_param.buffer_size == 10**8
+  # stage3_max_live_parameters "auto" stays: jzero chooses the prefetch (jzero.planning.overlap)
+  assert zero.max_live_parameters == "auto"
+  assert json.dumps(resolved.to_dict()).count('"auto"') == 1
   assert config.train_batch_size == "auto" and config.optimizer.params["lr"] == "auto"
   assert resolved.resolve(dp_world_size=4) == resolved
 
@@ -738,8 +740,7 @@ def test_resolve_defaults_without_auto_values():
       'gradient_accumulation_steps is "auto" and neither auto_values nor train_batch_size / '
       "train_micro_batch_size_per_gpu fix it: using 1 (DeepSpeed's default)",
       *[f"zero_optimization.{key} is \"auto\": using DeepSpeed's default {value}"
-        for key, value in [("stage3_max_live_parameters", "1000000000"),
-                           ("stage3_gather_16bit_weights_on_model_save", "false"),
+        for key, value in [("stage3_gather_16bit_weights_on_model_save", "false"),
                            ("offload_param.buffer_size", "100000000")]],
       *[f"optimizer.params.{key} is \"auto\" {fallback} '{key}': using DeepSpeed's FusedAdam "
         f"default {value}"
@@ -752,6 +753,8 @@ def test_resolve_defaults_without_auto_values():
   assert resolved.scheduler.params["warmup_max_lr"] == 1e-3
   assert (resolved.train_batch_size, resolved.gradient_accumulation_steps) == (8, 1)
   assert resolved.gradient_clipping == 1.0 and resolved.precision == "fp32"
+  # stage 3's stage3_max_live_parameters "auto" is jzero's to choose (the prefetch), unsaid
+  assert resolved.zero_optimization.max_live_parameters == "auto"
 
 
 def test_auto_micro_batch_is_derived_when_the_others_fix_it():

@@ -1,19 +1,24 @@
 """`jzero plan` (jzero/planning/search.py): which candidates fit or are pruned, and why, for given
-GPU specs; the 7B and 1T reasoning by arithmetic; the cost model's formula; compiling candidates
-for the CPU target (cached) and for a GPU topology (device twin of an offload candidate); the
-written config training under `jzero train`; bad input named by its flag. No wall times."""
+GPU specs; the seed's questions by arithmetic (7B on 8 H100, 10B on one RTX 3090, 70B on 64 H100,
+1T on 16 A100) and by the search's compiles (13B on 8 A100-40GB, no flags); one budget; the cost
+model's formula; compiling candidates for the CPU target (cached) and for a GPU topology (device
+twin of an offload candidate); the time budget; written configs with DeepSpeed's field types,
+training under `jzero train`; bad input named by its flag. No wall times."""
 
 import json
 
 import pytest
 
+from deepspeed_fields import problems
 from jzero import cli
+from jzero.analysis.tables import format_bytes
 from jzero.config import Config
 from jzero.errors import ConfigError
 from jzero.models import GPTConfig
 from jzero.planning import plan_for
-from jzero.planning.candidates import Candidate, Job, candidates, gpt_for_params
+from jzero.planning.candidates import Candidate, Job, candidates, estimated, gpt_for_params
 from jzero.planning.cost import Resources, cpu_hardware, gpu_hardware, predict
+from jzero.planning.plan_report import format_plan, search_line, stage_lines
 from zero_testing import needs_cuda_compiler
 
 TINY = GPTConfig(d_model=64, n_layers=2, n_heads=2, seq_len=32)
@@ -25,9 +30,13 @@ def _rows(plan, **fields):
           if all(getattr(r.candidate, k) == v for k, v in fields.items())]
 
 
-def test_7b_on_8_h100_stage_0_does_not_fit_and_stages_1_to_3_do_with_activations():
+def test_7b_on_8_h100_stage_0_does_not_fit_and_the_summary_says_why_per_stage():
   plan = plan_for(7e9, gpu="h100", devices=8, compile=False)
   assert plan.job.model.num_params() == 6_748_037_120  # the 7b preset, as in the aot 7B table
+  # one budget: 84.98 GB x 0.90 (XLA_PYTHON_CLIENT_MEM_FRACTION) x 0.95 margin, in every row
+  assert plan.usable == pytest.approx(84_978_434_048 * 0.90 * 0.95)
+  usable = format_bytes(plan.usable)
+  assert all(f"> {usable} usable" in r.reason for r in plan.rows if "device" in r.reason)
   ddp = _rows(plan, stage=0)
   assert ddp and all(r.status == "pruned" and "device" in r.reason for r in ddp)
   assert min(r.device_bytes for r in ddp) > 107.9e9  # 16 Ψ of model states alone
@@ -35,33 +44,42 @@ def test_7b_on_8_h100_stage_0_does_not_fit_and_stages_1_to_3_do_with_activations
     row, = _rows(plan, stage=stage, micro_batch=1, checkpointing="block", offload_optimizer=None,
                  offload_param=None)
     assert row.status == "fits", row.reason
-    assert row.device_bytes > model_states  # + activations, gathered layers, logits
-    assert row.device_bytes - model_states < 5e9
-  # without checkpointing, micro-batch 4 holds 122 GB of activations: pruned at every stage
+    # + the step's gradients, their fp32 accumulator (gas 4), activations, gathered layers
+    assert model_states < row.device_bytes < 2 * model_states
+  # without checkpointing, micro-batch 4 keeps 32 layers of fp32 activations: pruned everywhere
   big = _rows(plan, micro_batch=4, checkpointing="none", offload_optimizer=None, offload_param=None)
   assert big and all(r.status == "pruned" for r in big)
   assert plan.chosen is not None and plan.chosen.candidate.stage in (1, 2, 3)
-  assert "beat the runner-up" in str(plan) and "PREDICTIONS" in str(plan)
+  text = str(plan)
+  assert "the runner-up" in text and "PREDICTIONS" in text
+  # the summary, without --all: DDP's smallest candidate and the bytes that rule it out
+  ddp_line, = [line for line in stage_lines(plan) if "DDP" in line]
+  assert "does not fit" in ddp_line and f"> {usable} usable" in ddp_line and "state" in ddp_line
+  assert ddp_line.strip() in format_plan(plan, limit=5)
 
 
-def test_1t_on_2_a100_nodes_offloads_params_and_optimizer_or_says_why_not():
+def test_offload_that_keeps_gradients_on_the_device_is_no_zero_infinity_the_plan_says_so():
+  """jzero keeps each device's gradient partition, and the fp32 gradient its update reads, on the
+  device under every offload (DeepSpeed streams them to the host): 1T on 16 A100s and 10B on one
+  RTX 3090 do not fit, and the summary says by how much and which parts."""
   plan = plan_for(1e12, gpu="a100", devices=8, nodes=2, host_memory=1.5e12, compile=False)
   assert plan.job.model.n_layers == 128 and plan.job.model.d_model == 25600  # ZeRO-Infinity's 1T
-  chosen = plan.chosen.candidate
-  assert chosen.stage == 3 and chosen.offload_param == "nvme" and chosen.offload_optimizer == "nvme"
-  on_device = _rows(plan, offload_param=None)
-  assert on_device and all(r.status == "pruned" and "device" in r.reason for r in on_device)
+  assert plan.chosen is None and all(r.reason for r in plan.rows)
+  zero3 = min(_rows(plan, stage=3), key=lambda r: r.device_bytes)
+  assert zero3.candidate.offload_param and zero3.candidate.offload_optimizer == "nvme"
+  psi = plan.job.model.num_params()
+  assert zero3.parts["gradients"] == pytest.approx(2 * psi / 16, rel=1e-3)  # bf16, per device
+  assert zero3.parts["update"] == pytest.approx(4 * psi / 16, rel=1e-3)  # the fp32 gradient
   # the optimizer in host memory needs 12 B x 1e12 / 2 nodes = 6 TB per node: more than 1.5 TB
   host_opt = _rows(plan, offload_optimizer="cpu", offload_ratio=1.0, offload_param="nvme")
   assert host_opt and all("host" in r.reason and r.host_bytes > 6e12 for r in host_opt)
-  config = plan.deepspeed_config()
-  assert config["zero_optimization"]["offload_param"]["buffer_size"] >= 7.8e9 / 16
-  # one node's worth of host memory and NVMe: nothing fits, and every row says why
-  small = plan_for(1e12, gpu="a100", devices=8, nodes=2, host_memory=1.5e12, nvme_bytes=1.5e12,
-                   compile=False)
-  assert small.chosen is None and all(r.reason for r in small.rows)
   with pytest.raises(ConfigError, match="no candidate fits"):
-    small.deepspeed_config()
+    plan.deepspeed_config()
+  one = plan_for(10e9, gpu="rtx3090", devices=1, host_memory=128e9, compile=False)
+  assert "GeForce RTX 3090" in one.hardware.name and one.chosen is None
+  line = stage_lines(one)[-1]
+  assert line.strip().startswith("ZeRO-3: does not fit") and "gradients" in line
+  assert all(format_bytes(one.usable) in r.reason for r in one.rows if "device" in r.reason)
 
 
 def test_cost_model_terms_overlap_and_bound():
@@ -93,10 +111,13 @@ def test_candidates_cover_the_issue_and_zeropp_only_across_nodes():
     Config.load(c.deepspeed_config(job, 8)).check_supported()
   two = candidates(job, 16, nodes=2, micro_batches=(2,))
   assert {c.zeropp for c in two if c.stage == 3} >= {("hpz",), ("qwz", "qgz")}
-  config = Candidate(3, 2, 1, "offload", "cpu", 0.5, None, ("hpz", "qwz")).deepspeed_config(job, 16)
+  hpz = Candidate(3, 2, 1, "offload", "cpu", 0.5, None, ("hpz", "qwz"))
+  config = hpz.deepspeed_config(job, 16, devices_per_node=8)
   zero = config["zero_optimization"]
   assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.5}
-  assert zero["zero_hpz_partition_size"] == "auto" and zero["zero_quantized_weights"] is True
+  assert zero["zero_hpz_partition_size"] == 8 and zero["zero_quantized_weights"] is True
+  with pytest.raises(ValueError, match="devices_per_node"):
+    hpz.deepspeed_config(job, 16)
   assert config["activation_checkpointing"] == {"cpu_checkpointing": True}
   assert config["train_batch_size"] == 32
   assert gpt_for_params(7e9).d_model == 4096 and gpt_for_params(1.3e9).d_model == 2048
@@ -105,7 +126,8 @@ def test_candidates_cover_the_issue_and_zeropp_only_across_nodes():
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(gpu="v100"), "--gpu"), (dict(devices=0), "--devices"), (dict(nodes=-1), "--nodes"),
     (dict(global_batch=12), "--global-batch"), (dict(margin=1.5), "--margin"),
-    (dict(precision="int8"), "--precision")])
+    (dict(precision="int8"), "--precision"), (dict(mem_fraction=1.5), "--mem-fraction"),
+    (dict(time_budget=0), "--time-budget"), (dict(compile_top=-1), "--compile-top")])
 def test_bad_input_is_one_error_naming_the_flag(kwargs, flag):
   with pytest.raises(ConfigError, match=flag):
     plan_for("default", compile=False, **kwargs)
@@ -152,8 +174,16 @@ def test_gpu_target_compiles_the_device_twin_of_an_offload_candidate(tmp_path):
   plain, = _rows(plan, checkpointing="none", offload_optimizer=None, offload_param=None)
   offload, = _rows(plan, checkpointing="none", offload_optimizer="cpu", offload_ratio=1.0,
                    offload_param=None)
-  assert plain.compiled and offload.compiled and offload.compiled.cached  # the same twin
-  assert offload.device_bytes < plain.device_bytes  # the optimizer state left the device
+  assert plain.compiled and offload.compiled is plain.compiled  # one compile: the same twin
+  assert plan.search.compiled == 1 and plain.device_from == "compiled"
+  # never the twin's peak: the twin's less the optimizer state the offload keeps on the host,
+  # or the streamed update's bytes by arithmetic if larger, and labelled so
+  e = estimated(offload.candidate, plan.job, plan.hardware)
+  assert e.offloaded_bytes > 0
+  assert offload.device_bytes == max(plain.compiled.peak - e.offloaded_bytes, e.offload_floor)
+  assert offload.device_from == ("twin - offload" if offload.device_bytes > e.offload_floor
+                                 else "update phase (estimate)")
+  assert offload.device_bytes < plain.device_bytes == plain.compiled.peak
   assert plain.compiled.overlap > 0.9  # ZeRO-3's gathers run beside compute
   assert offload.resources.pcie_bytes > 0 and plain.resources.pcie_bytes == 0
 
@@ -169,3 +199,79 @@ def test_written_7b_config_trains_the_default_model_under_jzero_train(tmp_path, 
   assert cli.main(["train", "--config", str(path), "--steps", "2", "--no-progress",
                    "--data", str(text), "--seq-len", "32", "--losses-file", str(losses)]) == 0
   assert len(losses.read_text().splitlines()) == 2
+
+
+@needs_cuda_compiler
+def test_13b_on_8_a100_40gb_chooses_a_fitting_candidate_without_any_flag(tmp_path):
+  """The ZeRO write-ups' example, as a new user asks it: the search compiles candidates in order
+  of predicted time until one is proven to fit by its compile (one compile here, ~50 s cold)."""
+  plan = plan_for(13e9, gpu="a100-40gb", devices=8, cache_dir=tmp_path)
+  chosen = plan.chosen
+  assert chosen is not None and chosen.status == "fits" and chosen.compiled is not None
+  assert chosen.device_bytes <= plan.usable
+  assert plan.search.stop == "proven" and plan.search.compiled >= 1
+  # "too big" only by a compile; candidates predicted to fit stay listed, untried
+  assert all(r.compiled and r.reason for r in plan.rows if r.status == "too big")
+  assert plan.search.untried == sum(r.status == "not compiled" for r in plan.rows) > 0
+  # every compiled row shows estimate / compiled, within the estimator's 20%
+  for r in plan.rows:
+    if r.compiled is not None:
+      assert r.estimate_ratio is not None and abs(r.estimate_ratio - 1) < 0.2, r.name
+  text = str(plan)
+  assert "proven to fit" in text and "est/compiled" in text and chosen.name in text
+  assert problems(plan.deepspeed_config()) == []
+
+
+def test_written_configs_have_deepspeeds_field_types_and_load_in_jzero():
+  """Every candidate of the 70B x 64 H100 (8 nodes) and 1T x 16 A100 questions is written with
+  the types DeepSpeed's config classes declare (tests/deepspeed_fields.py); hpZ's partition is
+  the 8 GPUs of a node, an integer (DeepSpeed drops "auto": hpZ off)."""
+  for params, gpu, nodes in ((70e9, "h100", 8), (1e12, "a100", 2)):
+    plan = plan_for(params, gpu=gpu, devices=8, nodes=nodes, compile=False)
+    for r in plan.rows:
+      config = r.candidate.deepspeed_config(plan.job, 8 * nodes, devices_per_node=8)
+      assert problems(config) == [], (r.name, problems(config))
+      if "hpz" in r.candidate.zeropp:
+        assert config["zero_optimization"]["zero_hpz_partition_size"] == 8
+    hpz = [r for r in plan.rows if r.candidate.zeropp == ("hpz",)]
+    assert hpz and all(r.parts.get("state", 0) > 0 for r in hpz)
+    Config.load(hpz[0].candidate.deepspeed_config(plan.job, 8 * nodes,
+                                                   devices_per_node=8)).check_supported()
+  # hpZ's secondary partition (2 bytes x Ψ / 8 per device) is in its candidates' estimates
+  plan = plan_for(70e9, gpu="h100", devices=8, nodes=8, compile=False)
+  with_hpz, = _rows(plan, stage=3, zeropp=("hpz",), micro_batch=1, checkpointing="block",
+                    offload_optimizer=None)
+  without, = _rows(plan, stage=3, zeropp=(), micro_batch=1, checkpointing="block",
+                   offload_optimizer=None, offload_param=None)
+  secondary = 2 * plan.job.model.num_params() / 8
+  assert with_hpz.parts["state"] - without.parts["state"] == pytest.approx(secondary, rel=0.01)
+  # what the checker refuses
+  assert problems({"zero_optimization": {"zero_hpz_partition_size": "auto"}})
+  assert problems({"train_batch_size": 32.0, "bf16": {"enabled": 1}, "zero_optimization": {
+      "stage": 4, "offload_param": {"device": "gpu"}, "overlap": True}}) == [
+      "train_batch_size: 32.0 is not int>0", "bf16.enabled: 1 is not bool",
+      "zero_optimization.stage: 4 is not one of (0, 1, 2, 3)",
+      "zero_optimization.offload_param.device: 'gpu' is not one of ('none', 'cpu', 'nvme')",
+      "zero_optimization.overlap: not a field of DeepSpeed's config"]
+
+
+def test_search_stops_at_its_time_budget_and_says_so(tmp_path):
+  hw = cpu_hardware(8, flops_per_second=1e11, memory_bandwidth=1e10)
+  plan = plan_for(SMALL, gpu=None, hardware=hw, stages=(3,), micro_batches=(2,),
+                  offload_tiers=(), checkpointing=("none",), cache_dir=tmp_path,
+                  global_batch=16, time_budget=1e-9)
+  assert plan.search.stop == "budget" and plan.search.compiled == 0 and plan.chosen is None
+  assert plan.search.untried == 1 and [r.status for r in plan.rows] == ["not compiled"]
+  assert "STOPPED: the time budget" in search_line(plan)
+  assert "Raise --time-budget" in str(plan) and "Nothing fits" not in str(plan)
+
+
+def test_cli_writes_the_memory_fraction_beside_the_config(tmp_path, capsys):
+  out = tmp_path / "plan.json"
+  assert cli.main(["plan", "--params", "7e9", "--compile-top", "0", "--mem-fraction", "0.85",
+                   "--out", str(out)]) == 0
+  text = capsys.readouterr().out
+  assert (tmp_path / "plan.env").read_text() == "XLA_PYTHON_CLIENT_MEM_FRACTION=0.85\n"
+  assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.85" in text and "export $(cat" in text
+  usable = format_bytes(84_978_434_048 * 0.85 * 0.95)
+  assert f"usable per device: {usable}" in text and problems(json.loads(out.read_text())) == []
