@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jzero.analysis.estimate import TIERS, CATEGORIES, Estimate, estimate
+from jzero.analysis.estimate import CATEGORIES, Estimate, estimate
 from jzero.analysis.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
 from jzero.comm import program
-from jzero.tiers import where
+from jzero.tiers import registry, where
 from jzero.tiers.nvme_params import host_bytes_bound
 
 __all__ = ["REPORT_CATEGORIES", "live_bytes", "state_report", "CompiledMemory", "MemoryReport",
@@ -232,12 +232,20 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
             if reader is not None else 0)
   optimizer_tier = ("nvme" if on_nvme and (where.params_on_nvme(plan) or not host)
                     else "cpu" if host else None)
+  offloaded = on_nvme if optimizer_tier == "nvme" else host
+  # a registered tier's (jzero.tiers.registry): its config value, its share of the elements
+  others = collections.Counter()
+  for leaf in leaves:
+    if leaf.state_tier not in ("device", where.HOST, where.NVME):
+      others[leaf.state_tier] += leaf.numel
+  if optimizer_tier is None and others:
+    name, offloaded = others.most_common(1)[0]
+    optimizer_tier = registry.value_of("offload_optimizer", name)
   est = estimate(leaves, plan.stage, engine.mesh.zero_size, offload_optimizer=optimizer_tier,
                  offload_param=("nvme" if where.params_on_nvme(plan) else
                                 "cpu" if where.param_offloads(plan) else None),
                  param_cache_elements=cached,
-                 offload_ratio=(on_nvme if optimizer_tier == "nvme" else host)
-                 / sum(l.numel for l in leaves),
+                 offload_ratio=offloaded / sum(l.numel for l in leaves),
                  param_bytes=jnp.dtype(plan.compute_dtype).itemsize,
                  optimizer_bytes=master_k + opt_k,
                  persistence_threshold=zero.param_persistence_threshold,
@@ -311,7 +319,7 @@ def report_rows(report: MemoryReport) -> tuple[str, list[str], list[list[str]], 
   notes = []
   if est.offload_optimizer or est.offload_param:
     notes.append("predicted per tier (estimator): " + ", ".join(
-        f"{tier} {format_bytes(est.tier_total(tier))}" for tier in TIERS
+        f"{tier} {format_bytes(est.tier_total(tier))}" for tier in est.bytes
         if est.tier_total(tier)) + " (per device's share: a process holds the shares of its "
         "local devices; the host gradient share is the estimator's DeepSpeed-style copy, a "
         "temporary in jzero)")

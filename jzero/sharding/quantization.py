@@ -9,14 +9,15 @@ collective that moves them:
 * :meth:`~WeightQuantizer.block` says whether a leaf's per-layer partition uses it, and in blocks
   of how many elements (a small partition stays plain: its scales would cost more than the bits
   save);
-* :meth:`~WeightQuantizer.wire_bytes` is what a chunk of elements costs on the wire (the
-  estimator's and ``jzero plan``'s communication arithmetic);
+* :meth:`~WeightQuantizer.wire_bytes` is what a chunk of elements costs on the wire, and
+  ``bits`` what ``jzero plan``'s arithmetic prices a 16-bit gather at (``bits / 16`` of it);
+  ``planned``: ``jzero plan`` tries it among its candidates;
 * :meth:`WeightQuantizer.gather` / :meth:`GradientQuantizer.reduce_scatter` run the collective
   inside the step's ``shard_map`` (:mod:`jzero.comm.zeropp` calls them with the plan's
   :class:`~jzero.sharding.zeropp.Comm`).
 
 A new quantized collective is one module with a strategy (a frozen dataclass with these members)
-and one registry line here. The quantization rule (``rule="deepspeed"``) and the kernels are
+and one registry line: here, or :func:`register` from outside the package. The quantization rule (``rule="deepspeed"``) and the kernels are
 :mod:`jzero.kernels`'.
 """
 
@@ -33,7 +34,7 @@ from jax import lax
 from jzero import kernels
 
 __all__ = ["WeightQuantizer", "GradientQuantizer", "WEIGHTS", "GRADIENTS", "RULE", "PLAIN",
-           "QGZ_GROUP", "weights", "gradients", "concat_chunks"]
+           "QGZ_GROUP", "weights", "gradients", "register", "unregister", "concat_chunks"]
 
 RULE = "deepspeed"  # the symmetric rule both of DeepSpeed's quantized collectives use
 PLAIN = "plain"  # the plan's record of a leaf whose collective is not quantized
@@ -58,6 +59,7 @@ class WeightQuantizer:
 
   name: str
   bits: int
+  planned: bool = False  # ``jzero plan`` tries it (jzero.planning.candidates)
   kind: ClassVar[str] = "weights"
 
   def block(self, layer_shape: tuple[int, ...], part: int) -> int | None:
@@ -94,6 +96,7 @@ class GradientQuantizer:
   name: str
   bits: int
   group: int = QGZ_GROUP
+  planned: bool = False  # ``jzero plan`` tries it (jzero.planning.candidates)
   kind: ClassVar[str] = "gradients"
 
   def block(self, layer_shape: tuple[int, ...], part: int) -> int | None:
@@ -128,14 +131,36 @@ class GradientQuantizer:
 
 #: qwZ's strategies by name, DeepSpeed's first (``zero_quantized_weights: true``).
 WEIGHTS: dict[str, Any] = {
-    "int8": WeightQuantizer("int8", 8),
+    "int8": WeightQuantizer("int8", 8, planned=True),
     "int4": WeightQuantizer("int4", 4),
 }
 
 #: qgZ's strategies by name, DeepSpeed's first (``zero_quantized_gradients: true``).
 GRADIENTS: dict[str, Any] = {
-    "int4": GradientQuantizer("int4", 4),
+    "int4": GradientQuantizer("int4", 4, planned=True),
 }
+
+
+def _registry(strategy: Any) -> dict[str, Any]:
+  kinds = {"weights": WEIGHTS, "gradients": GRADIENTS}
+  if getattr(strategy, "kind", None) not in kinds:
+    raise ValueError(f"{strategy!r}: a strategy's kind is 'weights' or 'gradients'")
+  return kinds[strategy.kind]
+
+
+def register(strategy: Any) -> Any:
+  """Adds ``strategy`` (its :attr:`kind` says which registry: "weights", qwZ's, or "gradients",
+  qgZ's) under its name; returns it."""
+  registry = _registry(strategy)
+  if strategy.name in registry or strategy.name == PLAIN:
+    raise ValueError(f"a {strategy.kind} strategy named {strategy.name!r} is registered already")
+  registry[strategy.name] = strategy
+  return strategy
+
+
+def unregister(strategy: Any) -> None:
+  """Takes ``strategy`` out of its registry again."""
+  _registry(strategy).pop(strategy.name, None)
 
 
 def weights(name: str) -> Any:

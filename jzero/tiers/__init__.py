@@ -19,8 +19,9 @@ the update applies (the delayed update).
   update with its own carried state.
 * :mod:`jzero.tiers.where` -- what the built-in tiers' names in the plan mean.
 
-A new tier: a module with a ``Tier`` subclass and one line in ``registry.TIERS`` (README, "Where do
-I add ...").
+A new tier: a module with a ``Tier`` subclass and one line -- in ``registry.TIERS``, or
+``registry.register(MyTier)`` from outside the package (docs/architecture.md, "Where do I add
+...").
 """
 
 __all__: list[str] = []

@@ -126,6 +126,8 @@ class Tier:
   #: holds runs: inside the non-finite skip) or "step" (it takes its leaves' gradients out of the
   #: step before clipping and updates them after it, on the host).
   wraps: ClassVar[str] = "state"
+  #: ``offload_optimizer.ratio`` below 1 is honoured (``jzero plan`` tries half).
+  partial: ClassVar[bool] = False
 
   # -- config and plan -------------------------------------------------------------------------
   @classmethod
@@ -242,14 +244,13 @@ def move_offloaded(block: str, column: str, share: float, numbers: Any, tiers: d
   copy) into ``column``; ``offload_param`` moves stage 3's partitioned params."""
   device = tiers["device"]
   tiers.setdefault(column, {})
+  tiers.setdefault("host", {})
   if block == "offload_optimizer":
-    moved = share * numbers.optimizer
-    tiers[column]["optimizer"] = tiers[column].get("optimizer", 0.0) + moved
-    device["optimizer"] -= moved
-    grads = share * numbers.grad_partition
-    tiers.setdefault("host", {})
-    tiers["host"]["grads"] = tiers["host"].get("grads", 0.0) + grads
-    device["grads"] = numbers.grads_local if numbers.stage == 1 else device["grads"] - grads
+    tiers[column]["optimizer"] = tiers[column].get("optimizer", 0.0) + share * numbers.optimizer
+    device["optimizer"] = (1 - share) * numbers.optimizer
+    tiers["host"]["grads"] = tiers["host"].get("grads", 0.0) + share * numbers.grad_partition
+    device["grads"] = (numbers.grads_local if numbers.stage == 1
+                       else (1 - share) * numbers.grad_partition)
   elif block == "offload_param":
     tiers[column]["params"] = tiers[column].get("params", 0.0) + numbers.param_partition
-    device["params"] -= numbers.param_partition
+    device["params"] = numbers.persistent

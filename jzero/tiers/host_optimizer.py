@@ -313,6 +313,7 @@ class HostOptimizerTier(Tier):
   name = "host"
   memory = "host"
   answers = (("offload_optimizer", "cpu"),)
+  partial = True
 
   @classmethod
   def check_config(cls, config: Any) -> None:

@@ -71,11 +71,10 @@ class NvmeTier(Tier):
     rule."""
     super().estimate(block, share, numbers, tiers)
     if block == "offload_param":
-      cached = min(numbers.param_cache, numbers.param_partition / numbers.param_bytes)
-      tiers["nvme"]["params"] -= numbers.param_bytes * cached
-      tiers.setdefault("host", {})
-      tiers["host"]["params"] = (tiers["host"].get("params", 0.0)
-                                 + numbers.param_bytes * (cached + numbers.param_buffers))
+      partition = numbers.partition_elements
+      cached = min(numbers.param_cache, partition)
+      tiers[cls.memory]["params"] = numbers.param_bytes * (partition - cached)
+      tiers["host"]["params"] = numbers.param_bytes * (cached + numbers.param_buffers)
 
   # -- run time ------------------------------------------------------------------------------
   @classmethod

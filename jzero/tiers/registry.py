@@ -1,12 +1,14 @@
 """The tiers, in the order their hooks run: :data:`TIERS`, and what the rest of jzero asks of all
 of them at once.
 
-A new tier is one line here plus its own module (a :class:`~jzero.tiers.base.Tier` subclass).
+A new tier is one line here (or :func:`register`, from outside the package) plus its own module
+(a :class:`~jzero.tiers.base.Tier` subclass).
 Everything that depends on which tiers exist reads this tuple when it runs: the config's accepted
 ``device`` values (:func:`devices`, :func:`check_config`), the plan's placement
 (:func:`placement`), the resources (:func:`open_resources`), the step's update chain
 (:func:`update`), the state outside a step (:func:`full_state`, :func:`absorb`), the estimator's
-offload rules and columns (:func:`answering`, :func:`columns`) and ``jzero plan``'s candidates.
+offload rules and columns and the memory report's (:func:`answering`, :func:`columns`,
+:func:`value_of`), and ``jzero plan``'s candidates (:func:`devices`).
 The order matters where updates compose: the host tier replaces the device's update of what lives
 in host memory; the NVMe tier's update, outside the step's clipping, takes its leaves out of it.
 """
@@ -27,9 +29,9 @@ from jzero.tiers.host_params import HostParamsTier
 from jzero.tiers.nvme import NvmeTier
 from jzero.tiers.updates import ClipByFactor, DeviceUpdate, Held, SkipNonFinite
 
-__all__ = ["TIERS", "OFFLOAD_BLOCKS", "active", "answering", "check_config", "columns",
-           "devices", "placement", "check_plan", "held", "open_resources", "update",
-           "write_initial", "kept", "full_state", "absorb"]
+__all__ = ["TIERS", "OFFLOAD_BLOCKS", "register", "unregister", "named", "value_of", "active",
+           "answering", "check_config", "columns", "devices", "placement", "check_plan", "held",
+           "open_resources", "update", "write_initial", "kept", "full_state", "absorb"]
 
 TIERS: tuple[type[Tier], ...] = (
     HostOptimizerTier,
@@ -39,6 +41,35 @@ TIERS: tuple[type[Tier], ...] = (
 
 #: The config blocks whose ``device`` value picks a tier (besides "none" and "auto").
 OFFLOAD_BLOCKS = ("offload_optimizer", "offload_param")
+
+
+def register(tier: type[Tier]) -> type[Tier]:
+  """Adds ``tier`` at the end of :data:`TIERS` (a tier kept outside jzero's package: its module
+  calls this once); returns it, so it serves as a class decorator."""
+  global TIERS
+  if any(t.name == tier.name for t in TIERS):
+    raise ValueError(f"a tier named {tier.name!r} is registered already")
+  TIERS = (*TIERS, tier)
+  return tier
+
+
+def unregister(tier: type[Tier]) -> None:
+  """Takes ``tier`` out of :data:`TIERS` again."""
+  global TIERS
+  TIERS = tuple(t for t in TIERS if t is not tier)
+
+
+def named(name: str) -> type[Tier] | None:
+  """The registered tier called ``name`` (:attr:`Tier.name`, also what it records in a plan's
+  ``state_tier`` / ``param_tier``), or None."""
+  return next((t for t in TIERS if t.name == name), None)
+
+
+def value_of(block: str, name: str) -> str | None:
+  """The ``device`` value of ``zero_optimization.<block>`` that selects the tier called ``name``
+  (the first it answers), or None."""
+  tier = named(name)
+  return next((v for b, v in tier.answers if b == block), None) if tier is not None else None
 
 
 # -- the config ------------------------------------------------------------------------------------
