@@ -110,7 +110,7 @@ def test_params_on_nvme_keep_max_in_cpu_and_the_staging_buffers_on_the_host():
 
 @pytest.mark.parametrize("stage, opt, param, message", [
     (0, "cpu", None, "stage 1, 2 or 3"), (2, None, "cpu", "needs ZeRO stage 3"),
-    (2, None, "nvme", "needs ZeRO stage 3"), (3, "gpu", None, "'cpu' or 'nvme'")])
+    (2, None, "nvme", "needs ZeRO stage 3"), (3, "gpu", None, r"a tier's value \('cpu', 'nvme'\)")])
 def test_offload_the_stage_does_not_have_is_refused(stage, opt, param, message):
   with pytest.raises(ConfigError, match=message):
     estimate(1e9, stage, 8, offload_optimizer=opt, offload_param=param)
