@@ -45,6 +45,10 @@ __all__ = ["Job", "Candidate", "candidates", "estimated", "Estimated", "gpt_for_
 CHECKPOINTING = ("none", "block", "offload")  # activation checkpointing choices
 DEFAULT_NVME_PATH = "/local_nvme"  # DeepSpeed's tutorials' nvme_path: change it to your drive
 QWZ = "qwz"  # a Candidate.zeropp part: qwZ by DeepSpeed's strategy; "qwz-<name>" by another
+_BUFFER_COUNT = 5  # offload_param.buffer_count, DeepSpeed's default
+_BASE_CONFIG = {"gradient_clipping": 1.0, "steps_per_print": 10,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95],
+                                                          "weight_decay": 0.1}}}
 
 
 def _optimizer_offloads() -> list[tuple[str | None, float]]:
@@ -65,10 +69,6 @@ def _zeropp_choices() -> list[tuple[str, ...]]:
   qwz = [QWZ if name == default else f"{QWZ}-{name}"
          for name, s in quantization.WEIGHTS.items() if s.planned]
   return ([(), ("hpz",)] + [(q, "qgz") for q in qwz] + [("hpz", q, "qgz") for q in qwz])
-_BUFFER_COUNT = 5  # offload_param.buffer_count, DeepSpeed's default
-_BASE_CONFIG = {"gradient_clipping": 1.0, "steps_per_print": 10,
-                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95],
-                                                          "weight_decay": 0.1}}}
 
 
 def _zero_infinity_1t() -> Any:
