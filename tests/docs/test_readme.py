@@ -26,7 +26,7 @@ def _slug(heading: str) -> str:
 
 def test_readme_is_at_most_250_lines():
   lines = README.read_text(encoding="utf-8").count("\n")  # what `wc -l` counts
-  assert lines <= MAX_LINES, f"README.md has {lines} lines; move sections into docs/ (<= {MAX_LINES})"
+  assert lines <= MAX_LINES, f"README.md has {lines} lines; move sections to docs/ (<= {MAX_LINES})"
 
 
 def test_readme_starts_with_the_two_commands():
