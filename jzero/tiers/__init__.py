@@ -20,7 +20,8 @@ the update applies (the delayed update).
 * :mod:`jzero.tiers.where` -- what the built-in tiers' names in the plan mean.
 
 A new tier: a module with a ``Tier`` subclass and one line -- in ``registry.TIERS``, or
-``registry.register(MyTier)`` from outside the package (docs/architecture.md, "Where do I add
+``registry.register(MyTier)`` from outside the package -- plus its config block's fields in
+:mod:`jzero.config.blocks` if it reads keys of its own (docs/architecture.md, "Where do I add
 ...").
 """
 
