@@ -43,7 +43,7 @@ from IPython.display import HTML, display
 from jzero import kernels
 from jzero.analysis.hlo import comm_volume
 from jzero.analysis.tables import html_table
-from jzero.sharding.zeropp import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL
+from jzero.sharding.quantization import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL
 from jzero.models import GPT, GPTConfig, lm_loss
 from jzero.runtime.data import ByteCorpus
 from jzero.sharding.plan import flatten_paths

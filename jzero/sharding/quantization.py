@@ -34,11 +34,14 @@ from jax import lax
 from jzero import kernels
 
 __all__ = ["WeightQuantizer", "GradientQuantizer", "WEIGHTS", "GRADIENTS", "RULE", "PLAIN",
-           "QGZ_GROUP", "weights", "gradients", "register", "unregister", "concat_chunks"]
+           "QGZ_GROUP", "QWZ_MIN_NUMEL", "QGZ_MIN_NUMEL", "weights", "gradients", "register",
+           "unregister", "concat_chunks"]
 
 RULE = "deepspeed"  # the symmetric rule both of DeepSpeed's quantized collectives use
 PLAIN = "plain"  # the plan's record of a leaf whose collective is not quantized
 QGZ_GROUP = 256  # elements per int4 block of the gradient all-to-all (a power of two)
+QWZ_MIN_NUMEL = kernels.layout.MIN_QWZ_GROUP  # smaller partitions are gathered in 16 bits
+QGZ_MIN_NUMEL = 2 * QGZ_GROUP  # smaller gradient partitions are reduce-scattered plainly
 
 Axes = tuple[str, ...]
 
@@ -65,7 +68,7 @@ class WeightQuantizer:
   def block(self, layer_shape: tuple[int, ...], part: int) -> int | None:
     """Elements per block for a leaf whose one layer has ``layer_shape`` and ``part`` elements per
     device, or None: the leaf's gather stays plain."""
-    if part < kernels.layout.MIN_QWZ_GROUP:
+    if part < QWZ_MIN_NUMEL:
       return None
     return kernels.qwz_group_size(part)
 
