@@ -58,7 +58,7 @@ from jzero.analysis.tables import html_table, require_pyplot, text_table
 from jzero.sharding.mesh import ZeroMesh
 
 __all__ = ["Collective", "CommVolume", "StepTiming", "collectives", "comm_volume", "zero_theory",
-           "unordered_collectives", "matmul_flops", "COMPUTE_OPS"]
+           "unordered_collectives", "matmul_flops", "parameter_bytes", "COMPUTE_OPS"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
@@ -420,10 +420,11 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
 
   runs = _run_counts(comps, calls, entry)
   nests = _loop_nests(calls, entry, loops)
+  halves = _tpu_async_halves(comps)
   found = []
   for comp, insts in comps.items():
-    if not runs.get(comp):
-      continue
+    if not runs.get(comp) or halves.get(comp) == _TPU_DONE:
+      continue  # a TPU done half repeats its start's collective
     for index, (name, type_str, op, rest) in enumerate(insts):
       kind = op.removesuffix("-start")
       if kind not in KINDS or op.endswith("-done"):
@@ -437,6 +438,9 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
       if op.endswith("-start"):
         is_async = '"is_sync":true' not in rest
         overlapped, matmuls = _compute_in_flight(insts, index, name)
+      elif halves.get(comp) == _TPU_START:
+        is_async = True
+        overlapped, matmuls = _tpu_in_flight(comps, halves, comp)
       found.append(Collective(kind=kind, name=name, full_bytes=full, group_size=size,
                               axes=_axes(groups, mesh_shape) if mesh_shape else (),
                               count=runs[comp], buffers=len(_ARRAY.findall(outputs)),
@@ -444,6 +448,35 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
                               overlapped_matmuls=matmuls, computation=comp,
                               payload=_payload(outputs), loops=nests.get(comp, ())))
   return found
+
+
+_TILE = re.compile(r"T\(([\d,]+)\)")
+
+
+def parameter_bytes(hlo_text: str) -> tuple[int, int]:
+  """(logical, laid-out) bytes of the entry computation's parameters: the arguments' shard shapes
+  times their element widths, and the same padded to the first tile of each layout (a TPU
+  program's ``T(8,128)`` pads the last two dimensions to multiples of 8 and 128; a scalar's
+  ``T(128)`` takes 128 elements). The laid-out sum is XLA's ``argument_size_in_bytes`` on a TPU;
+  their difference is what the chip's tiles add to the plan's bytes."""
+  comps, _, entry, _ = _parse_module(hlo_text)
+  logical = laid_out = 0
+  for _, type_str, op, _ in comps[entry]:
+    if op != "parameter":
+      continue
+    for dtype, dims, layout in re.findall(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?",
+                                          type_str):
+      shape = [int(d) for d in dims.split(",")] if dims else []
+      width = _BYTES.get(dtype, 0)
+      logical += math.prod(shape) * width
+      tile = _TILE.search(layout or "")
+      if tile:
+        sizes = [int(t) for t in tile.group(1).split(",")]
+        shape = [1] * (len(sizes) - len(shape)) + shape
+        for k, t in enumerate(sizes, start=len(shape) - len(sizes)):
+          shape[k] = -(-shape[k] // t) * t
+      laid_out += math.prod(shape) * width
+  return logical, laid_out
 
 
 def _loop_nests(calls: dict[str, list[tuple[str, int]]], entry: str,
@@ -596,14 +629,55 @@ def _instruction_traffic(comps: dict[str, list[_Instruction]], types: dict[str, 
   return read + written
 
 
+_TPU_START, _TPU_DONE = "AsyncCollectiveStart", "AsyncCollectiveDone"
+
+
+def _tpu_async_halves(comps: dict[str, list[_Instruction]]) -> dict[str, str]:
+  """The computations of a TPU program that are one half of an asynchronous collective: XLA's
+  TPU compiler fuses a collective into a start fusion (its root a custom call
+  ``AsyncCollectiveStart``) and a done fusion (``AsyncCollectiveDone``, holding a copy of the
+  collective); computation -> which half."""
+  halves = {}
+  for comp, insts in comps.items():
+    if insts and insts[-1][2] == "custom-call":
+      target = re.search(r'custom_call_target="(\w+)"', insts[-1][3])
+      if target and target.group(1) in (_TPU_START, _TPU_DONE):
+        halves[comp] = target.group(1)
+  return halves
+
+
+def _tpu_in_flight(comps: dict[str, list[_Instruction]], halves: dict[str, str],
+                   start_comp: str) -> tuple[int, int]:
+  """(compute instructions, of which matmuls) a TPU program schedules between the fusion that
+  starts a collective (calls ``start_comp``) and the done fusion that reads its result."""
+  for insts in comps.values():
+    for index, (name, _, op, rest) in enumerate(insts):
+      if op == "fusion" and re.search(rf"calls=%?{re.escape(start_comp)}(?![\w.\-])", rest):
+        return _compute_in_flight(insts, index, name, done=lambda r: _is_done(halves, r))
+  return 0, 0
+
+
+def _is_done(halves: dict[str, str], rest: str) -> bool:
+  callee = re.search(r"calls=%?([\w.\-]+)", rest)
+  return bool(callee and halves.get(callee.group(1)) == _TPU_DONE)
+
+
 def _compute_in_flight(insts: list[tuple[str, str, str, str]], start: int,
-                       name: str) -> tuple[int, int]:
+                       name: str, done: Any = None) -> tuple[int, int]:
   """(compute instructions, of which matmuls) scheduled after ``insts[start]`` and before the done
-  that consumes it (to the end of the computation when the done is elsewhere)."""
+  that consumes it (to the end of the computation when the done is elsewhere); ``done``: for a
+  TPU start fusion, whether an instruction's text is a done fusion (:func:`_tpu_in_flight`)."""
   count = matmuls = 0
+  reads = {name}  # the start, and the tuple elements taken from it
   for inst, _, op, rest in insts[start + 1:]:
     if op.endswith("-done") and rest.split(")")[0].strip().lstrip("%") == name:
       break
+    if done is not None:  # a TPU start fusion: its done is a fusion reading it (or an element)
+      if op == "get-tuple-element" and set(_operands(rest)[:1]) & reads:
+        reads.add(inst)
+        continue
+      if done(rest) and reads & set(_operands(rest)):
+        break
     if op in COMPUTE_OPS:
       count += 1
       callee = _CALLEE.search(rest)
