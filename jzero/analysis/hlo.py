@@ -27,7 +27,10 @@ returns every all-gather, reduce-scatter, all-reduce, all-to-all and collective-
   matrix multiplications among them (gemm fusions, cuBLAS / cuDNN custom calls, dots,
   convolutions) are counted apart, since hiding a large transfer takes a matmul. A start whose done
   is not in the same computation (a collective pipelined across loop iterations) counts what
-  follows it to the end of the computation.
+  follows it to the end of the computation. A TPU program fuses an asynchronous collective into a
+  start and a done fusion (custom calls ``AsyncCollectiveStart`` / ``AsyncCollectiveDone``), and
+  sends the part of a collective that crosses TPU slices over the data-centre network as
+  host-transfer ``send``\ s for the megascale runtime (kind ``"dcn all-to-all"`` etc.).
 
 :func:`comm_volume` sums them per step and expresses the total in units of Psi (the parameter
 count times the bytes of one element), the unit of the ZeRO paper's communication analysis:
@@ -427,6 +430,9 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
       continue  # a TPU done half repeats its start's collective
     for index, (name, type_str, op, rest) in enumerate(insts):
       kind = op.removesuffix("-start")
+      if op == "send" and _MEGASCALE in rest:
+        found.append(_dcn_transfer(insts, index, mesh, runs[comp], nests.get(comp, ()), comp))
+        continue
       if kind not in KINDS or op.endswith("-done"):
         continue
       groups = _groups(rest, n_devices)
@@ -630,6 +636,33 @@ def _instruction_traffic(comps: dict[str, list[_Instruction]], types: dict[str, 
 
 
 _TPU_START, _TPU_DONE = "AsyncCollectiveStart", "AsyncCollectiveDone"
+_MEGASCALE = '_xla_host_transfer_handler_name="xla_megascale_runtime"'
+
+
+def _dcn_transfer(insts: list[_Instruction], index: int, mesh: ZeroMesh | None, count: int,
+                  loops: tuple[tuple[str, int], ...], comp: str) -> Collective:
+  """A TPU multi-slice program's hop over the data-centre network: XLA's TPU compiler lowers the
+  part of a collective that crosses slices to a host-transfer ``send`` for the megascale runtime
+  (``_xla_megascale_transfer_type`` names the collective, ``_xla_megascale_target`` the groups of
+  chips, by device id). Its kind is "dcn <collective>", its buffer the bytes sent, and it is
+  overlapped when compute runs between the send and its send-done."""
+  name, type_str, _, rest = insts[index]
+  kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', rest)
+  kind = "dcn " + (kind.group(1).lower().replace("_", "-") if kind else "transfer")
+  target = re.search(r"_xla_megascale_target=\{(\{[^=]*?\})\}", rest)
+  groups = ([[int(x) for x in g.split(",")] for g in re.findall(r"\{([^{}]*)\}", target.group(1))]
+            if target else [[0, 1]])
+  sent = _type_bytes(_tuple_elements(type_str)[0]) if type_str.startswith("(") else 0
+  axes: tuple[str, ...] = ()
+  if mesh is not None:  # device ids -> mesh positions -> the axes the groups span
+    position = {d.id: i for i, d in enumerate(mesh.mesh.devices.flat)}
+    axes = _axes([[position.get(d, 0) for d in g] for g in groups], dict(mesh.mesh.shape))
+  size = len(groups[0])
+  overlapped, matmuls = _compute_in_flight(insts, index, name)
+  return Collective(kind=kind, name=name, full_bytes=sent * size // max(size - 1, 1),
+                    group_size=size, axes=axes, count=count, is_async=True,
+                    overlapped_ops=overlapped, overlapped_matmuls=matmuls, computation=comp,
+                    payload=_payload(_tuple_elements(type_str)[0]), loops=loops)
 
 
 def _tpu_async_halves(comps: dict[str, list[_Instruction]]) -> dict[str, str]:

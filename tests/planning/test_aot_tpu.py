@@ -91,9 +91,14 @@ def test_zeropp_step_compiles_for_two_v5e_slices_hpz_within_a_slice():
   assert 0 <= r.state_arguments - r.persistent_state <= 64 and r.state["secondary"] > 0
   payloads = {p for c in r.collectives for p in c.payload}
   assert {"u8", "f32"} <= payloads  # quantized blocks (as bytes) and their scales are moved
-  # qgZ's hop within a slice (ICI): its int4 blocks (bytes) and scales, all-to-all over local
+  # qgZ's two hops, int4 blocks (as bytes): all-to-all within a slice (ICI) and across the
+  # slices, where XLA lowers the crossing to the megascale runtime's DCN transfers
   assert any(c.kind == "all-to-all" and c.axes == ("local",) and "u8" in c.payload
              for c in r.collectives)
+  dcn = [c for c in r.collectives if c.kind.startswith("dcn ")]
+  assert any(c.kind == "dcn all-to-all" and "u8" in c.payload for c in dcn)
+  assert ("node",) in {c.axes for c in dcn} and all(c.is_async for c in dcn)
+  assert any(c.kind == "dcn all-gather" and "s8" in c.payload for c in dcn)  # qwZ's int8
   # the quantize kernels are Pallas' Triton kernels: on a TPU the step runs their jnp reference
   assert r.pallas_kernels == 0
 
