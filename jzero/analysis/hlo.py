@@ -649,14 +649,26 @@ def _dcn_transfer(insts: list[_Instruction], index: int, mesh: ZeroMesh | None, 
   name, type_str, _, rest = insts[index]
   kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', rest)
   kind = "dcn " + (kind.group(1).lower().replace("_", "-") if kind else "transfer")
+  # the target: groups of device ids, or "{slices}x{first:last}" (those chips of each slice)
   target = re.search(r"_xla_megascale_target=\{(\{[^=]*?\})\}", rest)
+  ranged = re.search(r'_xla_megascale_target="\{([\d,]+)\}x\{(\d+):(\d+)\}"', rest)
   groups = ([[int(x) for x in g.split(",")] for g in re.findall(r"\{([^{}]*)\}", target.group(1))]
             if target else [[0, 1]])
   sent = _type_bytes(_tuple_elements(type_str)[0]) if type_str.startswith("(") else 0
   axes: tuple[str, ...] = ()
   if mesh is not None:  # device ids -> mesh positions -> the axes the groups span
-    position = {d.id: i for i, d in enumerate(mesh.mesh.devices.flat)}
-    axes = _axes([[position.get(d, 0) for d in g] for g in groups], dict(mesh.mesh.shape))
+    devices = list(mesh.mesh.devices.flat)
+    position = {d.id: i for i, d in enumerate(devices)}
+    positions = [[position.get(d, 0) for d in g] for g in groups]
+    if ranged:  # chip c of each named slice (slice-major positions)
+      slices = sorted({getattr(d, "slice_index", 0) for d in devices})
+      per_slice = len(devices) // len(slices)
+      named = [int(x) for x in ranged.group(1).split(",")]
+      chosen = [i for i, _ in enumerate(slices)][:len(named)]
+      positions = [[i * per_slice + c for i in chosen]
+                   for c in range(int(ranged.group(2)), int(ranged.group(3)) + 1)]
+      groups = positions
+    axes = _axes(positions, dict(mesh.mesh.shape))
   size = len(groups[0])
   overlapped, matmuls = _compute_in_flight(insts, index, name)
   return Collective(kind=kind, name=name, full_bytes=sent * size // max(size - 1, 1),

@@ -97,7 +97,7 @@ def test_zeropp_step_compiles_for_two_v5e_slices_hpz_within_a_slice():
              for c in r.collectives)
   dcn = [c for c in r.collectives if c.kind.startswith("dcn ")]
   assert any(c.kind == "dcn all-to-all" and "u8" in c.payload for c in dcn)
-  assert ("node",) in {c.axes for c in dcn} and all(c.is_async for c in dcn)
+  assert {c.axes for c in dcn} == {("node",)} and all(c.is_async for c in dcn)
   assert any(c.kind == "dcn all-gather" and "s8" in c.payload for c in dcn)  # qwZ's int8
   # the quantize kernels are Pallas' Triton kernels: on a TPU the step runs their jnp reference
   assert r.pallas_kernels == 0
