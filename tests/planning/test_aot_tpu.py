@@ -137,3 +137,16 @@ def test_libtpu_stays_quiet_where_no_tpu_is_present():
   before, after = done.stdout.split("\n")[:2]
   assert before.startswith("cpu ('libtpu'") and after.startswith("16 ") and "libtpu" not in after
   assert "TPU" not in done.stderr and "libtpu" not in done.stderr, done.stderr
+
+
+def test_tpu_hardware_takes_the_datasheet_figures_and_refuses_unpublished_dcn():
+  from jzero.planning.cost import tpu_hardware  # noqa: PLC0415
+
+  hw = tpu_hardware("v5p", "2x2x2")
+  assert (hw.devices, hw.nodes) == (8, 1) and hw.usable_device_memory == 95e9
+  assert hw.peak_flops.value == 459e12 and hw.intra_node_bandwidth.value == 300e9
+  two = tpu_hardware("v5e", "2x2", 2)
+  assert (two.devices_per_node, two.nodes) == (4, 2)
+  assert two.inter_node_bandwidth.value == 200e9 / 64  # 2 x 100 Gb/s NICs for 8 chips
+  with pytest.raises(ConfigError, match="no DCN bandwidth for v5p"):
+    tpu_hardware("v5p", "2x2x2", 2)
