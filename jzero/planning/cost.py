@@ -47,8 +47,8 @@ from jzero.errors import ConfigError
 
 __all__ = ["Constant", "Hardware", "Resources", "Prediction", "gpu_hardware", "cpu_hardware",
            "predict", "measure_memory_bandwidth", "describe_constants",
-           "NODE_DATASHEETS", "MATMUL_EFFICIENCY", "tpu_hardware", "DEFAULT_MEM_FRACTION", "JAX_MEM_FRACTION",
-           "MEM_FRACTION_ENV"]
+           "NODE_DATASHEETS", "MATMUL_EFFICIENCY", "tpu_hardware", "DEFAULT_MEM_FRACTION",
+           "JAX_MEM_FRACTION", "MEM_FRACTION_ENV"]
 
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # what JAX preallocates of each GPU
 JAX_MEM_FRACTION = 0.75  # JAX's default preallocation
