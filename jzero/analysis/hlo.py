@@ -266,6 +266,8 @@ def trip_count(comps: dict[str, list[_Instruction]], caller: str, rest: str) -> 
   cond = re.search(r"condition=%?([\w.\-]+)", rest)
   body = re.search(r"body=%?([\w.\-]+)", rest)
   operands = _operands(rest)
+  if cond and not index:  # a TPU loop names no induction variable: the one its condition reads
+    index = _compared_element(comps.get(cond.group(1), []))
   if not (index and cond and body and operands):
     return None
   i = int(index.group(1))
@@ -279,6 +281,20 @@ def trip_count(comps: dict[str, list[_Instruction]], caller: str, rest: str) -> 
   span = _LOOP_TRIPS[direction](limit - init, 1 if step > 0 else -1)
   trips = -(-span // step) if step > 0 else -(-(-span) // -step)
   return trips if trips > 0 else None
+
+
+def _compared_element(insts: list[_Instruction]) -> re.Match | None:
+  """In a loop condition whose root compares an element of the loop tuple with a constant: the
+  ``index=N`` of that element (None otherwise)."""
+  if not insts or insts[-1][2] != "compare":
+    return None
+  reads = _operands(insts[-1][3])
+  by_name = {name: (op, rest) for name, _, op, rest in insts}
+  for operand in reads:
+    op, rest = by_name.get(operand, ("", ""))
+    if op == "get-tuple-element":
+      return re.search(r"index=(\d+)", rest)
+  return None
 
 
 def _element(insts: list[_Instruction], tuple_name: str | None, index: int) -> str | None:

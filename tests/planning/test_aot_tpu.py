@@ -150,3 +150,37 @@ def test_tpu_hardware_takes_the_datasheet_figures_and_refuses_unpublished_dcn():
   assert two.inter_node_bandwidth.value == 200e9 / 64  # 2 x 100 Gb/s NICs for 8 chips
   with pytest.raises(ConfigError, match="no DCN bandwidth for v5p"):
     tpu_hardware("v5p", "2x2x2", 2)
+
+
+def test_a_tpu_loop_without_an_induction_annotation_is_counted_from_its_condition():
+  """XLA's TPU compiler names no known_induction_variable on a while: the trip count is read
+  from the element its condition compares (the layer scan's gathers run once per layer)."""
+  from jzero.analysis.hlo import collectives  # noqa: PLC0415
+
+  hlo = """
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8] get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %g = f32[8] all-gather(%x), replica_groups={{0,1}}, dimensions={0}
+  ROOT %t = (s32[], f32[8]) tuple(%next, %g)
+}
+
+%cond (q: (s32[], f32[8])) -> pred[] {
+  %limit = s32[] constant(6)
+  %q = (s32[], f32[8]) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  ROOT %lt = pred[] compare(%j, %limit), direction=LT
+}
+
+ENTRY %main (a: f32[8]) -> (s32[], f32[8]) {
+  %a = f32[8] parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8]) tuple(%zero, %a)
+  ROOT %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body
+}
+"""
+  (gather,) = collectives(hlo)
+  assert gather.count == 6
