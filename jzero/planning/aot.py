@@ -443,8 +443,8 @@ class Target:
 
   @property
   def pool(self) -> float:
-    """The memory a run may use per device: the part's memory times the memory fraction (what
-    JAX's allocator preallocates, and hands XLA's compiler as the device's memory)."""
+    """Bytes a run may use per device, the part's memory times the memory fraction (what JAX's
+    allocator preallocates on a GPU, and hands XLA's compiler as the device's memory)."""
     return self.spec.memory_bytes * self.memory_fraction
 
 

@@ -263,8 +263,8 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
   Args:
     model: a GPT preset name, a parameter count
       (:func:`~jzero.planning.candidates.gpt_for_params`), or a ``GPTConfig``.
-    tpu, topology, slices: instead of ``gpu``: a TPU slice (:func:`jzero.planning.cost.
-      tpu_hardware`'s rates; candidates compiled for its compile-only chips).
+    tpu, topology, slices: instead of ``gpu``: a TPU slice (the rates of
+      :func:`~jzero.planning.cost.tpu_hardware`; candidates compiled for its compile-only chips).
     gpu: the target GPU (a :data:`jzero.planning.aot.GPU_SPECS` name); ``None`` with ``hardware``
       for this machine's CPU devices (:func:`jzero.planning.cost.cpu_hardware`).
     devices: devices per node; nodes: nodes.

@@ -16,22 +16,25 @@ rate, inter-chip interconnect (ICI) bandwidth per chip (bidirectional) and data-
 (DCN) bandwidth per chip (the host's NICs shared by its chips; v4 and v5p: not published per
 host, 0 here).
 
-| ``--tpu`` | chip | HBM | HBM GB/s | bf16 TFLOP/s | ICI GB/s | DCN GB/s | chips / host |
-|---|---|---|---|---|---|---|---|
-| v4  | TPU v4 (2 TensorCores, megacore) | 32 GiB | 1200 | 275 | 300 | - | 4 |
-| v5e | TPU v5 lite | 16 GB | 819 | 197 | 400 | 3.125 | 8 (4 per VM here) |
-| v5p | TPU v5 (2 TensorCores, megacore) | 95 GB | 2765 | 459 | 600 | - | 4 |
-| v6e | TPU v6 lite (Trillium) | 32 GB | 1640 | 918 | 800 | 12.5 | 8 (4 per VM here) |
+========= ======================== ====== ======== ============ ======== ======== ===========
+``--tpu`` chip                     HBM    HBM GB/s bf16 TFLOP/s ICI GB/s DCN GB/s chips/host
+========= ======================== ====== ======== ============ ======== ======== ===========
+v4        TPU v4 (megacore)        32 GiB 1200     275          300      n/a      4
+v5e       TPU v5 lite              16 GB  819      197          400      3.125    8
+v5p       TPU v5 (megacore)        95 GB  2765     459          600      n/a      4
+v6e       TPU v6 lite (Trillium)   32 GB  1640     918          800      12.5     8
+========= ======================== ====== ======== ============ ======== ======== ===========
 
-Sources: v4 -- cloud.google.com/tpu/docs/v4 (HBM, bf16); its ICI from Jouppi et al., "TPU v4:
-An Optically Reconfigurable Supercomputer for Machine Learning with Hardware Support for
-Embeddings" (ISCA 2023: 6 links x 50 GB/s). v5e -- cloud.google.com/tpu/docs/v5e (16 GB, 819 GBps,
-197 TFLOPs, ICI 1600 Gbps; 2 x 100 Gbps NICs per 8-chip host). v5p -- cloud.google.com/tpu/docs/v5p
-(95 GB, 2765 GBps, 459 TFLOPs, ICI 4800 Gbps). v6e -- cloud.google.com/tpu/docs/v6e (32 GB,
-1640 GBps, 918 TFLOPs, ICI 3584 Gbps quoted as 800 GBps bidirectional; 4 x 200 Gbps NICs per
-8-chip host). "GB" in Google's HBM figures: v4's page says GiB, v5e/v5p/v6e's GB; the table keeps
-each page's unit. The memory a compiled step's peak is checked against is the HBM capacity times
-the memory fraction (1.0 by default: a TPU run does not preallocate a pool below it).
+Sources: v4 -- cloud.google.com/tpu/docs/v4 (HBM, bf16); its ICI from Jouppi et al., "TPU v4: An
+Optically Reconfigurable Supercomputer for Machine Learning with Hardware Support for Embeddings"
+(ISCA 2023: 6 links x 50 GB/s). v5e -- cloud.google.com/tpu/docs/v5e (16 GB, 819 GBps, 197 TFLOPs,
+bidirectional ICI 400 GBps per chip; 2 x 100 Gbps NICs per 8-chip host). v5p --
+cloud.google.com/tpu/docs/v5p (95 GB, 2765 GBps, 459 TFLOPs, ICI 4800 Gbps). v6e --
+cloud.google.com/tpu/docs/v6e (32 GB, 1640 GBps, 918 TFLOPs, bidirectional ICI 800 GBps per chip; 4
+x 200 Gbps NICs per 8-chip host). "GB" in Google's HBM figures: v4's page says GiB, v5e/v5p/v6e's
+GB; the table keeps each page's unit. The memory a compiled step's peak is checked against is the
+HBM capacity times the memory fraction (1.0 by default: a TPU run does not preallocate a pool below
+it).
 """
 
 from __future__ import annotations
