@@ -46,7 +46,10 @@ TPU chip is on the PCI bus (Google's vendor id) and ``JAX_PLATFORMS`` does not a
 machine without it. :func:`load_tpu_compiler` (a compile for a TPU topology) takes it out again
 after setting, before the library loads, the variables that describe a compile-only host to it
 (:data:`TPU_COMPILE_ONLY_ENV`: no metadata server query, one local worker, its logs to stderr at
-error level only) -- each with ``setdefault``, so the user's own values win.
+error level only) -- each with ``setdefault``, so the user's own values win. Where ``import jax``
+came first, it has imported ``libtpu`` (not loaded the library) and that import pointed
+``TPU_LIBRARY_PATH`` at it: :func:`prepare` hides the module and takes that variable back, and
+:func:`load_tpu_compiler` restores both.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ TPU_COMPILE_ONLY_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5li
                         "TPU_LOG_DIR": "disabled", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips (what jax._src.hardware_utils looks for)
 
-_HIDDEN: dict[str, types.ModuleType | None] = {}  # name -> what prepare() entered in sys.modules
+_HIDDEN: dict[str, types.ModuleType | None] = {}
+_LIBTPU: list[types.ModuleType] = []  # libtpu as imported before prepare() hid it  # name -> what prepare() entered in sys.modules
 
 
 def _driver_present() -> bool:
@@ -165,9 +169,14 @@ def prepare() -> None:
   docstring). Call before ``import jax``; afterwards it can still keep the backends' start
   quiet, if they have not started. Does nothing where a driver is present or ``JAX_PLATFORMS``
   asks for CUDA (libtpu: a TPU chip, or ``JAX_PLATFORMS`` naming ``tpu``)."""
-  if (not _backends_started() and TPU_PACKAGE not in sys.modules and not tpu_can_run()
-      and _installed(TPU_PACKAGE)):
-    sys.modules[TPU_PACKAGE] = _HIDDEN[TPU_PACKAGE] = None
+  if not _backends_started() and TPU_PACKAGE not in _HIDDEN and not tpu_can_run():
+    imported = sys.modules.get(TPU_PACKAGE)  # `import jax` before jzero imports it (not loads)
+    if imported is not None or _installed(TPU_PACKAGE):
+      _LIBTPU[:] = [imported] if imported is not None else []
+      sys.modules[TPU_PACKAGE] = _HIDDEN[TPU_PACKAGE] = None
+      if imported is not None and os.environ.get("TPU_LIBRARY_PATH") == getattr(
+          imported, "get_library_path", lambda: None)():
+        del os.environ["TPU_LIBRARY_PATH"]  # what its import set, pointing JAX at it
   if cuda_can_run():
     return
   if "jax" not in sys.modules:
@@ -237,6 +246,9 @@ def load_tpu_compiler() -> None:
     import jax  # noqa: PLC0415
     jax.devices()  # the backends start first, without a TPU backend
     del sys.modules[TPU_PACKAGE]
+    if _LIBTPU:
+      sys.modules[TPU_PACKAGE] = _LIBTPU.pop()
+      getattr(sys.modules[TPU_PACKAGE], "configure_library_path", lambda: None)()
     _HIDDEN.pop(TPU_PACKAGE)
   if not tpu_can_run():
     for name, value in TPU_COMPILE_ONLY_ENV.items():
