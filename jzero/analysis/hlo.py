@@ -442,8 +442,8 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
   halves = _tpu_async_halves(comps)
   found = []
   for comp, insts in comps.items():
-    if not runs.get(comp) or halves.get(comp) == _TPU_DONE:
-      continue  # a TPU done half repeats its start's collective
+    if not runs.get(comp) or halves.get(comp) in (_TPU_DONE, _TPU_CONTINUED):
+      continue  # a TPU done half (or a fusion carrying it) repeats its start's collective
     for index, (name, type_str, op, rest) in enumerate(insts):
       kind = op.removesuffix("-start")
       if op == "send" and _MEGASCALE in rest:
@@ -652,6 +652,7 @@ def _instruction_traffic(comps: dict[str, list[_Instruction]], types: dict[str, 
 
 
 _TPU_START, _TPU_DONE = "AsyncCollectiveStart", "AsyncCollectiveDone"
+_TPU_CONTINUED = "async_collective_fusion"  # compute carrying a collective in flight
 _MEGASCALE = '_xla_host_transfer_handler_name="xla_megascale_runtime"'
 
 
@@ -697,9 +698,14 @@ def _tpu_async_halves(comps: dict[str, list[_Instruction]]) -> dict[str, str]:
   """The computations of a TPU program that are one half of an asynchronous collective: XLA's
   TPU compiler fuses a collective into a start fusion (its root a custom call
   ``AsyncCollectiveStart``) and a done fusion (``AsyncCollectiveDone``, holding a copy of the
-  collective); computation -> which half."""
+  collective); computation -> which half. Between the two, a collective in flight is carried on
+  by ``async_collective_fusion`` computations (compute fused with the collective's progress, a
+  copy of it inside): they count as the done half does -- the same collective, not another."""
   halves = {}
   for comp, insts in comps.items():
+    if comp.startswith("async_collective_fusion"):
+      halves[comp] = _TPU_CONTINUED
+      continue
     if insts and insts[-1][2] == "custom-call":
       target = re.search(r'custom_call_target="(\w+)"', insts[-1][3])
       if target and target.group(1) in (_TPU_START, _TPU_DONE):
