@@ -444,7 +444,7 @@ class Target:
   @property
   def pool(self) -> float:
     """Bytes a run may use per device, the part's memory times the memory fraction (what JAX's
-    allocator preallocates on a GPU, and hands XLA's compiler as the device's memory)."""
+    allocator preallocates, and hands XLA's compiler as the device's memory)."""
     return self.spec.memory_bytes * self.memory_fraction
 
 
