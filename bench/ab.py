@@ -7,7 +7,7 @@ folder; the ref from ``git worktree``, this side from the working tree as it is,
 changes included), so each runs its own jzero in its own interpreter with the same dependencies.
 
 * **Time** (default): ``jzero train --config configs/zero3.json --steps N --no-progress`` -- the
-  README's main job, shortened -- runs for the ref and for this tree alternately, ``--rounds``
+  README's first job, shortened -- runs for the ref and for this tree alternately, ``--rounds``
   times each (ref, this, ref, this, ...), so both sides share the machine's load. Each run's
   median step time is read from its summary line; the table gives every round and the ratio this
   / ref of the medians over rounds. A ratio below 1 means this tree is faster.

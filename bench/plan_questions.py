@@ -17,7 +17,7 @@ table of every compiled candidate (estimate, compiled figure, their ratio) and t
 worst |estimate / compiled - 1| over the rows whose device bytes are a compiled peak (an offload
 candidate's row derives its figure from its twin's compile and is shown, not counted).
 
-Writes ``plan_questions.md`` (the tables the README shows, with the command and the date) and
+Writes ``plan_questions.md`` (the tables docs/planning.md shows, with the command and the date) and
 ``.json`` to ``--out``.
 """
 

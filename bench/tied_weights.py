@@ -2,10 +2,10 @@
 
 ``python bench/tied_weights.py [--layers 1] [--seq 64]`` compiles the train step of
 ``FlaxGPT2LMHeadModel`` at GPT-2 small's width and vocabulary (d 768, 50,257 tokens) for 8 devices
--- simulated CPU devices, and 8 compile-only H100s (XLA's GPU compiler without a GPU, README "GPU
-plans without a GPU"; skipped without the gpu-aot extra) -- fp32, micro-batch 1, every leaf
-partitioned (``stage3_param_persistence_threshold: 0``), and prints XLA's ``memory_analysis()``
-temp bytes of each:
+-- simulated CPU devices, and 8 compile-only H100s (XLA's GPU compiler without a GPU,
+docs/planning.md "GPU plans without a GPU"; skipped without the gpu-aot extra) -- fp32,
+micro-batch 1, every leaf partitioned (``stage3_param_persistence_threshold: 0``), and prints
+XLA's ``memory_analysis()`` temp bytes of each:
 
 * stage 0 (DDP), for scale;
 * stage 3 with the LM head tied (the model's default: the head reads the embedding as

@@ -37,7 +37,7 @@ root_doc = "index"
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints"]
 templates_path = ["_templates"]
 myst_enable_extensions = ["colon_fence", "deflist"]
-# anchors for headings down to ####, so that pages can link a section of the manual (README.md)
+# anchors for headings down to ####, so that pages can link each other's sections
 myst_heading_anchors = 4
 nitpicky = True  # a reference that does not resolve is a warning, and -W makes it an error
 

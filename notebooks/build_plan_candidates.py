@@ -40,7 +40,7 @@ def embedded(name: str) -> str:
 CELLS = [
     new_markdown_cell("""# Which config? The candidates `jzero plan` weighed
 
-`jzero plan` (README, "Which config? Let jzero plan it") lists every ZeRO config a DeepSpeed user
+`jzero plan` (docs/planning.md, "Which config?") lists every ZeRO config a DeepSpeed user
 would try by hand (stage, ZeRO++, optimizer and parameter offload, activation checkpointing,
 micro-batch), prunes the ones whose bytes cannot fit by the estimator's arithmetic, compiles the
 plausible ones for the target GPUs (XLA's GPU compiler, no GPU needed) and ranks those that fit
@@ -71,7 +71,7 @@ memory and NVMe, each less the margin (5%); a candidate priced by the estimator 
 only when its device bytes exceed the usable memory itself (the estimate is a lower bound of the
 compiled peak, so the plan compiles the close ones rather than rule them out). A candidate *fits*
 when its bytes are within all three; every other one carries the reason it was ruled out. The
-predicted step time adds up from its terms as the README's formula says: `max(compute, overlap x
+predicted step time adds up from its terms as docs/planning.md's formula says: `max(compute, overlap x
 network) + (1 - overlap) x network + max(pcie, host, nvme)`. The cell checks both for every row,
 and that the chosen one is the fitting one with the least predicted time."""),
     new_code_cell("""def rows_of(plan):

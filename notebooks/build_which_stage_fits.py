@@ -92,7 +92,7 @@ The estimator counts model states; a GPU also needs room for the step's temporar
 layers, activations kept for the backward, the gradients while they are reduced). XLA's CUDA
 compiler says how much, for the real train step of a 7B GPT (bf16, fp32 master, AdamW,
 micro-batch 1 x 2048 tokens, activation checkpointing) on 8 x H100, compiled on a machine
-without a GPU by `jzero.planning.aot.compile_for` (README, "GPU plans without a GPU"). Compiling
+without a GPU by `jzero.planning.aot.compile_for` (docs/planning.md). Compiling
 four stages takes minutes on a fresh machine, so this notebook plots a **committed record** of that
 compile, `notebooks/data/aot_7b_h100.json` (written by `python bench/aot_7b.py --record
 notebooks/data/aot_7b_h100.json`, the gpu-aot extra; copied into the cell below when the notebook

@@ -127,7 +127,7 @@ def images(batch_size: int, steps: int, seed: int = 0) -> list[dict]:
 
 def stream_key(rng: jax.Array, tag: str) -> jax.Array:
   """The key jzero reseeds an NNX model's RNG streams of ``tag`` from, for the loss's ``rng``
-  (README: ``fold_in(rng, crc32(tag))``)."""
+  (docs/coming-from-flax.md: ``fold_in(rng, crc32(tag))``)."""
   return jax.random.fold_in(rng, zlib.crc32(tag.encode()))
 
 

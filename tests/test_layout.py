@@ -158,7 +158,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
   return out
 
 
-#: The subpackages in the direction of their imports (README, "Architecture"): each imports only
+#: The subpackages in the direction of their imports (docs/architecture.md): each imports only
 #: packages before it.
 PACKAGE_ORDER = ("config", "sharding", "comm", "tiers", "modeling", "analysis", "checkpoint",
                  "runtime", "train", "models", "planning", "cli")

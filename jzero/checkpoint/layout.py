@@ -33,7 +33,7 @@ then moves ``latest``. :func:`open_checkpoint` -- used by every reader: restore,
 bit-flipped file (data, array metadata, or the JSON) is a :class:`CheckpointError` naming the
 file. XXH3 is a non-cryptographic hash: it detects accidental damage (bit rot, a bad copy), not
 deliberate tampering. The cost is one read of the checkpoint at save (in the background thread)
-and one at load; the README gives the measured seconds per GB.
+and one at load; docs/checkpoints.md gives the measured seconds per GB.
 """
 
 from __future__ import annotations

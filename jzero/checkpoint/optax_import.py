@@ -361,10 +361,10 @@ def placed_state(engine: Any, abstract: Any, master: PyTree, optimizer: PyTree, 
 
 # -- import_optax ---------------------------------------------------------------------------------
 _HINT = ("Give the state of the optax optimizer the engine runs: engine.tx (the config's "
-         "optimizer and scheduler blocks build it, jzero/train/optim.py; the README's 'Coming "
-         "from plain Flax, optax and Orbax' lists the optax call of each), or pass your own to "
-         "jzero.initialize(optimizer=...). Stateless stages (clip_by_global_norm, "
-         "add_decayed_weights, identity) may differ.")
+         "optimizer and scheduler blocks build it, jzero/train/optim.py; "
+         "docs/coming-from-flax.md, 'Continue a Flax or optax run', lists the optax call of "
+         "each), or pass your own to jzero.initialize(optimizer=...). Stateless stages "
+         "(clip_by_global_norm, add_decayed_weights, identity) may differ.")
 
 
 def _truth(model: PyTree, params: PyTree, where: str) -> PyTree:

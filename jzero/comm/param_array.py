@@ -31,7 +31,7 @@ Where the gathered value lives for backward depends on where the use is:
   its backward). For a tied LM head -- Hugging Face's ``self.lm_head.apply({"params": {"kernel":
   embedding.T}}, h)`` -- that is the loss alone: on GPT-2 small's shape compiled for 8 H100s,
   keeping it takes less memory than gathering it again in backward, as an untied head's unit
-  does (``bench/tied_weights.py``, README "Tied weights");
+  does (``bench/tied_weights.py``, docs/coming-from-flax.md "Tied weights");
 * a Linen module handed the ZeroParam itself as its own parameter
   (``nn.Dense(...).apply({"params": {"kernel": p}}, h)``) runs as a unit of its own
   (:mod:`jzero.modeling.gather_units`): flax needs the full array in a parameter's place.

@@ -24,8 +24,8 @@ scheduler may plan with the whole pool less the resident state. Its count runs a
 compiled step holds, so the step stays within the pool: ZeRO-3 of a 10B model on 8 A100-40GB at
 micro-batch 1 x 4, 95% of the card in the pool, overlaps everything once the limit is 21-22 GB,
 while its compiled temporaries are 16.4 GB; it has a matmul in flight for 69% of its collective
-bytes with jzero's factor and 43% with XLA's 95, at a peak of 85% of the pool either way (README,
-"ZeRO-3's overlap where memory is tight").
+bytes with jzero's factor and 43% with XLA's 95, at a peak of 85% of the pool either way
+(docs/planning.md, "ZeRO-3's overlap where memory is tight").
 ``jzero aot`` compiles without the device and sets the factor that gives XLA the limit a run with
 its memory fraction has (:func:`scheduler_slop_for`). A factor named in ``XLA_FLAGS`` is the
 user's and left alone.

@@ -36,8 +36,8 @@ the device right before that layer's recompute in backward. :mod:`jzero.modeling
 its regions' inputs the same way, so loop models offload every unit's input. The values and so the
 losses and gradients are unchanged (the copies are exact); only where the residuals live changes.
 The CPU backend drops the placement (no host memory space in its compiled HLO; ``memory_analysis()``
-reports the same temp bytes with and without offload, README "Activation offload"); the CUDA
-lowering carries the ``annotate_device_placement`` pair per scanned layer body.
+reports the same temp bytes with and without offload, docs/offload.md "Activation offload"); the
+CUDA lowering carries the ``annotate_device_placement`` pair per scanned layer body.
 
 The engine sets the policy with :func:`engine_context` while it traces the loss; models never do.
 

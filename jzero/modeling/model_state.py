@@ -174,5 +174,6 @@ def explain_unbound_axis(error: NameError, batch_axes: tuple[str, ...]) -> JZero
   return JZeroError(
       f"the model runs a collective over an axis name jzero's mesh does not have "
       f"({str(error).splitlines()[0]}). jzero maps the axis_name of BatchNorm modules to its data "
-      f"axes {list(batch_axes)} itself (README 'Models with batch statistics'); a collective the "
-      f"model writes itself must name those axes (engine.plan.mesh.batch_axes), or be left out.")
+      f"axes {list(batch_axes)} itself (docs/coming-from-flax.md, 'Models with batch statistics'); "
+      f"a collective the model writes itself must name those axes "
+      f"(engine.plan.mesh.batch_axes), or be left out.")

@@ -210,7 +210,7 @@ class Hardware:
     return self.device_memory.value * self.memory_fraction.value
 
   def constants(self) -> dict[str, Constant]:
-    """Every named constant, in field order (what the CLI prints and the README lists)."""
+    """Every named constant, in field order (what the CLI prints and docs/planning.md lists)."""
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), Constant)}
 

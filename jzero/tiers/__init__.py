@@ -16,7 +16,7 @@ the update applies (the delayed update).
   transformation of the step's gradient with its own carried state.
 
 A new tier: a module here with a ``Tier`` subclass, one line in ``registry.TIERS``, its config
-block's fields in :mod:`jzero.config.blocks` (README, "Where do I add ...").
+block's fields in :mod:`jzero.config.blocks` (docs/architecture.md, "Where do I add ...").
 """
 
 __all__: list[str] = []

@@ -66,7 +66,7 @@ __all__ = ["DEFAULT_UPDATE", "UPDATE_MODES", "OffloadSettings", "settings_from_c
 
 PyTree = Any
 UPDATE_MODES = ("stream", "host")
-# Picked from bench/offload.py on the default job (8 simulated CPU devices): see the README.
+# Picked from bench/offload.py on the default job (8 simulated CPU devices): see docs/benchmarks.md.
 DEFAULT_UPDATE = "stream"
 
 

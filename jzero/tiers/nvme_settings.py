@@ -49,7 +49,7 @@ class NvmeSettings:
 
 
 #: tensorstore's ``file_io_mode`` for the store's files (bench/nvme.py measures the modes side by
-#: side; README "NVMe tier").
+#: side; docs/benchmarks.md).
 IO_MODE = "default"
 
 

@@ -65,7 +65,7 @@ the reading threads, ``aio.intra_op_parallelism`` -> ``data_copy_concurrency`` (
 encoding chunks); ``buffer_count``, ``pipeline_read``, ``pipeline_write`` and ``sub_group_size`` as
 above; the cache pool is 0 bytes (every read goes to the disk, nothing is held twice in host
 memory); tensorstore's ``file_io_mode`` stays ``default`` (:data:`IO_MODE`: O_DIRECT and memmap
-measured no better for writes, bench/nvme.py, README). ``aio.block_size``, ``single_submit`` and
+measured no better for writes, bench/nvme.py). ``aio.block_size``, ``single_submit`` and
 ``overlap_events`` tune libaio requests that tensorstore does not make (each file is written in
 one request): a warning each. DeepSpeed's default ``intra_op_parallelism`` of 1 leaves one thread
 to copy the chunks; the disk's bandwidth needs several (bench/nvme.py sets 8). ``aio.use_gds``

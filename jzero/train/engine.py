@@ -341,10 +341,10 @@ class Engine:
     aux value a float. Evaluation, as ``model.eval()`` in PyTorch: an NNX model is called in its
     eval mode (Dropout deterministic, for this call only), and a loss with an ``rng`` parameter
     gets ``rng=None`` (a Linen model's dropout is off when the loss passes
-    ``deterministic=rng is None``, README). BatchNorm normalises by the running statistics of
-    ``state.model_state`` (NNX: ``use_running_average=True`` by ``model.eval()``; Linen: when
-    the loss calls the model with ``train=rng is not None``, as flax's ResNet takes it) and
-    evaluation leaves them as they are.
+    ``deterministic=rng is None``, docs/getting-started.md). BatchNorm normalises by the
+    running statistics of ``state.model_state`` (NNX: ``use_running_average=True`` by
+    ``model.eval()``; Linen: when the loss calls the model with ``train=rng is not None``, as
+    flax's ResNet takes it) and evaluation leaves them as they are.
     """
     self._require_plan()
     self.check_live(state, "eval_loss")

@@ -20,7 +20,8 @@ WIDTH, CLASSES, ROWS = 32, 4, 16
 
 
 class DropoutNet(nnx.Module):
-  """An MLP with dropout as the README writes it: no key of its own, one from the loss."""
+  """An MLP with dropout as docs/getting-started.md writes it: no key of its own, one from the
+  loss."""
 
   def __init__(self, rngs: nnx.Rngs):
     self.hidden = nnx.Linear(WIDTH, WIDTH, rngs=rngs)

@@ -4,7 +4,7 @@ activation checkpointing keeps live in ``pinned_host`` memory between forward an
 Exactness against the same config without it (fp32, <= 1e-6 relative) for the scanned GPT and a
 loop model through gather units; the CUDA export of the step carries one pinned_host offload per
 saved layer input (and the copies back for backward); on CPU the offload runs and changes nothing
-in ``memory_analysis()`` (numbers in the README, "Activation offload").
+in ``memory_analysis()`` (numbers in docs/offload.md, "Activation offload").
 """
 
 from __future__ import annotations

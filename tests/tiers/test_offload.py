@@ -3,7 +3,7 @@
 Exactness against the same stage without offload (fp32: <= 1e-6 relative), placement from the live
 arrays' memory kinds, donation (the donated state's buffers are deleted), the CUDA export's host
 annotations, the memory report, partial offload and checkpoints across tiers. The small model and
-3 steps keep the file fast; bench/offload.py runs the default job for 12 steps (README).
+3 steps keep the file fast; bench/offload.py runs the default job for 12 steps (docs/benchmarks.md).
 """
 
 from __future__ import annotations

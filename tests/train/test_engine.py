@@ -108,7 +108,7 @@ def test_stage_matches_single_device_optax(stage):
 
 
 def test_bf16_stays_close_to_fp32():
-  """bf16 compute with an fp32 master: every loss within 2% of the fp32 run (README)."""
+  """bf16 compute with an fp32 master: every loss within 2% of the fp32 run (docs/exactness.md)."""
   _, _, fp32 = _exact_run(3)
   _, _, bf16 = _exact_run(3, "bf16")
   rel = np.abs(np.array(bf16) - fp32) / np.array(fp32)
