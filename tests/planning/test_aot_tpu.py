@@ -184,3 +184,23 @@ ENTRY %main (a: f32[8]) -> (s32[], f32[8]) {
 """
   (gather,) = collectives(hlo)
   assert gather.count == 6
+
+
+@needs_libtpu
+def test_jzero_aot_tpu_on_the_command_line(tmp_path):
+  """`jzero aot --tpu v6e --topology 2x4 --json`: the report as JSON on stdout, progress on
+  stderr, libtpu's start-up silent."""
+  import json  # noqa: PLC0415
+  import os  # noqa: PLC0415
+
+  config = tmp_path / "zero1.json"
+  config.write_text(json.dumps(dict(BF16_ADAM, zero_optimization={"stage": 1})))
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
+  done = subprocess.run([sys.executable, "-m", "jzero.cli", "aot", "--config", str(config),
+                         "--tpu", "v6e", "--topology", "2x4", "--layers", "2", "--json"],
+                        capture_output=True, text=True, timeout=300, env=env)
+  assert done.returncode == 0, done.stderr
+  report = json.loads(done.stdout)
+  assert (report["platform"], report["gpu"], report["devices"]) == ("tpu", "TPU v6e", 8)
+  assert report["device_memory"] == 32 * 10**9 and report["fits"] and report["stage"] == 1
+  assert "XLA TPU compile" in done.stderr and "libtpu" not in done.stderr
