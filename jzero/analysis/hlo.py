@@ -30,7 +30,7 @@ returns every all-gather, reduce-scatter, all-reduce, all-to-all and collective-
   follows it to the end of the computation. A TPU program fuses an asynchronous collective into a
   start and a done fusion (custom calls ``AsyncCollectiveStart`` / ``AsyncCollectiveDone``), and
   sends the part of a collective that crosses TPU slices over the data-centre network as
-  host-transfer ``send``\ s for the megascale runtime (kind ``"dcn all-to-all"`` etc.).
+  host-transfer ``send`` instructions for the megascale runtime (kind ``"dcn all-to-all"`` etc.).
 
 :func:`comm_volume` sums them per step and expresses the total in units of Psi (the parameter
 count times the bytes of one element), the unit of the ZeRO paper's communication analysis:

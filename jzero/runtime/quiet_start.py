@@ -83,8 +83,8 @@ TPU_COMPILE_ONLY_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5li
                         "TPU_LOG_DIR": "disabled", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips (what jax._src.hardware_utils looks for)
 
-_HIDDEN: dict[str, types.ModuleType | None] = {}
-_LIBTPU: list[types.ModuleType] = []  # libtpu as imported before prepare() hid it  # name -> what prepare() entered in sys.modules
+_HIDDEN: dict[str, types.ModuleType | None] = {}  # name -> what prepare() entered in sys.modules
+_LIBTPU: list[types.ModuleType] = []  # libtpu as imported before prepare() hid it
 
 
 def _driver_present() -> bool:
