@@ -45,8 +45,8 @@ arguments are laid out in tiles (``T(8,128)``), so the report sets the model-sta
 XLA's, in HBM and in host memory, less the batch and the tiles' padding
 (:func:`jzero.analysis.hlo.parameter_bytes`) -- against the plan's bytes, and a collective is
 asynchronous when XLA fuses it into a start and a done fusion (``AsyncCollectiveStart`` /
-``AsyncCollectiveDone``), overlapped when compute is scheduled between them. ZeRO++'s quantize
-kernels run as their jnp reference there (the Pallas kernels are Triton's, for CUDA).
+``AsyncCollectiveDone``), overlapped when compute is scheduled between them. ZeRO++'s block
+kernels compile there as Pallas' Mosaic kernels (``tpu_custom_call``; Triton's on a GPU).
 
 Limits: memory kinds are dropped on compile-only GPU devices, so host offload cannot be checked
 for a GPU here (``jax.export`` for CUDA shows it instead); compile-only TPU chips keep them (the

@@ -61,8 +61,8 @@ class AotReport:
     device_memory: the part's memory; memory_fraction: the part of it JAX may use.
     trace_s, lower_s, compile_s: wall times of tracing, lowering and XLA's GPU compile.
     collectives: every collective of the scheduled program.
-    pallas_kernels: the Pallas (Triton) kernel calls in the compiled program -- ZeRO++'s int8 /
-      int4 block kernels (``kernels/``); 0 without qwZ / qgZ.
+    pallas_kernels: the Pallas kernel calls (Triton on a GPU, Mosaic on a TPU) in the compiled
+      program -- ZeRO++'s int8 / int4 block kernels (``kernels/``); 0 without qwZ / qgZ.
     matmul_flops: FLOPs of the program's matrix multiplications per device per step, recompute
       included (:func:`jzero.analysis.hlo.matmul_flops`).
     memory_traffic: bytes its other instructions read and write per device per step

@@ -99,8 +99,12 @@ def test_zeropp_step_compiles_for_two_v5e_slices_hpz_within_a_slice():
   assert any(c.kind == "dcn all-to-all" and "u8" in c.payload for c in dcn)
   assert {c.axes for c in dcn} == {("node",)} and all(c.is_async for c in dcn)
   assert any(c.kind == "dcn all-gather" and "s8" in c.payload for c in dcn)  # qwZ's int8
-  # the quantize kernels are Pallas' Triton kernels: on a TPU the step runs their jnp reference
-  assert r.pallas_kernels == 0
+  # the block kernels run as Pallas' Mosaic kernels (tpu_custom_call): quantize before the int8
+  # gather and the int4 hops, requantize-sum between the hops, dequantize(-sum) after them; the
+  # plain stage-3 step calls none
+  assert r.pallas_kernels >= 4 and _compile("stage3", stage=3).pallas_kernels == 0
+  assert f"Pallas kernels (ZeRO++ block quantization, Mosaic): {r.pallas_kernels} calls" in (
+      aot_report.format_report(r))
 
 
 def test_bad_tpu_targets_are_refused_before_any_compile():
