@@ -4,12 +4,13 @@ Each operation reshapes between the public layout (:mod:`jzero.kernels.layout`) 
 (:mod:`jzero.kernels.reference`) -- free reshapes, plus one zero-pad when a chunk does not fill its
 last block -- and runs one kernel, picked by ``impl``:
 
-* ``"auto"`` (default): the Pallas kernel when the computation is lowered for CUDA, the jnp
+* ``"auto"`` (default): the Pallas kernel when the computation is lowered for CUDA (Triton,
+  :mod:`jzero.kernels.pallas`) or for TPU (Mosaic, :mod:`jzero.kernels.mosaic`), the jnp
   reference for every other platform. The choice is made per lowering platform
   (``lax.platform_dependent``), so a CPU run uses jnp and an export or an ahead-of-time compile
-  for CUDA gets the kernel, whatever ``jax.default_backend()`` is.
-* ``"pallas"``: the Pallas kernel everywhere -- compiled on CUDA, interpreted elsewhere (slow; for
-  tests).
+  for CUDA or a TPU slice gets the kernel, whatever ``jax.default_backend()`` is.
+* ``"pallas"``: the Pallas kernel everywhere -- compiled on CUDA and TPU, the Triton kernel
+  interpreted elsewhere (slow; for tests).
 * ``"jnp"``: the reference everywhere.
 
 Inside ``shard_map``, a :class:`~kernels.layout.Quantized` travels through collectives as a
@@ -54,8 +55,8 @@ RULES = ("deepspeed", "no_clip")
 
 def _check_impl(impl: Any) -> str:
   if impl not in IMPLS:
-    _fail(f"impl={impl!r}: pass 'auto' (Pallas on CUDA, jnp elsewhere), 'pallas' (the Pallas "
-          f"kernel; interpreted off CUDA) or 'jnp' (the reference).")
+    _fail(f"impl={impl!r}: pass 'auto' (Pallas on CUDA and TPU, jnp elsewhere), 'pallas' (the "
+          f"Pallas kernel; interpreted off CUDA and TPU) or 'jnp' (the reference).")
   return impl
 
 
@@ -72,18 +73,20 @@ def _run(impl: str, name: str, *args, **static) -> Any:
   if impl == "jnp" or any(a.size == 0 for a in args):
     return reference(*args)
   try:
-    from jzero.kernels import pallas as _pallas  # noqa: PLC0415  (Triton bindings only when needed)
+    # Pallas' Triton and Mosaic bindings only when needed
+    from jzero.kernels import mosaic as _mosaic  # noqa: PLC0415
+    from jzero.kernels import pallas as _pallas  # noqa: PLC0415
   except ImportError as e:  # a jaxlib built without Pallas' Triton backend
     if impl == "auto":
       return reference(*args)
     _fail(f"impl='pallas' needs Pallas' Triton backend, which this jaxlib lacks ({e}); install a "
           f"Linux jaxlib or pass impl='jnp'.")
-  kernel = getattr(_pallas, name)
-  compiled = functools.partial(kernel, **static, interpret=False)
+  kernel, tpu_kernel = getattr(_pallas, name), getattr(_mosaic, name)
+  cuda = functools.partial(kernel, **static, interpret=False)
+  tpu = functools.partial(tpu_kernel, **static, interpret=False)
   interpreted = functools.partial(kernel, **static, interpret=True)
-  if impl == "pallas":
-    return lax.platform_dependent(*args, cuda=compiled, default=interpreted)
-  return lax.platform_dependent(*args, cuda=compiled, default=reference)
+  return lax.platform_dependent(*args, cuda=cuda, tpu=tpu,
+                                default=interpreted if impl == "pallas" else reference)
 
 
 def _values_view(q: Quantized, lead: int) -> tuple[jax.Array, jax.Array]:

@@ -31,10 +31,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 LONGEST_FIRST = [
     "train/test_engine.py", "comm/test_collective_order.py", "modeling/test_gather_units.py",
     "tiers/test_param_nvme.py", "modeling/test_hf_models.py", "comm/test_zeropp.py",
-    "journeys/test_user_script.py",
-    "checkpoint/test_checkpoint.py", "journeys/test_notebooks.py", "runtime/test_launch.py",
+    "journeys/test_user_script.py", "modeling/test_model_state.py",
+    "checkpoint/test_checkpoint.py", "checkpoint/test_optax_interop.py", "journeys/test_notebooks.py", "runtime/test_launch.py",
     "planning/test_aot.py", "planning/test_plan_search.py", "docs/test_snippets.py",
-    "analysis/test_comm_volume.py",
+    "analysis/test_comm_volume.py", "planning/test_overlap.py", "planning/test_aot_tpu.py",
     "cli/test_cli.py",
     "tiers/test_offload.py", "tiers/test_delayed_update.py", "journeys/test_trust.py",
     "checkpoint/test_kill_resume.py", "checkpoint/test_deepspeed_checkpoint.py",

@@ -27,7 +27,10 @@ returns every all-gather, reduce-scatter, all-reduce, all-to-all and collective-
   matrix multiplications among them (gemm fusions, cuBLAS / cuDNN custom calls, dots,
   convolutions) are counted apart, since hiding a large transfer takes a matmul. A start whose done
   is not in the same computation (a collective pipelined across loop iterations) counts what
-  follows it to the end of the computation.
+  follows it to the end of the computation. A TPU program fuses an asynchronous collective into a
+  start and a done fusion (custom calls ``AsyncCollectiveStart`` / ``AsyncCollectiveDone``), and
+  sends the part of a collective that crosses TPU slices over the data-centre network as
+  host-transfer ``send`` instructions for the megascale runtime (kind ``"dcn all-to-all"`` etc.).
 
 :func:`comm_volume` sums them per step and expresses the total in units of Psi (the parameter
 count times the bytes of one element), the unit of the ZeRO paper's communication analysis:
@@ -58,7 +61,7 @@ from jzero.analysis.tables import html_table, require_pyplot, text_table
 from jzero.sharding.mesh import ZeroMesh
 
 __all__ = ["Collective", "CommVolume", "StepTiming", "collectives", "comm_volume", "zero_theory",
-           "unordered_collectives", "matmul_flops", "COMPUTE_OPS"]
+           "unordered_collectives", "matmul_flops", "parameter_bytes", "COMPUTE_OPS"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
@@ -263,6 +266,8 @@ def trip_count(comps: dict[str, list[_Instruction]], caller: str, rest: str) -> 
   cond = re.search(r"condition=%?([\w.\-]+)", rest)
   body = re.search(r"body=%?([\w.\-]+)", rest)
   operands = _operands(rest)
+  if cond and not index:  # a TPU loop names no induction variable: the one its condition reads
+    index = _compared_element(comps.get(cond.group(1), []))
   if not (index and cond and body and operands):
     return None
   i = int(index.group(1))
@@ -276,6 +281,20 @@ def trip_count(comps: dict[str, list[_Instruction]], caller: str, rest: str) -> 
   span = _LOOP_TRIPS[direction](limit - init, 1 if step > 0 else -1)
   trips = -(-span // step) if step > 0 else -(-(-span) // -step)
   return trips if trips > 0 else None
+
+
+def _compared_element(insts: list[_Instruction]) -> re.Match | None:
+  """In a loop condition whose root compares an element of the loop tuple with a constant: the
+  ``index=N`` of that element (None otherwise)."""
+  if not insts or insts[-1][2] != "compare":
+    return None
+  reads = _operands(insts[-1][3])
+  by_name = {name: (op, rest) for name, _, op, rest in insts}
+  for operand in reads:
+    op, rest = by_name.get(operand, ("", ""))
+    if op == "get-tuple-element":
+      return re.search(r"index=(\d+)", rest)
+  return None
 
 
 def _element(insts: list[_Instruction], tuple_name: str | None, index: int) -> str | None:
@@ -420,12 +439,16 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
 
   runs = _run_counts(comps, calls, entry)
   nests = _loop_nests(calls, entry, loops)
+  halves = _tpu_async_halves(comps)
   found = []
   for comp, insts in comps.items():
-    if not runs.get(comp):
-      continue
+    if not runs.get(comp) or halves.get(comp) in (_TPU_DONE, _TPU_CONTINUED):
+      continue  # a TPU done half (or a fusion carrying it) repeats its start's collective
     for index, (name, type_str, op, rest) in enumerate(insts):
       kind = op.removesuffix("-start")
+      if op == "send" and _MEGASCALE in rest:
+        found.append(_dcn_transfer(insts, index, mesh, runs[comp], nests.get(comp, ()), comp))
+        continue
       if kind not in KINDS or op.endswith("-done"):
         continue
       groups = _groups(rest, n_devices)
@@ -437,6 +460,9 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
       if op.endswith("-start"):
         is_async = '"is_sync":true' not in rest
         overlapped, matmuls = _compute_in_flight(insts, index, name)
+      elif halves.get(comp) == _TPU_START:
+        is_async = True
+        overlapped, matmuls = _tpu_in_flight(comps, halves, comp)
       found.append(Collective(kind=kind, name=name, full_bytes=full, group_size=size,
                               axes=_axes(groups, mesh_shape) if mesh_shape else (),
                               count=runs[comp], buffers=len(_ARRAY.findall(outputs)),
@@ -444,6 +470,35 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
                               overlapped_matmuls=matmuls, computation=comp,
                               payload=_payload(outputs), loops=nests.get(comp, ())))
   return found
+
+
+_TILE = re.compile(r"T\(([\d,]+)\)")
+
+
+def parameter_bytes(hlo_text: str) -> tuple[int, int]:
+  """(logical, laid-out) bytes of the entry computation's parameters: the arguments' shard shapes
+  times their element widths, and the same padded to the first tile of each layout (a TPU
+  program's ``T(8,128)`` pads the last two dimensions to multiples of 8 and 128; a scalar's
+  ``T(128)`` takes 128 elements). The laid-out sum is XLA's ``argument_size_in_bytes`` on a TPU;
+  their difference is what the chip's tiles add to the plan's bytes."""
+  comps, _, entry, _ = _parse_module(hlo_text)
+  logical = laid_out = 0
+  for _, type_str, op, _ in comps[entry]:
+    if op != "parameter":
+      continue
+    for dtype, dims, layout in re.findall(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?",
+                                          type_str):
+      shape = [int(d) for d in dims.split(",")] if dims else []
+      width = _BYTES.get(dtype, 0)
+      logical += math.prod(shape) * width
+      tile = _TILE.search(layout or "")
+      if tile:
+        sizes = [int(t) for t in tile.group(1).split(",")]
+        shape = [1] * (len(sizes) - len(shape)) + shape
+        for k, t in enumerate(sizes, start=len(shape) - len(sizes)):
+          shape[k] = -(-shape[k] // t) * t
+      laid_out += math.prod(shape) * width
+  return logical, laid_out
 
 
 def _loop_nests(calls: dict[str, list[tuple[str, int]]], entry: str,
@@ -596,14 +651,100 @@ def _instruction_traffic(comps: dict[str, list[_Instruction]], types: dict[str, 
   return read + written
 
 
+_TPU_START, _TPU_DONE = "AsyncCollectiveStart", "AsyncCollectiveDone"
+_TPU_CONTINUED = "async_collective_fusion"  # compute carrying a collective in flight
+_MEGASCALE = '_xla_host_transfer_handler_name="xla_megascale_runtime"'
+
+
+def _dcn_transfer(insts: list[_Instruction], index: int, mesh: ZeroMesh | None, count: int,
+                  loops: tuple[tuple[str, int], ...], comp: str) -> Collective:
+  """A TPU multi-slice program's hop over the data-centre network: XLA's TPU compiler lowers the
+  part of a collective that crosses slices to a host-transfer ``send`` for the megascale runtime
+  (``_xla_megascale_transfer_type`` names the collective, ``_xla_megascale_target`` the groups of
+  chips, by device id). Its kind is "dcn <collective>", its buffer the bytes sent, and it is
+  overlapped when compute runs between the send and its send-done."""
+  name, type_str, _, rest = insts[index]
+  kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', rest)
+  kind = "dcn " + (kind.group(1).lower().replace("_", "-") if kind else "transfer")
+  # the target: groups of device ids, or "{slices}x{first:last}" (those chips of each slice)
+  target = re.search(r"_xla_megascale_target=\{(\{[^=]*?\})\}", rest)
+  ranged = re.search(r'_xla_megascale_target="\{([\d,]+)\}x\{(\d+):(\d+)\}"', rest)
+  groups = ([[int(x) for x in g.split(",")] for g in re.findall(r"\{([^{}]*)\}", target.group(1))]
+            if target else [[0, 1]])
+  sent = _type_bytes(_tuple_elements(type_str)[0]) if type_str.startswith("(") else 0
+  axes: tuple[str, ...] = ()
+  if mesh is not None:  # device ids -> mesh positions -> the axes the groups span
+    devices = list(mesh.mesh.devices.flat)
+    position = {d.id: i for i, d in enumerate(devices)}
+    positions = [[position.get(d, 0) for d in g] for g in groups]
+    if ranged:  # chip c of each named slice (slice-major positions)
+      slices = sorted({getattr(d, "slice_index", 0) for d in devices})
+      per_slice = len(devices) // len(slices)
+      named = [int(x) for x in ranged.group(1).split(",")]
+      chosen = [i for i, _ in enumerate(slices)][:len(named)]
+      positions = [[i * per_slice + c for i in chosen]
+                   for c in range(int(ranged.group(2)), int(ranged.group(3)) + 1)]
+      groups = positions
+    axes = _axes(positions, dict(mesh.mesh.shape))
+  size = len(groups[0])
+  overlapped, matmuls = _compute_in_flight(insts, index, name)
+  return Collective(kind=kind, name=name, full_bytes=sent * size // max(size - 1, 1),
+                    group_size=size, axes=axes, count=count, is_async=True,
+                    overlapped_ops=overlapped, overlapped_matmuls=matmuls, computation=comp,
+                    payload=_payload(_tuple_elements(type_str)[0]), loops=loops)
+
+
+def _tpu_async_halves(comps: dict[str, list[_Instruction]]) -> dict[str, str]:
+  """The computations of a TPU program that are one half of an asynchronous collective: XLA's
+  TPU compiler fuses a collective into a start fusion (its root a custom call
+  ``AsyncCollectiveStart``) and a done fusion (``AsyncCollectiveDone``, holding a copy of the
+  collective); computation -> which half. Between the two, a collective in flight is carried on
+  by ``async_collective_fusion`` computations (compute fused with the collective's progress, a
+  copy of it inside): they count as the done half does -- the same collective, not another."""
+  halves = {}
+  for comp, insts in comps.items():
+    if comp.startswith("async_collective_fusion"):
+      halves[comp] = _TPU_CONTINUED
+      continue
+    if insts and insts[-1][2] == "custom-call":
+      target = re.search(r'custom_call_target="(\w+)"', insts[-1][3])
+      if target and target.group(1) in (_TPU_START, _TPU_DONE):
+        halves[comp] = target.group(1)
+  return halves
+
+
+def _tpu_in_flight(comps: dict[str, list[_Instruction]], halves: dict[str, str],
+                   start_comp: str) -> tuple[int, int]:
+  """(compute instructions, of which matmuls) a TPU program schedules between the fusion that
+  starts a collective (calls ``start_comp``) and the done fusion that reads its result."""
+  for insts in comps.values():
+    for index, (name, _, op, rest) in enumerate(insts):
+      if op == "fusion" and re.search(rf"calls=%?{re.escape(start_comp)}(?![\w.\-])", rest):
+        return _compute_in_flight(insts, index, name, done=lambda r: _is_done(halves, r))
+  return 0, 0
+
+
+def _is_done(halves: dict[str, str], rest: str) -> bool:
+  callee = re.search(r"calls=%?([\w.\-]+)", rest)
+  return bool(callee and halves.get(callee.group(1)) == _TPU_DONE)
+
+
 def _compute_in_flight(insts: list[tuple[str, str, str, str]], start: int,
-                       name: str) -> tuple[int, int]:
+                       name: str, done: Any = None) -> tuple[int, int]:
   """(compute instructions, of which matmuls) scheduled after ``insts[start]`` and before the done
-  that consumes it (to the end of the computation when the done is elsewhere)."""
+  that consumes it (to the end of the computation when the done is elsewhere); ``done``: for a
+  TPU start fusion, whether an instruction's text is a done fusion (:func:`_tpu_in_flight`)."""
   count = matmuls = 0
+  reads = {name}  # the start, and the tuple elements taken from it
   for inst, _, op, rest in insts[start + 1:]:
     if op.endswith("-done") and rest.split(")")[0].strip().lstrip("%") == name:
       break
+    if done is not None:  # a TPU start fusion: its done is a fusion reading it (or an element)
+      if op == "get-tuple-element" and set(_operands(rest)[:1]) & reads:
+        reads.add(inst)
+        continue
+      if done(rest) and reads & set(_operands(rest)):
+        break
     if op in COMPUTE_OPS:
       count += 1
       callee = _CALLEE.search(rest)

@@ -1,5 +1,5 @@
-"""``jzero aot``: the step compiled for a GPU topology that is not present
-(:mod:`jzero.planning.aot`)."""
+"""``jzero aot``: the step compiled for a GPU topology or a TPU slice that is not present
+(:mod:`jzero.planning.aot`, :mod:`jzero.planning.tpu_specs`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import dataclasses
 import json
 import sys
 
-from jzero.planning.aot import DEFAULT_MEMORY_FRACTION, GPU_SPECS, compile_for
+from jzero.planning.aot import GPU_SPECS, compile_for
+from jzero.planning.tpu_specs import TPU_SPECS
 from jzero.planning.aot_report import format_report
 from jzero.cli.processes import host_only
 from jzero.errors import ConfigError
@@ -34,6 +35,14 @@ def add_aot_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--devices", type=int, default=8, help="GPUs in all (default 8)")
   parser.add_argument("--nodes", type=int, default=1,
                       help="nodes the GPUs are spread over (default 1)")
+  parser.add_argument("--tpu", choices=sorted(TPU_SPECS), default=None,
+                      help="compile for a TPU slice instead of GPUs (tpu-aot extra): the "
+                           "generation; give --topology too")
+  parser.add_argument("--topology", default=None,
+                      help="the TPU slice's chip grid, e.g. 2x4 (v5e, v6e) or 2x2x2 (v4, v5p)")
+  parser.add_argument("--slices", type=int, default=1,
+                      help="TPU slices joined by the data-centre network (default 1; ZeRO++'s "
+                           "hpZ / qgZ take them as the node axis)")
   parser.add_argument("--mesh", default=None,
                       help="mesh file (configs/mesh/*.yaml); default: all GPUs on one data axis")
   m = parser.add_argument_group("model (the embedded GPT)")
@@ -53,9 +62,9 @@ def add_aot_arguments(parser: argparse.ArgumentParser) -> None:
   s.add_argument("--checkpoint-activations", action=argparse.BooleanOptionalAction, default=None,
                  help="add / remove the config's activation_checkpointing block (default: as "
                       "the config says)")
-  parser.add_argument("--mem-fraction", type=float, default=DEFAULT_MEMORY_FRACTION,
-                      help="fraction of GPU memory the step may use (default 0.75, what JAX "
-                           "preallocates)")
+  parser.add_argument("--mem-fraction", type=float, default=None,
+                      help="fraction of the device's memory the step may use (default: 0.75 of "
+                           "a GPU, what JAX preallocates; 1.0 of a TPU's HBM)")
   parser.add_argument("--advice", action=argparse.BooleanOptionalAction, default=True,
                       help="where under 90%% of the bytes overlap compute, compile the step again "
                            "with each knob that would raise it and report what each gives and "
@@ -78,7 +87,11 @@ def run_aot(args: argparse.Namespace) -> int:
   if model.d_model % model.n_heads:
     raise ConfigError(f"--d-model {model.d_model} is not a multiple of --heads {model.n_heads}.")
   progress = lambda line: print(f"jzero aot: {line}", file=sys.stderr, flush=True)  # noqa: E731
-  report = compile_for(args.config, args.gpu, args.devices, nodes=args.nodes, mesh=args.mesh,
+  tpu = {} if args.tpu is None else {"tpu": args.tpu, "topology": args.topology,
+                                     "slices": args.slices}
+  if args.tpu is None and args.topology is not None:
+    raise ConfigError(f"--topology {args.topology!r} is a TPU slice's: give --tpu too.")
+  report = compile_for(args.config, args.gpu, args.devices, nodes=args.nodes, mesh=args.mesh, **tpu,
                        model=model, micro_batch=args.micro_batch, precision=args.precision,
                        checkpoint_activations=args.checkpoint_activations,
                        memory_fraction=args.mem_fraction, progress=progress,

@@ -45,6 +45,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument(flag, type=int, default=None, dest=field, help=f"GPTConfig.{field}")
   t = parser.add_argument_group("target (defaults: the part's datasheets and node, printed)")
   t.add_argument("--gpu", default="h100", help=f"GPU part: {', '.join(sorted(GPU_SPECS))}")
+  t.add_argument("--tpu", choices=("v4", "v5e", "v5p", "v6e"), default=None,
+                 help="plan for a TPU slice instead (tpu-aot extra to compile); give --topology")
+  t.add_argument("--topology", default=None, help="the TPU slice's chip grid, e.g. 2x2x2")
+  t.add_argument("--slices", type=int, default=1, help="TPU slices over DCN (default 1)")
   t.add_argument("--devices", type=int, default=8, help="GPUs per node (default 8)")
   t.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
   t.add_argument("--host-memory", type=parse_bytes, default=None, help="host memory per node")
@@ -107,6 +111,7 @@ def _advise(plan) -> None:
 
   chosen = plan.chosen
   if (chosen is None or chosen.compiled is None or plan.target == "cpu"
+      or plan.target.startswith("tpu:")  # the knobs advised are XLA GPU options
       or chosen.resources.overlap >= ADVISE_BELOW):
     return
   progress = lambda line: print(f"jzero plan: {line}", file=sys.stderr, flush=True)  # noqa: E731
@@ -141,7 +146,8 @@ def run_plan(args: argparse.Namespace) -> int:
                   nvme_bandwidth=args.nvme_bandwidth, mem_fraction=args.mem_fraction,
                   compile=args.compile_top > 0, compile_top=args.compile_top,
                   time_budget=args.time_budget, margin=args.margin, stages=stages,
-                  cache_dir=args.cache_dir,
+                  cache_dir=args.cache_dir, tpu=args.tpu, topology=args.topology,
+                  slices=args.slices,
                   progress=lambda line: print(f"jzero plan: {line}", file=sys.stderr, flush=True))
   print(format_plan(plan, limit=None if args.all else 40))
   _advise(plan)

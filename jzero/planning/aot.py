@@ -36,8 +36,21 @@ and whether compute is scheduled while it is in flight. ``overlap_fraction`` is 
 bytes sent per step that overlap compute, ``matmul_overlap_fraction`` the share with a matrix
 multiplication in flight (a LayerNorm beside a 90 MB gather hides little of it).
 
-Limits: memory kinds are dropped on compile-only devices, so host offload cannot be checked here
-(``jax.export`` for CUDA shows it instead); the schedule and the overlap are XLA's cost model's
+**TPU slices.** ``compile_for(config, tpu="v5e", topology="2x4", slices=1)`` does the same for
+compile-only TPU chips (:mod:`jzero.planning.tpu_specs`: libtpu, the ``tpu-aot`` extra; several
+slices are joined by DCN and make hpZ / qgZ's node axis). What differs: XLA's TPU compiler plans
+with the chip's HBM (no pool to emulate, memory fraction 1.0 by default), DeepSpeed's bucket and
+overlap knobs are GPU compile options and are not passed (XLA's TPU defaults apply), the
+arguments are laid out in tiles (``T(8,128)``), so the report sets the model-state arguments --
+XLA's, in HBM and in host memory, less the batch and the tiles' padding
+(:func:`jzero.analysis.hlo.parameter_bytes`) -- against the plan's bytes, and a collective is
+asynchronous when XLA fuses it into a start and a done fusion (``AsyncCollectiveStart`` /
+``AsyncCollectiveDone``), overlapped when compute is scheduled between them. ZeRO++'s block
+kernels compile there as Pallas' Mosaic kernels (``tpu_custom_call``; Triton's on a GPU).
+
+Limits: memory kinds are dropped on compile-only GPU devices, so host offload cannot be checked
+for a GPU here (``jax.export`` for CUDA shows it instead); compile-only TPU chips keep them (the
+``pinned_host`` arguments are counted apart). The schedule and the overlap are XLA's cost model's
 decisions, not a measurement of a run.
 
 ``GPU_SPECS`` are XLA GPU target configs (``jzero/planning/gpu_specs/``): XLA's own for the H100,
@@ -58,7 +71,7 @@ from typing import Any, Callable
 from jzero.analysis.tables import format_bytes, format_count
 from jzero.comm import program
 from jzero.errors import ConfigError, JZeroError
-from jzero.planning import overlap
+from jzero.planning import overlap, tpu_specs
 from jzero.planning.aot_report import AotReport
 from jzero.runtime import quiet_start
 
@@ -86,6 +99,7 @@ INSTALL_HINT = ('pip install -e ".[gpu-aot]" (or pip install "jzero[gpu-aot]"): 
                 'plugin, jax-cuda12-plugin and jax-cuda12-pjrt matching your jax; no GPU and no '
                 'CUDA libraries are needed')
 TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"  # the custom call a Pallas GPU kernel lowers to
+MOSAIC_CALL_TARGET = 'custom_call_target="tpu_custom_call"'  # a Pallas TPU (Mosaic) kernel
 DEFAULT_MEMORY_FRACTION = 0.75  # what JAX preallocates on a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION)
 
 
@@ -305,7 +319,8 @@ def _step_estimate(engine: Any, state: Any, gpt: Any) -> float:
 
 def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, advise: bool = False,
                 **kwargs: Any) -> AotReport:
-  """Compiles one train step for ``devices`` GPUs of one part without a GPU; see the module doc.
+  """Compiles one train step for ``devices`` GPUs of one part without a GPU -- or, with
+  ``tpu="v5e", topology="2x4"``, for a TPU slice without a TPU; see the module doc.
 
   The arguments are :func:`prepare`'s, and ``advise``: where less than
   :data:`jzero.planning.overlap.ADVISE_BELOW` of the bytes overlap, compile the step again with
@@ -322,8 +337,9 @@ def prepare(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int = 1,
             loss_fn: Callable[..., Any] | None = None, batch: Any = None,
             micro_batch: int | None = None, precision: str | None = None,
             checkpoint_activations: bool | None = None,
-            memory_fraction: float = DEFAULT_MEMORY_FRACTION, total_num_steps: int = 1000,
-            progress: Callable[[str], None] | None = None) -> tuple[Target, dict[str, Any]]:
+            memory_fraction: float | None = None, total_num_steps: int = 1000,
+            progress: Callable[[str], None] | None = None, tpu: str | None = None,
+            topology: str | None = None, slices: int = 1) -> tuple[Target, dict[str, Any]]:
   """The compile-only target and the config (as a dict, overrides applied) that
   :func:`compile_once` compiles; checked before any compile.
 
@@ -342,22 +358,38 @@ def prepare(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int = 1,
     precision: overrides the config's precision ("fp32", "bf16", "fp16").
     checkpoint_activations: adds (True) or removes (False) the config's
       ``activation_checkpointing`` block; None keeps it as it is.
-    memory_fraction: the part of the GPU's memory the step may use (JAX preallocates 75%).
+    memory_fraction: the part of the device's memory the step may use (default: on a GPU 0.75,
+      what JAX preallocates; on a TPU 1.0).
     total_num_steps: fills a scheduler's "auto" total (the LR values, not the program's shape).
     progress: called with one line per phase (the CLI prints them to stderr).
+    tpu, topology, slices: instead of ``gpu`` / ``devices`` / ``nodes``: a TPU generation
+      (:data:`jzero.planning.tpu_specs.TPU_SPECS`), its slice's chip grid ("2x4", "2x2x2") and
+      how many slices the data-centre network joins (they take ``nodes``' place: hpZ / qgZ's
+      node axis is the slice, DCN, and the local axis the slice's chips, ICI).
 
   Raises:
-    ConfigError: bad config, GPU name, device count or mesh file (before any compile).
-    JZeroError: the CUDA compiler plugin is missing (the message names the extra to install).
+    ConfigError: bad config, GPU / TPU name, device count, topology or mesh file (before any
+      compile).
+    JZeroError: the CUDA compiler plugin or libtpu is missing (the message names the extra).
   """
   from jzero.sharding.mesh import MeshSpec  # noqa: PLC0415
   from jzero.models import lm_loss  # noqa: PLC0415
 
   say = progress or (lambda _: None)
+  if memory_fraction is None:
+    memory_fraction = DEFAULT_MEMORY_FRACTION if tpu is None else 1.0
   if not 0 < memory_fraction <= 1:
-    raise ConfigError(f"--mem-fraction {memory_fraction}: give the fraction of GPU memory the "
-                      f"step may use, in (0, 1] (JAX preallocates 0.75 by default).")
-  spec = gpu_spec(gpu)
+    raise ConfigError(f"--mem-fraction {memory_fraction}: give the fraction of the device's "
+                      f"memory the step may use, in (0, 1] (JAX preallocates 0.75 of a GPU).")
+  if tpu is not None:
+    spec = tpu_specs.tpu_spec(tpu)
+    shape = tpu_specs.parse_topology(spec, topology or "")
+    devices, nodes = math.prod(shape) * slices, slices
+  else:
+    if topology is not None:
+      raise ConfigError(f"--topology {topology!r} is a TPU slice's: give --tpu too (a GPU "
+                        f"topology is --devices and --nodes).")
+    spec = gpu_spec(gpu)
   data = _config_dict(config, precision, checkpoint_activations, micro_batch)
   factory, gpt, what = _model(model)
   if gpt is None and (loss_fn is None or batch is None):
@@ -377,10 +409,14 @@ def prepare(config: Any, gpu: str = "h100", devices: int = 8, *, nodes: int = 1,
     # ZeRO++'s hpZ / qgZ need the node x local split: the topology's own
     mesh_spec = MeshSpec(axes=(("node", nodes), ("local", devices // nodes)),
                          zero_axes=("node", "local"), batch_axes=("node", "local"))
-  gpus = gpu_devices(spec, devices, nodes)
-  zmesh = mesh_spec.build(gpus)
-  say(f"{devices} x {spec.description} ({nodes} node{'s' * (nodes > 1)}), compile-only; mesh "
-      f"{zmesh.describe()}")
+  if tpu is not None:
+    chips = tpu_specs.tpu_devices(spec, topology, slices)
+    where = f"{slices} x {spec.name}:{topology} slice{'s' * (slices > 1)}"
+  else:
+    chips = gpu_devices(spec, devices, nodes)
+    where = f"{nodes} node{'s' * (nodes > 1)}"
+  zmesh = mesh_spec.build(chips)
+  say(f"{devices} x {spec.description} ({where}), compile-only; mesh {zmesh.describe()}")
   target = Target(spec=spec, devices=devices, nodes=nodes, mesh=zmesh, factory=factory, gpt=gpt,
                   what=what, loss_fn=loss_fn or lm_loss, batch=batch,
                   memory_fraction=memory_fraction, total_num_steps=total_num_steps, say=say)
@@ -392,7 +428,7 @@ class Target:
   """What every compile of one :func:`compile_for` call shares: the part, the topology and its
   mesh, the model, its loss and batch, the memory the step may use, and where progress goes."""
 
-  spec: GpuSpec
+  spec: GpuSpec | tpu_specs.TpuSpec
   devices: int
   nodes: int
   mesh: Any
@@ -422,7 +458,8 @@ def _io_bytes(batch: Any, lowered: Any) -> float:
   def shard_bytes(x: Any) -> float:
     return math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
 
-  return sum(shard_bytes(x) for x in jax.tree.leaves((batch, lowered.out_info)))
+  return sum(shard_bytes(x) for x in jax.tree.leaves(
+      (batch, lowered.out_info if lowered is not None else None)))
 
 
 def _scheduler_slop(options: dict[str, Any]) -> int:
@@ -445,7 +482,8 @@ def compile_once(target: Target, data: dict[str, Any], slop: int | None = None,
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
-  from jzero.analysis.hlo import collectives, matmul_flops, memory_traffic  # noqa: PLC0415
+  from jzero.analysis.hlo import (collectives, matmul_flops, memory_traffic,  # noqa: PLC0415
+                                  parameter_bytes)
   from jzero.train.initialize import initialize  # noqa: PLC0415
 
   say, zmesh, spec, gpt = target.say, target.mesh, target.spec, target.gpt
@@ -475,16 +513,28 @@ def compile_once(target: Target, data: dict[str, Any], slop: int | None = None,
   options = program.compile_options(engine.plan)
   run_slop = run_slop if run_slop is not None else _scheduler_slop(options)
   io = _io_bytes(batch, lowered)
-  emulated = slop if slop is not None else program.scheduler_slop_for(
-      run_slop, target.pool, spec.memory_bytes, io)
-  extra = program.supported(zmesh.mesh.devices.flat[0], {program.SLOP_OPTION: emulated})
-  say(f"lowered in {t2 - t1:.1f} s; XLA GPU compile (fusion, combiners, scheduling; the "
-      f"scheduler's memory limit {format_bytes(_limit(target, io, run_slop, slop))})")
+  on_gpu = isinstance(spec, GpuSpec)
+  extra = {}
+  if on_gpu:  # a TPU compile plans with the chip's own HBM: no pool to emulate
+    emulated = slop if slop is not None else program.scheduler_slop_for(
+        run_slop, target.pool, spec.memory_bytes, io)
+    extra = program.supported(zmesh.mesh.devices.flat[0], {program.SLOP_OPTION: emulated})
+  limit = _limit(target, io, run_slop, slop) if on_gpu else 0.0
+  if not on_gpu:
+    say("reduce_bucket_size / allgather_bucket_size / overlap_comm / the prefetch knobs are XLA "
+        "GPU options: the TPU compile keeps XLA's TPU defaults for them")
+  say(f"lowered in {t2 - t1:.1f} s; XLA {'GPU' if on_gpu else 'TPU'} compile (fusion, "
+      f"combiners, scheduling" + (f"; the scheduler's memory limit {format_bytes(limit)})"
+                                  if on_gpu else ")"))
   compiled = lowered.compile(compiler_options=extra or None)
   t3 = time.perf_counter()
   say(f"compiled in {t3 - t2:.1f} s")
   analysis = compiled.memory_analysis()
   hlo = compiled.as_text()
+  tile_padding = 0
+  if not on_gpu:  # a TPU lays each argument out in tiles: what they add, apart from the plan's
+    logical, laid_out = parameter_bytes(hlo)
+    tile_padding = laid_out - logical
   return AotReport(
       gpu=spec.description, gpu_name=spec.name, devices=target.devices, nodes=target.nodes,
       mesh=zmesh.describe(), stage=cfg.zero_optimization.stage, precision=cfg.precision,
@@ -497,9 +547,11 @@ def compile_once(target: Target, data: dict[str, Any], slop: int | None = None,
       device_memory=spec.memory_bytes, memory_fraction=target.memory_fraction, trace_s=t1 - t0,
       lower_s=t2 - t1, compile_s=t3 - t2, collectives=collectives(hlo, zmesh),
       xla_options=options, scheduler_slop=extra.get(program.SLOP_OPTION, 0),
-      pallas_kernels=pallas_calls(hlo),
+      pallas_kernels=pallas_calls(hlo), platform="gpu" if on_gpu else "tpu",
+      tile_padding=tile_padding, batch_bytes=_io_bytes(batch, None) if not on_gpu else 0,
+      host_argument=getattr(analysis, "host_argument_size_in_bytes", 0) if not on_gpu else 0,
       matmul_flops=matmul_flops(hlo), memory_traffic=memory_traffic(hlo),
-      scheduler_limit=_limit(target, io, run_slop, slop), prefetch=engine.plan.prefetch,
+      scheduler_limit=limit, prefetch=engine.plan.prefetch,
       largest_gathered=engine.plan.gathered_working_set()[0]
       * jnp.dtype(engine.plan.compute_dtype).itemsize,
       step_estimate=_step_estimate(engine, state, gpt))
@@ -514,6 +566,8 @@ def _limit(target: Target, io: float, run_slop: int, slop: int | None) -> float:
 
 
 def pallas_calls(hlo_text: str) -> int:
-  """The Pallas kernels a compiled GPU program calls: its Triton custom calls."""
+  """The Pallas kernels a compiled program calls: a GPU program's Triton custom calls, a TPU
+  program's Mosaic ones."""
   return sum(1 for line in hlo_text.splitlines()
-             if "custom-call(" in line and TRITON_CALL_TARGET in line)
+             if "custom-call(" in line and (TRITON_CALL_TARGET in line
+                                            or MOSAIC_CALL_TARGET in line))

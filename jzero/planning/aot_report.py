@@ -61,8 +61,8 @@ class AotReport:
     device_memory: the part's memory; memory_fraction: the part of it JAX may use.
     trace_s, lower_s, compile_s: wall times of tracing, lowering and XLA's GPU compile.
     collectives: every collective of the scheduled program.
-    pallas_kernels: the Pallas (Triton) kernel calls in the compiled program -- ZeRO++'s int8 /
-      int4 block kernels (``kernels/``); 0 without qwZ / qgZ.
+    pallas_kernels: the Pallas kernel calls (Triton on a GPU, Mosaic on a TPU) in the compiled
+      program -- ZeRO++'s int8 / int4 block kernels (``kernels/``); 0 without qwZ / qgZ.
     matmul_flops: FLOPs of the program's matrix multiplications per device per step, recompute
       included (:func:`jzero.analysis.hlo.matmul_flops`).
     memory_traffic: bytes its other instructions read and write per device per step
@@ -80,6 +80,12 @@ class AotReport:
     step_estimate: the peak the arithmetic predicts for this step
       (:func:`jzero.analysis.step_memory.step_memory`; 0 for a model that is not the embedded
       GPT).
+    platform: "gpu", or "tpu" for a TPU slice (then ``gpu`` names the chip, ``nodes`` counts the
+      slices, and the Pallas kernels are Mosaic's).
+    tile_padding, batch_bytes: on a TPU, the bytes its layout tiles add to the arguments
+      (:func:`jzero.analysis.hlo.parameter_bytes`) and the batch's bytes per chip; 0 on a GPU.
+    host_argument: on a TPU, XLA's arguments in host memory (``pinned_host`` offload: compiled
+      with their memory kinds); 0 on a GPU, whose compile-only devices drop memory kinds.
   """
 
   gpu: str
@@ -117,6 +123,16 @@ class AotReport:
   choices: tuple[str, ...] = ()
   advice: tuple[Advice, ...] = ()
   step_estimate: float = 0.0
+  platform: str = "gpu"
+  tile_padding: int = 0
+  batch_bytes: int = 0
+  host_argument: int = 0
+
+  @property
+  def state_arguments(self) -> int:
+    """The step's arguments that are model state, as the plan counts bytes: XLA's arguments in
+    device and host memory less the batch and what a TPU's tiles add."""
+    return self.argument + self.host_argument - self.tile_padding - self.batch_bytes
 
   @property
   def kinds(self) -> tuple[str, ...]:
@@ -237,8 +253,8 @@ def report_parts(r: AotReport) -> list[Any]:
       f"{r.model}, {format_count(r.num_params)} params",
       f"  mesh {r.mesh}; micro-batch {r.micro_batch} x gas {r.gradient_accumulation_steps}, "
       f"activation checkpointing {'on' if r.checkpoint_activations else 'off'}",
-      f"  compile: trace {r.trace_s:.1f} s, lower {r.lower_s:.1f} s, XLA GPU compile "
-      f"{r.compile_s:.1f} s", ""]
+      f"  compile: trace {r.trace_s:.1f} s, lower {r.lower_s:.1f} s, XLA "
+      f"{r.platform.upper()} compile {r.compile_s:.1f} s", ""]
   rows = [[k, format_bytes(r.state[k]), format_bytes(r.estimate[k])] for k in r.kinds]
   rows.append(["total", format_bytes(r.model_states),
                format_bytes(sum(r.estimate[k] for k in r.kinds))])
@@ -247,10 +263,19 @@ def report_parts(r: AotReport) -> list[Any]:
   parts.append(("model state per device (grads: in the compute dtype, inside the step)",
                 ["kind", "plan", "estimator"], rows))
   ratio = r.argument / r.persistent_state if r.persistent_state else math.nan
-  parts += ["", f"XLA memory_analysis per device: arguments {format_bytes(r.argument)} (plan's "
-                f"params + master + optimizer {format_bytes(r.persistent_state)}, ratio "
-                f"{ratio:.4f}), outputs {format_bytes(r.output)}, temp {format_bytes(r.temp)}, "
-                f"aliased {format_bytes(r.alias)}; peak {format_bytes(r.peak)}",
+  parts += [""]
+  if r.platform == "tpu":
+    ratio = r.state_arguments / r.persistent_state if r.persistent_state else math.nan
+    parts.append(f"model-state arguments {format_bytes(r.state_arguments)} (XLA's arguments "
+                 f"{format_bytes(r.argument)} in HBM + {format_bytes(r.host_argument)} in host "
+                 f"memory, less the batch {format_bytes(r.batch_bytes)} and "
+                 f"the TPU tiles' padding {format_bytes(r.tile_padding)}) / the plan's params + "
+                 f"master + optimizer {format_bytes(r.persistent_state)}: ratio {ratio:.4f}")
+  parts += [f"XLA memory_analysis per device: arguments {format_bytes(r.argument)} (plan's "
+            f"params + master + optimizer {format_bytes(r.persistent_state)}, ratio "
+            f"{r.argument / r.persistent_state if r.persistent_state else math.nan:.4f}), "
+            f"outputs {format_bytes(r.output)}, temp {format_bytes(r.temp)}, "
+            f"aliased {format_bytes(r.alias)}; peak {format_bytes(r.peak)}",
             *([f"estimated peak (jzero.analysis.step_memory): {format_bytes(r.step_estimate)}, "
                f"estimate / compiled {r.step_estimate / r.peak:.2f}"] if r.step_estimate else []),
             f"fits: {'yes' if r.fits else 'NO'} -- peak {format_bytes(r.peak)} of "
@@ -271,7 +296,8 @@ def report_parts(r: AotReport) -> list[Any]:
                f"{format_bytes(r.sent_bytes)} sent per device per step "
                f"({pct(r.matmul_overlap_fraction)} with a matmul in flight)")
   parts += _overlap_parts(r)
-  parts.append(f"Pallas kernels (ZeRO++ block quantization, Triton): {r.pallas_kernels} calls")
+  parts.append(f"Pallas kernels (ZeRO++ block quantization, "
+               f"{'Triton' if r.platform == 'gpu' else 'Mosaic'}): {r.pallas_kernels} calls")
   return parts
 
 

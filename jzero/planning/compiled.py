@@ -105,8 +105,13 @@ def _compile_gpu(config: dict, gpu: str, devices: int, nodes: int, model: Any,
   from jzero.planning import loop_overlap  # noqa: PLC0415
   from jzero.planning.aot import compile_for  # noqa: PLC0415
 
-  report = compile_for(config, gpu, devices, nodes=nodes, model=model,
-                       memory_fraction=memory_fraction)
+  if gpu.startswith("tpu:"):  # "tpu:v5p:2x2x2": a TPU slice; nodes are its slices
+    _, tpu, topology = gpu.split(":")
+    report = compile_for(config, tpu=tpu, topology=topology, slices=nodes, model=model,
+                         memory_fraction=memory_fraction)
+  else:
+    report = compile_for(config, gpu, devices, nodes=nodes, model=model,
+                         memory_fraction=memory_fraction)
   intra, inter, overlap = _split(report.collectives, nodes)
   shares = loop_overlap.breakdown(report.collectives, report.gradient_accumulation_steps)
   in_loop = loop_overlap.place_overlap(shares, loop_overlap.IN_LOOP)

@@ -37,6 +37,7 @@ leaves a quarter of the card unused).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 from typing import Any, NamedTuple
@@ -46,8 +47,8 @@ from jzero.errors import ConfigError
 
 __all__ = ["Constant", "Hardware", "Resources", "Prediction", "gpu_hardware", "cpu_hardware",
            "predict", "measure_memory_bandwidth", "describe_constants",
-           "NODE_DATASHEETS", "MATMUL_EFFICIENCY", "DEFAULT_MEM_FRACTION", "JAX_MEM_FRACTION",
-           "MEM_FRACTION_ENV"]
+           "NODE_DATASHEETS", "MATMUL_EFFICIENCY", "tpu_hardware", "DEFAULT_MEM_FRACTION",
+           "JAX_MEM_FRACTION", "MEM_FRACTION_ENV"]
 
 MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"  # what JAX preallocates of each GPU
 JAX_MEM_FRACTION = 0.75  # JAX's default preallocation
@@ -264,6 +265,71 @@ def gpu_hardware(gpu: str, devices_per_node: int, nodes: int = 1, *, precision: 
       memory_fraction=Constant(memory_fraction, fraction_source),
       peak_flops=flops, matmul_efficiency=MATMUL_EFFICIENCY,
       hbm_bandwidth=Constant(bandwidth, f"memory_bandwidth of XLA's GPU spec ({spec.name})"),
+      **rates)
+
+
+# What a TPU host gives its chips (Cloud TPU docs, the generation's page: "DRAM per host", chips
+# per host); v4 / v5p pages publish no host DRAM, so a plan there is told it with --host-memory.
+_TPU_HOSTS = {"v4": (None, 4), "v5e": (512 * 2**30, 8), "v5p": (None, 4),
+              "v6e": (1536 * 2**30, 8)}
+
+
+def tpu_hardware(tpu: str, topology: str, slices: int = 1, *,
+                 memory_fraction: float = 1.0, **overrides: float | None) -> Hardware:
+  """The rates of ``slices`` TPU slices of ``topology`` chips of one generation (a ``--tpu``
+  name; :data:`jzero.planning.tpu_specs.TPU_SPECS`, each figure's source there). A slice is a
+  "node": ICI inside it, DCN between slices. ``overrides`` replace a value, as in
+  :func:`gpu_hardware`.
+
+  Raises:
+    ConfigError: an unknown TPU or topology, or several slices of a generation whose DCN
+      bandwidth is not published (v4, v5p) without ``inter_node_bandwidth``.
+  """
+  from jzero.planning import tpu_specs  # noqa: PLC0415
+
+  spec = tpu_specs.tpu_spec(tpu)
+  chips = math.prod(tpu_specs.parse_topology(spec, topology))
+  if not 0 < memory_fraction <= 1:
+    raise ConfigError(f"--mem-fraction {memory_fraction}: give the share of each chip's HBM the "
+                      f"step may use, in (0, 1].")
+  page = f"Cloud TPU docs, {spec.source}"
+  dram, per_host = _TPU_HOSTS[spec.name]
+  hosts = max(1, chips // per_host)
+  dcn = (Constant(spec.dcn_bandwidth, f"the host's NICs shared by its {per_host} chips ({page})")
+         if spec.dcn_bandwidth else Constant(1.0, "unused: one slice (no published DCN figure)"))
+  rates = {
+      "intra_node_bandwidth": Constant(spec.ici_bandwidth / 2, f"ICI: half the chip's "
+                                       f"bidirectional {spec.ici_bandwidth / 1e9:g} GB/s ({page})"),
+      "inter_node_bandwidth": dcn,
+      "pcie_bandwidth": Constant(16e9, "assumed: PCIe Gen4 x8 each way, host to chip (Google "
+                                 "publishes no figure)"),
+      "host_bandwidth": Constant(200e9 * hosts, f"assumed: 200 GB/s of DRAM per host x {hosts} "
+                                 f"host(s)"),
+      "host_memory": (Constant(dram * hosts, f"{dram / 2**30:g} GiB DRAM per host x {hosts} "
+                               f"host(s) ({page})") if dram else
+                      Constant(0.0, "not published for this generation: give --host-memory")),
+      "nvme_bytes": Constant(0.0, "TPU VMs have no local NVMe (give --nvme for a disk)"),
+      "nvme_bandwidth": Constant(1e9, "assumed: a persistent disk's ~1 GB/s"),
+  }
+  for key, value in overrides.items():
+    if key not in rates:
+      raise TypeError(f"tpu_hardware: unknown override {key!r}")
+    if value is not None:
+      rates[key] = Constant(float(value), "given")
+  if slices > 1 and rates["inter_node_bandwidth"].value <= 1.0:
+    raise ConfigError(f"--tpu {spec.name} over {slices} slices: Google publishes no DCN bandwidth "
+                      f"for {spec.name}; plan one slice, or give the inter-slice rate.")
+  return Hardware(
+      name=f"{chips * slices} x {spec.description} ({slices} x {spec.name}:{topology} "
+           f"slice{'s' * (slices > 1)})",
+      devices_per_node=chips, nodes=slices,
+      device_memory=Constant(spec.memory_bytes, f"HBM per chip ({page})"),
+      memory_fraction=Constant(memory_fraction, "a TPU run uses its whole HBM (no preallocated "
+                               "pool)" if memory_fraction == 1.0 else "--mem-fraction"),
+      peak_flops=Constant(spec.bf16_flops, f"bf16 peak per chip ({page}); fp32 matmuls run as "
+                          f"bf16 passes at JAX's default precision"),
+      matmul_efficiency=MATMUL_EFFICIENCY,
+      hbm_bandwidth=Constant(spec.hbm_bandwidth, f"HBM bandwidth per chip ({page})"),
       **rates)
 
 

@@ -44,7 +44,7 @@ from jzero.planning.candidates import (CHECKPOINTING, Candidate, Estimated, Job,
                                        activation_bytes_of, candidates, estimated, gpt_for_params)
 from jzero.planning.compiled import Compiled, compile_candidate, device_twin
 from jzero.planning.cost import (DEFAULT_MEM_FRACTION, Hardware, Prediction, Resources,
-                                 gpu_hardware, predict)
+                                 gpu_hardware, predict, tpu_hardware)
 
 __all__ = ["Row", "Plan", "SearchLog", "plan_for", "DEFAULT_MARGIN", "DEFAULT_COMPILE_TOP",
            "DEFAULT_TIME_BUDGET"]
@@ -256,12 +256,15 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
              offload_tiers: tuple[str, ...] | None = None,
              checkpointing: tuple[str, ...] = CHECKPOINTING, base_config: dict | None = None,
              cache_dir: str | Path | None = None,
-             progress: Callable[[str], Any] | None = None) -> Plan:
+             progress: Callable[[str], Any] | None = None, tpu: str | None = None,
+             topology: str | None = None, slices: int = 1) -> Plan:
   """Plans a job: which ZeRO config runs it fastest on the target (see the module docstring).
 
   Args:
     model: a GPT preset name, a parameter count
       (:func:`~jzero.planning.candidates.gpt_for_params`), or a ``GPTConfig``.
+    tpu, topology, slices: instead of ``gpu``: a TPU slice (the rates of
+      :func:`~jzero.planning.cost.tpu_hardware`; candidates compiled for its compile-only chips).
     gpu: the target GPU (a :data:`jzero.planning.aot.GPU_SPECS` name); ``None`` with ``hardware``
       for this machine's CPU devices (:func:`jzero.planning.cost.cpu_hardware`).
     devices: devices per node; nodes: nodes.
@@ -298,6 +301,12 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
   if compile_top < 0:
     raise ConfigError(f"--compile-top {compile_top}: give 0 or more candidates to compile.")
   target = "cpu" if gpu is None else gpu
+  if tpu is not None and hardware is None:  # a TPU slice: compiled as "tpu:<generation>:<grid>"
+    hardware = tpu_hardware(tpu, topology or "", slices, host_memory=host_memory,
+                            nvme_bytes=nvme_bytes, nvme_bandwidth=nvme_bandwidth,
+                            memory_fraction=1.0 if mem_fraction == DEFAULT_MEM_FRACTION
+                            else mem_fraction)
+    target = f"tpu:{tpu}:{topology}"
   if hardware is None:
     if gpu is None:
       raise ConfigError("plan_for(gpu=None) plans for this machine's CPU devices: pass "

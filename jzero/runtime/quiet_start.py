@@ -36,26 +36,55 @@ What remains: a script that imports JAX *before* jzero has loaded the kernel pac
 their three lines are printed by then (``import jax`` alone prints them wherever the plugin is
 installed without a driver); jzero still keeps the backends' start quiet. On a machine with a
 driver, or with ``JAX_PLATFORMS`` naming ``cuda`` / ``gpu``, nothing is hidden.
+
+**libtpu** (jzero's ``tpu-aot`` extra, which ``jzero aot --tpu`` needs) is the same story: on a
+machine without TPU chips JAX's backend start tries it anyway (its ``tpu`` backend factory loads
+``libtpu.so``), and the library, finding no TPU VM metadata, prints "could not determine TPU
+accelerator type", "unexpected worker hostname" and an error trace -- and costs seconds. Where no
+TPU chip is on the PCI bus (Google's vendor id) and ``JAX_PLATFORMS`` does not ask for ``tpu``,
+:func:`prepare` enters ``libtpu`` in ``sys.modules`` as ``None``: JAX finds no library, as on a
+machine without it. :func:`load_tpu_compiler` (a compile for a TPU topology) takes it out again
+after setting, before the library loads, the variables that describe a compile-only host to it
+(:data:`TPU_COMPILE_ONLY_ENV`: no metadata server query, one local worker, its logs to stderr at
+error level only) -- each with ``setdefault``, so the user's own values win. Where ``import jax``
+came first, it has imported ``libtpu`` (not loaded the library) and that import pointed
+``TPU_LIBRARY_PATH`` at it: :func:`prepare` hides the module and takes that variable back, and
+:func:`load_tpu_compiler` restores both.
 """
 
 from __future__ import annotations
 
 import ctypes
+import glob
 import importlib
 import importlib.util
 import os
 import sys
 import types
 
-__all__ = ["KERNEL_PACKAGES", "PJRT_PLUGINS", "cuda_can_run", "cuda_plugin_installed", "hidden",
-           "load_cuda_compiler", "prepare"]
+__all__ = ["KERNEL_PACKAGES", "PJRT_PLUGINS", "TPU_COMPILE_ONLY_ENV", "TPU_PACKAGE",
+           "cuda_can_run", "cuda_plugin_installed", "hidden", "load_cuda_compiler",
+           "load_tpu_compiler", "prepare", "tpu_can_run", "tpu_compiler_installed"]
 
 #: The CUDA plugin's kernel packages, by CUDA major version (jax 0.10: 12; jax 0.11+: 13 too).
 KERNEL_PACKAGES = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 #: The PJRT plugin modules JAX discovers in its ``jax_plugins`` namespace package.
 PJRT_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 
+#: The package that carries libtpu.so (jax's ``tpu`` extra; jzero's ``tpu-aot``).
+TPU_PACKAGE = "libtpu"
+#: What libtpu reads at load to describe this host, for compiling only (module docstring): no GCE
+#: metadata query, one worker (this host), an accelerator type (the topology is given per compile,
+#: to ``get_topology_desc``), its log at error level, to stderr, no log files, and no claim on
+#: the chips' lock file (there are no chips; several processes may compile at once).
+TPU_COMPILE_ONLY_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-8",
+                        "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0",
+                        "TPU_MIN_LOG_LEVEL": "2", "TPU_STDERR_LOG_LEVEL": "2",
+                        "TPU_LOG_DIR": "disabled", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+_GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips (what jax._src.hardware_utils looks for)
+
 _HIDDEN: dict[str, types.ModuleType | None] = {}  # name -> what prepare() entered in sys.modules
+_LIBTPU: list[types.ModuleType] = []  # libtpu as imported before prepare() hid it
 
 
 def _driver_present() -> bool:
@@ -110,10 +139,44 @@ def _backends_started() -> bool:
   return xla_bridge.backends_are_initialized()
 
 
+def _tpu_chips_present() -> bool:
+  """Whether a TPU chip is on this machine's PCI bus."""
+  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+    try:
+      with open(vendor, encoding="ascii") as f:
+        if f.read().strip() == _GOOGLE_PCI_VENDOR:
+          return True
+    except OSError:
+      continue
+  return False
+
+
+def tpu_can_run() -> bool:
+  """Whether a TPU could run in this process: a chip is present, or ``JAX_PLATFORMS`` asks for
+  ``tpu``, or JAX_FORCE_TPU_INIT is set."""
+  platforms = os.environ.get("JAX_PLATFORMS", "").lower().split(",")
+  return (_tpu_chips_present() or "tpu" in (p.strip() for p in platforms)
+          or "JAX_FORCE_TPU_INIT" in os.environ)
+
+
+def tpu_compiler_installed() -> bool:
+  """Whether libtpu is installed (loaded, hidden by :func:`prepare`, or not yet imported)."""
+  return TPU_PACKAGE in _HIDDEN or _installed(TPU_PACKAGE)
+
+
 def prepare() -> None:
-  """Hides the CUDA plugin from JAX where CUDA cannot run (module docstring). Call before
-  ``import jax``; afterwards it can still keep the backends' start quiet, if they have not
-  started. Does nothing where a driver is present or ``JAX_PLATFORMS`` asks for CUDA."""
+  """Hides the CUDA plugin from JAX where CUDA cannot run, and libtpu where no TPU can (module
+  docstring). Call before ``import jax``; afterwards it can still keep the backends' start
+  quiet, if they have not started. Does nothing where a driver is present or ``JAX_PLATFORMS``
+  asks for CUDA (libtpu: a TPU chip, or ``JAX_PLATFORMS`` naming ``tpu``)."""
+  if not _backends_started() and TPU_PACKAGE not in _HIDDEN and not tpu_can_run():
+    imported = sys.modules.get(TPU_PACKAGE)  # `import jax` before jzero imports it (not loads)
+    if imported is not None or _installed(TPU_PACKAGE):
+      _LIBTPU[:] = [imported] if imported is not None else []
+      sys.modules[TPU_PACKAGE] = _HIDDEN[TPU_PACKAGE] = None
+      if imported is not None and os.environ.get("TPU_LIBRARY_PATH") == getattr(
+          imported, "get_library_path", lambda: None)():
+        del os.environ["TPU_LIBRARY_PATH"]  # what its import set, pointing JAX at it
   if cuda_can_run():
     return
   if "jax" not in sys.modules:
@@ -165,3 +228,28 @@ def load_cuda_compiler() -> None:
   finally:
     if check is None:
       del os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"]
+
+
+def load_tpu_compiler() -> None:
+  """Makes libtpu available in this process, for compiling to a TPU topology that is not present
+  (``jax.experimental.topologies.get_topology_desc(platform="tpu")``): the backends start first
+  (without a TPU backend, where :func:`prepare` hid the library), then the compile-only host's
+  variables (:data:`TPU_COMPILE_ONLY_ENV`) are set where the user has not set them, before JAX
+  loads the library.
+
+  Raises:
+    ImportError: libtpu is not installed.
+  """
+  if not tpu_compiler_installed():
+    raise ImportError(f"{TPU_PACKAGE} is not installed")
+  if TPU_PACKAGE in hidden():
+    import jax  # noqa: PLC0415
+    jax.devices()  # the backends start first, without a TPU backend
+    del sys.modules[TPU_PACKAGE]
+    if _LIBTPU:
+      sys.modules[TPU_PACKAGE] = _LIBTPU.pop()
+      getattr(sys.modules[TPU_PACKAGE], "configure_library_path", lambda: None)()
+    _HIDDEN.pop(TPU_PACKAGE)
+  if not tpu_can_run():
+    for name, value in TPU_COMPILE_ONLY_ENV.items():
+      os.environ.setdefault(name, value)

@@ -250,7 +250,7 @@ class Comm:
     zero_axes, node_axes, local_axes: the mesh axes.
     impl: the kernels' implementation (:mod:`jzero.kernels.ops`): "jnp" on a CPU mesh (the Pallas
       kernels would only be traced to be dropped: seconds of tracing per step compile), "auto"
-      elsewhere (Pallas where the step is lowered for CUDA, also ahead of time).
+      elsewhere (Pallas where the step is lowered for CUDA or TPU, also ahead of time).
   """
 
   gather: Any

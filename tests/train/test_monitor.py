@@ -304,7 +304,9 @@ def test_peaks_name_their_source():
   pcie = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 PCIe")
   assert flops.peak_flops(jnp.bfloat16, [pcie]).flops_per_second == 756.5e12
   assert flops.peak_flops(jnp.bfloat16, [types.SimpleNamespace(
-      platform="gpu", device_kind="NVIDIA L4")]) is None  # unknown: no MFU rather than a guess
+      platform="gpu", device_kind="NVIDIA L4")]).flops_per_second == 121e12  # the planner's specs
+  assert flops.peak_flops(jnp.bfloat16, [types.SimpleNamespace(
+      platform="gpu", device_kind="Tesla K80")]) is None  # unknown: no MFU rather than a guess
   cpu = flops.peak_flops(jnp.float32)
   assert cpu.flops_per_second > 1e9 and cpu.source.startswith("measured on this host")
   assert flops.peak_flops(jnp.float32) is cpu  # measured once
