@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 from typing import Any, Iterator, Protocol
 
 import jax
@@ -40,11 +39,6 @@ class PartitionSource(Protocol):
     ...
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["partition", "full", "secondary", "stored"],
-    meta_fields=["dim", "dim_size", "axes", "comm_dtype", "scatter", "comm", "source", "path",
-                 "pass_"])
 @dataclasses.dataclass(eq=False)
 class ZeroParam(ArrayBehaviour):
   """One parameter as the ZeRO plan hands it to the model.
@@ -223,3 +217,27 @@ def read_sources(params: list) -> list:
     for i, p, v in zip(index, group, values):
       out[i] = p.with_partition(v)
   return out
+
+
+_CHILDREN = ("partition", "full", "secondary", "stored")
+_STATIC = ("dim", "dim_size", "axes", "comm_dtype", "scatter", "comm", "source", "path", "pass_")
+
+
+def _flatten_with_keys(param: ZeroParam) -> tuple[tuple, tuple]:
+  children, static = _flatten(param)
+  return tuple(zip(map(jax.tree_util.GetAttrKey, _CHILDREN), children)), static
+
+
+def _flatten(param: ZeroParam) -> tuple[tuple, tuple]:
+  # A parameter flattened after its pass is over -- e.g. kept past the pass and handed to a jnp
+  # function's own jit -- gets jzero's error, not JAX's leaked-tracer one.
+  if param.pass_ is not None and param.pass_.over:
+    raise param.outlived()
+  return tuple(getattr(param, n) for n in _CHILDREN), tuple(getattr(param, n) for n in _STATIC)
+
+
+def _unflatten(static: tuple, children: tuple) -> ZeroParam:
+  return ZeroParam(**dict(zip(_STATIC, static)), **dict(zip(_CHILDREN, children)))
+
+
+jax.tree_util.register_pytree_with_keys(ZeroParam, _flatten_with_keys, _unflatten, _flatten)

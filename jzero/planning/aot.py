@@ -16,7 +16,8 @@ latency-hiding scheduler. :func:`compile_for` does that for jzero's own train st
    model with its loss and an abstract batch);
 3. the state, abstractly: ``engine.abstract_state(full=False)``, a pure function of the plan --
    nothing is allocated, and no device work is done on the compile-only devices;
-4. the step: ``engine.jitted_step(batch).trace(state, batch).lower().compile()`` with the batch as
+4. the step: ``engine.jitted_step(batch, variant).trace(state, batch).lower().compile()`` (the steady
+   variant, :attr:`jzero.Engine.steady_variant`) with the batch as
    a ``ShapeDtypeStruct`` carrying its sharding -- and with the latency-hiding scheduler's memory
    limit a run has: on a GPU, XLA plans with the allocator's pool (``memory_fraction`` of the
    part) less the step's inputs and outputs; without the device it would take 80% of the part, so
@@ -505,7 +506,8 @@ def compile_once(target: Target, data: dict[str, Any], slop: int | None = None,
   say(f"model {what}: {format_count(num_params)} params; ZeRO-{cfg.zero_optimization.stage}, "
       f"{cfg.precision}, micro-batch {cfg.train_micro_batch_size_per_gpu} x gas "
       f"{cfg.gradient_accumulation_steps} x dp {zmesh.dp_size}")
-  traced = engine.jitted_step(batch).trace(state, batch)
+  variant = engine.steady_variant
+  traced = engine.jitted_step(batch, variant).trace(engine.lowerable(state, variant), batch)
   t1 = time.perf_counter()
   say(f"traced in {t1 - t0:.1f} s; lowering")
   lowered = traced.lower()

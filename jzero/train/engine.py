@@ -328,24 +328,29 @@ class Engine:
     return self._built.variants if self._built is not None else ()
 
   def jitted_step(self, batch: PyTree, variant: Variant | None = None):
-    """The jitted (not yet compiled) fused step of ``variant`` (default: the steady step, e.g.
-    the delayed update's step that applies the carried gradient), to lower or ``jax.export``.
-    With the delayed update it takes a state labelled for the variant
-    (:meth:`jzero.tiers.delayed.DelayedUpdate.labelled`); :meth:`init`'s and a restore's states
-    are labelled ``Variant.READ``, which :meth:`lowerable` relabels."""
+    """The jitted (not yet compiled) fused step of ``variant``, to lower or ``jax.export``
+    with a state of this engine: ``engine.jitted_step(batch).lower(state, batch)``.
+
+    Without the delayed update there is one step. With it, the default is the step any state
+    :meth:`init` or a restore returns runs (``Variant.READ``: it reads the carried gradient's
+    flag); :meth:`compile_step` compiles the steady step the engine runs, and
+    :meth:`lowerable` labels a state for another variant's step (the variant is part of the
+    state's tree structure: :class:`jzero.tiers.delayed.DelayedGrads`)."""
     self._batches.check(batch, self._tracer())
-    if variant is None:
-      variant = self._runner.variant(self.delayed, None, None)
+    if variant is None and self.delayed is not None:
+      variant = Variant.READ
     return self._programs().fused(batch, variant)
 
-  def lowerable(self, state: TrainState, variant: Variant | None = None) -> TrainState:
-    """``state`` labelled for the step :meth:`jitted_step` returns for ``variant`` (the steady
-    step by default); ``state`` itself without the delayed update."""
-    if self.delayed is None:
-      return state
-    if variant is None:
-      variant = self._runner.variant(self.delayed, None, None)
-    return self.delayed.labelled(state, variant)
+  @property
+  def steady_variant(self) -> Variant | None:
+    """The variant of the step the engine runs once a delayed update applies a gradient every
+    step (None without the delayed update)."""
+    return self._runner.variant(self.delayed, None, None)
+
+  def lowerable(self, state: TrainState, variant: Variant | None) -> TrainState:
+    """``state`` labelled for the step :meth:`jitted_step` returns for ``variant``; ``state``
+    itself without the delayed update."""
+    return state if self.delayed is None else self.delayed.labelled(state, variant)
 
   def jitted_split_step(self, batch: PyTree, variant: Variant | None = None) -> tuple:
     """The step as two jits, ``(state, batch) -> grads`` and ``(state, *grads) -> (state,
@@ -357,7 +362,8 @@ class Engine:
 
   def compile_step(self, state: TrainState, batch: PyTree):
     """The compiled step (for ``memory_analysis()`` and the HLO) without running it."""
-    return self.jitted_step(batch).lower(self.lowerable(state), batch).compile()
+    variant = self.steady_variant
+    return self.jitted_step(batch, variant).lower(self.lowerable(state, variant), batch).compile()
 
   def train_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch (leading dim ``train_batch_size``). Donates ``state``.

@@ -143,8 +143,11 @@ def test_delayed_update_equals_the_documented_math(stage, gas, update):
   assert set(engine.step_variants) == {Variant.PRIME, Variant.APPLY}
   assert state.delayed.variant == Variant.APPLY
   batch = engine.shard_batch(data[0])
-  hlo = engine.jitted_step(batch).lower(state, batch).as_text()
+  hlo = engine.jitted_step(batch, Variant.APPLY).lower(state, batch).as_text()
   assert "stablehlo.case" not in hlo and "stablehlo.if" not in hlo
+  # a state as init returns it lowers with the default step, which reads the carried flag
+  hlo = engine.jitted_step(batch).lower(engine.init(jax.random.key(0)), batch).as_text()
+  assert "stablehlo.case" in hlo or "stablehlo.if" in hlo
 
 
 def test_warmup_runs_plain_steps_before_the_delayed_update():
