@@ -77,7 +77,7 @@ from jzero.planning.aot_report import AotReport
 from jzero.runtime import quiet_start
 
 __all__ = ["GPU_SPECS", "GpuSpec", "gpu_spec", "gpu_devices", "compile_for", "prepare",
-           "compile_once", "Target", "INSTALL_HINT",
+           "compile_once", "Target",
            "DEFAULT_MEMORY_FRACTION", "SPEC_DIR"]
 
 SPEC_DIR = Path(__file__).parent / "gpu_specs"
@@ -96,9 +96,6 @@ GPU_SPECS = {  # --gpu name -> XLA GPU target config in jzero/planning/gpu_specs
     "rtx4090": "rtx4090.txtpb",
     "rtx3090": "rtx3090.txtpb",
 }
-INSTALL_HINT = ('pip install -e ".[gpu-aot]" (or pip install "jzero[gpu-aot]"): the CUDA compiler '
-                'plugin, jax-cuda12-plugin and jax-cuda12-pjrt matching your jax; no GPU and no '
-                'CUDA libraries are needed')
 TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"  # the custom call a Pallas GPU kernel lowers to
 MOSAIC_CALL_TARGET = 'custom_call_target="tpu_custom_call"'  # a Pallas TPU (Mosaic) kernel
 DEFAULT_MEMORY_FRACTION = 0.75  # what JAX preallocates on a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION)
@@ -134,17 +131,6 @@ def gpu_spec(gpu: str) -> GpuSpec:
                  memory_bytes=int(memory.group(1)))
 
 
-def _require_cuda_plugin() -> None:
-  """The CUDA compiler plugin, loaded and able to register its compile-only topology
-  (:func:`jzero.runtime.quiet_start.load_cuda_compiler`: where CUDA cannot run, jzero keeps the
-  plugin unloaded until a GPU compile asks for it)."""
-  try:
-    quiet_start.load_cuda_compiler()
-  except ImportError as e:
-    raise JZeroError(f"compiling for a GPU topology needs the CUDA compiler plugin, which is not "
-                     f"installed ({e}). Install the gpu-aot extra: {INSTALL_HINT}.") from None
-
-
 def gpu_devices(gpu: str | GpuSpec, devices: int, nodes: int = 1) -> list[Any]:
   """Compile-only devices of ``nodes`` x ``devices / nodes`` GPUs of one part (no GPU needed).
 
@@ -159,7 +145,7 @@ def gpu_devices(gpu: str | GpuSpec, devices: int, nodes: int = 1) -> list[Any]:
     raise ConfigError(f"--devices {devices} over --nodes {nodes}: the devices must split evenly "
                       f"over a positive number of nodes (devices per node = devices / nodes).")
   spec = gpu if isinstance(gpu, GpuSpec) else gpu_spec(gpu)
-  _require_cuda_plugin()
+  quiet_start.load_cuda_compiler()
   from jax.experimental import topologies  # noqa: PLC0415
 
   try:
