@@ -16,7 +16,8 @@ import warnings
 
 import pytest
 
-from jzero.analysis.hlo import Collective, collectives, trip_count
+from jzero.analysis.hlo import Collective, collectives
+from jzero.analysis.hlo_module import parse_module, trip_count
 from jzero.comm import program
 from jzero.errors import JZeroWarning
 from jzero.models import GPTConfig
@@ -114,9 +115,7 @@ def test_a_peeled_accumulation_loop_is_counted_and_told_apart():
 
 def _trips(text: str) -> int | None:
   """trip_count of the while named "loop" in ``text``."""
-  from jzero.analysis.hlo import _parse_module
-
-  comps = _parse_module(text).comps
+  comps = parse_module(text).comps
   rest = next(rest for name, _, _, rest in comps["main"] if name == "loop")
   return trip_count(comps, "main", rest)
 
