@@ -19,7 +19,7 @@ import rich.console
 import rich.table
 
 __all__ = ["Table", "format_bytes", "format_count", "byte_cell", "text_table", "html_table",
-           "require_pyplot"]
+           "markdown_table", "require_pyplot"]
 
 
 def format_bytes(n: float) -> str:
@@ -74,6 +74,14 @@ def html_table(header: Sequence[str], rows: Sequence[Sequence[str]],
   parts.append("</tbody></table>")
   parts.extend(f"<div>{html.escape(note)}</div>" for note in notes)
   return "".join(parts)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+  """The lines of a Markdown (GitHub) table: what the benchmark scripts write into the docs, each
+  cell as ``str`` gives it (a ``|`` in a cell is escaped)."""
+  def line(cells: Sequence[Any]) -> str:
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+  return [line(header), "|" + "---|" * len(header), *(line(row) for row in rows)]
 
 
 @dataclasses.dataclass(frozen=True)

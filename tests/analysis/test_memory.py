@@ -10,6 +10,7 @@ import pytest
 from jzero.analysis import estimate as estimator
 from jzero.analysis import memory_report
 from jzero.analysis.estimate import ParamShape, estimate
+from jzero.analysis.tables import markdown_table
 from jzero.cli import estimate as estimate_cli
 from jzero.errors import ConfigError
 from jzero.models import GPT, GPTConfig
@@ -307,3 +308,10 @@ def test_cli_bad_flags(capsys):
   with pytest.raises(SystemExit):
     _run("--params 7e9 --budget 16parsecs", capsys)
   assert estimate_cli.parse_bytes("80GiB") == 80 * 2**30 and estimate_cli.parse_bytes("16GB") == 16e9
+
+
+def test_markdown_table_lines_as_the_benchmarks_write_them():
+  """bench/plan_questions.py and plan_validation.py write their tables through one writer: a
+  header, its rule, one line per row; a '|' inside a cell is escaped."""
+  assert markdown_table(("candidate", "ms"), [("zero3|mb2", 12.5), (7, "-")]) == [
+      "| candidate | ms |", "|---|---|", "| zero3\\|mb2 | 12.5 |", "| 7 | - |"]
