@@ -509,7 +509,12 @@ class Engine:
   def memory_report(self, state: TrainState, batch: PyTree = None):
     """Measured per-device bytes next to the estimator's prediction
     (:mod:`jzero.analysis.memory_report`)."""
-    return memory_report_lib.memory_report(self, state, batch)
+    plan = self._require_plan()
+    # compiled first: tracing the step tells the gathered working set as the model really runs
+    compiled = self.compile_step(state, batch) if batch is not None else None
+    return memory_report_lib.memory_report(plan, state, self._open(), config=self.config,
+                                           tx=self.tx, compiled=compiled,
+                                           gathered=self.gathered_working_set(state, batch))
 
   def bind(self, params: PyTree, model_state: PyTree = None) -> Any:
     """The user's model built from logical params (e.g. :meth:`logical_params`) and, for a model
