@@ -16,7 +16,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationI
 from jzero.config.messages import show, suggest, warn
 
 __all__ = ["Auto", "DType", "DTYPES", "Flag", "AutoFlag", "Size", "AutoSize", "AutoInt", "AutoReal",
-           "AutoFraction", "BatchSize", "number", "replace_key", "OffloadParamConfig",
+           "AutoFraction", "BatchSize", "accept_devices_from", "number", "replace_key", "OffloadParamConfig",
            "OffloadOptimizerConfig", "LeafModuleConfig", "ZeroConfig", "Fp16Config", "Bf16Config",
            "DataTypesConfig", "OptimizerConfig", "SchedulerConfig",
            "ActivationCheckpointingConfig", "AioConfig", "CheckpointConfig", "TensorBoardConfig",
@@ -73,19 +73,36 @@ def _check_name_or_flag(value: Any) -> Any:
   raise ValueError(f"expected true, false or a name, got {show(value)}")
 
 
-def _check_name(value: Any) -> Any:
-  """Accepts a name (see :func:`_check_name_or_flag`)."""
-  if isinstance(value, str):
+#: Where an offload block's accepted ``device`` values come from: the tier registry, which hands
+#: its lookup here when it is imported (:func:`accept_devices_from`; the config cannot import the
+#: tiers, which read the config).
+_TIER_DEVICES: list[Callable[[str], tuple[str, ...]]] = [lambda block: ()]
+
+
+def accept_devices_from(lookup: Callable[[str], tuple[str, ...]]) -> None:
+  """``lookup(block)``: the ``device`` values of ``zero_optimization.<block>`` some tier answers
+  (:func:`jzero.tiers.registry.devices`); an offload block accepts those, "none" and "auto"."""
+  _TIER_DEVICES[:] = [lookup]
+
+
+def _check_device(block: str) -> BeforeValidator:
+  """Accepts "none", "auto" and the ``device`` values a registered tier answers for ``block``,
+  read when the config is validated (a tier registered later is accepted from then on)."""
+  def check(value: Any) -> Any:
+    accepted = ("none", *_TIER_DEVICES[0](block), "auto")
+    if value not in accepted:
+      names = [f"'{v}'" for v in accepted]
+      raise ValueError(f"Input should be {', '.join(names[:-1])} or {names[-1]}, "
+                       f"got {show(value)}")
     return value
-  raise ValueError(f"expected a name, got {show(value)}")
+
+  return BeforeValidator(check)
 
 
 # "auto" passes the validators; the field type decides whether it is allowed (Auto in the type).
 Flag = Annotated[bool, BeforeValidator(_check_flag)]
 #: true / false / "auto", or the name of a quantized collective (jzero.sharding.quantization).
 Quantization = Annotated[bool | str, BeforeValidator(_check_name_or_flag)]
-#: An offload block's ``device``: "none", "auto", or a value a tier answers (jzero.tiers.registry).
-Device = Annotated[str, BeforeValidator(_check_name)]
 AutoFlag = Annotated[bool | Auto, BeforeValidator(_check_flag)]
 Size = Annotated[int, number(True, lo=0)]
 AutoSize = Annotated[int | Auto, number(True, lo=0)]
@@ -141,7 +158,8 @@ def _cpu_if(on: Any) -> dict | None:
 class OffloadParamConfig(_Block):
   """``zero_optimization.offload_param`` (DeepSpeedZeroOffloadParamConfig; stage 3 only)."""
 
-  device: Device = "none"  # "cpu", "nvme", or another tier's value (jzero.tiers.registry)
+  # "cpu", "nvme", or another tier's value (jzero.tiers.registry)
+  device: Annotated[str, _check_device("offload_param")] = "none"
   nvme_path: str | None = None
   buffer_count: AutoSize = 5
   buffer_size: AutoSize = 100_000_000
@@ -152,7 +170,8 @@ class OffloadParamConfig(_Block):
 class OffloadOptimizerConfig(_Block):
   """``zero_optimization.offload_optimizer`` (DeepSpeedZeroOffloadOptimizerConfig)."""
 
-  device: Device = "none"  # "cpu", "nvme", or another tier's value (jzero.tiers.registry)
+  # "cpu", "nvme", or another tier's value (jzero.tiers.registry)
+  device: Annotated[str, _check_device("offload_optimizer")] = "none"
   nvme_path: str | None = None
   buffer_count: AutoSize = 4
   pin_memory: AutoFlag = True

@@ -19,6 +19,7 @@ from typing import Any
 
 import optax
 
+from jzero.config import blocks as config_blocks
 from jzero.errors import ConfigError
 from jzero.sharding.plan import Plan
 from jzero.sharding.planner import Placement
@@ -80,6 +81,9 @@ def devices(block: str) -> tuple[str, ...]:
   for tier in TIERS:
     out += [value for b, value in tier.answers if b == block and value not in out]
   return tuple(out)
+
+
+config_blocks.accept_devices_from(devices)  # an offload block's device: a value a tier answers
 
 
 def answering(block: str, value: str) -> type[Tier] | None:
