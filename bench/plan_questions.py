@@ -122,13 +122,14 @@ def main() -> int:
   head = (f"{datetime.date.today()}, {platform.machine()}, jax {jax.__version__}, XLA's GPU "
           f"compiler (compile-only), cold cache; `python bench/plan_questions.py --compile-top "
           f"{args.compile_top}`")
-  lines = [head, "", "| question | command | chosen | device bytes | search | time |",
-           "|---|---|---|---|---|---|"]
-  for name in names:
-    r = results[name]
-    lines.append(f"| {r['title']} | `{r['command']}` | {r['chosen'] or 'none'} | "
-                 f"{_gb(r['chosen_bytes']) + ' GB' if r['chosen'] else '-'} | "
-                 f"{r['search'].split(';')[0].removeprefix('search: ')} | {r['seconds']:.0f} s |")
+  from jzero.analysis.tables import markdown_table  # noqa: PLC0415
+
+  lines = [head, "", *markdown_table(
+      ("question", "command", "chosen", "device bytes", "search", "time"),
+      [(r["title"], f"`{r['command']}`", r["chosen"] or "none",
+        _gb(r["chosen_bytes"]) + " GB" if r["chosen"] else "-",
+        r["search"].split(";")[0].removeprefix("search: "), f"{r['seconds']:.0f} s")
+       for r in (results[name] for name in names)])]
   for name in names:
     r = results[name]
     lines += ["", f"**{r['title']}** (`{r['command']}`)", "", "```", r["budget"], r["search"],
@@ -137,14 +138,11 @@ def main() -> int:
   for name in [n for n in ESTIMATOR_TABLES if n in names]:
     r = results[name].get("more", results[name])
     lines += ["", f"Estimate against compile, {results[name]['title']} (every compiled "
-                  f"candidate; GB per device):", "",
-              "| candidate | status | estimate | compiled | from | estimate / compiled |",
-              "|---|---|---|---|---|---|"]
-    for row in r["compiled"]:
-      lines.append(f"| {row['name']} | {row['status']} | {_gb(row['estimate'])} | "
-                   f"{_gb(row['compiled'])} | {row['from']} | {row['ratio']:.3f} |")
-      if row["from"] == "compiled":
-        errors.append(abs(row["ratio"] - 1))
+                  f"candidate; GB per device):", "", *markdown_table(
+                  ("candidate", "status", "estimate", "compiled", "from", "estimate / compiled"),
+                  [(row["name"], row["status"], _gb(row["estimate"]), _gb(row["compiled"]),
+                    row["from"], f"{row['ratio']:.3f}") for row in r["compiled"]])]
+    errors += [abs(row["ratio"] - 1) for row in r["compiled"] if row["from"] == "compiled"]
   if errors:
     lines += ["", f"Estimator over the 7B, 13B and 70B tables ({len(errors)} compiled peaks): "
                   f"median |estimate / compiled - 1| = {statistics.median(errors):.1%}, worst "

@@ -114,11 +114,12 @@ def main() -> int:
           f"{hw.name}; default GPT, global batch 32, {args.steps} timed steps; "
           f"peak {hw.peak_flops.value * 8 / 1e9:.1f} GFLOP/s and memory "
           f"{hw.host_bandwidth.value / 1e9:.1f} GB/s measured")
-  lines = [head, "", "| # | candidate | predicted ms | bound | measured ms | spread |",
-           "|---|---|---|---|---|---|"]
-  for i, r in enumerate(rows, 1):
-    lines.append(f"| {i} | {r['name']} | {r['predicted_s'] * 1e3:.1f} | {r['bound']} | "
-                 f"{r['measured_s'] * 1e3:.1f} | {r['spread']:.2f} |")
+  from jzero.analysis.tables import markdown_table  # noqa: PLC0415
+
+  lines = [head, "", *markdown_table(
+      ("#", "candidate", "predicted ms", "bound", "measured ms", "spread"),
+      [(i, r["name"], f"{r['predicted_s'] * 1e3:.1f}", r["bound"], f"{r['measured_s'] * 1e3:.1f}",
+        f"{r['spread']:.2f}") for i, r in enumerate(rows, 1)])]
   lines += ["", f"Spearman rank correlation (predicted vs measured, {len(rows)} candidates): "
                 f"{rho:.3f}; chosen ({rows[0]['name']}) measured / best measured: "
                 f"{chosen_ratio:.3f}"]

@@ -61,7 +61,7 @@ def temp_mib(stage: int, tied: bool, layers: int, seq: int, gpu: bool) -> float:
   engine = jzero.initialize(module, loss_fn, ds, sample_batch=batch, init_inputs=inputs,
                             mesh=mesh)
   if gpu:
-    state = jax.eval_shape(engine.init, jax.random.key(0))
+    state = engine.abstract_state(full=False)
     sharding = engine.batch_sharding()
     placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                           batch)

@@ -7,7 +7,7 @@ load path, runs PROCESSES fresh processes of DEVICES CPU devices joined over glo
 (``jax.distributed``), ZeRO-3 (AdamW, the default persistence threshold) on one data axis over
 every device, so each process holds 1/PROCESSES of the params:
 
-* ``by shard``: ``checkpoint.load_weights(engine, file)`` -- each leaf placed in the plan, each
+* ``by shard``: ``engine.load_weights(file)`` -- each leaf placed in the plan, each
   process reading only its devices' blocks through safetensors' slice API;
 * ``whole file``: what ``load_weights`` did before: ``checkpoint.read_weights(file)`` (every tensor
   into numpy, through one ``safe_open``), cast into the params tree.
@@ -104,14 +104,13 @@ def _child(process_id: int, processes: int, port: int, devices: int, model: str,
 
   import jzero
   from jzero import checkpoint
-  from jzero.checkpoint.restore import abstract_state
   from jzero.sharding.plan import flatten_paths
 
   factory, loss = _model(model)
   engine = jzero.initialize(factory, loss, {
       "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
       "zero_optimization": {"stage": 3}})
-  abstract_state(engine, None)  # the plan, outside the measurement
+  engine.make_plan()  # the plan, outside the measurement
   abstract = engine.model.abstract_params(jax.random.key(0), None)
 
   def whole_file():
@@ -121,7 +120,7 @@ def _child(process_id: int, processes: int, port: int, devices: int, model: str,
 
   before = rss()
   _reset_peak()
-  params = checkpoint.load_weights(engine, weights) if path == "by shard" else whole_file()
+  params = engine.load_weights(weights) if path == "by shard" else whole_file()
   load_peak = _status("VmHWM") - before
   state = engine.init(jax.random.key(0), params=params)
   jax.block_until_ready(state)

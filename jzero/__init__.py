@@ -12,7 +12,6 @@ joins them (:func:`jzero.init_distributed`).
 """
 
 import logging as _logging
-import sys as _sys
 
 from jzero.runtime import quiet_start as _quiet_start
 _quiet_start.prepare()  # before anything imports JAX: CUDA that cannot run here is not loaded
@@ -30,15 +29,9 @@ from jzero.sharding.plan import Plan  # noqa: E402
 from jzero.sharding.planner import make_plan  # noqa: E402
 from jzero.version import __version__  # noqa: E402,F401  (jzero.__version__)
 
-# Like DeepSpeed's logger: step reports (every steps_per_print) go to stdout unless the user
-# configures the "jzero" logger themselves.
-_logger = _logging.getLogger("jzero")
-if not _logger.handlers:
-  _handler = _logging.StreamHandler(_sys.stdout)
-  _handler.setFormatter(_logging.Formatter("[jzero] %(message)s"))
-  _logger.addHandler(_handler)
-  _logger.setLevel(_logging.INFO)
-  _logger.propagate = False
+# A library prints nothing itself: jzero.initialize and the jzero command show the log
+# (jzero.runtime.logs.show_log).
+_logging.getLogger("jzero").addHandler(_logging.NullHandler())
 
 __all__ = [
     "Config", "Engine", "TrainState", "initialize", "init_distributed", "gather", "remat", "scan_layers",

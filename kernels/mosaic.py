@@ -18,7 +18,7 @@ bit-cast to uint8 outside the kernel, free reshapes and a free bit-cast.
 
 Inside a program, int4's two half-blocks are static lane slices ``[:, :G/2]`` and ``[:, G/2:]``,
 which Mosaic lowers at any offset (checked here for G/2 = 50, 1024, 3072 and 3972). Rounding is
-:func:`jzero.kernels.pallas.round_half_even` (truncation and compares), the same code as on CUDA;
+:func:`jzero.kernels.reference.round_half_even` (truncation and compares), the same code as on CUDA;
 a block's absmax is a lane reduction over its finite elements. Nothing here has run on a TPU: the
 kernels compile for one (``jzero aot --tpu``, with libtpu, no TPU) and agree with the reference in
 interpret mode; on the chip, float32 division is the TPU's, which the reference also uses there.
@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jzero.kernels.pallas import round_half_even
-from jzero.kernels.reference import F32_MAX, inverse, numerator, scaled, split_scale, tiny_absmax
+from jzero.kernels.reference import (F32_MAX, inverse, numerator, round_half_even, scaled,
+                                     split_scale, tiny_absmax)
 
 __all__ = ["quantize_blocks", "dequantize_sum_blocks", "requantize_sum_blocks", "tiling",
            "BLOCK_ELEMENTS", "ROW_TILE"]

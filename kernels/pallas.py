@@ -19,7 +19,7 @@ kernels are compiled only when first run). The Triton lowering's limits shape th
   ``ref[...]`` loads are not bounds-checked on GPU). Keep tiles 2-D: the same kernel written
   on ``(tg, 1, width)`` tiles took ptxas 35 s for G = 4096 and minutes for 16384, this one a
   second;
-* there is no ``round``: :func:`round_half_even` builds it from truncation (the magic-number trick
+* there is no ``round``: :func:`~jzero.kernels.reference.round_half_even` builds it from truncation (the magic-number trick
   ``(y + 1.5 * 2^23) - 1.5 * 2^23`` is folded to ``y`` by XLA, so interpret mode would truncate);
 * ``max`` lowers to ``maxnumf``, which drops nans: absmax is taken over finite elements only and
   non-finite elements are counted separately, which is also what the reference does;
@@ -35,29 +35,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jzero.kernels.reference import F32_MAX, inverse, numerator, scaled, split_scale, tiny_absmax
+from jzero.kernels.reference import (F32_MAX, inverse, numerator, round_half_even, scaled,
+                                     split_scale, tiny_absmax)
 
 __all__ = ["quantize_blocks", "dequantize_sum_blocks", "requantize_sum_blocks",
-           "round_half_even", "tiling", "BLOCK_ELEMENTS"]
+           "tiling", "BLOCK_ELEMENTS"]
 
 BLOCK_ELEMENTS = 4096  # elements one program handles: blocks x padded block width
-
-
-def round_half_even(y: jax.Array) -> jax.Array:
-  """int32 round-half-to-even of float32 ``y`` (``|y| < 2^22``), from truncation.
-
-  ``t = trunc(y)`` (float-to-int conversion); ``t`` moves one step away from zero when ``y`` lies
-  beyond ``t +- 1/2``, or on it with ``t`` odd (``t +- 1/2`` is exact). ``y`` is only converted
-  and compared, never added to, so no compiler can fuse the product that made it into an FMA;
-  and unlike the ``(y + 1.5 * 2^23) - 1.5 * 2^23`` trick nothing here simplifies away (XLA folds
-  that one to ``y``, which would make interpret mode truncate).
-  """
-  t = y.astype(jnp.int32)
-  tf = t.astype(jnp.float32)
-  odd = jnp.bitwise_and(t, 1) == 1
-  up = (y > tf + 0.5) | ((y == tf + 0.5) & odd)
-  down = (y < tf - 0.5) | ((y == tf - 0.5) & odd)
-  return t + up.astype(jnp.int32) - down.astype(jnp.int32)
 
 
 def tiling(rows: int, group_size: int) -> tuple[int, int, int]:

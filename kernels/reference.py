@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["quantize_blocks", "dequantize_sum_blocks", "requantize_sum_blocks", "numerator",
-           "inverse", "tiny_absmax", "split_scale", "scaled", "F32_MAX", "TINY_SCALE"]
+           "inverse", "tiny_absmax", "split_scale", "scaled", "round_half_even", "F32_MAX",
+           "TINY_SCALE"]
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -78,6 +79,24 @@ def scaled(q: jax.Array, hi: jax.Array, lo: jax.Array) -> jax.Array:
   dequantized chunks between the reference, interpret mode and the GPU kernel.
   """
   return q * hi + q * lo
+
+
+def round_half_even(y: jax.Array) -> jax.Array:
+  """int32 round-half-to-even of float32 ``y`` (``|y| < 2^22``), from truncation: the kernels' round
+  (Triton and Mosaic have none that interpret mode keeps).
+
+  ``t = trunc(y)`` (float-to-int conversion); ``t`` moves one step away from zero when ``y`` lies
+  beyond ``t +- 1/2``, or on it with ``t`` odd (``t +- 1/2`` is exact). ``y`` is only converted
+  and compared, never added to, so no compiler can fuse the product that made it into an FMA;
+  and unlike the ``(y + 1.5 * 2^23) - 1.5 * 2^23`` trick nothing here simplifies away (XLA folds
+  that one to ``y``, which would make interpret mode truncate).
+  """
+  t = y.astype(jnp.int32)
+  tf = t.astype(jnp.float32)
+  odd = jnp.bitwise_and(t, 1) == 1
+  up = (y > tf + 0.5) | ((y == tf + 0.5) & odd)
+  down = (y < tf - 0.5) | ((y == tf - 0.5) & odd)
+  return t + up.astype(jnp.int32) - down.astype(jnp.int32)
 
 
 def _unpack_int4(values: jax.Array) -> jax.Array:

@@ -43,7 +43,7 @@ from IPython.display import HTML, display
 from jzero import kernels
 from jzero.analysis.hlo import comm_volume
 from jzero.analysis.tables import html_table
-from jzero.sharding.zeropp import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL
+from jzero.sharding.quantization import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL
 from jzero.models import GPT, GPTConfig, lm_loss
 from jzero.runtime.data import ByteCorpus
 from jzero.sharding.plan import flatten_paths
@@ -82,7 +82,7 @@ def compiled_volume(zero):
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
     engine = jzero.initialize(lambda rngs: GPT(MODEL, rngs=rngs), lm_loss, config, mesh=NODE2X4)
-    state = jax.eval_shape(engine.init, jax.random.key(0))  # shapes only: nothing is allocated
+    state = engine.abstract_state(full=False)  # shapes only: nothing is allocated
     batch = engine.shard_batch(corpus.batch(0, engine.global_batch_size))
     compiled = engine.jitted_step(batch).lower(state, batch).compile(
         compiler_options={"xla_backend_optimization_level": 0})

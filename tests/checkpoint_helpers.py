@@ -91,7 +91,7 @@ def _resume(directory: str, out: str) -> None:
   results = {}
   for job in RESUME_JOBS:
     engine = resume_engine(job)
-    state = checkpoint.load_checkpoint(engine, f"{directory}/{job}")
+    state = engine.load_checkpoint(f"{directory}/{job}")
     state, losses = train(engine, state, RESUME_STEPS)
     results[f"{job}/losses"] = np.asarray(losses)
     for path, x in flat(engine.logical_params(state)).items():
@@ -101,15 +101,15 @@ def _resume(directory: str, out: str) -> None:
 
 def _save_and_wait(directory: str, step: int) -> None:
   engine = wide_engine()
-  state = checkpoint.load_checkpoint(engine, directory)
-  checkpoint.save_checkpoint(engine, state, directory, step)
+  state = engine.load_checkpoint(directory)
+  engine.save_checkpoint(state, directory, step)
   time.sleep(600)
 
 
 def _load(directory: str) -> None:
   engine = make_engine(2)
   try:
-    checkpoint.load_checkpoint(engine, directory)
+    engine.load_checkpoint(directory)
   except jzero.CheckpointError as e:
     print(f"CheckpointError: {e}")
 

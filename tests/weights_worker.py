@@ -62,13 +62,12 @@ def main(process_id: int, num_processes: int, port: int, devices: int, weights: 
   import jzero
   from jzero import checkpoint
   from jzero.checkpoint import weights as weights_lib
-  from jzero.checkpoint.restore import abstract_state
   from jzero.sharding.plan import flatten_paths
   from zero_testing import ds_config
 
   engine = jzero.initialize(Wide, lambda model, batch: jnp.mean(model(batch["x"]) ** 2),
                             ds_config(3))
-  abstract_state(engine, None)  # the plan, before the measured load
+  engine.make_plan()  # the plan, before the measured load
   read: dict[str, int] = {}
   read_region = weights_lib._read_region
 
@@ -81,7 +80,7 @@ def main(process_id: int, num_processes: int, port: int, devices: int, weights: 
   before = _status("VmRSS")
   with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # VmHWM := VmRSS
-  params = checkpoint.load_weights(engine, weights)
+  params = engine.load_weights(weights)
   peak = _status("VmHWM") - before
   held = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
   key = jax.random.key(0)

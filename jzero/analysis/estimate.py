@@ -82,13 +82,15 @@ from typing import Any, NamedTuple, Sequence
 import jax
 
 from jzero.analysis.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
+from jzero.config.blocks import DTYPES
 from jzero.errors import ConfigError
 from jzero.sharding.plan import path_str
-from jzero.config.blocks import DTYPES
+from jzero.tiers import registry
 
 __all__ = [
-    "PRECISION_BYTES", "CATEGORIES", "TIERS", "DEFAULT_PERSISTENCE_THRESHOLD",
-    "ParamShape", "param_shapes", "persistent_numel", "largest_gathered_numel",
+    "PRECISION_BYTES", "CATEGORIES", "DEFAULT_PERSISTENCE_THRESHOLD",
+    "ParamShape", "param_shapes", "persistent_numel", "largest_gathered_numel", "Numbers",
+    "columns",
     "transformer_layer_numel", "Estimate", "estimate",
     "activation_bytes", "Recommendation", "recommend", "format_bytes", "format_estimates",
     "estimate_rows", "EstimateTable", "offload_problem",
@@ -96,8 +98,6 @@ __all__ = [
 
 PRECISION_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 CATEGORIES = ("params", "grads", "optimizer")
-TIERS = ("device", "host", "nvme")
-_OFFLOAD_TIER = {"cpu": "host", "nvme": "nvme"}
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold
 
 
@@ -175,20 +175,58 @@ def persistent_numel(leaves: Sequence[ParamShape], threshold: int = DEFAULT_PERS
 
 
 # -- the estimator ---------------------------------------------------------------------------------
+def columns() -> tuple[str, ...]:
+  """The memory columns of an estimate: "device", then each registered tier's
+  (:func:`jzero.tiers.registry.columns`: "host", "nvme", ...)."""
+  return ("device", *(c for c in registry.columns() if c != "device"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Numbers:
+  """What a tier's offload rule (:meth:`jzero.tiers.base.Tier.estimate`) reads: per-device bytes
+  of one ZeRO configuration before any offload, and the element counts behind them.
+
+  Attributes:
+    stage: ZeRO stage.
+    optimizer: the optimizer state and master, KΨ/N (stage >= 1).
+    grad_partition: the gradient partition, gΨ/N.
+    grads_local: stage 1's full local gradient, gΨ.
+    param_partition: stage 3's partitioned compute params, p(Ψ - Ψr)/N.
+    persistent: stage 3's replicated params, pΨr.
+    param_bytes: p.
+    partition_elements: (Ψ - Ψr)/N.
+    param_cache: elements of the partition a tier may keep in host memory (``max_in_cpu``).
+    param_buffers: host staging buffer elements every partition passes through.
+  """
+
+  stage: int
+  optimizer: float
+  grad_partition: float
+  grads_local: float
+  param_partition: float
+  persistent: float
+  param_bytes: int
+  partition_elements: float
+  param_cache: float = 0.0
+  param_buffers: float = 0.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Estimate:
   """Bytes one process (one device) needs for one ZeRO configuration; see the module docstring.
 
   Attributes:
     stage: ZeRO stage 0..3.
-    offload_optimizer: where the optimizer state went: None, "cpu" or "nvme".
-    offload_param: where the stage-3 partitioned params went: None, "cpu" or "nvme".
+    offload_optimizer: where the optimizer state went: None, or the ``device`` value of the tier
+      that holds it ("cpu", "nvme", ...: :func:`jzero.tiers.registry.devices`).
+    offload_param: where the stage-3 partitioned params went: None, "cpu", "nvme", ....
     num_params: Ψ.
     persistent_params: Ψr, stage-3 params kept replicated (0 in other stages).
     devices: N, the number of ZeRO partitions (devices per node x nodes).
     devices_per_node: processes per node (host bytes per node = per process x this).
     param_bytes: bytes per compute param (p).
-    bytes: tier ("device", "host", "nvme") -> category ("params", "grads", "optimizer") -> bytes.
+    bytes: column (:func:`columns`: "device", "host", "nvme", a registered tier's) -> category
+      ("params", "grads", "optimizer") -> bytes.
     activations: activation bytes per device (0: not estimated).
     gathered: stage 3's gathered working set: the full parameters alive at once on the device
       (the largest unit or layer, twice when the next one is prefetched, plus the parameters
@@ -226,8 +264,9 @@ class Estimate:
     return f"{name} + {', '.join(moved)}" if moved else name
 
   def tier_total(self, tier: str) -> float:
-    """Model-state bytes per process on one tier ("device", "host" or "nvme")."""
-    return sum(self.bytes[tier].values())
+    """Model-state bytes per process on one tier's column ("device", "host", "nvme", or a
+    registered tier's :attr:`~jzero.tiers.base.Tier.memory`; 0 for a column it does not have)."""
+    return sum(self.bytes.get(tier, {}).values())
 
   @property
   def model_states(self) -> float:
@@ -248,8 +287,9 @@ def offload_problem(stage: int, offload_optimizer: str | None,
                      offload_param: str | None) -> str | None:
   """Why a stage cannot have these offload settings (None: it can)."""
   for key, value in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
-    if value is not None and value not in _OFFLOAD_TIER:
-      return f"{key} must be None, 'cpu' or 'nvme', got {value!r}."
+    if value is not None and registry.answering(key, value) is None:
+      accepted = ", ".join(map(repr, registry.devices(key)))
+      return f"{key} must be None or a tier's value ({accepted}), got {value!r}."
   if offload_optimizer and stage == 0:
     return ("offload_optimizer needs ZeRO stage 1, 2 or 3 (stage 0 does not partition the "
             "optimizer state).")
@@ -277,8 +317,9 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
     param_bytes: bytes per compute param (p).
     grad_bytes: bytes per gradient (g; default ``param_bytes``).
     optimizer_bytes: optimizer-state bytes per param, fp32 master included (K).
-    offload_optimizer: None, "cpu" or "nvme".
-    offload_param: None, "cpu" or "nvme" (stage 3).
+    offload_optimizer: None, or a tier's ``device`` value ("cpu", "nvme", ...), whose
+      :meth:`~jzero.tiers.base.Tier.estimate` moves the bytes.
+    offload_param: None, or a tier's ``device`` value (stage 3).
     offload_ratio: the fraction of the optimizer state (and its gradient partition) that
       ``offload_optimizer`` moves (DeepSpeed's partial offload, ``offload_optimizer.ratio``).
     persistence_threshold: with shapes: stage-3 leaves with fewer elements per layer stay
@@ -318,26 +359,24 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
     psi = sum(math.prod(leaf.shape) for leaf in params)
     persistent = (persistent_numel(params, persistence_threshold, model_persistence_threshold)
                   if stage == 3 else 0)
-  tiers = {tier: dict.fromkeys(CATEGORIES, 0.0) for tier in TIERS}
+  tiers = {tier: dict.fromkeys(CATEGORIES, 0.0) for tier in columns()}
   device = tiers["device"]
   device["params"] = (param_bytes * (psi - persistent) / n + param_bytes * persistent
                       if stage == 3 else param_bytes * psi)
   device["grads"] = g * psi / n if stage >= 2 else g * psi
   device["optimizer"] = k * psi / n if stage >= 1 else k * psi
+  numbers = Numbers(stage=stage, optimizer=k * psi / n, grad_partition=g * psi / n,
+                    grads_local=g * psi, param_partition=param_bytes * ((psi - persistent) / n),
+                    persistent=float(param_bytes * persistent), param_bytes=param_bytes,
+                    partition_elements=(psi - persistent) / n, param_cache=param_cache_elements,
+                    param_buffers=param_buffer_elements)
+  # each offload by the rule of the tier its value selects (jzero.tiers.registry)
   if offload_optimizer:
-    r = offload_ratio
-    tiers[_OFFLOAD_TIER[offload_optimizer]]["optimizer"] = r * k * psi / n
-    device["optimizer"] = (1 - r) * k * psi / n
-    tiers["host"]["grads"] = r * g * psi / n
-    device["grads"] = g * psi if stage == 1 else (1 - r) * g * psi / n
+    registry.answering("offload_optimizer", offload_optimizer).estimate(
+        "offload_optimizer", offload_ratio, numbers, tiers)
   if offload_param:
-    partition = (psi - persistent) / n
-    tiers[_OFFLOAD_TIER[offload_param]]["params"] = param_bytes * partition
-    device["params"] = float(param_bytes * persistent)
-    if offload_param == "nvme":
-      cached = min(param_cache_elements, partition)
-      tiers["nvme"]["params"] = param_bytes * (partition - cached)
-      tiers["host"]["params"] = param_bytes * (cached + param_buffer_elements)
+    registry.answering("offload_param", offload_param).estimate("offload_param", 1.0, numbers,
+                                                                tiers)
   if hpz > 1:
     device["secondary"] = param_bytes * (psi - persistent) / hpz
   if delayed_update:
@@ -463,16 +502,21 @@ def estimate_rows(estimates: Sequence[Estimate]) -> tuple[list[str], list[list[s
   gathered = any(e.gathered for e in estimates)
   secondary = any(e.secondary for e in estimates)
   per_node = any(e.devices_per_node > 1 and e.tier_total("host") for e in estimates)
+  # the tiers' columns (jzero.tiers.registry): host and nvme always, another where it holds bytes
+  others = [c for c in columns() if c not in ("device", "host", "nvme")
+            and any(e.tier_total(c) for e in estimates)]
   header = (["configuration", *CATEGORIES] + ["hpZ secondary"] * secondary
             + ["gathered"] * gathered + ["activations"] * acts
-            + ["device total", "host/process"] + ["host/node"] * per_node + ["nvme/process"])
+            + ["device total", "host/process"] + ["host/node"] * per_node + ["nvme/process"]
+            + [f"{c}/process" for c in others])
   rows = []
   for e in estimates:
     rows.append([e.name, *(byte_cell(e.bytes["device"][c]) for c in CATEGORIES)]
                 + [byte_cell(e.secondary)] * secondary
                 + [byte_cell(e.gathered)] * gathered + [byte_cell(e.activations)] * acts
                 + [format_bytes(e.device_total), byte_cell(e.tier_total("host"))]
-                + [byte_cell(e.host_per_node)] * per_node + [byte_cell(e.tier_total("nvme"))])
+                + [byte_cell(e.host_per_node)] * per_node + [byte_cell(e.tier_total("nvme"))]
+                + [byte_cell(e.tier_total(c)) for c in others])
   return header, rows
 
 
@@ -501,8 +545,8 @@ class EstimateTable(tuple):
     device total and the host and NVMe bytes per process."""
     return [{"configuration": e.name, **{c: float(v) for c, v in e.bytes["device"].items()},
              "gathered": float(e.gathered), "activations": float(e.activations),
-             "device_total": float(e.device_total), "host": float(e.tier_total("host")),
-             "nvme": float(e.tier_total("nvme"))} for e in self]
+             "device_total": float(e.device_total),
+             **{c: float(e.tier_total(c)) for c in e.bytes if c != "device"}} for e in self]
 
   def plot(self, ax: Any = None, budget: float | None = None) -> Any:
     """Stacked bars of the device bytes per configuration (GB), by category; ``budget`` (bytes)

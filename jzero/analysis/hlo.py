@@ -41,10 +41,9 @@ whose replica groups span that axis, counted whole (a collective over all device
 crossing nodes, as the ZeRO++ paper counts ZeRO-3's 3Ψ). An all-to-all over a tuple of buffers
 (XLA's CPU form: one buffer per destination) counts them all.
 
-**Why one module of over 500 lines.** It is one reader of XLA's optimized HLO text: every reading
--- the collectives and their overlap, the matmul FLOPs, the memory traffic, the per-step volume --
-walks the same parsed module (:func:`_parse_module`, its loop trip counts and operand types), so the
-readings stay beside the parser instead of reaching into another module's private grammar.
+Every reading here -- the collectives and their overlap, the matmul FLOPs, the memory traffic,
+the per-step volume -- walks the same parsed module, its loop trip counts and operand types:
+:mod:`jzero.analysis.hlo_module`, the grammar of XLA's HLO text.
 """
 
 from __future__ import annotations
@@ -53,10 +52,13 @@ import collections
 import dataclasses
 import math
 import re
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
+from jzero.analysis.hlo_module import (ARRAY, BRANCHES, CALLS, ELEMENT_BYTES, Instruction,
+                                       element_types, operand_names, parse_module, run_counts,
+                                       tuple_elements, type_bytes)
 from jzero.analysis.tables import html_table, require_pyplot, text_table
 from jzero.sharding.mesh import ZeroMesh
 
@@ -64,16 +66,6 @@ __all__ = ["Collective", "CommVolume", "StepTiming", "collectives", "comm_volume
            "unordered_collectives", "matmul_flops", "parameter_bytes", "COMPUTE_OPS"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
-          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-          "c128": 16}
-_BITS = {"s4": 4, "u4": 4, "s2": 2, "u2": 2, "s1": 1, "u1": 1}  # sub-byte types, packed
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
-_ARRAY = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)="
-                    r"%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 # Instructions that run kernels (or hold instructions that do) in a scheduled GPU program.
 COMPUTE_OPS = ("fusion", "custom-call", "convolution", "dot", "while", "conditional", "call")
 _MATMUL = re.compile(r"gemm|matmul|dot|conv", re.IGNORECASE)
@@ -120,42 +112,12 @@ class Collective:
     return self.sent_bytes * self.count
 
 
-def _type_bytes(type_str: str) -> int:
-  total = 0
-  for dt, dims in _ARRAY.findall(type_str):
-    numel = math.prod(int(d) for d in dims.split(",") if d)
-    total += -(-numel * _BITS[dt] // 8) if dt in _BITS else _BYTES.get(dt, 4) * numel
-  return total
-
-
-def _payload(type_str: str) -> tuple[str, ...]:
-  """The distinct element types of a collective's result buffers, in order of appearance."""
-  return tuple(dict.fromkeys(dt for dt, _ in _ARRAY.findall(type_str)))
-
-
-def _tuple_elements(type_str: str) -> list[str]:
-  """Top-level elements of a tuple type '(a, (b, c), d)'; [type_str] when it is no tuple."""
-  text = re.sub(r"/\*.*?\*/", "", type_str).strip()
-  if not text.startswith("("):
-    return [text]
-  parts, depth, start = [], 0, 1
-  for i, ch in enumerate(text):
-    if ch in "([{":
-      depth += 1
-    elif ch in ")]}":
-      depth -= 1
-    if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
-      parts.append(text[start:i].strip())
-      start = i + 1
-  return [p for p in parts if p]
-
-
 def _outputs(op: str, type_str: str) -> str:
   """The result buffers of a collective. Async all-gather / reduce-scatter / all-to-all /
   collective-permute starts return (operands, results[, contexts]); all-reduce-start returns its
   results; a synchronous collective returns its results."""
   if op.endswith("-start") and op != "all-reduce-start":
-    parts = _tuple_elements(type_str)
+    parts = tuple_elements(type_str)
     if len(parts) >= 2:
       return parts[1]
   return type_str
@@ -191,198 +153,6 @@ def _axes(groups: list[list[int]], mesh_shape: dict[str, int]) -> tuple[str, ...
   return tuple(n for n in names if n in spanned)
 
 
-_Instruction = tuple[str, str, str, str]  # (name, result type, opcode, operands and attributes)
-
-
-class _Module(NamedTuple):
-  """A parsed HLO module: instructions per computation in text order, (callee, trip count) per
-  computation, the entry, and for each loop body the (caller, while instruction, trip count) that
-  runs it."""
-
-  comps: dict[str, list[_Instruction]]
-  calls: dict[str, list[tuple[str, int]]]
-  entry: str
-  loops: dict[str, tuple[str, str, int]]
-
-
-def _parse_module(hlo_text: str) -> _Module:
-  """The computations of an optimized HLO module and how they call one another (:class:`_Module`);
-  a loop without XLA's trip count annotation is counted by :func:`trip_count`."""
-  comps: dict[str, list[_Instruction]] = {}
-  calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
-  whiles: list[tuple[str, str, str]] = []  # (caller, while's name, its operands and attributes)
-  entry, current = None, None
-  for line in hlo_text.splitlines():
-    header = _HEADER.match(line)
-    if header:
-      current = header.group(2)
-      comps[current] = []
-      if header.group(1):
-        entry = current
-      continue
-    inst = _INSTR.match(line)
-    if not inst or current is None:
-      continue
-    name, type_str, op, rest = inst.group(2), inst.group(3), inst.group(4), inst.group(5)
-    comps[current].append((name, type_str, op, rest))
-    if op == "while":
-      whiles.append((current, name, rest))
-      continue
-    for callee in _CALLS.findall(rest):
-      calls[current].append((callee, 1))
-    for branches in _BRANCHES.findall(rest):
-      for callee in branches.split(","):
-        calls[current].append((callee.strip().lstrip("%"), 1))
-  if entry is None:
-    raise ValueError("not an HLO module: no ENTRY computation found")
-  loops = {}
-  for caller, name, rest in whiles:
-    trips = trip_count(comps, caller, rest) or 1
-    for callee in _CALLS.findall(rest):
-      calls[caller].append((callee, trips))
-    body = re.search(r"body=%?([\w.\-]+)", rest)
-    if body:
-      loops[body.group(1)] = (caller, name, trips)
-  return _Module(comps, calls, entry, loops)
-
-
-_COMPARE = re.compile(r"direction=(LT|LE|GT|GE|NE)")
-_LOOP_TRIPS = {"LT": lambda n, d: n, "LE": lambda n, d: n + d, "NE": lambda n, d: n,
-               "GT": lambda n, d: n, "GE": lambda n, d: n + d}
-
-
-def trip_count(comps: dict[str, list[_Instruction]], caller: str, rest: str) -> int | None:
-  """How many times the ``while`` whose operands and attributes are ``rest`` (an instruction of
-  ``caller``) runs its body: XLA's ``known_trip_count`` where it gives one, else read from the loop
-  itself -- the induction variable's initial constant (the while's operand tuple), its constant
-  step (the body's root tuple) and the constant its condition compares it with. XLA drops the
-  annotation from a loop it peels (the gradient-accumulation loop whose first micro-batch the
-  collective pipeliner moved out of it runs ``gas - 1`` times, unannotated). None when the loop
-  is not of that counted form."""
-  known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', rest)
-  if known:
-    return int(known.group(1))
-  index = re.search(r'"known_induction_variable":\{"tuple_index":"(\d+)"\}', rest)
-  cond = re.search(r"condition=%?([\w.\-]+)", rest)
-  body = re.search(r"body=%?([\w.\-]+)", rest)
-  operands = _operands(rest)
-  if cond and not index:  # a TPU loop names no induction variable: the one its condition reads
-    index = _compared_element(comps.get(cond.group(1), []))
-  if not (index and cond and body and operands):
-    return None
-  i = int(index.group(1))
-  init = _constant(comps, caller, _element(comps.get(caller, []), operands[0], i))
-  step = _constant(comps, body.group(1), _element(comps.get(body.group(1), []), None, i),
-                   through_add=True)
-  bound = _compare_bound(comps, cond.group(1))
-  if init is None or not step or bound is None:
-    return None
-  limit, direction = bound
-  span = _LOOP_TRIPS[direction](limit - init, 1 if step > 0 else -1)
-  trips = -(-span // step) if step > 0 else -(-(-span) // -step)
-  return trips if trips > 0 else None
-
-
-def _compared_element(insts: list[_Instruction]) -> re.Match | None:
-  """In a loop condition whose root compares an element of the loop tuple with a constant: the
-  ``index=N`` of that element (None otherwise)."""
-  if not insts or insts[-1][2] != "compare":
-    return None
-  reads = _operands(insts[-1][3])
-  by_name = {name: (op, rest) for name, _, op, rest in insts}
-  for operand in reads:
-    op, rest = by_name.get(operand, ("", ""))
-    if op == "get-tuple-element":
-      return re.search(r"index=(\d+)", rest)
-  return None
-
-
-def _element(insts: list[_Instruction], tuple_name: str | None, index: int) -> str | None:
-  """The name of element ``index`` of the tuple instruction ``tuple_name`` (None: the root)."""
-  for name, _, op, rest in insts:
-    if op == "tuple" and (name == tuple_name or tuple_name is None and insts[-1][0] == name):
-      operands = _operands(rest)
-      return operands[index] if index < len(operands) else None
-  return None
-
-
-def _constant(comps: dict[str, list[_Instruction]], comp: str, name: str | None, *,
-              through_add: bool = False, depth: int = 0) -> int | None:
-  """The integer constant instruction ``name`` of ``comp`` is, through copies and bitcasts (and,
-  with ``through_add``, the constant operand of an add -- or of the add a fusion computes)."""
-  if name is None or depth > 8:
-    return None
-  found = next(((op, rest) for n, _, op, rest in comps.get(comp, []) if n == name), None)
-  if found is None:
-    return None
-  op, rest = found
-  if op == "constant":
-    value = re.match(r"\s*(-?\d+)\)", rest)
-    return int(value.group(1)) if value else None
-  operands = _operands(rest)
-  if op in ("copy", "bitcast") and operands:
-    return _constant(comps, comp, operands[0], through_add=through_add, depth=depth + 1)
-  if through_add and op == "add":
-    for o in operands:
-      value = _constant(comps, comp, o, depth=depth + 1)
-      if value is not None:
-        return value
-  if through_add and op == "fusion":
-    callee = re.search(r"calls=%?([\w.\-]+)", rest)
-    if callee and comps.get(callee.group(1)):
-      return _constant(comps, callee.group(1), comps[callee.group(1)][-1][0], through_add=True,
-                       depth=depth + 1)
-  return None
-
-
-def _compare_bound(comps: dict[str, list[_Instruction]], cond: str) -> tuple[int, str] | None:
-  """(constant, direction) of a loop condition ``i <op> constant`` (the compare at its root, or
-  at the root of the fusion there)."""
-  insts = comps.get(cond)
-  if not insts:
-    return None
-  _, _, op, rest = insts[-1]
-  if op == "fusion":
-    callee = re.search(r"calls=%?([\w.\-]+)", rest)
-    return _compare_bound(comps, callee.group(1)) if callee else None
-  direction = _COMPARE.search(rest)
-  if op != "compare" or direction is None:
-    return None
-  operands = _operands(rest)
-  if len(operands) != 2:
-    return None
-  value = _constant(comps, cond, operands[1])
-  return None if value is None else (value, direction.group(1))
-
-
-def _run_counts(comps: dict[str, list[_Instruction]], calls: dict[str, list[tuple[str, int]]],
-                entry: str, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, int]:
-  """How many times one run of the module runs each computation reached from ``entry``: a loop
-  body its ``known_trip_count`` times per run of its caller (``skip``: callees not followed)."""
-  runs: dict[str, int] = collections.defaultdict(int)
-
-  def visit(comp: str, mult: int) -> None:
-    runs[comp] += mult
-    for callee, trips in calls.get(comp, ()):
-      if callee in comps and callee not in skip:
-        visit(callee, mult * trips)
-
-  visit(entry, 1)
-  return runs
-
-
-def _operands(rest: str) -> list[str]:
-  """The instruction names an instruction reads (its parenthesised operand list)."""
-  depth = 0
-  for i, ch in enumerate(rest):
-    depth += ch == "("
-    if ch == ")":
-      if depth == 0:
-        return re.findall(r"%([\w.\-]+)", rest[:i])
-      depth -= 1
-  return re.findall(r"%([\w.\-]+)", rest)
-
-
 def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str]]:
   """Pairs of collective-bearing instructions (a collective, or a loop / branch / call holding
   one) that no data dependency orders: ``(computation, earlier, later)`` for each pair adjacent in
@@ -390,7 +160,7 @@ def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str]]:
 
   Empty when every computation's collectives form one chain -- what
   :mod:`jzero.comm.collective_order` builds, so that XLA's CPU runtime cannot run two at once."""
-  comps, calls, _, _ = _parse_module(hlo_text)
+  comps, calls, _, _ = parse_module(hlo_text)
   bearing: dict[str, bool] = {}
 
   def holds(comp: str) -> bool:
@@ -406,7 +176,7 @@ def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str]]:
     elements: dict[str, list[str]] = {}  # a tuple's (or a barrier's) elements, by position
     previous = None
     for name, _, op, rest in insts:
-      reads = [o for o in _operands(rest) if o in ancestors]
+      reads = [o for o in operand_names(rest) if o in ancestors]
       if op == "tuple":
         elements[name] = reads
       elif op == "opt-barrier" and reads and reads[0] in elements:
@@ -417,8 +187,8 @@ def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str]]:
       ancestors[name] = set(reads).union(*(ancestors[o] for o in reads))
       if op.endswith("-done"):
         continue
-      callees = [c.strip().lstrip("%") for c in _CALLS.findall(rest)] + [
-          c.strip().lstrip("%") for b in _BRANCHES.findall(rest) for c in b.split(",")]
+      callees = [c.strip().lstrip("%") for c in CALLS.findall(rest)] + [
+          c.strip().lstrip("%") for b in BRANCHES.findall(rest) for c in b.split(",")]
       if op.removesuffix("-start") in KINDS or any(holds(c) for c in callees):
         if previous is not None and previous not in ancestors[name]:
           found.append((comp, previous, name))
@@ -435,9 +205,9 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
   """
   mesh_shape = dict(mesh.mesh.shape) if mesh is not None else {}
   n_devices = math.prod(mesh_shape.values()) if mesh_shape else 1
-  comps, calls, entry, loops = _parse_module(hlo_text)
+  comps, calls, entry, loops = parse_module(hlo_text)
 
-  runs = _run_counts(comps, calls, entry)
+  runs = run_counts(comps, calls, entry)
   nests = _loop_nests(calls, entry, loops)
   halves = _tpu_async_halves(comps)
   found = []
@@ -454,7 +224,7 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
       groups = _groups(rest, n_devices)
       size = len(groups[0]) if kind != "collective-permute" else n_devices
       outputs = _outputs(op, type_str)
-      out = _type_bytes(outputs)
+      out = type_bytes(outputs)
       full = out * size if kind == "reduce-scatter" else out
       is_async, overlapped, matmuls = False, 0, 0
       if op.endswith("-start"):
@@ -465,10 +235,10 @@ def collectives(hlo_text: str, mesh: ZeroMesh | None = None) -> list[Collective]
         overlapped, matmuls = _tpu_in_flight(comps, halves, comp)
       found.append(Collective(kind=kind, name=name, full_bytes=full, group_size=size,
                               axes=_axes(groups, mesh_shape) if mesh_shape else (),
-                              count=runs[comp], buffers=len(_ARRAY.findall(outputs)),
+                              count=runs[comp], buffers=len(ARRAY.findall(outputs)),
                               is_async=is_async, overlapped_ops=overlapped,
                               overlapped_matmuls=matmuls, computation=comp,
-                              payload=_payload(outputs), loops=nests.get(comp, ())))
+                              payload=element_types(outputs), loops=nests.get(comp, ())))
   return found
 
 
@@ -481,7 +251,7 @@ def parameter_bytes(hlo_text: str) -> tuple[int, int]:
   program's ``T(8,128)`` pads the last two dimensions to multiples of 8 and 128; a scalar's
   ``T(128)`` takes 128 elements). The laid-out sum is XLA's ``argument_size_in_bytes`` on a TPU;
   their difference is what the chip's tiles add to the plan's bytes."""
-  comps, _, entry, _ = _parse_module(hlo_text)
+  comps, _, entry, _ = parse_module(hlo_text)
   logical = laid_out = 0
   for _, type_str, op, _ in comps[entry]:
     if op != "parameter":
@@ -489,7 +259,7 @@ def parameter_bytes(hlo_text: str) -> tuple[int, int]:
     for dtype, dims, layout in re.findall(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?",
                                           type_str):
       shape = [int(d) for d in dims.split(",")] if dims else []
-      width = _BYTES.get(dtype, 0)
+      width = ELEMENT_BYTES.get(dtype, 0)
       logical += math.prod(shape) * width
       tile = _TILE.search(layout or "")
       if tile:
@@ -530,8 +300,8 @@ def matmul_flops(hlo_text: str) -> float:
   this count does not. Elementwise work and convolutions are not counted (a transformer's are a
   few percent of its matmuls; model-FLOPs formulas leave them out too).
   """
-  comps, calls, entry, _ = _parse_module(hlo_text)
-  runs = _run_counts(comps, calls, entry)
+  comps, calls, entry, _ = parse_module(hlo_text)
+  runs = run_counts(comps, calls, entry)
   total = 0.0
   for comp, insts in comps.items():
     if not runs.get(comp):
@@ -544,9 +314,9 @@ def matmul_flops(hlo_text: str) -> float:
         found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
       else:
         continue
-      lhs = types.get(next(iter(_operands(rest)), ""), "")
-      lhs_dims = _ARRAY.search(lhs)
-      out_dims = _ARRAY.search(_tuple_elements(type_str)[0])
+      lhs = types.get(next(iter(operand_names(rest)), ""), "")
+      lhs_dims = ARRAY.search(lhs)
+      out_dims = ARRAY.search(tuple_elements(type_str)[0])
       if found is None or lhs_dims is None or out_dims is None:
         continue
       lhs_shape = [int(d) for d in lhs_dims.group(2).split(",") if d]
@@ -574,13 +344,13 @@ def memory_traffic(hlo_text: str) -> float:
   work, normalizations, softmax, the optimizer update, copies between memory kinds -- is bound by
   memory bandwidth, which this count divides into a time (:func:`jzero.planning.cost.predict`).
   """
-  comps, calls, entry, _ = _parse_module(hlo_text)
+  comps, calls, entry, _ = parse_module(hlo_text)
   fused = set()
   for insts in comps.values():
     for _, _, op, rest in insts:
       if op != "while" and op != "conditional" and op != "call":
-        fused.update(_CALLS.findall(rest))
-  runs = _run_counts(comps, calls, entry, skip=fused)
+        fused.update(CALLS.findall(rest))
+  runs = run_counts(comps, calls, entry, skip=fused)
   matmul_bodies = {comp for comp, insts in comps.items()
                    if any(op in ("dot", "convolution") for _, _, op, _ in insts)}
   total = 0.0
@@ -601,22 +371,22 @@ def memory_traffic(hlo_text: str) -> float:
   return total
 
 
-def _instruction_traffic(comps: dict[str, list[_Instruction]], types: dict[str, str],
+def _instruction_traffic(comps: dict[str, list[Instruction]], types: dict[str, str],
                          type_str: str, op: str, rest: str, callee: Any) -> float:
   """Bytes one run of an instruction reads and writes. A ``dynamic-slice`` reads only its slice
   and a ``dynamic-update-slice`` writes only its update, in place -- the stacked buffers a layer
   scan keeps its activations in are touched one layer per trip, not whole; inside a fusion the
   same holds for a parameter read only through dynamic slices, and for a result that is a
   dynamic-update-slice of one of the fusion's parameters."""
-  operands = _operands(rest)
-  size = lambda name: _type_bytes(types.get(name, ""))  # noqa: E731
+  operands = operand_names(rest)
+  size = lambda name: type_bytes(types.get(name, ""))  # noqa: E731
   if op == "dynamic-slice":
-    return 2.0 * _type_bytes(type_str)
+    return 2.0 * type_bytes(type_str)
   if op == "dynamic-update-slice":
     return 2.0 * size(operands[1]) if len(operands) > 1 else 0.0
   body = comps.get(callee[1]) if op == "fusion" and callee else None
   if not body:
-    return sum(size(o) for o in operands) + _type_bytes(type_str)
+    return sum(size(o) for o in operands) + type_bytes(type_str)
   local = {name: t for name, t, _, _ in body}
   params = {}
   for name, _, bop, brest in body:
@@ -625,29 +395,29 @@ def _instruction_traffic(comps: dict[str, list[_Instruction]], types: dict[str, 
   # per value: (op, result type, is it the first operand) of each instruction that reads it
   users: dict[str, list[tuple[str, str, bool]]] = collections.defaultdict(list)
   for name, t, bop, brest in body:
-    for i, o in enumerate(_operands(brest)):
+    for i, o in enumerate(operand_names(brest)):
       users[o].append((bop, t, i == 0))
   read = 0.0
   for i, operand in enumerate(operands):
     uses = users.get(params.get(i, ""), [])
     if uses and all(op == "dynamic-slice" and first for op, _, first in uses):
-      read += sum(_type_bytes(t) for _, t, _ in uses)  # the slices read
+      read += sum(type_bytes(t) for _, t, _ in uses)  # the slices read
     elif uses and all(op == "dynamic-update-slice" and first for op, _, first in uses):
       read += 0.0  # the buffer updated in place
     else:
       read += size(operand)
   root = body[-1]
   roots = [root] if root[2] != "tuple" else [next((b for b in body if b[0] == r), None)
-                                             for r in _operands(root[3])]
+                                             for r in operand_names(root[3])]
   written = 0.0
   for r in roots:
     if r is None:
       continue
     if r[2] == "dynamic-update-slice":
-      update = _operands(r[3])
-      written += _type_bytes(local.get(update[1], "")) if len(update) > 1 else 0.0
+      update = operand_names(r[3])
+      written += type_bytes(local.get(update[1], "")) if len(update) > 1 else 0.0
     else:
-      written += _type_bytes(r[1])
+      written += type_bytes(r[1])
   return read + written
 
 
@@ -656,7 +426,7 @@ _TPU_CONTINUED = "async_collective_fusion"  # compute carrying a collective in f
 _MEGASCALE = '_xla_host_transfer_handler_name="xla_megascale_runtime"'
 
 
-def _dcn_transfer(insts: list[_Instruction], index: int, mesh: ZeroMesh | None, count: int,
+def _dcn_transfer(insts: list[Instruction], index: int, mesh: ZeroMesh | None, count: int,
                   loops: tuple[tuple[str, int], ...], comp: str) -> Collective:
   """A TPU multi-slice program's hop over the data-centre network: XLA's TPU compiler lowers the
   part of a collective that crosses slices to a host-transfer ``send`` for the megascale runtime
@@ -671,7 +441,7 @@ def _dcn_transfer(insts: list[_Instruction], index: int, mesh: ZeroMesh | None, 
   ranged = re.search(r'_xla_megascale_target="\{([\d,]+)\}x\{(\d+):(\d+)\}"', rest)
   groups = ([[int(x) for x in g.split(",")] for g in re.findall(r"\{([^{}]*)\}", target.group(1))]
             if target else [[0, 1]])
-  sent = _type_bytes(_tuple_elements(type_str)[0]) if type_str.startswith("(") else 0
+  sent = type_bytes(tuple_elements(type_str)[0]) if type_str.startswith("(") else 0
   axes: tuple[str, ...] = ()
   if mesh is not None:  # device ids -> mesh positions -> the axes the groups span
     devices = list(mesh.mesh.devices.flat)
@@ -691,10 +461,10 @@ def _dcn_transfer(insts: list[_Instruction], index: int, mesh: ZeroMesh | None, 
   return Collective(kind=kind, name=name, full_bytes=sent * size // max(size - 1, 1),
                     group_size=size, axes=axes, count=count, is_async=True,
                     overlapped_ops=overlapped, overlapped_matmuls=matmuls, computation=comp,
-                    payload=_payload(_tuple_elements(type_str)[0]), loops=loops)
+                    payload=element_types(tuple_elements(type_str)[0]), loops=loops)
 
 
-def _tpu_async_halves(comps: dict[str, list[_Instruction]]) -> dict[str, str]:
+def _tpu_async_halves(comps: dict[str, list[Instruction]]) -> dict[str, str]:
   """The computations of a TPU program that are one half of an asynchronous collective: XLA's
   TPU compiler fuses a collective into a start fusion (its root a custom call
   ``AsyncCollectiveStart``) and a done fusion (``AsyncCollectiveDone``, holding a copy of the
@@ -713,7 +483,7 @@ def _tpu_async_halves(comps: dict[str, list[_Instruction]]) -> dict[str, str]:
   return halves
 
 
-def _tpu_in_flight(comps: dict[str, list[_Instruction]], halves: dict[str, str],
+def _tpu_in_flight(comps: dict[str, list[Instruction]], halves: dict[str, str],
                    start_comp: str) -> tuple[int, int]:
   """(compute instructions, of which matmuls) a TPU program schedules between the fusion that
   starts a collective (calls ``start_comp``) and the done fusion that reads its result."""
@@ -740,10 +510,10 @@ def _compute_in_flight(insts: list[tuple[str, str, str, str]], start: int,
     if op.endswith("-done") and rest.split(")")[0].strip().lstrip("%") == name:
       break
     if done is not None:  # a TPU start fusion: its done is a fusion reading it (or an element)
-      if op == "get-tuple-element" and set(_operands(rest)[:1]) & reads:
+      if op == "get-tuple-element" and set(operand_names(rest)[:1]) & reads:
         reads.add(inst)
         continue
-      if done(rest) and reads & set(_operands(rest)):
+      if done(rest) and reads & set(operand_names(rest)):
         break
     if op in COMPUTE_OPS:
       count += 1

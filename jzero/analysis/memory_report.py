@@ -1,14 +1,14 @@
-"""Memory a live engine holds, measured, beside the estimator's prediction
+"""Memory a live train state holds, measured, beside the estimator's prediction
 (:mod:`jzero.analysis.estimate`).
 
-**Measured accounting** (:func:`memory_report`) reads, for the first device of a live engine's
-mesh, the bytes of every shard that device holds of the compute params, the fp32 master and the
-optimizer state (``arr.addressable_shards``), by memory kind (``device``, ``pinned_host``,
-``unpinned_host``; a tier outside JAX's memory kinds, such as NVMe, adds its own key). The
-gradient buffer lives only inside the compiled step, so it is counted from the plan (its layout
-times the compute dtype), as ZeRO's accounting does. Given a batch, the report adds the compiled
-step's ``memory_analysis()``, and it sets the estimator's prediction for the same model beside the
-measurement.
+**Measured accounting** (:func:`memory_report`, from the plan, the state and the tiers'
+resources -- not the engine) reads, for the first device of the plan's mesh, the bytes of every
+shard that device holds of the compute params, the fp32 master and the optimizer state
+(``arr.addressable_shards``), by memory kind (``device``, ``pinned_host``, ``unpinned_host``; a
+tier outside JAX's memory kinds, such as NVMe, adds its own key). The gradient buffer lives only
+inside the compiled step, so it is counted from the plan (its layout times the compute dtype), as
+ZeRO's accounting does. Given the compiled step, the report adds its ``memory_analysis()``, and it
+sets the estimator's prediction for the same model beside the measurement.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jzero.analysis.estimate import TIERS, CATEGORIES, Estimate, estimate
+from jzero.analysis.estimate import CATEGORIES, Estimate, estimate
 from jzero.analysis.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
 from jzero.comm import program
-from jzero.tiers import where
+from jzero.sharding.plan import Plan
+from jzero.tiers import registry, where
+from jzero.tiers.base import Resources
 from jzero.tiers.nvme_params import host_bytes_bound
 
 __all__ = ["REPORT_CATEGORIES", "live_bytes", "state_report", "CompiledMemory", "MemoryReport",
@@ -55,16 +57,16 @@ def live_bytes(tree: Any, device: jax.Device | None = None) -> dict[str, int]:
   return dict(out)
 
 
-def state_report(engine: Any, state: Any) -> dict[str, dict[str, int]]:
-  """Bytes the first device of ``engine``'s mesh holds: category -> memory kind -> bytes.
+def state_report(plan: Plan, state: Any, resources: Resources) -> dict[str, dict[str, int]]:
+  """Bytes the first device of the plan's mesh holds: category -> memory kind -> bytes.
 
   Categories are :data:`REPORT_CATEGORIES`, plus "secondary" (ZeRO++ hpZ's copy) and
   "delayed_grads" (the delayed update's carried gradient) when the state has them; params, master,
   optimizer and secondary are measured from the live arrays, grads counted from the plan (``{}``
-  where a category has no arrays).
+  where a category has no arrays; what a tier holds outside the arrays, such as the NVMe store's
+  files, from its resource in ``resources``).
   """
-  plan = engine.plan
-  device = engine.mesh.mesh.devices.flat[0]
+  device = plan.mesh.mesh.devices.flat[0]
   itemsize = jnp.dtype(plan.compute_dtype).itemsize
   grads = sum(plan.local_numel(l, l.grad_partitioned) for l in plan.leaf_list()) * itemsize
   report = {
@@ -75,8 +77,8 @@ def state_report(engine: Any, state: Any) -> dict[str, dict[str, int]]:
   }
   if getattr(state, "secondary", None) is not None:
     report["secondary"] = live_bytes(state.secondary, device)
-  for tier in getattr(engine, "tiers", ()):  # what tiers hold outside the arrays (the NVMe store)
-    for category, kinds in tier.measured_bytes(engine).items():
+  for tier in registry.active(plan):  # what tiers hold outside the arrays (the NVMe store)
+    for category, kinds in tier.measured_bytes(plan, resources.get(tier.name)).items():
       for kind, nbytes in kinds.items():
         report[category][kind] = report[category].get(kind, 0) + nbytes
   if getattr(state, "delayed", None) is not None:  # the carried gradient (jzero.tiers.delayed)
@@ -111,7 +113,7 @@ class CompiledMemory:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
-  """Measured and predicted model-state bytes of one device of a live engine.
+  """Measured and predicted model-state bytes of one device holding a train state.
 
   Attributes:
     device: the device measured (the first of the mesh).
@@ -185,25 +187,28 @@ class MemoryReport:
     return self.measured_bytes(category) / predicted if predicted else math.nan
 
 
-def _state_bytes_per_param(engine: Any, state: Any) -> tuple[float, float]:
+def _state_bytes_per_param(plan: Plan, state: Any, resources: Resources,
+                           tx: Any) -> tuple[float, float]:
   """(fp32 master, optimizer state) bytes per parameter, from the live state's global arrays.
 
   Optimizer leaves that optax marks as param-like (Adam's moments, not its step count) count.
   """
-  plan = engine.plan
   numel = sum(math.prod(plan.state_shape(l)) for l in plan.leaf_list())
-  param_like = optax.tree_utils.tree_map_params(engine.tx, lambda x: x.nbytes, state.opt_state,
+  param_like = optax.tree_utils.tree_map_params(tx, lambda x: x.nbytes, state.opt_state,
                                                 transform_non_params=lambda _: 0)
   master = sum(x.nbytes for x in jax.tree.leaves(state.master))
   optimizer = sum(jax.tree.leaves(param_like))
-  for tier in getattr(engine, "tiers", ()):  # e.g. NVMe leaves: 0-byte placeholders in the state
-    held = tier.held_bytes(engine)
+  for tier in registry.active(plan):  # e.g. NVMe leaves: 0-byte placeholders in the state
+    held = tier.held_bytes(plan, resources.get(tier.name))
     master, optimizer = master + held.get("master", 0), optimizer + held.get("optimizer", 0)
   return master / numel, optimizer / numel
 
 
-def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
-  """Measured bytes of the first device of ``engine``'s mesh beside the estimator's prediction.
+def memory_report(plan: Plan, state: Any, resources: Resources, *, config: Any, tx: Any,
+                  compiled: Any = None, gathered: tuple[int, int] | None = None) -> MemoryReport:
+  """Measured bytes of the first device of the plan's mesh beside the estimator's prediction
+  (:meth:`jzero.Engine.memory_report` gives it the engine's plan, state, resources, config and
+  optimizer, and with a batch the compiled step).
 
   The prediction uses the plan's leaves (Ψ, stacked layers), the mesh's ZeRO size as N, the
   config's stage and persistence thresholds, the compute dtype's bytes for params and grads, and K
@@ -211,18 +216,22 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
   fp32, 12 in bf16 / fp16).
 
   Args:
-    engine: an engine after :meth:`Engine.init`.
-    state: its train state.
-    batch: a global batch placed on the mesh; adds the compiled step's memory analysis.
+    plan: the plan the state is laid out by.
+    state: a train state of the plan.
+    resources: what the plan's tiers opened (:class:`jzero.tiers.base.Resources`).
+    config: the DeepSpeed config (its ZeRO block's persistence thresholds, the precision).
+    tx: the optax optimizer (which of its state's leaves are per parameter).
+    compiled: the compiled step (``jax.stages.Compiled``): adds its memory analysis.
+    gathered: stage 3's (largest group gathered at once, elements gathered at the start) as the
+      model runs (default: the plan's).
   """
-  plan, zero = engine.plan, engine.config.zero_optimization
-  # compiled first: tracing the step tells the gathered working set as the model really runs
-  compiled = CompiledMemory.of(engine.compile_step(state, batch)) if batch is not None else None
-  master_k, opt_k = _state_bytes_per_param(engine, state)
+  zero = config.zero_optimization
+  compiled = CompiledMemory.of(compiled) if compiled is not None else None
+  master_k, opt_k = _state_bytes_per_param(plan, state, resources, tx)
   leaves = plan.leaf_list()
   host = sum(l.numel for l in leaves if l.state_tier == "host")
   on_nvme = sum(l.numel for l in leaves if l.state_tier == "nvme")
-  store = getattr(engine, "nvme_store", None)
+  store = resources.get(where.NVME)
   reader = store.reader if store is not None else None
   # params on NVMe (jzero.tiers.nvme_params): the store holds their fp32 master (counted in master)
   # or, with their state on the host, an fp32 copy (counted in params, below); the host cache holds
@@ -231,17 +240,26 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
             if reader is not None else 0)
   optimizer_tier = ("nvme" if on_nvme and (where.params_on_nvme(plan) or not host)
                     else "cpu" if host else None)
-  est = estimate(leaves, plan.stage, engine.mesh.zero_size, offload_optimizer=optimizer_tier,
+  offloaded = on_nvme if optimizer_tier == "nvme" else host
+  # a registered tier's (jzero.tiers.registry): its config value, its share of the elements
+  others = collections.Counter()
+  for leaf in leaves:
+    if leaf.state_tier not in ("device", where.HOST, where.NVME):
+      others[leaf.state_tier] += leaf.numel
+  if optimizer_tier is None and others:
+    name, offloaded = others.most_common(1)[0]
+    optimizer_tier = registry.value_of("offload_optimizer", name)
+  est = estimate(leaves, plan.stage, plan.mesh.zero_size, offload_optimizer=optimizer_tier,
                  offload_param=("nvme" if where.params_on_nvme(plan) else
                                 "cpu" if where.param_offloads(plan) else None),
                  param_cache_elements=cached,
-                 offload_ratio=(on_nvme if optimizer_tier == "nvme" else host)
-                 / sum(l.numel for l in leaves),
+                 offload_ratio=offloaded / sum(l.numel for l in leaves),
                  param_bytes=jnp.dtype(plan.compute_dtype).itemsize,
                  optimizer_bytes=master_k + opt_k,
                  persistence_threshold=zero.param_persistence_threshold,
                  model_persistence_threshold=zero.model_persistence_threshold,
-                 gathered=engine.gathered_working_set(), prefetch=program.prefetches(plan),
+                 gathered=gathered if gathered is not None else plan.gathered_working_set(),
+                 prefetch=program.prefetches(plan),
                  hpz_partition_size=plan.zeropp.hpz,
                  delayed_update=getattr(state, "delayed", None) is not None)
   # Offload: master + optimizer state are predicted over the tiers they live on. jzero's gradient
@@ -277,8 +295,8 @@ def memory_report(engine: Any, state: Any, batch: Any = None) -> MemoryReport:
              f"{format_bytes(store.bytes_per_slot)} per slot ({len(store.devices)} devices), "
              f"{format_bytes(store.disk_bytes())} on disk (two slots and metadata), step "
              f"{store.step} committed in slot {store.slot}",)
-  return MemoryReport(device=str(engine.mesh.mesh.devices.flat[0]),
-                      precision=engine.config.precision, measured=state_report(engine, state),
+  return MemoryReport(device=str(plan.mesh.mesh.devices.flat[0]),
+                      precision=config.precision, measured=state_report(plan, state, resources),
                       predicted=predicted, estimate=est, optimizer_bytes=master_k + opt_k,
                       compiled=compiled, prefetch=program.prefetches(plan), notes=notes)
 
@@ -309,7 +327,7 @@ def report_rows(report: MemoryReport) -> tuple[str, list[str], list[list[str]], 
   notes = []
   if est.offload_optimizer or est.offload_param:
     notes.append("predicted per tier (estimator): " + ", ".join(
-        f"{tier} {format_bytes(est.tier_total(tier))}" for tier in TIERS
+        f"{tier} {format_bytes(est.tier_total(tier))}" for tier in est.bytes
         if est.tier_total(tier)) + " (per device's share: a process holds the shares of its "
         "local devices; the host gradient share is the estimator's DeepSpeed-style copy, a "
         "temporary in jzero)")

@@ -2,8 +2,9 @@
 
 The reports (:class:`jzero.analysis.estimate.EstimateTable`,
 :class:`jzero.analysis.memory_report.MemoryReport`, the AOT report) build one ``(header, rows)``
-pair of strings and render it with :func:`text_table` or :func:`html_table`, so a notebook shows the
-numbers the CLI prints; :class:`Table` is such a pair that shows itself (a notebook's own tables).
+pair of strings and render it with :func:`text_table` (rich's ``Table``, without borders) or
+:func:`html_table` (an HTML ``<table>``, which rich does not write), so a notebook shows the numbers
+the CLI prints; :class:`Table` is such a pair that shows itself (a notebook's own tables).
 :func:`require_pyplot` gives their ``.plot()`` methods matplotlib, or says how to install it.
 """
 
@@ -11,10 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import io
 from typing import Any, Sequence
 
+import rich.console
+import rich.table
+
 __all__ = ["Table", "format_bytes", "format_count", "byte_cell", "text_table", "html_table",
-           "require_pyplot"]
+           "markdown_table", "require_pyplot"]
 
 
 def format_bytes(n: float) -> str:
@@ -40,13 +45,18 @@ def byte_cell(n: float) -> str:
 
 
 def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "") -> str:
-  """Plain-text table: first column left-aligned, the others right-aligned."""
-  widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-  def line(cells):
-    return indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                              for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-  return "\n".join([line(header), *(line(r) for r in rows)])
+  """Plain-text table (rich's, no borders, no styles): first column left-aligned, the others
+  right-aligned, two spaces between columns, never wrapped; each line after ``indent``."""
+  table = rich.table.Table(box=None, show_edge=False, pad_edge=False, padding=(0, 1),
+                           header_style=None, highlight=False)
+  for i, name in enumerate(header):
+    table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+  for row in rows:
+    table.add_row(*row)
+  out = io.StringIO()
+  rich.console.Console(file=out, width=1_000_000, color_system=None, markup=False, emoji=False,
+                       highlight=False).print(table)
+  return "\n".join(indent + line.rstrip() for line in out.getvalue().rstrip("\n").split("\n"))
 
 
 def html_table(header: Sequence[str], rows: Sequence[Sequence[str]],
@@ -64,6 +74,14 @@ def html_table(header: Sequence[str], rows: Sequence[Sequence[str]],
   parts.append("</tbody></table>")
   parts.extend(f"<div>{html.escape(note)}</div>" for note in notes)
   return "".join(parts)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+  """The lines of a Markdown (GitHub) table: what the benchmark scripts write into the docs, each
+  cell as ``str`` gives it (a ``|`` in a cell is escaped)."""
+  def line(cells: Sequence[Any]) -> str:
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
+  return [line(header), "|" + "---|" * len(header), *(line(row) for row in rows)]
 
 
 @dataclasses.dataclass(frozen=True)

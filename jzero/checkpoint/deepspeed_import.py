@@ -32,19 +32,20 @@ import optax
 
 from jzero.checkpoint.deepspeed import DeepSpeedCheckpoint
 from jzero.checkpoint.optax_import import initial_model_state, opt_layout, placed_state
-from jzero.checkpoint.restore import abstract_state, broadcast
+from jzero.checkpoint.restore import shardings_of
 from jzero.errors import CheckpointError, JZeroWarning
-from jzero.sharding.plan import flatten_paths
+from jzero.sharding.plan import Plan, flatten_paths
+from jzero.tiers.base import Resources
 
 __all__ = ["import_deepspeed"]
 
 PyTree = Any
 
 
-def _converted(engine: Any, ds: DeepSpeedCheckpoint, convert: Callable[[dict], PyTree],
+def _converted(adapter: Any, ds: DeepSpeedCheckpoint, convert: Callable[[dict], PyTree],
                sample_batch: Any) -> tuple[PyTree, PyTree, PyTree]:
   """``convert`` of the master and of each moment, each checked against the model's leaves."""
-  model = engine.model.abstract_params(jax.random.key(0), sample_batch)
+  model = adapter.abstract_params(jax.random.key(0), sample_batch)
   want = flatten_paths(model)
   trees = []
   for what, named in (("params", ds.params), ("exp_avg", ds.exp_avg),
@@ -66,10 +67,10 @@ def _converted(engine: Any, ds: DeepSpeedCheckpoint, convert: Callable[[dict], P
   return tuple(trees)
 
 
-def _check_optimizer(engine: Any, ds: DeepSpeedCheckpoint) -> None:
-  """Warns where the engine's config optimizer differs from the checkpoint's (the run would not be
-  a continuation); a client optax optimizer is the user's to match."""
-  block = engine.config.optimizer
+def _check_optimizer(config: Any, ds: DeepSpeedCheckpoint) -> None:
+  """Warns where the config's optimizer differs from the checkpoint's (the run would not be a
+  continuation); a client optax optimizer is the user's to match."""
+  block = config.optimizer
   if block is None:
     return
   params, kind = dict(block.params or {}), str(block.type).lower()
@@ -127,8 +128,8 @@ def _with_adam_state(opt_state: PyTree, mu: PyTree, nu: PyTree, adam_count: int,
   return state
 
 
-def _fresh_model_state(engine: Any, abstract: Any, key: jax.Array, sample_batch: Any,
-                       where: Any) -> PyTree:
+def _fresh_model_state(plan: Plan, adapter: Any, abstract: Any, key: jax.Array,
+                       sample_batch: Any, where: Any) -> PyTree:
   """The model's initial state (``{}`` for a model without one): DeepSpeed's module buffers
   (BatchNorm's running statistics) are not read, which a warning says."""
   if jax.tree.leaves(abstract.model_state):
@@ -137,45 +138,52 @@ def _fresh_model_state(engine: Any, abstract: Any, key: jax.Array, sample_batch:
         f"BatchNorm statistics); the DeepSpeed run's module buffers are not imported, so it "
         f"starts at the model's initial values; state._replace(model_state={{...}}) sets the "
         f"run's (a dict by collection, as state.model_state is).", JZeroWarning, stacklevel=3)
-  return initial_model_state(engine, abstract, key, sample_batch)
+  return initial_model_state(plan, adapter, abstract, key, sample_batch)
 
 
-def import_deepspeed(engine: Any, ds: DeepSpeedCheckpoint, convert: Callable[[dict], PyTree], *,
+def import_deepspeed(plan: Plan, target: Any, resources: Resources, ds: DeepSpeedCheckpoint,
+                     convert: Callable[[dict], PyTree], *, model: Any, config: Any,
+                     tx: optax.GradientTransformation, scaler: Any, delayed: Any = None,
                      rng: jax.Array | None = None, sample_batch: Any = None) -> Any:
-  """A TrainState that continues the DeepSpeed run ``ds`` (:func:`read_deepspeed`) in ``engine``.
+  """A TrainState that continues the DeepSpeed run ``ds`` (:func:`read_deepspeed`) in ``plan``.
 
-  The fp32 master becomes the engine's truth (its master in mixed precision, its params in fp32;
+  The fp32 master becomes the state's truth (its master in mixed precision, its params in fp32;
   compute params are cast from it as the step does), Adam's moments and update count the optax
   Adam state, the scheduler's position the schedule's count, ``global_steps`` the state's step --
-  each laid out and sharded by the engine's plan (any stage, any device count, the engine's
-  memory tiers).
+  each laid out and sharded by the plan (any stage, any device count, its memory tiers).
 
   Args:
-    engine: the engine to continue in (its plan is created if it has none).
+    plan, target, resources: the plan, the abstract state as checkpoints hold it (leaves with
+      their shardings, ``engine.abstract_state()``) and the tiers' resources.
     ds: the DeepSpeed checkpoint.
-    convert: ``{torch name: fp32 array} -> params tree`` of the engine's model (names,
-      transposes); applied to ``ds.params``, ``ds.exp_avg`` and ``ds.exp_avg_sq`` alike.
+    convert: ``{torch name: fp32 array} -> params tree`` of the model (names, transposes);
+      applied to ``ds.params``, ``ds.exp_avg`` and ``ds.exp_avg_sq`` alike.
+    model: the model (:class:`jzero.modeling.model_adapter.ModelAdapter`).
+    config: the run's resolved config (its optimizer block is compared with the checkpoint's).
+    tx, scaler, delayed: the run's optax transformation, loss scaler and delayed update.
     rng: the key of the training RNG (dropout); default ``jax.random.key(0)``.
     sample_batch: for Linen models, as in ``engine.init``.
 
+  Returns:
+    The state, without hpZ's secondary partitions (the engine computes them).
+
   Raises:
-    CheckpointError: ``convert`` does not give the model's tree, or the engine's optimizer has
-      no single Adam state -- before any device work.
+    CheckpointError: ``convert`` does not give the model's tree, or the optimizer has no single
+      Adam state -- before any device work.
   """
-  abstract = engine.expand_abstract(abstract_state(engine, sample_batch))  # tiers' real shapes
-  master, mu, nu = _converted(engine, ds, convert, sample_batch)
-  _check_optimizer(engine, ds)
+  master, mu, nu = _converted(model, ds, convert, sample_batch)
+  _check_optimizer(config, ds)
   adam_count, schedule_count = ds.step, _schedule_count(ds)
-  shardings = broadcast(engine.state_shardings(), abstract)
 
   def opt_state(master, mu, nu):
-    fresh = engine.tx.init(master)
-    return opt_layout(engine, _with_adam_state(fresh, mu, nu, adam_count, schedule_count,
-                                               ds.directory))
+    fresh = tx.init(master)
+    return opt_layout(plan, tx, _with_adam_state(fresh, mu, nu, adam_count, schedule_count,
+                                                 ds.directory))
 
-  optimizer = jax.jit(opt_state, out_shardings=shardings.opt_state)(master, mu, nu)
-  model_state = _fresh_model_state(engine, abstract, jax.random.key(0) if rng is None else rng,
-                                   sample_batch, ds.directory)
-  return placed_state(engine, abstract, master, optimizer, step=ds.global_steps,
-                      skipped=ds.skipped_steps, rng=rng, model_state=model_state,
-                      where=ds.directory)
+  optimizer = jax.jit(opt_state, out_shardings=shardings_of(target.opt_state))(master, mu, nu)
+  model_state = _fresh_model_state(plan, model, target,
+                                   jax.random.key(0) if rng is None else rng, sample_batch,
+                                   ds.directory)
+  return placed_state(plan, target, resources, master, optimizer, scaler=scaler, delayed=delayed,
+                      step=ds.global_steps, skipped=ds.skipped_steps, rng=rng,
+                      model_state=model_state, where=ds.directory)

@@ -48,10 +48,11 @@ import jax
 import optax
 import orbax.checkpoint as ocp
 import xxhash
+from flax import traverse_util
 from flax.core import meta as flax_meta
 
 from jzero.errors import CheckpointError, JZeroWarning
-from jzero.sharding.plan import LeafPlan, flatten_paths, path_str
+from jzero.sharding.plan import LeafPlan, Plan, flatten_paths, path_str
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "META_FILE", "FILES_FILE", "LATEST_FILE", "WEIGHTS16",
            "DELETING", "ORBAX_TMP", "CHECKSUM", "nest", "module_names", "leaf_names",
@@ -79,14 +80,7 @@ _REPLICA_PARALLEL_MIN_BYTES = 1 << 20
 
 def nest(flat: dict[str, Any]) -> dict:
   """The nested dict of a {'a/b/c': leaf} mapping (what Orbax stores and restores)."""
-  out: dict = {}
-  for name, x in flat.items():
-    *parents, last = name.split("/")
-    node = out
-    for part in parents:
-      node = node.setdefault(part, {})
-    node[last] = x
-  return out
+  return traverse_util.unflatten_dict(flat, sep="/")
 
 
 def module_names(tree: PyTree) -> dict[str, str]:
@@ -108,25 +102,27 @@ def leaf_names(model: PyTree, stored: dict[str, Any]) -> dict[str, str]:
           for p, name in module_names(model).items()}
 
 
-def opt_leaves(engine: Any, opt_state: PyTree) -> dict[str, LeafPlan | None]:
+def opt_leaves(plan: Plan, tx: optax.GradientTransformation,
+               opt_state: PyTree) -> dict[str, LeafPlan | None]:
   """For each optimizer-state array name: the plan leaf it is laid out like, or None (counts...)."""
   marked = optax.tree_utils.tree_map_params(
-      engine.tx, lambda _, leaf: leaf, opt_state, engine.plan.leaves,
+      tx, lambda _, leaf: leaf, opt_state, plan.leaves,
       transform_non_params=lambda x: x, is_leaf=lambda x: isinstance(x, LeafPlan))
   flat = jax.tree_util.tree_flatten_with_path(marked, is_leaf=lambda x: isinstance(x, LeafPlan))[0]
   return {"opt_state/" + path_str(p): (x if isinstance(x, LeafPlan) else None) for p, x in flat}
 
 
-def array_leaves(engine: Any, state: Any) -> dict[str, LeafPlan | None]:
+def array_leaves(plan: Plan, tx: optax.GradientTransformation,
+                 state: Any) -> dict[str, LeafPlan | None]:
   """Stored array name -> its plan leaf (params, master, param-like optimizer state) or None."""
   leaves = {}
-  for leaf in engine.plan.leaf_list():
+  for leaf in plan.leaf_list():
     leaves[f"params/{leaf.path}"] = leaf
     if state.master is not None:
       leaves[f"master/{leaf.path}"] = leaf
     if getattr(state, "delayed", None) is not None:  # the carried gradient (jzero.tiers.delayed)
       leaves[f"delayed/grads/{leaf.path}"] = leaf
-  leaves.update(opt_leaves(engine, state.opt_state))
+  leaves.update(opt_leaves(plan, tx, state.opt_state))
   return leaves
 
 

@@ -50,9 +50,11 @@ from jax.sharding import PartitionSpec as P
 from jax.tree_util import SequenceKey
 
 from jzero.checkpoint import layout
-from jzero.checkpoint.restore import _carried, _compute_params, abstract_state, broadcast
+from jzero.checkpoint.restore import carried, compute_params, shardings_of
 from jzero.errors import CheckpointError, JZeroWarning
-from jzero.sharding.plan import LeafPlan, flatten_paths, path_str
+from jzero.sharding.plan import LeafPlan, Plan, flatten_paths, path_str
+from jzero.tiers import registry
+from jzero.tiers.base import Resources
 
 __all__ = ["read_optax", "import_optax", "canonical_paths", "match_tree", "match_optax",
            "opt_layout", "placed_state", "initial_model_state", "host_or_mesh", "pytree_items", "step_folder",
@@ -192,7 +194,7 @@ def host_or_mesh(tree: PyTree, devices: Any, what: str) -> PyTree:
   devices = set(devices)
 
   def fetch(path, x):
-    if (not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or not x.committed
+    if (not isinstance(x, jax.Array) or not x.committed
         or set(x.sharding.device_set) == devices):
       return x  # host values and uncommitted arrays go wherever the jit puts them
     if not x.is_fully_addressable:
@@ -294,17 +296,16 @@ def read_optax(directory: str | os.PathLike, step: int | None = None) -> dict[st
 
 
 # -- placing host trees in the plan ---------------------------------------------------------------
-def opt_layout(engine: Any, opt_state: PyTree) -> PyTree:
-  """A logical optax state of ``engine.tx`` (traced) laid out as the plan's optimizer state:
-  every param-like leaf as its parameter's master (zero-padded where partitioned), in the dtype
-  of a fresh state's; counts and other leaves as they are."""
-  plan = engine.plan
+def opt_layout(plan: Plan, tx: optax.GradientTransformation, opt_state: PyTree) -> PyTree:
+  """A logical optax state of ``tx`` (traced) laid out as ``plan``'s optimizer state: every
+  param-like leaf as its parameter's master (zero-padded where partitioned), in the dtype of a
+  fresh state's; counts and other leaves as they are."""
 
   def lay_out(leaf: LeafPlan, x: jax.Array) -> jax.Array:
     return leaf.to_padded(x) if leaf.state_partitioned else x
 
   return optax.tree_utils.tree_map_params(
-      engine.tx, lambda x, leaf: lay_out(leaf, x), opt_state, plan.leaves,
+      tx, lambda x, leaf: lay_out(leaf, x), opt_state, plan.leaves,
       transform_non_params=lambda x: x, is_leaf=lambda x: isinstance(x, LeafPlan))
 
 
@@ -314,23 +315,29 @@ def train_rng(rng: jax.Array | None) -> jax.Array:
   return jax.random.key_data(jax.random.split(jax.random.key(0) if rng is None else rng)[1])
 
 
-def placed_state(engine: Any, abstract: Any, master: PyTree, optimizer: PyTree, *, step: int,
-                 skipped: int, rng: jax.Array | None, model_state: PyTree, where: Any) -> Any:
-  """The TrainState of ``engine`` from its fp32 truth and its placed optimizer state.
+def placed_state(plan: Plan, target: Any, resources: Resources, master: PyTree,
+                 optimizer: PyTree, *, scaler: Any, delayed: Any, step: int, skipped: int,
+                 rng: jax.Array | None, model_state: PyTree, where: Any) -> Any:
+  """The TrainState of ``plan`` from its fp32 truth and its placed optimizer state.
 
   Args:
-    engine: the engine (its plan exists).
-    abstract: its abstract TrainState with the tiers' real shapes (``engine.expand_abstract``).
+    plan: the plan.
+    target: the abstract TrainState as checkpoints hold it, its leaves with their shardings
+      (``engine.abstract_state()``).
+    resources: the plan's tiers' resources (what they keep outside the state goes there).
     master: the fp32 truth in the model's params structure and logical shapes (numpy or jax).
     optimizer: the optimizer state, already laid out and placed (:func:`opt_layout`).
+    scaler, delayed: the run's loss scaler (a fresh scale) and delayed update (None: off).
     step, skipped: the state's counts.
     rng: the key of the training RNG (default ``jax.random.key(0)``).
     model_state: the model's non-parameter state (``{collection: tree}``, ``{}`` for none), in
       the abstract state's structure; placed replicated.
     where: what the state comes from, for messages.
+
+  Returns:
+    The state, without hpZ's secondary partitions (the engine computes them).
   """
-  plan = engine.plan
-  shardings = broadcast(engine.state_shardings(), abstract)
+  shardings = shardings_of(target)
   to_f32 = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
 
   def state_layout(leaf: LeafPlan, x: jax.Array) -> jax.Array:
@@ -342,21 +349,21 @@ def placed_state(engine: Any, abstract: Any, master: PyTree, optimizer: PyTree, 
   if plan.has_master:
     master = jax.jit(lambda m: plan.map(state_layout, to_f32(m)),
                      out_shardings=shardings.master)(master)
-    params = _compute_params(engine, master, shardings.params)
+    params = compute_params(plan, master, shardings.params)
   else:
     params = jax.jit(lambda m: plan.map(param_layout, to_f32(m)),
                      out_shardings=shardings.params)(master)
     master = None
   replicated = plan.sharding(P())
   scalar = lambda n: jax.device_put(jnp.asarray(n, jnp.int32), replicated)
-  state = type(abstract)(
+  state = type(target)(
       step=scalar(step), skipped=scalar(skipped), params=params, master=master,
-      opt_state=optimizer, loss_scale=jax.device_put(engine.scaler.init(), replicated),
+      opt_state=optimizer, loss_scale=jax.device_put(scaler.init(), replicated),
       rng=jax.device_put(train_rng(rng), replicated),
       model_state=jax.device_put(jax.tree.map(jnp.asarray, model_state), replicated),
-      delayed=_carried(engine.delayed, abstract, shardings, {}, {}, True, where))
-  state = engine.absorb(state)  # e.g. the NVMe tier: into the store, placeholders in the state
-  return engine.with_secondary(state)  # hpZ: from the placed params, as the step makes them
+      delayed=carried(delayed, target, {}, {}, True, where))
+  # e.g. the NVMe tier: into the store, placeholders in the state
+  return registry.absorb(registry.active(plan), plan, resources, state)
 
 
 # -- import_optax ---------------------------------------------------------------------------------
@@ -378,12 +385,12 @@ def _truth(model: PyTree, params: PyTree, where: str) -> PyTree:
   return jax.tree.unflatten(jax.tree.structure(model), leaves)
 
 
-def _opt_state(engine: Any, model: PyTree, opt_state: PyTree, step: int | None,
-               where: str) -> tuple[PyTree, int]:
-  """(``opt_state``'s leaves in the structure of ``engine.tx.init(params)``, logical shapes; the
-  step). A schedule count the given state lacks (a constant learning rate) is the step."""
-  structure = jax.eval_shape(engine.tx.init, model)
-  plain = jax.eval_shape(engine.tx.init, flax_meta.unbox(model))  # the same leaves, by names
+def _opt_state(tx: optax.GradientTransformation, model: PyTree, opt_state: PyTree,
+               step: int | None, where: str) -> tuple[PyTree, int]:
+  """(``opt_state``'s leaves in the structure of ``tx.init(params)``, logical shapes; the step).
+  A schedule count the given state lacks (a constant learning rate) is the step."""
+  structure = jax.eval_shape(tx.init, model)
+  plain = jax.eval_shape(tx.init, flax_meta.unbox(model))  # the same leaves, by names
   given = jax.tree.leaves(opt_state)
   positions = match_optax(plain, opt_state, where, _HINT,
                           set(flatten_paths(flax_meta.unbox(model))))
@@ -402,17 +409,18 @@ def _count(opt_state: PyTree, where: str) -> int:
   return counts.pop() if counts else 0
 
 
-def initial_model_state(engine: Any, abstract: Any, key: jax.Array, sample_batch: Any) -> PyTree:
+def initial_model_state(plan: Plan, adapter: Any, target: Any, key: jax.Array,
+                        sample_batch: Any) -> PyTree:
   """The model's initial non-parameter state (``module.init(key)``'s, ``{}`` for a model without
-  one), replicated."""
-  if not jax.tree.leaves(abstract.model_state):
+  one), replicated; ``adapter``: the model (:class:`jzero.modeling.model_adapter.ModelAdapter`)."""
+  if not jax.tree.leaves(target.model_state):
     return {}
-  return jax.jit(lambda k: engine.model.init_variables(k, sample_batch)[1],
-                 out_shardings=engine.plan.sharding(P()))(key)
+  return jax.jit(lambda k: adapter.init_variables(k, sample_batch)[1],
+                 out_shardings=plan.sharding(P()))(key)
 
 
-def _model_state(engine: Any, abstract: Any, collections: dict[str, PyTree], where: str,
-                 key: jax.Array, sample_batch: Any) -> PyTree:
+def _model_state(plan: Plan, adapter: Any, abstract: Any, collections: dict[str, PyTree],
+                 where: str, key: jax.Array, sample_batch: Any) -> PyTree:
   """The model's non-parameter variables (Linen collections such as ``batch_stats``) given beside
   params and opt_state, matched to the model's (``abstract.model_state``, ``{collection: tree}``)
   leaf by leaf; a collection the model has and the checkpoint lacks starts at its initial values,
@@ -426,7 +434,7 @@ def _model_state(engine: Any, abstract: Any, collections: dict[str, PyTree], whe
         f"variable collections ({have}). Drop what is not the model's (e.g. flax's "
         f"DynamicScale: jzero's loss scaler starts fresh).")
   missing = sorted(set(want) - set(collections))
-  fresh = initial_model_state(engine, abstract, key, sample_batch) if missing else {}
+  fresh = initial_model_state(plan, adapter, abstract, key, sample_batch) if missing else {}
   if missing:
     warnings.warn(
         f"{where}: no {missing} given for the model's state; it starts at the model's initial "
@@ -446,45 +454,53 @@ def _model_state(engine: Any, abstract: Any, collections: dict[str, PyTree], whe
   return out
 
 
-def import_optax(engine: Any, params: PyTree, opt_state: PyTree, *, step: int | None = None,
-                 rng: jax.Array | None = None, sample_batch: Any = None,
-                 **collections: PyTree) -> Any:
-  """A TrainState that continues a plain optax run in ``engine``, at any stage and device count.
+def import_optax(plan: Plan, target: Any, resources: Resources, params: PyTree,
+                 opt_state: PyTree, *, model: Any, tx: optax.GradientTransformation, scaler: Any,
+                 delayed: Any = None, step: int | None = None, rng: jax.Array | None = None,
+                 sample_batch: Any = None, **collections: PyTree) -> Any:
+  """A TrainState that continues a plain optax run in ``plan``, at any stage and device count.
 
-  ``params`` become the engine's fp32 truth (its master in mixed precision, its params in fp32;
+  ``params`` become the state's fp32 truth (its master in mixed precision, its params in fp32;
   compute params are cast from it as the step does), ``opt_state`` its optimizer state -- each
-  laid out and sharded by the engine's plan, so the next step's update is the one the plain loop
-  would have made (the schedule reads the optax state's own count).
+  laid out and sharded by the plan, so the next step's update is the one the plain loop would
+  have made (the schedule reads the optax state's own count).
 
   Args:
-    engine: the engine to continue in (its plan is created if it has none).
+    plan, target, resources: the plan, the abstract state as checkpoints hold it (leaves with
+      their shardings, ``engine.abstract_state()``) and the tiers' resources.
     params: the model's parameters, by the module's names (numpy, or jax arrays anywhere).
-    opt_state: the state of the optax optimizer the engine runs (``engine.tx``), as optax made it
-      or as Orbax restored it without a target; matched up to stateless stages (module docstring).
+    opt_state: the state of the optax optimizer the run uses (``tx``), as optax made it or as
+      Orbax restored it without a target; matched up to stateless stages (module docstring).
+    model: the model (:class:`jzero.modeling.model_adapter.ModelAdapter`).
+    tx, scaler, delayed: the run's optax transformation, loss scaler (it starts fresh) and
+      delayed update (None: off; nothing is carried).
     step: the optimizer steps the run took (the state's ``step``; checkpoints and the data loader
       count from it). Default: the optax state's update count, 0 if it has none.
     rng: the key of the training RNG (dropout), as ``engine.init``'s; default
-      ``jax.random.key(0)``. The loss scaler starts fresh.
+      ``jax.random.key(0)``.
     sample_batch: for Linen models, as in ``engine.init``.
     **collections: the model's other variable collections (e.g. ``batch_stats``), as a plain
       checkpoint holds them beside ``params``.
 
+  Returns:
+    The state, without hpZ's secondary partitions (the engine computes them).
+
   Raises:
-    CheckpointError: a params tree or optimizer state that does not match the engine's (naming
-      the first path that differs) -- before any device work.
+    CheckpointError: a params tree or optimizer state that does not match the run's (naming the
+      first path that differs) -- before any device work.
   """
   where = "import_optax"
-  model = engine.model.abstract_params(jax.random.key(0), sample_batch)
-  devices = list(engine.mesh.mesh.devices.flat)
-  master = _truth(model, host_or_mesh(params, devices, "params"), where)
+  abstract_params = model.abstract_params(jax.random.key(0), sample_batch)
+  devices = list(plan.mesh.mesh.devices.flat)
+  master = _truth(abstract_params, host_or_mesh(params, devices, "params"), where)
   given = host_or_mesh(opt_state, devices, "opt_state")
-  optimizer, step = _opt_state(engine, model, given, step, where)
-  abstract = engine.expand_abstract(abstract_state(engine, sample_batch))  # tiers' real shapes
-  model_state = _model_state(engine, abstract, host_or_mesh(collections, devices, "model state"),
-                             where, jax.random.key(0) if rng is None else rng, sample_batch)
-  shardings = broadcast(engine.state_shardings(), abstract)
-  dtypes = jax.tree.map(lambda x: x.dtype, abstract.opt_state)
-  placed = jax.jit(lambda o: jax.tree.map(lambda x, d: x.astype(d), opt_layout(engine, o),
-                                          dtypes), out_shardings=shardings.opt_state)(optimizer)
-  return placed_state(engine, abstract, master, placed, step=step, skipped=0, rng=rng,
-                      model_state=model_state, where=where)
+  optimizer, step = _opt_state(tx, abstract_params, given, step, where)
+  model_state = _model_state(plan, model, target,
+                             host_or_mesh(collections, devices, "model state"), where,
+                             jax.random.key(0) if rng is None else rng, sample_batch)
+  dtypes = jax.tree.map(lambda x: x.dtype, target.opt_state)
+  placed = jax.jit(lambda o: jax.tree.map(lambda x, d: x.astype(d), opt_layout(plan, tx, o),
+                                          dtypes),
+                   out_shardings=shardings_of(target.opt_state))(optimizer)
+  return placed_state(plan, target, resources, master, placed, scaler=scaler, delayed=delayed,
+                      step=step, skipped=0, rng=rng, model_state=model_state, where=where)

@@ -1,6 +1,8 @@
-"""Restoring: a checkpoint of any stage, device count, mesh or precision into this engine's plan.
+"""Restoring: a checkpoint of any stage, device count, mesh or precision into a plan.
 
-:func:`load_checkpoint` rebuilds a TrainState for *this* engine. A partitioned leaf is zero-padded
+:func:`load_checkpoint` rebuilds a TrainState for a plan, from what it is given explicitly: the
+plan, the *target* (the abstract state as checkpoints hold it, each leaf with its sharding), the
+tiers' resources, and the optax transformation, loss scaler and delayed update the state is for. A partitioned leaf is zero-padded
 at the end of its shard dimension, and the padding stays zero through training, so a leaf laid out
 for one plan becomes the leaf of another by taking its logical region and zero-padding for the new
 plan. Orbax does exactly that per dimension when asked for a different global shape
@@ -11,9 +13,11 @@ mixed precision, the fp32 params in fp32 training -- becomes the new truth; in m
 compute params are cast from it as the train step would. Every file is checked against its recorded
 size and checksum, and shapes, leaf paths and the optimizer-state structure against the engine,
 before any device work. ``params_only=True`` restores weights alone, with a fresh optimizer state.
+What a tier keeps outside the train state's arrays (the NVMe store) is restored in its real shape
+and handed to the tier (:func:`jzero.tiers.registry.absorb`).
 ZeRO++ hpZ's secondary partitions are not in a checkpoint: they are a function of the compute
-params, recomputed after the restore by the code the step refreshes them with, so a resumed run
-is bit-exact. The delayed update's carried gradient (:mod:`jzero.tiers.delayed`) is restored like
+params, recomputed after the restore by the code the step refreshes them with (the engine does),
+so a resumed run is bit-exact. The delayed update's carried gradient (:mod:`jzero.tiers.delayed`) is restored like
 the master when both the checkpoint and the engine have it; otherwise nothing is carried. The
 model's state besides its parameters (``model_state``: BatchNorm's statistics) is replicated and
 restored as it was saved, with the weights (``params_only`` too); it must be the model's.
@@ -30,26 +34,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jzero.checkpoint import layout
 from jzero.errors import CheckpointError, JZeroWarning
 from jzero.sharding.plan import LeafPlan, Plan, flatten_paths
+from jzero.tiers import registry
+from jzero.tiers.base import Resources
 
-__all__ = ["load_checkpoint", "abstract_state", "broadcast"]
+__all__ = ["load_checkpoint", "shardings_of", "compute_params", "carried"]
 
 PyTree = Any
 
 
-def abstract_state(engine: Any, sample_batch: Any) -> Any:
-  """The engine's TrainState as ShapeDtypeStructs (global shapes); creates the plan if needed."""
-  return jax.eval_shape(lambda rng: engine.init(rng, sample_batch), jax.random.key(0))
-
-
-def broadcast(prefix: PyTree, tree: PyTree) -> PyTree:
-  """A prefix tree of shardings (``engine.state_shardings()``) expanded to ``tree``'s leaves."""
-  return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), prefix, tree,
-                      is_leaf=lambda x: isinstance(x, NamedSharding))
+def shardings_of(target: PyTree) -> PyTree:
+  """The shardings of ``target``'s ShapeDtypeStructs, in its structure."""
+  return jax.tree.map(lambda x: x.sharding, target)
 
 
 def _some(paths: list[str], shown: int = 5) -> str:
@@ -85,9 +85,10 @@ def _check_model(meta: dict, plan: Plan, model_state: dict[str, jax.ShapeDtypeSt
                           f"{'; '.join(bad[:5])}.")
 
 
-def _check_optimizer(meta: dict, engine: Any, targets: dict[str, jax.ShapeDtypeStruct],
+def _check_optimizer(meta: dict, config: Any, targets: dict[str, jax.ShapeDtypeStruct],
                      leaves: dict[str, LeafPlan | None], step_dir: Path) -> None:
-  """The stored optimizer state has the engine optimizer's structure and shapes."""
+  """The stored optimizer state has the structure and shapes of the run's optimizer (``config``:
+  the run's resolved config)."""
   saved = {n: a for n, a in meta["arrays"].items() if n.startswith("opt_state/")}
   want = {n for n in targets if n.startswith("opt_state/")}
   hint = ("Pass params_only=True to restore the weights alone, with a fresh optimizer state "
@@ -99,7 +100,7 @@ def _check_optimizer(meta: dict, engine: Any, targets: dict[str, jax.ShapeDtypeS
     raise CheckpointError(
         f"checkpoint {step_dir} holds the state of another optimizer "
         f"({layout.optimizer_name(meta['config'])}; this engine: "
-        f"{layout.optimizer_name(engine.config.to_dict())}): {'; '.join(found)}. {hint}")
+        f"{layout.optimizer_name(config.to_dict())}): {'; '.join(found)}. {hint}")
   for name in sorted(want):
     leaf, entry = leaves[name], saved[name]
     if (entry["leaf"] is None) != (leaf is None):
@@ -111,16 +112,17 @@ def _check_optimizer(meta: dict, engine: Any, targets: dict[str, jax.ShapeDtypeS
                             f"{targets[name].shape}. {hint}")
 
 
-def _check_batch_size(meta: dict, engine: Any, step_dir: Path) -> None:
+def _check_batch_size(meta: dict, config: Any, step_dir: Path) -> None:
   """Resuming with another global batch size is allowed, and said (DeepSpeed's elastic rules)."""
   saved = meta.get("global_batch_size", meta["config"].get("train_batch_size"))
-  if saved is not None and saved != engine.global_batch_size:
+  size = config.train_batch_size
+  if saved is not None and saved != size:
     warnings.warn(
         f"checkpoint {step_dir} was trained with a global batch of {saved} samples per step; "
-        f"this engine uses {engine.global_batch_size}. Training continues from optimizer step "
-        f"{meta['data_position']['step']}: the LR schedule and the data position count optimizer steps, so from "
-        f"here on each step sees {engine.global_batch_size} samples instead of {saved}.",
-        JZeroWarning, stacklevel=3)
+        f"this engine uses {size}. Training continues from optimizer step "
+        f"{meta['data_position']['step']}: the LR schedule and the data position count optimizer "
+        f"steps, so from here on each step sees {size} samples instead of {saved}.",
+        JZeroWarning, stacklevel=4)
 
 
 def _root_cause(error: BaseException) -> str:
@@ -156,9 +158,8 @@ def _restore_arrays(step_dir: Path, requests: dict[str, tuple[str, jax.ShapeDtyp
   return {target: placed(restored[src], t.sharding) for target, (src, t) in requests.items()}
 
 
-def _compute_params(engine: Any, master: PyTree, shardings: PyTree) -> PyTree:
+def compute_params(plan: Plan, master: PyTree, shardings: PyTree) -> PyTree:
   """Compute params cast from the fp32 master, laid out as the plan's params (as the step does)."""
-  plan = engine.plan
 
   def to_param(leaf: LeafPlan, x: jax.Array) -> jax.Array:
     x = leaf.to_logical(x)
@@ -167,24 +168,23 @@ def _compute_params(engine: Any, master: PyTree, shardings: PyTree) -> PyTree:
   return jax.jit(lambda m: plan.map(to_param, m), out_shardings=shardings)(master)
 
 
-def _fresh_opt_state(engine: Any, truth: PyTree, shardings: PyTree) -> PyTree:
+def _fresh_opt_state(plan: Plan, tx: Any, truth: PyTree, shardings: PyTree) -> PyTree:
   """``tx.init`` on the truth laid out as the master (params_only restores)."""
-  plan = engine.plan
 
   def to_state(leaf: LeafPlan, x: jax.Array) -> jax.Array:
     x = leaf.to_logical(x)
     return leaf.to_padded(x) if leaf.state_partitioned else x
 
-  return jax.jit(lambda t: engine.tx.init(plan.map(to_state, t)), out_shardings=shardings)(truth)
+  return jax.jit(lambda t: tx.init(plan.map(to_state, t)), out_shardings=shardings)(truth)
 
 
-def _carried(delayed: Any, abstract: Any, shardings: Any, read: dict, stored: dict,
-             params_only: bool, where: Any) -> Any:
+def carried(delayed: Any, target: Any, read: dict, stored: dict, params_only: bool,
+            where: Any) -> Any:
   """The restored state's carried field (``TrainState.delayed``): the delayed update's
   (:meth:`jzero.tiers.delayed.DelayedUpdate.restored`), or None -- with a warning when the
-  checkpoint carries a gradient this engine does not use."""
+  checkpoint carries a gradient this run does not use."""
   if delayed is not None:
-    return delayed.restored(abstract, shardings, read, stored, params_only)
+    return delayed.restored(target, read, stored, params_only)
   if not params_only and any(n.startswith("delayed/") for n in stored):
     warnings.warn(
         f"checkpoint {where} carries a delayed-update gradient (saved with "
@@ -194,28 +194,38 @@ def _carried(delayed: Any, abstract: Any, shardings: Any, read: dict, stored: di
   return None
 
 
-def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | None = None, *,
-                    params_only: bool = False, sample_batch: Any = None,
+def load_checkpoint(plan: Plan, target: Any, resources: Resources,
+                    directory: str | os.PathLike, tag: str | int | None = None, *, config: Any,
+                    tx: Any, scaler: Any, delayed: Any = None, params_only: bool = False,
                     with_client_state: bool = False) -> Any:
-  """Restores a checkpoint into ``engine``'s placement, whatever stage / mesh / precision wrote it.
+  """Restores a checkpoint into ``plan``'s placement, whatever stage / mesh / precision wrote it.
 
   Every array is read directly into its target sharding (each device reads only its shard). The
-  checkpoint's fp32 truth (master in mixed precision, params in fp32) becomes the engine's;
+  checkpoint's fp32 truth (master in mixed precision, params in fp32) becomes the state's;
   compute params are cast from it. The loss-scaler state is kept when both runs use the same
   precision, else it starts fresh. A checkpoint written with another global batch size restores
   with a warning naming both sizes (the data position and the LR schedule count optimizer steps).
 
   Args:
-    engine: the engine to restore into (its plan is created if it has none).
+    plan: the plan to restore into.
+    target: the abstract TrainState as checkpoints hold it, each leaf a ShapeDtypeStruct with its
+      sharding (``engine.abstract_state()``; no hpZ secondary).
+    resources: the plan's tiers' resources (what they keep outside the state is written there).
     directory: a checkpoint directory (or one checkpoint's directory); may be relative.
     tag: the checkpoint to restore (its directory name, e.g. a step or "epoch_3"; default: the
       one ``latest`` names).
+    config: the run's resolved config (its precision, optimizer and batch size are checked).
+    tx: the run's optax transformation (a ``params_only`` restore's fresh state).
+    scaler: the run's loss scaler (a fresh loss scale).
+    delayed: the run's delayed update (its carried gradient is restored), or None.
     params_only: restore the weights (and the model state, e.g. BatchNorm's statistics) alone:
       optimizer state, step, skipped count and loss scale start fresh (as after
       ``engine.init``); the training RNG is the checkpoint's. For another optimizer, or
       fine-tuning from a training checkpoint.
-    sample_batch: needed for Linen models when the engine has no plan yet (as ``engine.init``).
     with_client_state: return ``(state, client_state)``, the dict given to ``save_checkpoint``.
+
+  Returns:
+    The state (without hpZ's secondary partitions), or ``(state, client_state)``.
 
   Raises:
     CheckpointError: missing / incomplete / corrupt checkpoint (naming the file), another model
@@ -223,17 +233,14 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
       work.
   """
   step_dir, meta = layout.open_checkpoint(directory, tag)
-  abstract = engine.expand_abstract(abstract_state(engine, sample_batch))  # tiers' real shapes
-  plan = engine.plan
-  shardings = broadcast(engine.state_shardings(), abstract)
-  targets = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for (name, x), s in
-             zip(flatten_paths(abstract).items(), jax.tree.leaves(shardings))}
+  shardings = shardings_of(target)
+  targets = flatten_paths(target)
   model_state = {n: x for n, x in targets.items() if n.startswith("model_state/")}
   _check_model(meta, plan, model_state, step_dir)
-  leaves = layout.opt_leaves(engine, abstract.opt_state)
+  leaves = layout.opt_leaves(plan, tx, target.opt_state)
   if not params_only:
-    _check_optimizer(meta, engine, targets, leaves, step_dir)
-    _check_batch_size(meta, engine, step_dir)
+    _check_optimizer(meta, config, targets, leaves, step_dir)
+    _check_batch_size(meta, config, step_dir)
 
   truth = "master" if meta["has_master"] else "params"
   into = "master" if plan.has_master else "params"
@@ -244,15 +251,14 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
   rng = stored["rng"]
   requests["rng"] = ("rng", jax.ShapeDtypeStruct(tuple(rng["shape"]), np.dtype(rng["dtype"]),
                                                   sharding=replicated))
-  requests.update((name, (name, target)) for name, target in model_state.items())
-  same_precision = meta["precision"] == engine.config.precision
+  requests.update((name, (name, t)) for name, t in model_state.items())
+  same_precision = meta["precision"] == config.precision
   if not params_only:
-    for name, target in targets.items():
+    for name, t in targets.items():
       if name in ("step", "skipped") or name.startswith("opt_state/") or (
           name.startswith("loss_scale/") and same_precision):
-        requests[name] = (name, target)
-  delayed = engine.delayed  # the delayed update's carried gradient
-  for name in (delayed.restore_names(abstract, stored, params_only) if delayed else []):
+        requests[name] = (name, t)
+  for name in (delayed.restore_names(target, stored, params_only) if delayed else []):
     requests[name] = (name, targets[name])
   restored = _restore_arrays(step_dir, requests)
 
@@ -260,29 +266,27 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, tag: str | int | 
     names = [n for n in targets if n.startswith(prefix + "/")]
     return jax.tree.unflatten(jax.tree.structure(tree), [restored[n] for n in names])
 
-  weights = group(into, getattr(abstract, into))
+  weights = group(into, getattr(target, into))
   if plan.has_master:
-    master, params = weights, _compute_params(engine, weights, shardings.params)
+    master, params = weights, compute_params(plan, weights, shardings.params)
   else:
     master, params = None, weights
   if params_only:
     zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), replicated)  # two buffers: donated
-    state = type(abstract)(step=zero(), skipped=zero(), params=params, master=master,
-                           opt_state=_fresh_opt_state(engine, weights, shardings.opt_state),
-                           loss_scale=jax.device_put(engine.scaler.init(), replicated),
-                           rng=restored["rng"],
-                           model_state=group("model_state", abstract.model_state),
-                           delayed=_carried(delayed, abstract, shardings, restored, stored, True,
-                                            step_dir))
+    state = type(target)(step=zero(), skipped=zero(), params=params, master=master,
+                         opt_state=_fresh_opt_state(plan, tx, weights, shardings.opt_state),
+                         loss_scale=jax.device_put(scaler.init(), replicated),
+                         rng=restored["rng"],
+                         model_state=group("model_state", target.model_state),
+                         delayed=carried(delayed, target, restored, stored, True, step_dir))
   else:
-    loss_scale = (group("loss_scale", abstract.loss_scale) if same_precision
-                  else jax.device_put(engine.scaler.init(), replicated))
-    state = type(abstract)(step=restored["step"], skipped=restored["skipped"], params=params,
-                           master=master, opt_state=group("opt_state", abstract.opt_state),
-                           loss_scale=loss_scale, rng=restored["rng"],
-                           model_state=group("model_state", abstract.model_state),
-                           delayed=_carried(delayed, abstract, shardings, restored, stored, False,
-                                            step_dir))
-  state = engine.absorb(state)  # e.g. the NVMe tier: into the store, placeholders in the state
-  state = engine.with_secondary(state)  # hpZ: from the restored params, as the step makes it
+    loss_scale = (group("loss_scale", target.loss_scale) if same_precision
+                  else jax.device_put(scaler.init(), replicated))
+    state = type(target)(step=restored["step"], skipped=restored["skipped"], params=params,
+                         master=master, opt_state=group("opt_state", target.opt_state),
+                         loss_scale=loss_scale, rng=restored["rng"],
+                         model_state=group("model_state", target.model_state),
+                         delayed=carried(delayed, target, restored, stored, False, step_dir))
+  # e.g. the NVMe tier: into the store, placeholders in the state
+  state = registry.absorb(registry.active(plan), plan, resources, state)
   return (state, meta["client_state"]) if with_client_state else state

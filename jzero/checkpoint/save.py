@@ -63,6 +63,8 @@ from jzero.checkpoint.layout import (DELETING, FILES_FILE, FORMAT, FORMAT_VERSIO
                                      META_FILE, ORBAX_TMP, WEIGHTS16)
 from jzero.errors import CheckpointError, JZeroError, JZeroWarning
 from jzero.sharding.plan import LeafPlan, Plan, flatten_paths
+from jzero.tiers import registry
+from jzero.tiers.base import Resources
 from jzero.version import __version__
 
 __all__ = ["Checkpointer", "save_checkpoint", "wait_until_finished", "weights_json"]
@@ -78,8 +80,7 @@ def _leaf_json(leaf: LeafPlan, name: str) -> dict:
           "state_partitioned": leaf.state_partitioned}
 
 
-def _mesh_json(engine: Any) -> dict:
-  mesh = engine.mesh
+def _mesh_json(mesh: Any) -> dict:
   return {"axes": {str(a): int(s) for a, s in mesh.mesh.shape.items()},
           "zero_axes": list(mesh.zero_axes), "batch_axes": list(mesh.batch_axes),
           "devices": mesh.size, "platform": mesh.mesh.devices.flat[0].platform,
@@ -90,10 +91,10 @@ def _versions() -> dict:
   return {"jzero": __version__, "jax": jax.__version__, "orbax_checkpoint": ocp.__version__}
 
 
-def _metadata(engine: Any, state: Any, tag: str, arrays: dict[str, jax.Array],
-              weights16: np.dtype | None, client_state: dict | None, save_latest: bool) -> dict:
-  plan = engine.plan
-  leaves = layout.array_leaves(engine, state)
+def _metadata(plan: Plan, config: Any, tx: Any, state: Any, tag: str,
+              arrays: dict[str, jax.Array], weights16: np.dtype | None, client_state: dict | None,
+              save_latest: bool) -> dict:
+  leaves = layout.array_leaves(plan, tx, state)
   names = layout.module_names(plan.leaves)
   return {
       "format": FORMAT,
@@ -103,12 +104,12 @@ def _metadata(engine: Any, state: Any, tag: str, arrays: dict[str, jax.Array],
       "step": int(state.step),
       "data_position": {"step": int(state.step)},
       "stage": plan.stage,
-      "precision": engine.config.precision,
+      "precision": config.precision,
       "compute_dtype": str(np.dtype(plan.compute_dtype)),
       "has_master": plan.has_master,
-      "mesh": _mesh_json(engine),
-      "config": engine.config.to_dict(),
-      "global_batch_size": engine.global_batch_size,
+      "mesh": _mesh_json(plan.mesh),
+      "config": config.to_dict(),
+      "global_batch_size": config.train_batch_size,
       "leaves": [_leaf_json(leaf, names[leaf.path]) for leaf in plan.leaf_list()],
       "arrays": {name: {"shape": list(x.shape), "dtype": str(np.dtype(x.dtype)),
                         "leaf": leaves[name].path if leaves.get(name) is not None else None}
@@ -129,24 +130,24 @@ def weights_json(shapes: dict[str, tuple[tuple[int, ...], Any]], step: int, sour
 # --- consolidated 16-bit weights -----------------------------------------------------------------
 
 
-def _weights16_dtype(engine: Any) -> np.dtype | None:
+def _weights16_dtype(plan: Plan, config: Any) -> np.dtype | None:
   """``stage3_gather_16bit_weights_on_model_save``: the model's compute dtype, as DeepSpeed saves
   the module's own dtype (so fp32 training writes fp32 weights, despite the key's name)."""
-  if not engine.config.zero_optimization.gather_16bit_weights_on_model_save:
+  if not config.zero_optimization.gather_16bit_weights_on_model_save:
     return None
-  return np.dtype(engine.plan.compute_dtype)
+  return np.dtype(plan.compute_dtype)
 
 
-def _spread_sharding(engine: Any, shape: tuple[int, ...]) -> NamedSharding:
+def _spread_sharding(mesh: Any, shape: tuple[int, ...]) -> NamedSharding:
   """Logical-shape arrays split over the ZeRO axes on their first evenly divisible dimension
   (JAX arrays cannot be split unevenly); replicated when none divides."""
-  axes = engine.mesh.zero_axes
+  axes = mesh.zero_axes
   spec: list[Any] = [None] * len(shape)
   for d, size in enumerate(shape):
-    if size % engine.mesh.zero_size == 0:
+    if size % mesh.zero_size == 0:
       spec[d] = axes[0] if len(axes) == 1 else axes
       break
-  return NamedSharding(engine.mesh.mesh, P(*spec))
+  return NamedSharding(mesh.mesh, P(*spec))
 
 
 # --- retention ---------------------------------------------------------------------------------
@@ -197,22 +198,25 @@ class Checkpointer:
     self._cast_fns: dict[int, tuple[Plan, Any]] = {}
     _wait_at_exit()
 
-  def save(self, engine: Any, state: Any, tag: str | int | None = None, *,
-           client_state: dict | None = None, save_latest: bool = True) -> str:
+  def save(self, plan: Plan, state: Any, resources: Resources, tag: str | int | None = None, *,
+           config: Any, tx: Any, client_state: dict | None = None,
+           save_latest: bool = True) -> str:
     """Starts writing ``state`` as checkpoint ``tag``; returns the tag once the state is on host.
 
     Waits for the previous save of this directory to be finalized first (and raises its error).
 
     Args:
-      engine: the engine that produced ``state`` (its plan, config and mesh are recorded).
+      plan: the plan ``state`` is laid out by (recorded with its mesh).
       state: the train state; it may be donated to the next train step right after this returns.
+      resources: the plan's tiers' resources (what they keep outside the state is read in).
+      config: the run's resolved config (recorded).
+      tx: the run's optax transformation (names the optimizer state's leaves).
       tag: the checkpoint's directory name (DeepSpeed's ``tag``), default: the state's step.
       client_state: JSON-serialisable user data stored in the checkpoint's JSON
         (``load_checkpoint(..., with_client_state=True)`` gives it back).
       save_latest: move ``latest`` to this checkpoint once it is finalized.
     """
     self.wait_until_finished()
-    engine.check_live(state, "save_checkpoint")
     tag = layout.check_tag(int(state.step) if tag is None else tag)
     if self._primary:
       self.directory.mkdir(parents=True, exist_ok=True)
@@ -222,14 +226,15 @@ class Checkpointer:
     except (TypeError, ValueError) as e:
       raise CheckpointError(f"client_state must be JSON-serialisable (it is stored in "
                             f"{META_FILE}): {e}.") from None
-    state = engine.full_state(state)  # what the tiers hold outside it, e.g. the NVMe store's
+    # what the tiers hold outside it, e.g. the NVMe store's
+    state = registry.full_state(registry.active(plan), plan, resources, state)
     arrays = flatten_paths(state._replace(secondary=None))  # hpZ's copy: recomputed on restore
-    dtype16 = _weights16_dtype(engine)
+    dtype16 = _weights16_dtype(plan, config)
     items = {"state": ocp.args.PyTreeSave(layout.nest(arrays)),
-             "meta": ocp.args.JsonSave(_metadata(engine, state, tag, arrays, dtype16,
+             "meta": ocp.args.JsonSave(_metadata(plan, config, tx, state, tag, arrays, dtype16,
                                                  client_state, save_latest))}
     if dtype16 is not None:
-      weights = self._weights16(engine, state, dtype16)
+      weights = self._weights16(plan, state, dtype16)
       items[WEIGHTS16] = ocp.args.PyTreeSave(
           layout.nest(weights), custom_metadata={"jzero": weights_json(
               {k: (v.shape, v.dtype) for k, v in weights.items()}, int(state.step), "save")})
@@ -257,13 +262,12 @@ class Checkpointer:
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"jzero-checkpoint-slot-{tag}")
 
-  def _weights16(self, engine: Any, state: Any, dtype: np.dtype) -> dict[str, jax.Array]:
+  def _weights16(self, plan: Plan, state: Any, dtype: np.dtype) -> dict[str, jax.Array]:
     """The logical weights in ``dtype`` by the module's names (:func:`layout.module_names`), each
     split over the devices (see _spread_sharding)."""
-    plan = engine.plan
     cached = self._cast_fns.get(id(plan))
     if cached is None:
-      shardings = plan.map(lambda leaf: _spread_sharding(engine, leaf.shape))
+      shardings = plan.map(lambda leaf: _spread_sharding(plan.mesh, leaf.shape))
       fn = jax.jit(lambda t: plan.map(lambda leaf, x: leaf.to_logical(x).astype(dtype), t),
                    out_shardings=shardings)
       cached = self._cast_fns[id(plan)] = (plan, fn)
@@ -346,9 +350,10 @@ def _checkpointer(directory: str | os.PathLike, keep: int | None) -> Checkpointe
   return ckpt
 
 
-def save_checkpoint(engine: Any, state: Any, directory: str | os.PathLike,
-                    tag: str | int | None = None, *, keep: int | None = None,
-                    client_state: dict | None = None, save_latest: bool = True) -> str:
+def save_checkpoint(plan: Plan, state: Any, resources: Resources, directory: str | os.PathLike,
+                    tag: str | int | None = None, *, config: Any, tx: Any,
+                    keep: int | None = None, client_state: dict | None = None,
+                    save_latest: bool = True) -> str:
   """Starts an asynchronous save of ``state`` into ``directory/<tag>`` (see :class:`Checkpointer`).
 
   One :class:`Checkpointer` per directory is kept for the life of the process, so consecutive
@@ -356,13 +361,16 @@ def save_checkpoint(engine: Any, state: Any, directory: str | os.PathLike,
   program. Returns the tag.
 
   Args:
-    engine: the engine that produced ``state``.
+    plan: the plan ``state`` is laid out by.
     state: the train state; it may be donated to the next train step right after this returns.
+    resources: the plan's tiers' resources (:data:`jzero.tiers.base.Resources`).
     directory: the checkpoint directory (created if missing; may be relative).
     tag: the checkpoint's name (default: the state's step), e.g. ``"epoch_0"``.
     keep: keep only the newest ``keep`` checkpoints in ``directory`` (None: all, or as set before).
     client_state: JSON-serialisable user data stored with the checkpoint.
     save_latest: move ``latest`` to this checkpoint (DeepSpeed's ``save_latest``).
+    config, tx: the run's resolved config and optax transformation (recorded, as
+      :meth:`Checkpointer.save` says).
   """
   if directory is None or not hasattr(state, "opt_state"):  # DeepSpeed's (save_dir, tag)
     given = f"{state!r}" if isinstance(state, (str, os.PathLike)) else type(state).__name__
@@ -370,8 +378,8 @@ def save_checkpoint(engine: Any, state: Any, directory: str | os.PathLike,
         f"save_checkpoint({given}, ...): jzero saves the state you pass, first: "
         f"engine.save_checkpoint(state, directory, tag) (DeepSpeed's save_checkpoint(save_dir, "
         f"tag) saves the engine's own state; jzero's state is what train_step returned).")
-  return _checkpointer(directory, keep).save(engine, state, tag, client_state=client_state,
-                                             save_latest=save_latest)
+  return _checkpointer(directory, keep).save(plan, state, resources, tag, config=config, tx=tx,
+                                             client_state=client_state, save_latest=save_latest)
 
 
 def wait_until_finished(directory: str | os.PathLike | None = None) -> None:

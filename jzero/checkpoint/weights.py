@@ -51,10 +51,10 @@ import orbax.checkpoint as ocp
 
 from jzero.checkpoint import layout
 from jzero.checkpoint.optax_import import PYTREE_METADATA, pytree_items, step_folder
-from jzero.checkpoint.restore import _root_cause, abstract_state
+from jzero.checkpoint.restore import _root_cause
 from jzero.checkpoint.save import weights_json
 from jzero.errors import CheckpointError
-from jzero.sharding.plan import flatten_paths, path_str
+from jzero.sharding.plan import Plan, flatten_paths, path_str
 from jzero.config.blocks import DTYPES
 
 __all__ = ["ConsolidateReport", "consolidate", "read_weights", "load_weights", "load_model_state"]
@@ -459,18 +459,19 @@ def _parameters(stored: dict[str, tuple[int, ...]], params: PyTree, model_state:
   return found, ""
 
 
-def load_model_state(engine: Any, path: str | os.PathLike, *, sample_batch: Any = None
+def load_model_state(model: Any, path: str | os.PathLike, *, sample_batch: Any = None
                      ) -> dict[str, PyTree]:
   """The model state (BatchNorm's statistics) of plain weights that hold it -- what ``jzero
   convert`` writes for such a model (module docstring) -- as numpy arrays for
-  ``engine.init(rng, params=load_weights(engine, path), model_state=...)``; ``{}`` for a model
-  without state.
+  ``engine.init(rng, params=engine.load_weights(path), model_state=...)``
+  (:meth:`jzero.Engine.load_model_state`); ``{}`` for a model without state. ``model``: the
+  model (:class:`jzero.modeling.model_adapter.ModelAdapter`).
 
   Raises:
     CheckpointError: the weights lack the model's state (converted from another model, or
       written by hand for the parameters only) or hold it in other shapes.
   """
-  want = flatten_paths(engine.model.abstract_model_state(jax.random.key(0), sample_batch))
+  want = flatten_paths(model.abstract_model_state(jax.random.key(0), sample_batch))
   if not want:
     return {}
   kind, path, _ = _source(path)  # an Orbax item's state sits beside its params, at its top level
@@ -502,13 +503,14 @@ def load_model_state(engine: Any, path: str | os.PathLike, *, sample_batch: Any 
   return layout.nest({n: np.asarray(read[n], want[n].dtype) for n in want})
 
 
-def load_weights(engine: Any, path: str | os.PathLike, *, sample_batch: Any = None) -> PyTree:
-  """Plain weights as a params tree for ``engine.init(rng, params=...)`` (fine-tuning, any stage),
-  each process reading only what its devices hold.
+def load_weights(plan: Plan, model: Any, path: str | os.PathLike, *,
+                 sample_batch: Any = None) -> PyTree:
+  """Plain weights as a params tree for ``engine.init(rng, params=...)`` (fine-tuning, any stage;
+  :meth:`jzero.Engine.load_weights`), each process reading only what its devices hold.
 
   Checks every leaf of the model is present with its logical shape (from the files' headers /
   metadata alone; a model state written beside the parameters is left to
-  :func:`load_model_state`), then places each leaf as the engine's plan lays out its compute param: a global
+  :func:`load_model_state`), then places each leaf as ``plan`` lays out its compute param: a global
   ``jax.Array`` in ``plan.param_spec``'s sharding, cast to the model's parameter dtype. A
   partitioned leaf (ZeRO-3) is built block by block from safetensors' slice API, each process
   reading only the blocks its devices hold, and comes padded to the plan's shape with zeros (as
@@ -518,7 +520,8 @@ def load_weights(engine: Any, path: str | os.PathLike, *, sample_batch: Any = No
   shardings, each process reading its own blocks too.
 
   Args:
-    engine: the engine whose model the weights are for (its plan is created if it has none).
+    plan: the plan the weights are placed by.
+    model: the model they are for (:class:`jzero.modeling.model_adapter.ModelAdapter`).
     path: a safetensors file, a Hugging Face index of several (``model.safetensors.index.json``,
       or its directory), or a params-only Orbax checkpoint (see :func:`read_weights`).
     sample_batch: for Linen models, as in ``engine.init``.
@@ -531,8 +534,8 @@ def load_weights(engine: Any, path: str | os.PathLike, *, sample_batch: Any = No
   tensors = _safetensors(kind, path) if kind != "orbax" else {}
   stored = (_orbax_shapes(path, subtree) if kind == "orbax"
             else {n: t.shape for n, t in tensors.items()})
-  model = engine.model.abstract_params(jax.random.key(0), sample_batch)
-  stored, prefix = _parameters(stored, model, engine.model.abstract_model_state(
+  adapter, model = model, model.abstract_params(jax.random.key(0), sample_batch)
+  stored, prefix = _parameters(stored, model, adapter.abstract_model_state(
       jax.random.key(0), sample_batch))
   # by the module's names; a file written with the boxes' names (before they were unboxed) too
   names = layout.leaf_names(model, stored)
@@ -546,9 +549,6 @@ def load_weights(engine: Any, path: str | os.PathLike, *, sample_batch: Any = No
          for n in want if stored[n] != tuple(want[n].shape)]
   if bad:
     raise CheckpointError(f"weights {path} do not fit the model's shapes: {'; '.join(bad[:5])}.")
-  if engine.plan is None:
-    abstract_state(engine, sample_batch)  # creates the plan
-  plan = engine.plan
   leaves = {leaf.path: leaf for leaf in plan.leaf_list()}
   targets = {names[p]: jax.ShapeDtypeStruct(
       plan.param_shape(leaves[p]), x.dtype, sharding=plan.sharding(plan.param_spec(leaves[p])))

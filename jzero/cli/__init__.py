@@ -41,6 +41,7 @@ from typing import Sequence
 
 from jzero.cli import aot, checkpoint, estimate, launch, plan, train
 from jzero.errors import JZeroError, JZeroWarning
+from jzero.runtime import logs
 
 __all__ = ["build_parser", "main", "format_warning"]
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
+  logs.show_log()  # the library logs to a NullHandler; the command prints its log
   shown, warnings.formatwarning = warnings.formatwarning, format_warning
   try:
     return args.func(args)

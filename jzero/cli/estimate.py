@@ -12,6 +12,7 @@ from jzero.analysis.estimate import (DEFAULT_PERSISTENCE_THRESHOLD, PRECISION_BY
                                      largest_gathered_numel, param_shapes, persistent_numel,
                                      recommend, transformer_layer_numel)
 from jzero.errors import ConfigError
+from jzero.tiers import registry
 
 __all__ = ["add_parser", "add_estimate_arguments", "run_estimate", "parse_count", "parse_bytes"]
 
@@ -62,9 +63,10 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--optimizer-bytes", type=float, default=None, metavar="K",
                       help="optimizer-state bytes per param, fp32 master included (default: 12 in "
                            "fp16/bf16 = master + Adam moments, 8 in fp32 = moments only)")
-  parser.add_argument("--offload-optimizer", choices=("cpu", "nvme"), default=None,
+  parser.add_argument("--offload-optimizer", choices=registry.devices("offload_optimizer"),
+                      default=None,
                       help="also show the stages with the optimizer state offloaded")
-  parser.add_argument("--offload-param", choices=("cpu", "nvme"), default=None,
+  parser.add_argument("--offload-param", choices=registry.devices("offload_param"), default=None,
                       help="also show ZeRO-3 with the params offloaded")
   nvme = parser.add_argument_group("parameters on NVMe (--offload-param nvme; DeepSpeed's "
                                    "offload_param keys and defaults)")

@@ -1,9 +1,10 @@
 """Moving one leaf between the plan's layouts, inside the step's ``shard_map`` (one device's
 blocks): the fp32 master partition of a replicated param (:func:`local_master`), the compute param
 from an updated master partition (:func:`compute_param`), and ZeRO++ hpZ's secondary partition
-from the primary one (:func:`secondary_partition`). The step, the tiers that update state outside
-the device (:mod:`jzero.tiers.nvme_store`) and the engine's hpZ refresh all call these, so each
-layout change has one home.
+from the primary one (:func:`secondary_partition`, and the jitted refresh of a whole state's,
+:func:`refresh_program`). The step, the tiers that update state outside the device
+(:mod:`jzero.tiers.nvme_store`) and the engine's hpZ refresh all call these, so each layout change
+has one home.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import functools
 import jax
 from jax import lax
 
-from jzero.comm import collectives, zeropp
+from jzero.comm import collectives, program, zeropp
 from jzero.sharding.plan import LeafPlan, Plan
 
-__all__ = ["compute_param", "local_master", "secondary_partition"]
+__all__ = ["compute_param", "local_master", "secondary_partition", "refresh_program"]
 
 
 def local_master(plan: Plan, leaf: LeafPlan, p: jax.Array) -> jax.Array:
@@ -50,3 +51,14 @@ def secondary_partition(plan: Plan, leaf: LeafPlan, p: jax.Array) -> jax.Array |
   if not leaf.secondary:
     return None
   return zeropp.refresh_secondary(p, leaf.shard_dim, plan.comm(leaf), int(leaf.stacked))
+
+
+def refresh_program(plan: Plan):
+  """``params -> secondary``: hpZ's secondary partitions of a whole params tree, jitted with the
+  plan's shardings, by the code the step refreshes them with (so init, restore, a running step and
+  the NVMe store's update agree bit for bit). No compile options: a plain program. Callers keep
+  the program (one per plan)."""
+  specs, out = plan.param_specs(), plan.secondary_specs()
+  body = lambda p: plan.map(lambda l, x: secondary_partition(plan, l, x), p)
+  return jax.jit(program.shard_map(plan, body, (specs,), out),
+                 in_shardings=(plan.shardings(specs),), out_shardings=plan.shardings(out))

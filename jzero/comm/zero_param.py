@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from typing import Any, Iterator, Protocol
 
 import jax
@@ -38,7 +39,7 @@ class PartitionSource(Protocol):
     ...
 
 
-@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(eq=False)
 class ZeroParam(ArrayBehaviour):
   """One parameter as the ZeRO plan hands it to the model.
 
@@ -72,43 +73,27 @@ class ZeroParam(ArrayBehaviour):
   indexing and the rest of ``jax.Array``'s methods gather, once per use.
   """
 
-  __slots__ = ("partition", "full", "dim", "dim_size", "axes", "comm_dtype", "scatter", "secondary",
-               "comm", "source", "stored", "path", "pass_")
-  _CHILDREN = ("partition", "full", "secondary", "stored")
-  _STATIC = ("dim", "dim_size", "axes", "comm_dtype", "scatter", "comm", "source", "path", "pass_")
+  partition: jax.Array
+  dim: int
+  dim_size: int
+  axes: Axes
+  comm_dtype: Any = None
+  full: jax.Array | None = None
+  scatter: bool = True
+  secondary: jax.Array | None = None
+  comm: Any = None
+  source: PartitionSource | None = None
+  stored: Any = None
+  path: str | None = None
+  pass_: Pass | None = None
 
-  def __init__(self, partition: jax.Array, dim: int, size: int, axes: Axes, comm_dtype: Any = None,
-               *, full: jax.Array | None = None, scatter: bool = True,
-               secondary: jax.Array | None = None, comm: Any = None,
-               source: PartitionSource | None = None, stored: Any = None,
-               path: str | None = None, pass_: Pass | None = None):
-    self.partition, self.full, self.dim, self.dim_size = partition, full, dim, size
-    self.axes, self.comm_dtype, self.scatter = axes, comm_dtype, scatter
-    self.secondary, self.comm = secondary, comm
-    self.source, self.stored, self.path = source, stored, path
-    self.pass_ = pass_ if pass_ is not None else _PASS.get()
-
-  def tree_flatten(self):
-    if self.pass_ is not None and self.pass_.over:  # e.g. handed to a jnp function's own jit
-      raise self.outlived()
-    return (tuple(getattr(self, n) for n in self._CHILDREN),
-            tuple(getattr(self, n) for n in self._STATIC))
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    fields = dict(zip(cls._CHILDREN + cls._STATIC, tuple(children) + tuple(aux)))
-    return cls(fields.pop("partition"), fields.pop("dim"), fields.pop("dim_size"),
-               fields.pop("axes"), **fields)
-
-  def _replace(self, **changes: Any) -> "ZeroParam":
-    children, aux = self.tree_flatten()
-    fields = dict(zip(self._CHILDREN + self._STATIC, children + aux), **changes)
-    return self.tree_unflatten(tuple(fields[n] for n in self._STATIC),
-                               tuple(fields[n] for n in self._CHILDREN))
+  def __post_init__(self):
+    if self.pass_ is None:
+      self.pass_ = _PASS.get()
 
   def with_partition(self, partition: jax.Array) -> "ZeroParam":
     """This parameter with ``partition`` as its partition, read already (no ``source``)."""
-    return self._replace(partition=partition, source=None, stored=None)
+    return dataclasses.replace(self, partition=partition, source=None, stored=None)
 
   @property
   def partitioned(self) -> bool:
@@ -150,9 +135,9 @@ class ZeroParam(ArrayBehaviour):
     if self.full is not None or last is None or last[0] != get_opaque_trace_state(
         convention="nnx"):
       return self.gather()
-    children, aux = self.tree_flatten()
+    children, treedef = jax.tree.flatten(self)
     children, _ = lax.optimization_barrier((children, last[1]))
-    return self.tree_unflatten(aux, children).gather()
+    return jax.tree.unflatten(treedef, children).gather()
 
   def _gather(self) -> jax.Array:
     partition = self.partition
@@ -232,3 +217,27 @@ def read_sources(params: list) -> list:
     for i, p, v in zip(index, group, values):
       out[i] = p.with_partition(v)
   return out
+
+
+_CHILDREN = ("partition", "full", "secondary", "stored")
+_STATIC = ("dim", "dim_size", "axes", "comm_dtype", "scatter", "comm", "source", "path", "pass_")
+
+
+def _flatten_with_keys(param: ZeroParam) -> tuple[tuple, tuple]:
+  children, static = _flatten(param)
+  return tuple(zip(map(jax.tree_util.GetAttrKey, _CHILDREN), children)), static
+
+
+def _flatten(param: ZeroParam) -> tuple[tuple, tuple]:
+  # A parameter flattened after its pass is over -- e.g. kept past the pass and handed to a jnp
+  # function's own jit -- gets jzero's error, not JAX's leaked-tracer one.
+  if param.pass_ is not None and param.pass_.over:
+    raise param.outlived()
+  return tuple(getattr(param, n) for n in _CHILDREN), tuple(getattr(param, n) for n in _STATIC)
+
+
+def _unflatten(static: tuple, children: tuple) -> ZeroParam:
+  return ZeroParam(**dict(zip(_STATIC, static)), **dict(zip(_CHILDREN, children)))
+
+
+jax.tree_util.register_pytree_with_keys(ZeroParam, _flatten_with_keys, _unflatten, _flatten)

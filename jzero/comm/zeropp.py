@@ -5,8 +5,9 @@ parameters, the backward re-gather and the gradient reduce-scatter. On a cluster
 bytes cross the slow links between nodes. ZeRO++ cuts what crosses them, with three independent
 switches of ``zero_optimization`` (all stage 3 only, as in DeepSpeed):
 
-* **qwZ** (``zero_quantized_weights``): the parameter all-gather moves int8 blocks and fp32
-  scales instead of 16-bit values -- each device quantizes its partition
+* **qwZ** (``zero_quantized_weights``): the parameter all-gather moves int8 blocks (or int4, or
+  another strategy of :mod:`jzero.sharding.quantization`) and fp32 scales instead of 16-bit
+  values -- each device quantizes its partition
   (:func:`jzero.kernels.quantize`, DeepSpeed's group size
   :func:`jzero.kernels.qwz_group_size`), the blocks
   are gathered, every device dequantizes them to the compute dtype. The gather's backward stays a
@@ -57,26 +58,24 @@ where its plain ``reduce_scatter_coalesced`` divides by the world size: the two 
 differ by the devices per node. jzero's qgZ and plain paths give the same mean.
 
 The settings -- which of the three the config asks for, the node / local hierarchy, each leaf's
-static :class:`~jzero.sharding.zeropp.Comm` -- are data: :mod:`jzero.sharding.zeropp`.
+static :class:`~jzero.sharding.zeropp.Comm` -- are data: :mod:`jzero.sharding.zeropp`; the
+quantized collectives themselves are strategy objects by name, :mod:`jzero.sharding.quantization`
+(a ``Comm``'s ``gather`` / ``reduce``): this module calls them, never compares names.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jzero import kernels
 from jzero.comm.collectives import all_gather, reduce_scatter
-from jzero.sharding.plan import pad_to
-from jzero.sharding.zeropp import QGZ_BITS, QWZ_BITS, RULE, Comm
+from jzero.sharding.zeropp import Comm
 
-__all__ = ["gather", "attach", "refresh_secondary", "gather_secondary", "quantized_gather",
-           "quantized_reduce_scatter"]
+__all__ = ["gather", "attach", "refresh_secondary", "gather_secondary"]
 
 Axes = tuple[str, ...]
 
@@ -95,29 +94,12 @@ def _from_bits(x: jax.Array, dtype: Any) -> jax.Array:
   return lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
 
 
-def _concat_chunks(y: jax.Array, d: int) -> jax.Array:
-  """``(k, *shape)`` chunks -> ``shape`` with dimension ``d`` k times longer (chunk-major)."""
-  y = jnp.moveaxis(y, 0, d)
-  return y.reshape(*y.shape[:d], y.shape[d] * y.shape[d + 1], *y.shape[d + 2:])
-
-
-def quantized_gather(shard: jax.Array, dim: int, axes: Axes, group: int,
-                     batch_dims: int = 0, impl: str = "auto") -> jax.Array:
-  """qwZ: all partitions on ``axes`` gathered as int8 blocks, dequantized to ``shard``'s dtype and
-  concatenated along ``dim``; the first ``batch_dims`` axes are quantized as separate chunks (the
-  layers of a stacked leaf)."""
-  d = dim % shard.ndim
-  q = kernels.quantize(shard, QWZ_BITS, group, batch_dims=batch_dims, rule=RULE, impl=impl)
-  g = kernels.all_gather(q, axes)
-  return _concat_chunks(kernels.dequantize(g, shard.dtype, impl=impl), d)
-
-
 def refresh_secondary(primary: jax.Array, dim: int, comm: Comm, batch_dims: int = 0) -> jax.Array:
   """hpZ: this device's secondary partition from the primary partitions of its node axes (int8
   blocks with qwZ). ``primary`` may be a stacked leaf (``batch_dims=1``: one chunk per layer)."""
-  if comm.gather == "int8":
-    return quantized_gather(primary, dim, comm.node_axes, comm.gather_group, batch_dims,
-                            comm.impl)
+  if comm.gather is not None:  # quantized once, by the refresh
+    return comm.gather.gather(primary, dim, comm.node_axes, comm.gather_group, batch_dims,
+                              comm.impl)
   d = dim % primary.ndim
   full = lax.all_gather(_as_bits(primary), comm.node_axes, axis=d, tiled=True)
   return _from_bits(full, primary.dtype)
@@ -136,30 +118,11 @@ def gather_secondary(secondary: jax.Array, dim: int, size: int, comm: Comm) -> j
   return lax.slice_in_dim(_from_bits(g, secondary.dtype), 0, size, axis=d)
 
 
-def quantized_reduce_scatter(full: jax.Array, dim: int, padded: int, comm: Comm) -> jax.Array:
-  """qgZ: the float32 sum over all ZeRO devices of ``full`` (zero-padded to ``padded`` along
-  ``dim``), this device's partition of it -- what ``psum_scatter`` over the ZeRO axes gives, as
-  two int4 all-to-all hops (local, then node) with a float32 requantized sum between them."""
-
-  d = dim % full.ndim
-  nodes, local = lax.axis_size(comm.node_axes), lax.axis_size(comm.local_axes)
-  x = jnp.moveaxis(pad_to(full, d, padded), d, 0)
-  rest = x.shape[1:]
-  part = padded // (nodes * local)
-  x = x.reshape(nodes, local, part * math.prod(rest)).swapaxes(0, 1)  # [l, n]: partition n*L+l
-  q = kernels.quantize(x, QGZ_BITS, comm.reduce_group, batch_dims=2, rule=RULE, impl=comm.impl)
-  q = kernels.all_to_all(q, comm.local_axes)  # [source l', n]: partitions n*L+l of the node
-  q = kernels.requantize_sum(q, rule=RULE, impl=comm.impl)  # [n]: this node's partial sums
-  q = kernels.all_to_all(q, comm.node_axes)  # [source n']: partition n*L+l of every node
-  mine = kernels.dequantize_sum(q, impl=comm.impl)
-  return jnp.moveaxis(mine.reshape(part, *rest), 0, d)
-
-
 def _reduce(ct: jax.Array, dim: int, padded: int, comm: Comm, comm_dtype: Any) -> jax.Array:
   """A full gradient -> its reduce-scattered partition, in ``ct``'s dtype."""
 
-  if comm.reduce == "int4":
-    return quantized_reduce_scatter(ct, dim, padded, comm).astype(ct.dtype)
+  if comm.reduce is not None:
+    return comm.reduce.reduce_scatter(ct, dim, padded, comm).astype(ct.dtype)
   return reduce_scatter(ct.astype(comm_dtype or ct.dtype), dim, padded,
                         comm.zero_axes).astype(ct.dtype)
 
@@ -168,8 +131,8 @@ def _forward(partition: jax.Array, secondary: jax.Array | None, dim: int, size: 
              comm: Comm) -> jax.Array:
   if comm.secondary:
     return gather_secondary(secondary, dim, size, comm)
-  if comm.gather == "int8":
-    full = quantized_gather(partition, dim, comm.zero_axes, comm.gather_group, impl=comm.impl)
+  if comm.gather is not None:
+    full = comm.gather.gather(partition, dim, comm.zero_axes, comm.gather_group, impl=comm.impl)
     return lax.slice_in_dim(full, 0, size, axis=dim % full.ndim)
 
   return all_gather(partition, dim, size, comm.zero_axes)
@@ -211,7 +174,7 @@ def _attach_fwd(full, slot, dim, padded, comm):
 
 
 def _attach_bwd(dim, padded, comm, _, ct):
-  return None, quantized_reduce_scatter(ct, dim, padded, comm)
+  return None, comm.reduce.reduce_scatter(ct, dim, padded, comm)
 
 
 _attach.defvjp(_attach_fwd, _attach_bwd)

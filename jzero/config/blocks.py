@@ -16,7 +16,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationI
 from jzero.config.messages import show, suggest, warn
 
 __all__ = ["Auto", "DType", "DTYPES", "Flag", "AutoFlag", "Size", "AutoSize", "AutoInt", "AutoReal",
-           "AutoFraction", "BatchSize", "number", "replace_key", "OffloadParamConfig",
+           "AutoFraction", "BatchSize", "accept_devices_from", "number", "replace_key", "OffloadParamConfig",
            "OffloadOptimizerConfig", "LeafModuleConfig", "ZeroConfig", "Fp16Config", "Bf16Config",
            "DataTypesConfig", "OptimizerConfig", "SchedulerConfig",
            "ActivationCheckpointingConfig", "AioConfig", "CheckpointConfig", "TensorBoardConfig",
@@ -64,8 +64,45 @@ def _check_flag(value: Any) -> Any:
   raise ValueError(f"expected true or false, got {show(value)}")
 
 
+def _check_name_or_flag(value: Any) -> Any:
+  """Accepts true/false, "auto" and a name: what a registry answers (a tier's ``device`` value,
+  a quantized collective's name) is checked where the registry is read, before any device work
+  (:func:`jzero.tiers.registry.check_config`, :func:`jzero.sharding.zeropp.resolve`)."""
+  if isinstance(value, (bool, str)):
+    return value
+  raise ValueError(f"expected true, false or a name, got {show(value)}")
+
+
+#: Where an offload block's accepted ``device`` values come from: the tier registry, which hands
+#: its lookup here when it is imported (:func:`accept_devices_from`; the config cannot import the
+#: tiers, which read the config).
+_TIER_DEVICES: list[Callable[[str], tuple[str, ...]]] = [lambda block: ()]
+
+
+def accept_devices_from(lookup: Callable[[str], tuple[str, ...]]) -> None:
+  """``lookup(block)``: the ``device`` values of ``zero_optimization.<block>`` some tier answers
+  (:func:`jzero.tiers.registry.devices`); an offload block accepts those, "none" and "auto"."""
+  _TIER_DEVICES[:] = [lookup]
+
+
+def _check_device(block: str) -> BeforeValidator:
+  """Accepts "none", "auto" and the ``device`` values a registered tier answers for ``block``,
+  read when the config is validated (a tier registered later is accepted from then on)."""
+  def check(value: Any) -> Any:
+    accepted = ("none", *_TIER_DEVICES[0](block), "auto")
+    if value not in accepted:
+      names = [f"'{v}'" for v in accepted]
+      raise ValueError(f"Input should be {', '.join(names[:-1])} or {names[-1]}, "
+                       f"got {show(value)}")
+    return value
+
+  return BeforeValidator(check)
+
+
 # "auto" passes the validators; the field type decides whether it is allowed (Auto in the type).
 Flag = Annotated[bool, BeforeValidator(_check_flag)]
+#: true / false / "auto", or the name of a quantized collective (jzero.sharding.quantization).
+Quantization = Annotated[bool | str, BeforeValidator(_check_name_or_flag)]
 AutoFlag = Annotated[bool | Auto, BeforeValidator(_check_flag)]
 Size = Annotated[int, number(True, lo=0)]
 AutoSize = Annotated[int | Auto, number(True, lo=0)]
@@ -121,7 +158,8 @@ def _cpu_if(on: Any) -> dict | None:
 class OffloadParamConfig(_Block):
   """``zero_optimization.offload_param`` (DeepSpeedZeroOffloadParamConfig; stage 3 only)."""
 
-  device: Literal["none", "cpu", "nvme", "auto"] = "none"
+  # "cpu", "nvme", or another tier's value (jzero.tiers.registry)
+  device: Annotated[str, _check_device("offload_param")] = "none"
   nvme_path: str | None = None
   buffer_count: AutoSize = 5
   buffer_size: AutoSize = 100_000_000
@@ -132,7 +170,8 @@ class OffloadParamConfig(_Block):
 class OffloadOptimizerConfig(_Block):
   """``zero_optimization.offload_optimizer`` (DeepSpeedZeroOffloadOptimizerConfig)."""
 
-  device: Literal["none", "cpu", "nvme", "auto"] = "none"
+  # "cpu", "nvme", or another tier's value (jzero.tiers.registry)
+  device: Annotated[str, _check_device("offload_optimizer")] = "none"
   nvme_path: str | None = None
   buffer_count: AutoSize = 4
   pin_memory: AutoFlag = True
@@ -198,9 +237,11 @@ class ZeroConfig(_Block):
   legacy_stage1: AutoFlag = False
   round_robin_gradients: AutoFlag = False
   zero_hpz_partition_size: AutoSize = 1
-  zero_quantized_weights: AutoFlag = False
+  # true (DeepSpeed's int8 / int4) or a strategy's name (jzero.sharding.quantization.WEIGHTS /
+  # GRADIENTS, checked by jzero.sharding.zeropp.resolve)
+  zero_quantized_weights: Quantization = False
   zero_quantized_nontrainable_weights: AutoFlag = False
-  zero_quantized_gradients: AutoFlag = False
+  zero_quantized_gradients: Quantization = False
   zeropp_loco_param: dict[str, Any] | None = None
   mics_shard_size: AutoInt = -1
   mics_hierarchical_params_gather: AutoFlag = False

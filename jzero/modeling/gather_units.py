@@ -70,6 +70,7 @@ from flax.core import lift
 from jzero.comm.zero_param import ZeroParam, record_unit_inputs
 from jzero.errors import JZeroWarning
 from jzero.modeling.layer_scan import current_layer_policy, current_policy, gather, name_layer_inputs
+from jzero.sharding.plan import path_str
 
 __all__ = ["ModuleInfo", "UnitRules", "choose_units", "check_units", "prefetches", "nnx_units",
            "LinenUnits", "inside_unit", "holds_partitions"]
@@ -342,7 +343,7 @@ def _unit_class(cls: type) -> type:
 
 def nnx_modules(model: nnx.Module) -> list[ModuleInfo]:
   """Every module of an NNX model (abstract or concrete)."""
-  return [ModuleInfo("/".join(str(p) for p in path),
+  return [ModuleInfo(path_str(path),
                      getattr(type(m), "_jzero_unit_of", type(m)))
           for path, m in nnx.iter_modules(model)]
 
@@ -352,7 +353,7 @@ def nnx_units(model: nnx.Module, units: set[str]) -> None:
   if not units:
     return
   for path, module in nnx.iter_modules(model):
-    if "/".join(str(p) for p in path) in units and not hasattr(type(module), "_jzero_unit_of"):
+    if path_str(path) in units and not hasattr(type(module), "_jzero_unit_of"):
       object.__setattr__(module, "__class__", _unit_class(type(module)))
 
 
@@ -365,7 +366,7 @@ def linen_modules(module: nn.Module, rng: jax.Array, *args: Any) -> list[ModuleI
   seen: dict[str, type] = {}
 
   def record(next_fun, a, kw, context):
-    seen.setdefault("/".join(context.module.path), type(context.module))
+    seen.setdefault(path_str(context.module.path), type(context.module))
     return next_fun(*a, **kw)
 
   def init():
@@ -399,7 +400,7 @@ def _handed_partitions(module: nn.Module, path: str) -> bool:
   own = module.variables.get("params", {})
   for name, value in own.items():
     if (isinstance(value, ZeroParam) and value.partitioned and value.path is not None
-        and value.path != "/".join(filter(None, (path, name)))):
+        and value.path != path_str([p for p in (path, name) if p])):
       return True
   return False
 
@@ -424,7 +425,7 @@ class LinenUnits:
 
   def __call__(self, next_fun, args, kwargs, context):
     module = context.module
-    path = "/".join(module.path) if module.scope is not None else None
+    path = path_str(module.path) if module.scope is not None else None
     if (_IN_UNIT.get() or path is None
         or (path not in self.units and not _handed_partitions(module, path))
         or not holds_partitions(module.variables.get("params", {}))):

@@ -59,6 +59,7 @@ from flax import nnx
 from flax import traverse_util
 
 from jzero.errors import JZeroError, NotSupportedError
+from jzero.sharding.plan import path_str
 
 __all__ = ["NON_PARAM", "LinenBatchNormAxes", "collection_name", "explain_unbound_axis",
            "fill_nnx_state", "group_nnx_state", "reseed_nnx_streams", "rng_placeholders",
@@ -141,7 +142,7 @@ def sync_nnx_batch_norms(model: nnx.Module, batch_axes: tuple[str, ...] | None) 
   local statistics), in place."""
   for path, module in nnx.iter_modules(model):
     if isinstance(module, nnx.BatchNorm):
-      _check_groups("/".join(str(p) for p in path), module)
+      _check_groups(path_str(path), module)
       module.axis_name = batch_axes
 
 
@@ -157,7 +158,7 @@ class LinenBatchNormAxes:
     module = context.module
     if not isinstance(module, nn.BatchNorm) or context.method_name != "__call__":
       return next_fun(*args, **kwargs)
-    _check_groups("/".join(module.path) if module.scope is not None else "", module)
+    _check_groups(path_str(module.path) if module.scope is not None else "", module)
     given = module.axis_name
     object.__setattr__(module, "axis_name", self.batch_axes)
     try:

@@ -14,9 +14,10 @@ latency-hiding scheduler. :func:`compile_for` does that for jzero's own train st
    devices report) are the ones a real run gets;
 2. the engine: :func:`jzero.initialize` with the config, the model (an embedded GPT shape or any
    model with its loss and an abstract batch);
-3. the state, abstractly: ``jax.eval_shape(engine.init, key)`` -- nothing is allocated, and no
-   device work is done on the compile-only devices;
-4. the step: ``engine.jitted_step(batch).trace(state, batch).lower().compile()`` with the batch as
+3. the state, abstractly: ``engine.abstract_state(full=False)``, a pure function of the plan --
+   nothing is allocated, and no device work is done on the compile-only devices;
+4. the step: ``engine.jitted_step(batch, variant).trace(state, batch).lower().compile()`` (the steady
+   variant, :attr:`jzero.Engine.steady_variant`) with the batch as
    a ``ShapeDtypeStruct`` carrying its sharding -- and with the latency-hiding scheduler's memory
    limit a run has: on a GPU, XLA plans with the allocator's pool (``memory_fraction`` of the
    part) less the step's inputs and outputs; without the device it would take 80% of the part, so
@@ -76,7 +77,7 @@ from jzero.planning.aot_report import AotReport
 from jzero.runtime import quiet_start
 
 __all__ = ["GPU_SPECS", "GpuSpec", "gpu_spec", "gpu_devices", "compile_for", "prepare",
-           "compile_once", "Target", "INSTALL_HINT",
+           "compile_once", "Target",
            "DEFAULT_MEMORY_FRACTION", "SPEC_DIR"]
 
 SPEC_DIR = Path(__file__).parent / "gpu_specs"
@@ -95,9 +96,6 @@ GPU_SPECS = {  # --gpu name -> XLA GPU target config in jzero/planning/gpu_specs
     "rtx4090": "rtx4090.txtpb",
     "rtx3090": "rtx3090.txtpb",
 }
-INSTALL_HINT = ('pip install -e ".[gpu-aot]" (or pip install "jzero[gpu-aot]"): the CUDA compiler '
-                'plugin, jax-cuda12-plugin and jax-cuda12-pjrt matching your jax; no GPU and no '
-                'CUDA libraries are needed')
 TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"  # the custom call a Pallas GPU kernel lowers to
 MOSAIC_CALL_TARGET = 'custom_call_target="tpu_custom_call"'  # a Pallas TPU (Mosaic) kernel
 DEFAULT_MEMORY_FRACTION = 0.75  # what JAX preallocates on a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION)
@@ -133,17 +131,6 @@ def gpu_spec(gpu: str) -> GpuSpec:
                  memory_bytes=int(memory.group(1)))
 
 
-def _require_cuda_plugin() -> None:
-  """The CUDA compiler plugin, loaded and able to register its compile-only topology
-  (:func:`jzero.runtime.quiet_start.load_cuda_compiler`: where CUDA cannot run, jzero keeps the
-  plugin unloaded until a GPU compile asks for it)."""
-  try:
-    quiet_start.load_cuda_compiler()
-  except ImportError as e:
-    raise JZeroError(f"compiling for a GPU topology needs the CUDA compiler plugin, which is not "
-                     f"installed ({e}). Install the gpu-aot extra: {INSTALL_HINT}.") from None
-
-
 def gpu_devices(gpu: str | GpuSpec, devices: int, nodes: int = 1) -> list[Any]:
   """Compile-only devices of ``nodes`` x ``devices / nodes`` GPUs of one part (no GPU needed).
 
@@ -158,7 +145,7 @@ def gpu_devices(gpu: str | GpuSpec, devices: int, nodes: int = 1) -> list[Any]:
     raise ConfigError(f"--devices {devices} over --nodes {nodes}: the devices must split evenly "
                       f"over a positive number of nodes (devices per node = devices / nodes).")
   spec = gpu if isinstance(gpu, GpuSpec) else gpu_spec(gpu)
-  _require_cuda_plugin()
+  quiet_start.load_cuda_compiler()
   from jax.experimental import topologies  # noqa: PLC0415
 
   try:
@@ -490,7 +477,7 @@ def compile_once(target: Target, data: dict[str, Any], slop: int | None = None,
   engine = initialize(model=target.factory, loss_fn=target.loss_fn, config=data, mesh=zmesh,
                       total_num_steps=target.total_num_steps)
   t0 = time.perf_counter()
-  state = jax.eval_shape(engine.init, jax.random.key(0))  # abstract: nothing is allocated
+  state = engine.abstract_state(full=False)  # as the step takes it: nothing is allocated
   global_batch = engine.global_batch_size
   batch = target.batch
   if gpt is not None and batch is None:
@@ -505,7 +492,8 @@ def compile_once(target: Target, data: dict[str, Any], slop: int | None = None,
   say(f"model {what}: {format_count(num_params)} params; ZeRO-{cfg.zero_optimization.stage}, "
       f"{cfg.precision}, micro-batch {cfg.train_micro_batch_size_per_gpu} x gas "
       f"{cfg.gradient_accumulation_steps} x dp {zmesh.dp_size}")
-  traced = engine.jitted_step(batch).trace(state, batch)
+  variant = engine.steady_variant
+  traced = engine.jitted_step(batch, variant).trace(engine.lowerable(state, variant), batch)
   t1 = time.perf_counter()
   say(f"traced in {t1 - t0:.1f} s; lowering")
   lowered = traced.lower()

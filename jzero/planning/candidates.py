@@ -1,8 +1,11 @@
 """The configurations ``jzero plan`` chooses among, and what each costs by ZeRO's arithmetic.
 
 A :class:`Job` is the model (the embedded GPT's shape) and the global batch; a :class:`Candidate`
-is one way to run it: ZeRO stage 0-3, ZeRO++'s parts (more than one node, stage 3), optimizer
-offload (none / cpu, whole or half / nvme), parameter offload (stage 3: none / cpu / nvme),
+is one way to run it: ZeRO stage 0-3, ZeRO++'s parts (more than one node, stage 3; qwZ by each
+weight quantization strategy :data:`jzero.sharding.quantization.WEIGHTS` marks ``planned``),
+optimizer offload (none, or each tier's ``device`` value in :mod:`jzero.tiers.registry`: cpu --
+whole or half, a tier with ``partial`` --, nvme, ...), parameter offload (stage 3: none / each
+tier's value),
 activation checkpointing (none / per block / per block with the inputs on the host) and the
 micro-batch, which sets the gradient accumulation. :func:`candidates` lists every valid one;
 :meth:`Candidate.deepspeed_config` writes it as the DeepSpeed JSON ``jzero train`` and
@@ -16,7 +19,8 @@ gathered layers, the update phase), host and NVMe bytes per node from
 offload, so none on the host), FLOPs from the GPT's shapes (6 per parameter and token, the
 attention scores, one forward more when blocks are recomputed), collective bytes from ZeRO's
 communication analysis (2Ψ per step for stages 0-2, 3Ψ per micro-batch for stage 3; ZeRO++ as its
-paper counts: qwZ halves the forward gather, hpZ keeps the backward gather inside the node, qgZ
+paper counts: qwZ's strategy of ``bits`` cuts the forward gather to ``bits / 16`` (DeepSpeed's
+int8: half), hpZ keeps the backward gather inside the node, qgZ
 sends a quarter of the gradient bytes across nodes), and the offload streams from the bytes each
 tier moves per step.
 """
@@ -31,6 +35,8 @@ from typing import Any
 from jzero.analysis import estimate as est
 from jzero.errors import ConfigError
 from jzero.planning.cost import Hardware, Resources
+from jzero.sharding import quantization
+from jzero.tiers import registry
 
 __all__ = ["Job", "Candidate", "candidates", "estimated", "Estimated", "gpt_for_params",
            "param_buffer_size",
@@ -38,12 +44,31 @@ __all__ = ["Job", "Candidate", "candidates", "estimated", "Estimated", "gpt_for_
 
 CHECKPOINTING = ("none", "block", "offload")  # activation checkpointing choices
 DEFAULT_NVME_PATH = "/local_nvme"  # DeepSpeed's tutorials' nvme_path: change it to your drive
-_OPTIMIZER_OFFLOAD = ((None, 1.0), ("cpu", 1.0), ("cpu", 0.5), ("nvme", 1.0))
-_ZEROPP = ((), ("hpz",), ("qwz", "qgz"), ("hpz", "qwz", "qgz"))
+QWZ = "qwz"  # a Candidate.zeropp part: qwZ by DeepSpeed's strategy; "qwz-<name>" by another
 _BUFFER_COUNT = 5  # offload_param.buffer_count, DeepSpeed's default
 _BASE_CONFIG = {"gradient_clipping": 1.0, "steps_per_print": 10,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95],
                                                           "weight_decay": 0.1}}}
+
+
+def _optimizer_offloads() -> list[tuple[str | None, float]]:
+  """(offload_optimizer device, ratio) choices: none, then each registered tier's value whole
+  and, for a tier that honours a ratio (:attr:`jzero.tiers.base.Tier.partial`), half."""
+  out: list[tuple[str | None, float]] = [(None, 1.0)]
+  for value in registry.devices("offload_optimizer"):
+    out.append((value, 1.0))
+    if registry.answering("offload_optimizer", value).partial:
+      out.append((value, 0.5))
+  return out
+
+
+def _zeropp_choices() -> list[tuple[str, ...]]:
+  """ZeRO++'s combinations: none, hpZ, then qwZ by each planned weight strategy with qgZ, alone
+  and with hpZ."""
+  default = next(iter(quantization.WEIGHTS))
+  qwz = [QWZ if name == default else f"{QWZ}-{name}"
+         for name, s in quantization.WEIGHTS.items() if s.planned]
+  return ([(), ("hpz",)] + [(q, "qgz") for q in qwz] + [("hpz", q, "qgz") for q in qwz])
 
 
 def _zero_infinity_1t() -> Any:
@@ -114,10 +139,20 @@ class Candidate:
   zeropp: tuple[str, ...] = ()
 
   @property
+  def quantized_weights(self) -> str | None:
+    """The qwZ strategy's name (:data:`jzero.sharding.quantization.WEIGHTS`), or None."""
+    part = next((p for p in self.zeropp if p.startswith(QWZ)), None)
+    if part is None:
+      return None
+    return part[len(QWZ) + 1:] or next(iter(quantization.WEIGHTS))
+
+  @property
   def name(self) -> str:
-    """'ZeRO-3 +hpZ+qwZ opt->cpu(0.5) param->nvme ckpt=block mb 2x4'."""
+    """'ZeRO-3 +hpZ+qwZ opt->cpu(0.5) param->nvme ckpt=block mb 2x4' (another qwZ strategy than
+    DeepSpeed's: '+qwZ(int4)')."""
     parts = ["DDP" if self.stage == 0 else f"ZeRO-{self.stage}"]
-    parts += [f"+{p[:-1]}{p[-1].upper()}" for p in self.zeropp]
+    parts += [f"+qwZ({p[len(QWZ) + 1:]})" if p.startswith(QWZ + "-")
+              else f"+{p[:-1]}{p[-1].upper()}" for p in self.zeropp]
     if self.offload_optimizer:
       ratio = f"({self.offload_ratio:g})" if self.offload_ratio != 1 else ""
       parts.append(f"opt->{self.offload_optimizer}{ratio}")
@@ -152,8 +187,10 @@ class Candidate:
         raise ValueError(f"{self.name}: hpZ's partition is a node's devices; give "
                          f"devices_per_node (2 or more), got {devices_per_node!r}.")
       zero["zero_hpz_partition_size"] = int(devices_per_node)
-    if "qwz" in self.zeropp:
-      zero["zero_quantized_weights"] = True
+    weights = self.quantized_weights
+    if weights is not None:
+      deepspeeds = weights == next(iter(quantization.WEIGHTS))
+      zero["zero_quantized_weights"] = True if deepspeeds else weights
     if "qgz" in self.zeropp:
       zero["zero_quantized_gradients"] = True
     config = dict(job.base_config)
@@ -170,13 +207,14 @@ class Candidate:
 
 def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...] = (0, 1, 2, 3),
                micro_batches: tuple[int, ...] | None = None,
-               offload_tiers: tuple[str, ...] = ("cpu", "nvme"),
+               offload_tiers: tuple[str, ...] | None = None,
                checkpointing: tuple[str, ...] = CHECKPOINTING) -> list[Candidate]:
   """Every valid candidate for ``job`` on ``devices`` (in all) over ``nodes``.
 
   Micro-batches: the powers of two that divide the sequences per device (default), each with the
   accumulation that makes the global batch. ZeRO++ variants only with more than one node.
-  ``offload_tiers`` are the tiers offload may use (``()``: no offload variants);
+  ``offload_tiers`` are the ``device`` values offload may use (None: every registered tier's,
+  :func:`jzero.tiers.registry.devices`; ``()``: no offload variants);
   ``checkpointing`` the activation checkpointing choices (:data:`CHECKPOINTING`).
   """
   if job.global_batch < 1 or job.global_batch % devices:
@@ -192,10 +230,11 @@ def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...
   out = []
   for stage in stages:
     # a partial offload (ratio < 1) is stage 3's only, as in DeepSpeed (jzero's config refuses it)
-    opts = [(o, r) for o, r in _OPTIMIZER_OFFLOAD
-            if o is None or (stage and o in offload_tiers and (r == 1 or stage == 3))]
-    params = [None] + [t for t in ("cpu", "nvme") if stage == 3 and t in offload_tiers]
-    zeropp = _ZEROPP if nodes > 1 and stage == 3 else ((),)
+    allowed = lambda value: offload_tiers is None or value in offload_tiers
+    opts = [(o, r) for o, r in _optimizer_offloads()
+            if o is None or (stage and allowed(o) and (r == 1 or stage == 3))]
+    params = [None] + [t for t in registry.devices("offload_param") if stage == 3 and allowed(t)]
+    zeropp = _zeropp_choices() if nodes > 1 and stage == 3 else [()]
     for (opt, ratio), param, plus, ckpt, mb in itertools.product(opts, params, zeropp,
                                                                  checkpointing, micro_batches):
       if plus and param:  # ZeRO++ gathers device-resident partitions
@@ -276,7 +315,8 @@ def estimated(c: Candidate, job: Job, hw: Hardware, leaves: list | None = None,
       checkpointing=c.checkpointing, stage=c.stage, param_bytes=p, activation_bytes=a,
       update_elements=psi / n if c.stage else psi, hpz_secondary=e.secondary,
       stream_elements=largest / n if c.stage else largest,
-      streamed_update=c.offload_optimizer == "cpu", quantized_gathers="qwz" in c.zeropp)
+      streamed_update=c.offload_optimizer == "cpu",
+      quantized_gathers=c.quantized_weights is not None)
   offloaded = on_device(twin) - on_device(e)
   acts = m.n_layers * c.micro_batch * m.seq_len * m.d_model * a  # the layer inputs, every layer
   psi = e.num_params
@@ -289,7 +329,8 @@ def estimated(c: Candidate, job: Job, hw: Hardware, leaves: list | None = None,
   gas = c.gradient_accumulation
   ring = (n - 1) / n
   if c.stage == 3:  # forward gather, backward gather, gradient reduce-scatter, per micro-batch
-    parts = {"fwd": gas * psi * p * (0.5 if "qwz" in c.zeropp else 1),
+    weights = c.quantized_weights
+    parts = {"fwd": gas * psi * p * (quantization.weights(weights).bits / 16 if weights else 1),
              "bwd": gas * psi * p, "grad": gas * psi * p}
   elif c.stage == 2:
     parts = {"fwd": psi * p, "bwd": 0.0, "grad": gas * psi * p}

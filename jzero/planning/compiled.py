@@ -132,7 +132,7 @@ def _compile_cpu(config: dict, model: Any) -> Compiled:
 
   t0 = time.perf_counter()
   engine = initialize(model=lambda rngs: GPT(model, rngs=rngs), loss_fn=lm_loss, config=config)
-  state = jax.eval_shape(engine.init, jax.random.key(0))
+  state = engine.abstract_state(full=False)
   batch = {"tokens": jax.ShapeDtypeStruct((engine.global_batch_size, model.seq_len + 1),
                                           jnp.int32, sharding=engine.batch_sharding())}
   compiled = engine.compile_step(state, batch)

@@ -253,7 +253,7 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
              compile_top: int = DEFAULT_COMPILE_TOP,
              time_budget: float = DEFAULT_TIME_BUDGET, margin: float = DEFAULT_MARGIN,
              stages: tuple[int, ...] = (0, 1, 2, 3), micro_batches: tuple[int, ...] | None = None,
-             offload_tiers: tuple[str, ...] = ("cpu", "nvme"),
+             offload_tiers: tuple[str, ...] | None = None,
              checkpointing: tuple[str, ...] = CHECKPOINTING, base_config: dict | None = None,
              cache_dir: str | Path | None = None,
              progress: Callable[[str], Any] | None = None, tpu: str | None = None,

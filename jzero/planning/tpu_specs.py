@@ -45,12 +45,11 @@ import re
 from typing import Any
 
 from jzero.errors import ConfigError, JZeroError
+from jzero.runtime import quiet_start
 
-__all__ = ["TPU_SPECS", "TPU_INSTALL_HINT", "TpuSpec", "tpu_spec", "tpu_devices",
+__all__ = ["TPU_SPECS", "TpuSpec", "tpu_spec", "tpu_devices",
            "parse_topology"]
 
-TPU_INSTALL_HINT = ('pip install -e ".[tpu-aot]" (or pip install "jzero[tpu-aot]"): libtpu, the '
-                    'version jax\'s tpu extra pins; no TPU is needed')
 GiB, GB = 2**30, 10**9
 
 
@@ -118,16 +117,6 @@ def parse_topology(spec: TpuSpec, topology: str) -> tuple[int, ...]:
   return shape
 
 
-def _require_libtpu() -> None:
-  from jzero.runtime import quiet_start  # noqa: PLC0415
-
-  try:
-    quiet_start.load_tpu_compiler()
-  except ImportError as e:
-    raise JZeroError(f"compiling for a TPU topology needs libtpu, which is not installed ({e}). "
-                     f"Install the tpu-aot extra: {TPU_INSTALL_HINT}.") from None
-
-
 def tpu_devices(tpu: str | TpuSpec, topology: str, slices: int = 1) -> list[Any]:
   """Compile-only chips of ``slices`` slices of ``topology`` (no TPU needed), slice-major: the
   chips of slice 0 first (each device's ``slice_index`` says its slice).
@@ -141,7 +130,7 @@ def tpu_devices(tpu: str | TpuSpec, topology: str, slices: int = 1) -> list[Any]
   shape = parse_topology(spec, topology)
   if isinstance(slices, bool) or not isinstance(slices, int) or slices < 1:
     raise ConfigError(f"--slices {slices!r}: give a positive number of slices.")
-  _require_libtpu()
+  quiet_start.load_tpu_compiler()
   from jax.experimental import topologies  # noqa: PLC0415
 
   bounds = tuple(min(b, s) for b, s in zip(spec.host_bounds, shape + (1,) * (3 - len(shape))))

@@ -62,7 +62,9 @@ import os
 import sys
 import types
 
-__all__ = ["KERNEL_PACKAGES", "PJRT_PLUGINS", "TPU_COMPILE_ONLY_ENV", "TPU_PACKAGE",
+from jzero.errors import JZeroError
+
+__all__ = ["CUDA_COMPILER_EXTRA", "TPU_COMPILER_EXTRA", "KERNEL_PACKAGES", "PJRT_PLUGINS", "TPU_COMPILE_ONLY_ENV", "TPU_PACKAGE",
            "cuda_can_run", "cuda_plugin_installed", "hidden", "load_cuda_compiler",
            "load_tpu_compiler", "prepare", "tpu_can_run", "tpu_compiler_installed"]
 
@@ -194,6 +196,18 @@ def hidden() -> tuple[str, ...]:
   return tuple(name for name, entry in _HIDDEN.items() if sys.modules.get(name, 0) is entry)
 
 
+CUDA_COMPILER_EXTRA = ('pip install -e ".[gpu-aot]" (or pip install "jzero[gpu-aot]"): the CUDA '
+                       'compiler plugin, jax-cuda12-plugin and jax-cuda12-pjrt matching your jax; '
+                       'no GPU and no CUDA libraries are needed')
+TPU_COMPILER_EXTRA = ('pip install -e ".[tpu-aot]" (or pip install "jzero[tpu-aot]"): libtpu, the '
+                      'version jax\'s tpu extra pins; no TPU is needed')
+
+
+def _not_installed(target: str, compiler: str, extra: str, hint: str, cause: str) -> JZeroError:
+  return JZeroError(f"compiling for a {target} topology needs {compiler}, which is not installed "
+                    f"({cause}). Install the {extra} extra: {hint}.")
+
+
 def load_cuda_compiler() -> None:
   """Makes JAX's CUDA compiler plugin available in this process, for compiling to a GPU topology
   that is not present (``jax.experimental.topologies.get_topology_desc(platform="cuda")``).
@@ -204,12 +218,13 @@ def load_cuda_compiler() -> None:
   discovery registers it; before that discovery, jzero skips the same version check for it.
 
   Raises:
-    ImportError: the plugin is not installed.
+    JZeroError: the plugin is not installed (the message names the ``gpu-aot`` extra).
   """
   deferred = [name for name in PJRT_PLUGINS if name in hidden()]
   if not deferred:
     if not cuda_plugin_installed():
-      raise ImportError(f"no CUDA PJRT plugin is installed ({' / '.join(PJRT_PLUGINS)})")
+      raise _not_installed("GPU", "the CUDA compiler plugin", "gpu-aot", CUDA_COMPILER_EXTRA,
+                           f"no CUDA PJRT plugin: {' / '.join(PJRT_PLUGINS)}")
     if not _backends_started():
       os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     return
@@ -238,10 +253,11 @@ def load_tpu_compiler() -> None:
   loads the library.
 
   Raises:
-    ImportError: libtpu is not installed.
+    JZeroError: libtpu is not installed (the message names the ``tpu-aot`` extra).
   """
   if not tpu_compiler_installed():
-    raise ImportError(f"{TPU_PACKAGE} is not installed")
+    raise _not_installed("TPU", "libtpu", "tpu-aot", TPU_COMPILER_EXTRA,
+                         f"no module {TPU_PACKAGE}")
   if TPU_PACKAGE in hidden():
     import jax  # noqa: PLC0415
     jax.devices()  # the backends start first, without a TPU backend

@@ -45,10 +45,10 @@ do; their gradients, master and optimizer state are still partitioned (stage-2 t
 ``stage3_model_persistence_threshold`` elements in all are kept, smallest leaves first.
 
 **ZeRO++** (:mod:`jzero.comm.zeropp`). The plan records, per stage-3 leaf, how its collectives move
-bytes: ``gather`` ("plain" or "int8": qwZ), ``secondary`` (hpZ: a secondary partition split over
-the node's local axes only, which the forward and backward gathers read; refreshed across nodes
-after every update) and ``reduce`` ("plain" or "int4": qgZ's two all-to-all hops), with their
-block sizes; :attr:`Plan.zeropp` holds the node / local split of the ZeRO axes. The step
+bytes: ``gather`` ("plain", or the name of a qwZ strategy of :mod:`jzero.sharding.quantization`:
+"int8", "int4"), ``secondary`` (hpZ: a secondary partition split over the node's local axes only,
+which the forward and backward gathers read; refreshed across nodes after every update) and
+``reduce`` ("plain", or a qgZ strategy's name: "int4", two all-to-all hops), with their block sizes; :attr:`Plan.zeropp` holds the node / local split of the ZeRO axes. The step
 (``ZeroParam.comm``), the secondary's placement (:meth:`Plan.secondary_spec`), the memory
 estimator and report read them from here. The primary layout is the same as without ZeRO++.
 
@@ -78,7 +78,9 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jzero.sharding import quantization
 from jzero.sharding.mesh import ZeroMesh
+from jzero.sharding.quantization import PLAIN
 from jzero.sharding.zeropp import Comm, ZeroPP
 
 if TYPE_CHECKING:  # annotations only
@@ -125,12 +127,13 @@ class LeafPlan:
     grad_partitioned: the gradient accumulator is partitioned (stage >= 2).
     unit: path of the module whose calls gather this leaf under stage 3 ('' for the model
       itself; see :mod:`jzero.modeling.gather_units`), or None when no module call gathers it alone.
-    gather: how the partitioned param is gathered: "plain", or "int8" blocks (qwZ).
+    gather: how the partitioned param is gathered: "plain", or the name of its qwZ strategy
+      (:data:`jzero.sharding.quantization.WEIGHTS`: "int8" blocks, DeepSpeed's).
     secondary: hpZ: the leaf keeps a secondary partition over the local axes, which its
       forward and backward gathers read.
-    reduce: how the partitioned gradient is reduced: "plain" reduce-scatter, or "int4" two-hop
-      all-to-all (qgZ).
-    gather_group, reduce_group: block sizes (elements) of the int8 gather and int4 reduction.
+    reduce: how the partitioned gradient is reduced: "plain" reduce-scatter, or the name of its
+      qgZ strategy (:data:`jzero.sharding.quantization.GRADIENTS`: "int4" two-hop all-to-all).
+    gather_group, reduce_group: block sizes (elements) of the quantized gather and reduction.
     state_tier, param_tier: the tier the fp32 master and optimizer state / the (partitioned)
       compute param live in between steps: "device", or the name a tier gave it
       (:meth:`jzero.tiers.base.Tier.place`; what the names mean: :mod:`jzero.tiers.where`).
@@ -318,10 +321,12 @@ class Plan:
 
   def comm(self, leaf: LeafPlan) -> Comm | None:
     """The static ZeRO++ description of a leaf's collectives (None when they are all plain)."""
-    if leaf.gather == "plain" and not leaf.secondary and leaf.reduce == "plain":
+    if leaf.gather == PLAIN and not leaf.secondary and leaf.reduce == PLAIN:
       return None
     h = self.zeropp.hierarchy
-    return Comm(gather=leaf.gather, secondary=leaf.secondary, reduce=leaf.reduce,
+    return Comm(gather=None if leaf.gather == PLAIN else quantization.weights(leaf.gather),
+                secondary=leaf.secondary,
+                reduce=None if leaf.reduce == PLAIN else quantization.gradients(leaf.reduce),
                 gather_group=leaf.gather_group, reduce_group=leaf.reduce_group,
                 zero_axes=self.mesh.zero_axes, node_axes=h.node_axes if h else (),
                 local_axes=h.local_axes if h else (),

@@ -17,10 +17,10 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from jzero import kernels
 from jzero.sharding.mesh import ZeroMesh
 from jzero.sharding.plan import LeafPlan, Plan, path_str
-from jzero.sharding.zeropp import QGZ_GROUP, QGZ_MIN_NUMEL, QWZ_MIN_NUMEL, ZeroPP
+from jzero.sharding import quantization
+from jzero.sharding.zeropp import ZeroPP
 
 __all__ = ["CommSettings", "Dtypes", "Layout", "Placement", "make_plan"]
 
@@ -163,8 +163,12 @@ def _zeropp_leaf(leaf: LeafPlan, zeropp: ZeroPP, n: int) -> LeafPlan:
   changes: dict[str, Any] = {}
   if leaf.param_partitioned:
     changes["secondary"] = zeropp.hpz > 1
-    if zeropp.quantized_weights and part >= QWZ_MIN_NUMEL:  # blocks of one layer's partition
-      changes["gather"], changes["gather_group"] = "int8", kernels.qwz_group_size(part)
-  if zeropp.quantized_gradients and len(layer_shape) >= 2 and part >= QGZ_MIN_NUMEL:
-    changes["reduce"], changes["reduce_group"] = "int4", QGZ_GROUP
+    if zeropp.quantized_weights:  # blocks of one layer's partition
+      group = quantization.weights(zeropp.quantized_weights).block(layer_shape, part)
+      if group is not None:
+        changes["gather"], changes["gather_group"] = zeropp.quantized_weights, group
+  if zeropp.quantized_gradients:
+    group = quantization.gradients(zeropp.quantized_gradients).block(layer_shape, part)
+    if group is not None:
+      changes["reduce"], changes["reduce_group"] = zeropp.quantized_gradients, group
   return dataclasses.replace(leaf, **changes)

@@ -13,13 +13,18 @@ processes' devices), or, for qgZ without hpZ in several processes, ``node`` = pr
 node axes first, so the primary partition of device (n, l) is partition ``n * L + l`` -- the
 same layout as plain ZeRO-3, which is why checkpoints and the optimizer do not change.
 
-**What stays plain** (per leaf, decided by :func:`jzero.sharding.planner.make_plan` and recorded in the
-plan): the qwZ gather of a partition of fewer than :data:`QWZ_MIN_NUMEL` elements per layer
-(fp32 scales would cost more than the int8 saves, e.g. a LayerNorm scale); the qgZ reduction of
-a leaf that is one-dimensional per layer (DeepSpeed's rule) or whose per-device partition is
-below :data:`QGZ_MIN_NUMEL` elements per layer. Sizes never have to divide: a partitioned leaf is
-already padded to a multiple of the ZeRO size, and a last block is zero-padded. Node counts need
-not be powers of two (DeepSpeed #5054): nothing here depends on it.
+**Which quantization** (qwZ and qgZ): the config's ``zero_quantized_weights`` /
+``zero_quantized_gradients`` is ``true`` (DeepSpeed's: int8 weights, int4 gradients) or the name of
+a strategy of :mod:`jzero.sharding.quantization` (``"int4"`` weights); any other value is refused,
+naming the registry's.
+
+**What stays plain** (per leaf, decided by :func:`jzero.sharding.planner.make_plan` from the
+strategy's :meth:`~jzero.sharding.quantization.WeightQuantizer.block` and recorded in the plan):
+the qwZ gather of a small per-layer partition (fp32 scales would cost more than the bits save,
+e.g. a LayerNorm scale); the qgZ reduction of a leaf that is one-dimensional per layer
+(DeepSpeed's rule) or whose per-device partition is below two blocks per layer. Sizes never have
+to divide: a partitioned leaf is already padded to a multiple of the ZeRO size, and a last block is
+zero-padded. Node counts need not be powers of two (DeepSpeed #5054): nothing here depends on it.
 """
 
 from __future__ import annotations
@@ -31,23 +36,15 @@ from typing import Any
 
 import jax
 
-from jzero import kernels
 from jzero.errors import ConfigError, JZeroWarning
+from jzero.sharding import quantization
 from jzero.sharding.mesh import MeshSpec, ZeroMesh
 
-__all__ = ["Hierarchy", "ZeroPP", "Comm", "resolve", "QWZ_BITS", "QGZ_BITS", "QGZ_GROUP",
-           "QWZ_MIN_NUMEL", "QGZ_MIN_NUMEL", "RULE"]
+__all__ = ["Hierarchy", "ZeroPP", "Comm", "resolve", "strategy_name"]
 
 logger = logging.getLogger("jzero")
 
 Axes = tuple[str, ...]
-
-QWZ_BITS = 8  # DeepSpeed's qwZ
-QGZ_BITS = 4  # DeepSpeed's qgZ, both hops
-QGZ_GROUP = 256  # elements per int4 block of the gradient all-to-all (a power of two)
-QWZ_MIN_NUMEL = kernels.layout.MIN_QWZ_GROUP  # smaller partitions are gathered in 16 bits
-QGZ_MIN_NUMEL = 2 * QGZ_GROUP  # smaller gradient partitions are reduce-scattered plainly
-RULE = "deepspeed"
 
 
 # --- what the config asks, against the mesh -------------------------------------------------------
@@ -68,29 +65,31 @@ class ZeroPP:
   """ZeRO++ as the config asks for it, resolved against the mesh.
 
   Attributes:
-    quantized_weights: qwZ.
-    quantized_gradients: qgZ.
+    quantized_weights: qwZ: the name of its strategy (:data:`jzero.sharding.quantization.WEIGHTS`),
+      or None.
+    quantized_gradients: qgZ: the name of its strategy
+      (:data:`jzero.sharding.quantization.GRADIENTS`), or None.
     hpz: the secondary group size s (1: hpZ off).
     hierarchy: the node / local split of the ZeRO axes (None when nothing needs one).
   """
 
-  quantized_weights: bool = False
-  quantized_gradients: bool = False
+  quantized_weights: str | None = None
+  quantized_gradients: str | None = None
   hpz: int = 1
   hierarchy: Hierarchy | None = None
 
   @property
   def enabled(self) -> bool:
-    return self.quantized_weights or self.quantized_gradients or self.hpz > 1
+    return bool(self.quantized_weights or self.quantized_gradients or self.hpz > 1)
 
   def describe(self) -> str:
     parts = []
     if self.quantized_weights:
-      parts.append("qwZ (int8 weight gather)")
+      parts.append(f"qwZ ({self.quantized_weights} weight gather)")
     if self.hpz > 1:
       parts.append(f"hpZ (secondary partition over {self.hpz} devices)")
     if self.quantized_gradients:
-      parts.append("qgZ (int4 two-hop gradient all-to-all)")
+      parts.append(f"qgZ ({self.quantized_gradients} two-hop gradient all-to-all)")
     h = self.hierarchy
     where = (f"; nodes {list(h.node_axes)} = {h.nodes}, local {list(h.local_axes)} = {h.local}"
              if h else "")
@@ -98,6 +97,24 @@ class ZeroPP:
 
 
 _KEYS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
+
+
+def strategy_name(key: str, value: Any, registry: dict[str, Any]) -> str | None:
+  """The strategy a ``zero_quantized_*`` value names: ``true`` -> the registry's first
+  (DeepSpeed's), a registered name -> itself, false / None -> None.
+
+  Raises:
+    ConfigError: a value the registry has no strategy for, naming those it has.
+  """
+  if value is None or value is False:
+    return None
+  if value is True:
+    return next(iter(registry))
+  if isinstance(value, str) and value in registry:
+    return value
+  accepted = ", ".join(["true", "false", *map(repr, registry)])
+  raise ConfigError(f"zero_optimization.{key}={value!r}: give one of {accepted} (the "
+                    f"quantized collectives of jzero.sharding.quantization).")
 
 
 def _trailing(mesh: ZeroMesh, size: int) -> Axes | None:
@@ -146,9 +163,13 @@ def resolve(zero: Any, mesh: ZeroMesh, *, default_mesh: bool = False) -> tuple[Z
   Returns:
     (the mesh to run on, the resolved settings).
   """
-  qw, qg = bool(zero.zero_quantized_weights), bool(zero.zero_quantized_gradients)
+  qw = strategy_name("zero_quantized_weights", zero.zero_quantized_weights, quantization.WEIGHTS)
+  qg = strategy_name("zero_quantized_gradients", zero.zero_quantized_gradients,
+                     quantization.GRADIENTS)
   s = int(zero.zero_hpz_partition_size)
-  asked = [f"{k}={v}" for k, v in zip(_KEYS, ("true" if qw else None, "true" if qg else None,
+  shown = lambda name, given: None if name is None else ("true" if given is True else repr(name))
+  asked = [f"{k}={v}" for k, v in zip(_KEYS, (shown(qw, zero.zero_quantized_weights),
+                                              shown(qg, zero.zero_quantized_gradients),
                                               s if s > 1 else None)) if v is not None]
   if not asked:
     return mesh, ZeroPP()
@@ -198,7 +219,8 @@ def resolve(zero: Any, mesh: ZeroMesh, *, default_mesh: bool = False) -> tuple[Z
       hierarchy = _hierarchy(mesh, ("local",))
   if qg and (hierarchy is None or hierarchy.nodes == 1):
     raise ConfigError(
-        f"zero_optimization.zero_quantized_gradients=true: qgZ reduces gradients in two hops, "
+        f"zero_optimization.zero_quantized_gradients={shown(qg, zero.zero_quantized_gradients)}: "
+        f"qgZ reduces gradients in two hops, "
         f"inside a node and across nodes, and {where} is one node. DeepSpeed uses it only with "
         f"more than one node: turn it off, or give a mesh file with a node and a local axis "
         f"(configs/mesh/node2x4.yaml) -- with hpZ, zero_hpz_partition_size smaller than {world}.")
@@ -217,21 +239,23 @@ class Comm:
   """How one leaf's collectives move bytes: the static part of a ZeRO++ ``ZeroParam``.
 
   Attributes:
-    gather: "plain" or "int8" (qwZ) -- the gather over all ZeRO axes, or with hpZ the refresh
-      of the secondary over the node axes.
+    gather: the qwZ strategy of the gather over all ZeRO axes -- or with hpZ of the refresh of the
+      secondary over the node axes -- (a :class:`jzero.sharding.quantization.WeightQuantizer`), or
+      None: plain.
     secondary: hpZ: the forward / backward gathers read the secondary over the local axes.
-    reduce: "plain" or "int4" (qgZ) -- the gradient reduce-scatter.
-    gather_group: int8 block size (elements) of the qwZ gather.
-    reduce_group: int4 block size of the qgZ hops.
+    reduce: the qgZ strategy of the gradient reduce-scatter
+      (:class:`jzero.sharding.quantization.GradientQuantizer`), or None: plain.
+    gather_group: block size (elements) of the quantized gather.
+    reduce_group: block size of the quantized reduction.
     zero_axes, node_axes, local_axes: the mesh axes.
     impl: the kernels' implementation (:mod:`jzero.kernels.ops`): "jnp" on a CPU mesh (the Pallas
       kernels would only be traced to be dropped: seconds of tracing per step compile), "auto"
       elsewhere (Pallas where the step is lowered for CUDA or TPU, also ahead of time).
   """
 
-  gather: str
+  gather: Any
   secondary: bool
-  reduce: str
+  reduce: Any
   gather_group: int
   reduce_group: int
   zero_axes: Axes

@@ -1,139 +1,135 @@
-"""The tier interface: :class:`Tier`, :class:`Update`, and :class:`EngineView`, what a tier may ask
-of the engine.
+"""The tier interface: :class:`Tier`, what a place for model state besides device memory answers,
+:class:`Update`, one link of the step's optimizer update, and :data:`Resources`, what the tiers
+own at run time.
 
 A *tier* is a place model state lives besides device memory: ZeRO-Offload's host memory for the
 optimizer state (:mod:`jzero.tiers.host_optimizer`) and for parameters
-(:mod:`jzero.tiers.host_params`), ZeRO-Infinity's NVMe store (:mod:`jzero.tiers.nvme`). The
-registry (:mod:`jzero.tiers.registry`) lists them; an engine asks each one (:meth:`Tier.create`)
-whether its plan and config use it, and keeps those that say yes, in the registry's order.
-
-What varies between tiers, and how each varies:
+(:mod:`jzero.tiers.host_params`), ZeRO-Infinity's NVMe store (:mod:`jzero.tiers.nvme`). A tier is
+a class of class methods -- it holds nothing; the registry (:mod:`jzero.tiers.registry`) lists
+them, and a plan uses those that say so (:meth:`Tier.uses`). Every hook takes what it reads
+explicitly: the plan, the resolved config, the optax transformation, and the tier's *resource*.
 
 * **Where a leaf lives** is data: :meth:`Tier.place` records it in the plan
   (:attr:`jzero.sharding.plan.LeafPlan.state_tier` / ``param_tier`` and the memory kinds
-  ``state_kind`` / ``param_kind``); what those names mean is read through one module,
-  :mod:`jzero.tiers.where`. :meth:`Tier.check_config` refuses what a tier cannot do, before any
-  device work; :meth:`Tier.check_plan` says what a plan made of the tier's config block.
+  ``state_kind`` / ``param_kind``); :meth:`Tier.check_config` refuses what a tier cannot do,
+  before any device work; :meth:`Tier.check_plan` says what a plan made of the tier's block. A
+  leaf whose state (or param) a tier keeps *outside the train state's arrays*
+  (:meth:`Tier.holds_state`, :meth:`Tier.holds_param`) has a 0-byte placeholder there; what the
+  tier's resource keeps of a leaf (:meth:`Tier.keeps`) starts from its initial master.
+* **What the config may ask of it** is data too: :attr:`Tier.answers` names the config values
+  that select it (``offload_optimizer.device: nvme``), and :attr:`Tier.memory` the column its
+  bytes go in; the config's accepted values, the estimator, the memory report and ``jzero plan``'s
+  candidates read them (and :meth:`Tier.estimate`) from the registry.
+* **What it owns at run time** -- the NVMe store and its reader -- it opens once per plan with
+  :meth:`Tier.open` into the :data:`Resources` mapping (tier name -> resource). The step, the
+  checkpoints, the memory report take ``(plan, state, resources)``; nothing takes the engine.
 * **Where a stored partition comes from in the forward pass** (:meth:`Tier.grad_target`,
   :meth:`Tier.gather_inputs`): a param kept in host memory or on NVMe is differentiated through a
   device slot and read when its gather runs.
-* **How the update runs** is one small protocol, :class:`Update`, composed like optax's
-  wrappers: the step starts from the update on the device (:class:`jzero.train.update.
-  DeviceUpdate`) and each active tier may wrap it (:meth:`Tier.update`) -- the host tier runs it
-  streamed from host memory or on the host, the NVMe tier hands its leaves out of the jit and
-  updates them from the store after it. An update that changes nothing for a leaf leaves it to
-  the update it wraps.
-* **Arrays held outside the train state** (the NVMe store): their init (:meth:`Tier.prepare`,
-  :meth:`Tier.initial_layout`, :meth:`Tier.after_init`), the full state read back for
-  checkpoints (:meth:`Tier.full_state`, :meth:`Tier.expand_abstract`, :meth:`Tier.absorb`) and
-  their bytes for the memory report (:meth:`Tier.measured_bytes`, :meth:`Tier.held_bytes`).
+* **How the update runs**: :meth:`Tier.update` wraps the step's :class:`Update` (below).
+* **The state outside a step**: what the tier keeps outside the arrays is written at init
+  (:meth:`Tier.write_initial`), read into a full state for checkpoints (:meth:`Tier.full_state`)
+  and taken back from one (:meth:`Tier.absorb`), and its bytes measured
+  (:meth:`Tier.measured_bytes`, :meth:`Tier.held_bytes`).
 
-*When* the update applies is not a tier's: the delayed parameter update is a transformation of the
-step's gradient with its own carried state (:class:`jzero.tiers.delayed.DelayedUpdate`), and the
-skip of a non-finite step is the update's (``keep`` / :meth:`Update.skipped`).
+**The update** is a chain of optax-shaped links, each an :class:`Update`: ``init`` (the train
+state's fields it owns), ``update`` (inside the jitted step), and at most one host-side ``after``
+(after the jitted step). A link wraps the one it changes (``inner``) and overrides only what it
+changes. The registry composes the chain (:func:`jzero.tiers.registry.update`), outermost first::
 
-A tier talks to the engine only through :class:`EngineView`: its plan, mesh, config, optimizer,
-the NVMe settings and store, and the hpZ refresh; the layout changes a tier's update needs are
-:mod:`jzero.comm.layouts`'. It never reads the engine's private attributes
-(``tests/test_layout.py``).
+    tiers that take leaves out of the step (Tier.wraps == "step": the NVMe store's update)
+      -> ClipByFactor -> DelayedUpdate (the delayed parameter update, when on)
+      -> SkipNonFinite (one mode: "cond" or "select")
+      -> tiers that change where the step's state lives (Tier.wraps == "state": the host's)
+      -> DeviceUpdate (optax on the device)
+
+:mod:`jzero.tiers.updates` holds the root and the generic links.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Mapping
 
 import jax
 import optax
 
-__all__ = ["EngineView", "Tier", "Update"]
+__all__ = ["Resources", "Tier", "Update"]
 
 PyTree = Any
 
-
-class EngineView(Protocol):
-  """What a tier may read from the engine (:class:`jzero.Engine` implements it)."""
-
-  config: Any  # the resolved jzero.Config
-  mesh: Any  # jzero.ZeroMesh
-  plan: Any  # jzero.Plan
-  tx: optax.GradientTransformation
-  schedule: Any  # step -> lr of the config's schedule; None for a client optimizer
-  # The NVMe tier's settings (from the config, at initialize) and its store, which the tier opens
-  # in prepare(); public on the engine because users read the store's bytes and files.
-  nvme_settings: Any
-  nvme_store: Any
-
-  def with_secondary(self, state: Any) -> Any:
-    """``state`` with its hpZ secondary partitions recomputed from its params."""
+#: What the active tiers own at run time, by tier name (e.g. ``{"nvme": NvmeStore}``): opened once
+#: per plan (:meth:`Tier.open`), handed to every hook that reads it.
+Resources = Mapping[str, Any]
 
 
 class Update:
-  """How the step's optimizer update runs, wrapping the update it changes (``inner``).
-
-  Every method delegates to ``inner``; a wrapper overrides what it changes. The root,
-  :class:`jzero.train.update.DeviceUpdate`, runs optax on the device. Inside the jitted step, on
-  one device's blocks (inside ``shard_map``), the step calls, in this order:
-  :meth:`hand_out` (before clipping), :meth:`apply` -- or for a skipped step :meth:`skipped` --,
-  :meth:`new_param` per leaf, :meth:`store_params`; on the host after the jitted step,
-  :meth:`after_step`.
-  """
+  """One optax-shaped link of the step's optimizer update, wrapping the link it changes
+  (``inner``; None for the root, :class:`jzero.tiers.updates.DeviceUpdate`). Every method
+  delegates to ``inner``; a link overrides what it changes."""
 
   def __init__(self, inner: Update | None):
     self.inner = inner
 
   @property
-  def skip_by(self) -> str | None:
-    """How a skipped step must be written: "cond" -- a ``lax.cond`` around the update choosing
-    :meth:`skipped` (host-memory arrays cannot be selected elementwise on the device); "select"
-    -- :meth:`apply` with ``keep`` (a host computation cannot sit inside a conditional on the
-    GPU); None -- either, the step chooses (a ``lax.cond`` where the loss scale checks
-    overflow, else the select)."""
-    return self.inner.skip_by
+  def skip_mode(self) -> str:
+    """How a skipped step is written below the skip: "cond" -- a ``lax.cond`` whose skipping
+    branch is ``update(..., skip=True)`` (host-memory state cannot be selected elementwise on the
+    device, and fp16's overflow check keeps no second copy of the update); "select" -- one
+    ``update(..., skip=flag)`` that selects the old state elementwise (a host computation cannot
+    sit inside a conditional on the GPU)."""
+    return self.inner.skip_mode
 
-  def hand_out(self, state: Any, grads: PyTree, factor: jax.Array | None) -> tuple[PyTree, dict]:
-    """(the gradients left for :meth:`apply`, what leaves the jit for work after it -- by name,
-    ``{}``: nothing); ``factor``: the clipping factor (None: no clipping), not yet applied."""
-    return self.inner.hand_out(state, grads, factor)
-
+  @property
   def output_specs(self) -> dict:
-    """PartitionSpecs of :meth:`hand_out`'s second result."""
-    return self.inner.output_specs()
+    """PartitionSpecs of what :meth:`update` hands out of the jit, by name."""
+    return self.inner.output_specs
 
-  def apply(self, grads: PyTree, opt_state: PyTree, master: PyTree,
-            keep: jax.Array | None = None) -> tuple[PyTree, PyTree, PyTree]:
-    """(new master where it is stored, the same on the device -- what compute params are cast
-    from --, new optimizer state) from the clipped ``grads``. ``keep`` (a traced bool, only where
-    :attr:`skip_by` allows it): keep the old master and state where it is true."""
-    return self.inner.apply(grads, opt_state, master, keep)
+  def init(self, layout: PyTree) -> dict:
+    """The train state's fields this chain owns, fresh (``{"opt_state": ..., "delayed": ...}``),
+    from the fp32 params in the state layout (``layout``; traced inside the init's jit, or under
+    ``eval_shape`` for the abstract state)."""
+    return self.inner.init(layout)
 
-  def skipped(self, params: PyTree, master: PyTree,
-              opt_state: PyTree) -> tuple[PyTree, PyTree, PyTree]:
-    """A skipped step's (params, master, opt_state): the state's, placed as :meth:`apply`'s
-    results are (a ``lax.cond``'s branches agree on memory spaces)."""
-    return self.inner.skipped(params, master, opt_state)
+  def update(self, grads: PyTree, state: Any, skip: Any = None,
+             factor: jax.Array | None = None) -> tuple[Any, dict]:
+    """Inside the jitted step, on one device's blocks: (the new train state, what leaves the jit
+    for :meth:`after` -- by name, ``{}``: nothing).
 
-  def new_param(self, leaf: Any, m_device: jax.Array, m: jax.Array, old: jax.Array) -> jax.Array:
-    """A leaf's new param: ``m_device`` (the new master on the device) cast and gathered as the
-    stage lays it out; ``m``: the new master where it is stored; ``old``: the state's param."""
-    return self.inner.new_param(leaf, m_device, m, old)
+    Args:
+      grads: fp32 gradients in the state layout, unscaled.
+      state: the train state the step started from.
+      skip: None (apply), a traced bool (skip where true: the step's gradient was not finite),
+        or ``True`` (skip: the old state, placed as the update places its results).
+      factor: the clipping factor not yet applied (None: no clipping, or applied already).
+    """
+    return self.inner.update(grads, state, skip, factor)
 
-  def store_params(self, params: PyTree, master: PyTree) -> PyTree:
-    """The new params, placed where they are stored between steps."""
-    return self.inner.store_params(params, master)
-
-  def after_step(self, state: Any, metrics: dict, outputs: dict) -> Any:
-    """On the host, after the jitted step: the state after the work on :meth:`hand_out`'s
+  def after(self, state: Any, metrics: dict, outputs: dict) -> Any:
+    """On the host, after the jitted step: the state after the work on :meth:`update`'s
     ``outputs``."""
-    return self.inner.after_step(state, metrics, outputs)
+    return self.inner.after(state, metrics, outputs)
 
 
 class Tier:
-  """One tier's hooks; see the module docstring for when each is called. Subclasses set
-  :attr:`name` and override :meth:`create` and the hooks of the phases they change."""
+  """One place for model state besides device memory (module docstring): class methods only.
+  Subclasses set :attr:`name` and override :meth:`uses` and the hooks they change."""
 
-  #: The tier's name.
+  #: The tier's name: its resource's key in :data:`Resources`, its outputs' key.
   name: ClassVar[str] = ""
+  #: Where its bytes go, off the device: the estimator's and the memory report's column ("host",
+  #: "nvme"); "" for a tier that keeps nothing off the device.
+  memory: ClassVar[str] = ""
+  #: The config values that select it: (config block, its ``device`` value) pairs, e.g.
+  #: ``(("offload_optimizer", "nvme"), ("offload_param", "nvme"))``.
+  answers: ClassVar[tuple[tuple[str, str], ...]] = ()
+  #: Where its update sits in the chain: "state" (it changes how the update of the state the step
+  #: holds runs: inside the non-finite skip) or "step" (it takes its leaves' gradients out of the
+  #: step before clipping and updates them after it, on the host).
+  wraps: ClassVar[str] = "state"
+  #: ``offload_optimizer.ratio`` below 1 is honoured (``jzero plan`` tries half).
+  partial: ClassVar[bool] = False
 
+  # -- config and plan -------------------------------------------------------------------------
   @classmethod
   def check_config(cls, config: Any) -> None:
     """Refuses (ConfigError) what the tier's config block asks and it cannot do, before any
@@ -148,70 +144,113 @@ class Tier:
   @classmethod
   def check_plan(cls, plan: Any, zero: Any) -> None:
     """Says (a JZeroWarning, or jzero's log) what ``plan``, just built, makes of the tier's part
-    of the resolved ``zero_optimization`` block, where the user could not tell from the config:
-    e.g. a parameter offload that moves little. Called once per plan."""
+    of the resolved ``zero_optimization`` block, where the user could not tell from the config."""
 
   @classmethod
-  def create(cls, engine: EngineView) -> Tier | None:
-    """The tier for ``engine`` (its plan exists), or None when its plan and config do not use it."""
+  def uses(cls, plan: Any) -> bool:
+    """Whether ``plan`` uses the tier (its hooks run for it)."""
+    return False
+
+  @classmethod
+  def holds_state(cls, plan: Any, leaf: Any) -> bool:
+    """The tier keeps ``leaf``'s master and optimizer state outside the train state's arrays
+    (which hold 0-byte placeholders): its update is the tier's, after the step."""
+    return False
+
+  @classmethod
+  def holds_param(cls, plan: Any, leaf: Any) -> bool:
+    """The tier keeps ``leaf``'s compute param outside the train state's arrays (a 0-byte
+    placeholder there); the step keeps the placeholder as it is."""
+    return False
+
+  @classmethod
+  def keeps(cls, plan: Any, leaf: Any) -> bool:
+    """The tier's resource keeps something of ``leaf`` -- its state, its param, or a copy of it
+    -- and starts from its initial fp32 master (:meth:`write_initial`)."""
+    return cls.holds_state(plan, leaf) or cls.holds_param(plan, leaf)
+
+  @classmethod
+  def estimate(cls, block: str, share: float, numbers: Any, tiers: dict) -> None:
+    """The estimator's offload rule for the config block ``block`` (one of :attr:`answers`):
+    moves ``share`` of its category's bytes from ``tiers["device"]`` to the tier's column in
+    ``tiers`` (tier column -> category -> bytes), in place. ``numbers``: the estimate's inputs
+    (:class:`jzero.analysis.estimate.Numbers`). The default moves the block's category
+    ("optimizer" for ``offload_optimizer`` with the gradient partition the update reads, "params"
+    for ``offload_param``) whole into :attr:`memory`."""
+    move_offloaded(block, cls.memory, share, numbers, tiers)
+
+  # -- run time --------------------------------------------------------------------------------
+  @classmethod
+  def open(cls, plan: Any, config: Any, tx: optax.GradientTransformation) -> Any:
+    """What the tier owns at run time for ``plan`` (None: nothing), opened before the first
+    state (e.g. a store, its free space checked): its entry in :data:`Resources`."""
     return None
 
-  # -- the forward pass, inside the jitted step ------------------------------------------------
-  def grad_target(self, engine: EngineView, leaf: Any, p: jax.Array) -> jax.Array | None:
+  @classmethod
+  def grad_target(cls, plan: Any, leaf: Any, p: jax.Array) -> jax.Array | None:
     """What the step differentiates for a leaf whose param the tier holds (e.g. a zero gradient
     slot on the device for a param in host memory); None: not the tier's leaf."""
     return None
 
-  def gather_inputs(self, engine: EngineView, leaf: Any, p: jax.Array) -> dict | None:
+  @classmethod
+  def gather_inputs(cls, plan: Any, resource: Any, leaf: Any, p: jax.Array) -> dict | None:
     """Extra :class:`jzero.comm.zero_param.ZeroParam` arguments for a partitioned leaf whose
     param the tier holds: ``source=`` (a :class:`jzero.comm.zero_param.PartitionSource`) and
     ``stored=`` (what it reads); None: not the tier's leaf."""
     return None
 
-  # -- the update ------------------------------------------------------------------------------
-  def update(self, engine: EngineView, inner: Update) -> Update:
-    """The step's update with what the tier changes in it, wrapping ``inner`` (the update of the
-    tiers before it in the registry, at first the device's); ``inner`` itself: nothing."""
+  @classmethod
+  def update(cls, plan: Any, config: Any, tx: optax.GradientTransformation, resource: Any,
+             inner: Update, *, elementwise: bool) -> Update:
+    """The step's update with what the tier changes in it, wrapping ``inner``; ``inner`` itself:
+    nothing. ``elementwise``: ``tx`` is the config's optimizer (leaf by leaf updates are valid;
+    a client optax transformation may couple leaves)."""
     return inner
 
   # -- the state outside a step ----------------------------------------------------------------
-  def full_state(self, engine: EngineView, state: Any) -> Any:
-    """``state`` with the arrays this tier holds outside it read in."""
+  @classmethod
+  def write_initial(cls, plan: Any, resource: Any, masters: dict[str, jax.Array]) -> None:
+    """After the init's jit: the initial fp32 masters (state layout, by leaf path) of the leaves
+    the tier holds (:meth:`holds_state` / :meth:`holds_param`), into its resource."""
+
+  @classmethod
+  def full_state(cls, plan: Any, resource: Any, state: Any) -> Any:
+    """``state`` with the arrays the tier holds outside it read in (laid out by the plan)."""
     return state
 
-  def expand_abstract(self, engine: EngineView, abstract: Any) -> Any:
-    """An abstract TrainState with the real shapes of what :meth:`full_state` reads in."""
-    return abstract
-
-  def absorb(self, engine: EngineView, state: Any) -> Any:
-    """A restored full state -> the tier's arrays taken in, the state as the step expects it."""
+  @classmethod
+  def absorb(cls, plan: Any, resource: Any, state: Any) -> Any:
+    """A full state (a restore) -> the tier's arrays written into its resource, placeholders in
+    their place: the state as the step expects it."""
     return state
 
-  # -- bytes the tier holds outside the live arrays --------------------------------------------
-  def measured_bytes(self, engine: EngineView) -> dict[str, dict[str, int]]:
-    """Bytes one device's share of what the tier holds outside the TrainState's arrays takes:
-    category ("params", "master", "optimizer") -> memory kind or "nvme" -> bytes, measured (e.g.
-    the store's files); the memory report adds them to the live arrays'."""
+  @classmethod
+  def measured_bytes(cls, plan: Any, resource: Any) -> dict[str, dict[str, int]]:
+    """Bytes one device's share of what the tier holds outside the train state's arrays takes:
+    category ("params", "master", "optimizer") -> memory kind or column -> bytes, measured; the
+    memory report adds them to the live arrays'."""
     return {}
 
-  def held_bytes(self, engine: EngineView) -> dict[str, int]:
-    """Global bytes of what the tier holds outside the TrainState by category ("master",
+  @classmethod
+  def held_bytes(cls, plan: Any, resource: Any) -> dict[str, int]:
+    """Global bytes of what the tier holds outside the train state by category ("master",
     "optimizer"), as the arrays would take: the memory report's bytes per parameter count them."""
     return {}
 
-  # -- init ------------------------------------------------------------------------------------
-  def prepare(self, engine: EngineView) -> None:
-    """Before the first state is created (e.g. open a store, check its free space)."""
 
-  def initial_layout(self, engine: EngineView, state_layout: PyTree,
-                     params: PyTree) -> tuple[PyTree, PyTree, Any]:
-    """Inside the init's jit: the (state-layout masters, params) the TrainState holds, and what the
-    init returns for this tier (None: nothing; its shardings: :meth:`init_output_shardings`)."""
-    return state_layout, params, None
-
-  def init_output_shardings(self, engine: EngineView) -> Any:
-    """Shardings of :meth:`initial_layout`'s output."""
-    return None
-
-  def after_init(self, engine: EngineView, state: Any, output: Any) -> None:
-    """After the init's jit (not under ``eval_shape``): :meth:`initial_layout`'s output."""
+def move_offloaded(block: str, column: str, share: float, numbers: Any, tiers: dict) -> None:
+  """The plain offload rule (:meth:`Tier.estimate`): ``offload_optimizer`` moves ``share`` of the
+  optimizer state (and of the gradient partition its update reads, to the host: ZeRO-Offload's
+  copy) into ``column``; ``offload_param`` moves stage 3's partitioned params."""
+  device = tiers["device"]
+  tiers.setdefault(column, {})
+  tiers.setdefault("host", {})
+  if block == "offload_optimizer":
+    tiers[column]["optimizer"] = tiers[column].get("optimizer", 0.0) + share * numbers.optimizer
+    device["optimizer"] = (1 - share) * numbers.optimizer
+    tiers["host"]["grads"] = tiers["host"].get("grads", 0.0) + share * numbers.grad_partition
+    device["grads"] = (numbers.grads_local if numbers.stage == 1
+                       else (1 - share) * numbers.grad_partition)
+  elif block == "offload_param":
+    tiers[column]["params"] = tiers[column].get("params", 0.0) + numbers.param_partition
+    device["params"] = numbers.persistent

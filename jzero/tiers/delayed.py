@@ -19,18 +19,18 @@ so every gradient is applied exactly once, one step late, and each was computed 
 update older than a plain run's. The last step's gradient stays carried in the state (and in its
 checkpoint) until a further step applies it.
 
-**Not a tier, a transformation.** The delayed update changes *when* a gradient is applied, not where
-state lives: :class:`DelayedUpdate` is shaped like optax's wrappers (``MultiSteps``,
-``apply_if_finite``) -- ``init`` makes its own state, ``update`` turns the step's gradient into the
-one to apply and the state to carry -- but it transforms the gradient the step's update applies
-rather than wrapping the optax transformation: the optimizer state lives in host memory (it needs
-``device: cpu``), and the carried gradient must stay on the device, where the next step's update
-reads it before that state is brought in. The step (:func:`jzero.train.update.local_update`), the
-state's layout, the init, the checkpoint restore and the host's choice of step variant call it
-directly.
+**Not a tier, a link of the update.** The delayed update changes *when* a gradient is applied, not
+where state lives: :class:`DelayedUpdate` is one optax-shaped link of the step's update chain
+(:class:`jzero.tiers.base.Update`, like optax's ``MultiSteps``): ``init`` makes its own state,
+``update`` carries the step's clipped gradient and hands the carried one to the links below it
+(the non-finite skip, the host's update). The carried gradient stays on the device, where the next
+step's update reads it before the host-memory optimizer state is brought in (it needs ``device:
+cpu``). The host picks the step's variant (:meth:`DelayedUpdate.variant`) and writes it into the
+state (:class:`DelayedGrads`' static ``variant``), so the step is a function of its state alone.
 
-**The state.** :class:`DelayedGrads` -- the carried gradient and whether it is ready to apply --
-is the train state's ``delayed`` field: fp32, in the plan's *state layout* (partitioned over the
+**The state.** :class:`DelayedGrads` -- the carried gradient, whether it is ready to apply, and
+(static, part of its tree structure) the variant of the step it goes into -- is the train state's
+``delayed`` field: fp32, in the plan's *state layout* (partitioned over the
 ZeRO axes like the reduced gradient, padded like the master), in device memory. It costs 4 bytes
 per parameter / N per device, which the estimator (``estimate(..., delayed_update=True)``) and the
 memory report ("delayed_grads") count. Checkpoints save it and restore it (resharded like the
@@ -43,15 +43,16 @@ free to run them concurrently -- the overlap DeepSpeed's DPU gets from its CPU t
 the new parameters into the (donated) parameter buffers waits for the forward and backward's reads.
 To keep a ``lax.cond`` (a scheduling barrier) out of the step, the engine compiles two variants when
 no overflow check is on: a *prime* step for when nothing is carried (it applies no update), and the
-*steady* step, which always applies. It knows which one a state needs without reading the device:
-the ``ready`` flag it returned last is known true; any other state's flag is read once.
+*steady* step, which always applies (:class:`Variant`). It knows which one a state needs without
+reading the device: a state a prime or steady step returned is labelled so, and its flag is known
+true; any other state's flag is read once.
 
 **Warm-up.** The ZeRO-Offload paper starts the delayed update only after the first training
 steps, whose gradients change fastest. ``offload_optimizer.delayed_update_warmup: W`` (jzero's
 key, default 0) runs steps 1..W as plain steps (p_t = U(p_{t-1}, G(p_{t-1}, b_t)), nothing
 carried); from step W+1 the delayed update runs as above, step W+1 taking the place of step 1
 (it computes and carries g_{W+1} and applies nothing). The engine picks the *warm-up* step
-(a third compiled variant, :data:`WARMUP`) from its host-side step count, so the step has no cond
+(a third compiled variant, :attr:`Variant.WARMUP`) from its host-side step count, so the step has no cond
 on it; a run resumed inside the warm-up continues it.
 
 **fp16 / overflow.** The overflow check, the unscaling and the clipping happen when a gradient is
@@ -62,9 +63,12 @@ the loss at p_{t-1}, and ``lr`` is the rate of the update applied in the step (t
 none). Gradient accumulation is unchanged: the carried gradient is the step's accumulated one.
 """
 
+
 from __future__ import annotations
 
-from typing import Any, Hashable, NamedTuple
+import dataclasses
+import enum
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -72,26 +76,45 @@ from jax.sharding import PartitionSpec as P
 
 from jzero.errors import ConfigError
 from jzero.sharding.plan import flatten_paths
+from jzero.tiers.base import Update
 
-__all__ = ["DelayedGrads", "DelayedUpdate", "WARMUP", "enabled", "warmup_steps"]
+__all__ = ["DelayedGrads", "DelayedUpdate", "Variant", "enabled", "warmup_steps"]
 
 PyTree = Any
 PREFIX = "delayed"  # the train state's field, and the checkpoint's array names' first part
-#: The variant of a warm-up step: it applies its own gradient and carries nothing.
-WARMUP = "warmup"
 
 
-class DelayedGrads(NamedTuple):
+class Variant(enum.Enum):
+  """The compiled variants of a delayed-update step (module docstring), written into the state
+  the step takes (:attr:`DelayedGrads.variant`)."""
+
+  #: A plain step: it applies its own gradient and carries nothing new.
+  WARMUP = "warmup"
+  #: Nothing is carried: it applies no update and carries its gradient.
+  PRIME = "prime"
+  #: The carried gradient is ready: it applies it, with no condition in the step.
+  APPLY = "apply"
+  #: Whether the carried gradient is ready is read in the step (a state whose flag the host does
+  #: not know without reading it, an overflow check that can make it unready, the timed step).
+  READ = "read"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DelayedGrads:
   """The gradient a delayed-update step carries to the next one.
 
   Attributes:
     grads: fp32 gradients in the plan's state layout (unscaled, clipped), on the device.
     ready: bool scalar: ``grads`` holds a gradient the next step applies (False after init, after
       a restore without one, and after an fp16 overflow).
+    variant: static (part of the tree structure): the variant of the step this state goes into
+      (:meth:`DelayedUpdate.variant` writes it; a step returns it as it came).
   """
 
   grads: PyTree
   ready: jax.Array
+  variant: Variant = dataclasses.field(default=Variant.READ, metadata={"static": True})
 
 
 def enabled(zero: Any) -> bool:
@@ -122,23 +145,15 @@ def warmup_steps(zero: Any) -> int:
   return zero.offload_optimizer.delayed_update_warmup if enabled(zero) else 0
 
 
-class DelayedUpdate:
-  """The delayed update of one engine (module docstring).
+class DelayedUpdate(Update):
+  """The delayed update (module docstring): the link of the step's update that carries the
+  gradient (``inner``: the links below it, set by :meth:`wrap`), and the host's choice of the
+  step's :class:`Variant`. ``static_ready``: True when no overflow check can make a carried
+  gradient unready (the steady step may assume one is carried); None otherwise."""
 
-  Its steps come in variants the host picks, so no step holds a ``lax.cond`` over them:
-  :data:`WARMUP`, the prime step ``False`` (nothing carried: apply nothing), the steady step
-  ``True`` (apply the carried gradient), or ``None`` (read the carried flag in the step). The
-  steady step may assume a gradient is carried when no overflow check can make one unready; the
-  ``ready`` array of the state the last steady or prime step returned is known true, any other
-  state's flag is read from the device once.
-  """
-
-  #: The key of its variant in a step's variants.
-  name = "delayed"
-
-  def __init__(self, warmup: int, static_ready: bool | None):
+  def __init__(self, warmup: int, static_ready: bool | None, inner: Update | None = None):
+    super().__init__(inner)
     self.warmup, self.static_ready = warmup, static_ready
-    self._ready_seen: Any = None  # the ready array of the last state a step returned
 
   @classmethod
   def from_config(cls, config: Any) -> DelayedUpdate | None:
@@ -148,96 +163,95 @@ class DelayedUpdate:
       return None
     return cls(warmup_steps(zero), None if config.checks_overflow else True)
 
+  def wrap(self, inner: Update) -> DelayedUpdate:
+    """This delayed update as the link over ``inner``."""
+    return type(self)(self.warmup, self.static_ready, inner)
+
   # -- its state: the train state's ``delayed`` field ------------------------------------------
   @staticmethod
-  def specs(plan: Any) -> DelayedGrads:
+  def specs(plan: Any, variant: Variant = Variant.READ) -> DelayedGrads:
     """PartitionSpecs of the carried state: the gradient in the state layout."""
-    return DelayedGrads(grads=plan.state_specs(), ready=P())
+    return DelayedGrads(grads=plan.state_specs(), ready=P(), variant=variant)
 
   @staticmethod
-  def memory_kinds(plan: Any, device: str | None) -> DelayedGrads:
+  def memory_kinds(plan: Any, device: str | None, variant: Variant = Variant.READ) -> DelayedGrads:
     """Memory kinds of the carried state: all on the device (``device``: its kind)."""
-    return DelayedGrads(grads=plan.map(lambda _: device), ready=device)
+    return DelayedGrads(grads=plan.map(lambda _: device), ready=device, variant=variant)
 
   @staticmethod
-  def init(state_layout: PyTree) -> DelayedGrads:
-    """Nothing carried: zeros shaped like the state layout (traced inside the engine's init)."""
-    return DelayedGrads(grads=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32),
-                                           state_layout), ready=jnp.zeros((), bool))
+  def fresh(layout: PyTree) -> DelayedGrads:
+    """Nothing carried: zeros shaped like the state layout."""
+    return DelayedGrads(grads=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), layout),
+                        ready=jnp.zeros((), bool))
+
+  def init(self, layout: PyTree) -> dict:
+    return {**(self.inner.init(layout) if self.inner is not None else {}),
+            "delayed": self.fresh(layout)}
 
   @staticmethod
   def restore_names(abstract: Any, stored: dict, params_only: bool) -> list[str]:
     """The carried state's array names a restore reads: all of them when the checkpoint has
-    them (and the restore is not ``params_only``), else none (``abstract``: the engine's abstract
+    them (and the restore is not ``params_only``), else none (``abstract``: the abstract
     TrainState; ``stored``: the checkpoint's array table)."""
     if abstract.delayed is None or params_only:
       return []
     names = [f"{PREFIX}/{n}" for n in flatten_paths(abstract.delayed)]
     return names if all(n in stored for n in names) else []
 
-  def restored(self, abstract: Any, shardings: Any, read: dict[str, jax.Array], stored: dict,
+  def restored(self, target: Any, read: dict[str, jax.Array], stored: dict,
                params_only: bool) -> DelayedGrads:
     """The carried state of a restore: the checkpoint's (:meth:`restore_names`, read into
-    ``read``), else nothing carried (``shardings``: the state's, expanded to ``abstract``)."""
-    names = self.restore_names(abstract, stored, params_only)
+    ``read``), else nothing carried (``target``: the abstract TrainState, its leaves with their
+    shardings)."""
+    names = self.restore_names(target, stored, params_only)
     if names:
-      return jax.tree.unflatten(jax.tree.structure(abstract.delayed), [read[n] for n in names])
-    return jax.jit(self.init, out_shardings=shardings.delayed)(abstract.delayed.grads)
+      return jax.tree.unflatten(jax.tree.structure(target.delayed), [read[n] for n in names])
+    shardings = jax.tree.map(lambda x: x.sharding, target.delayed)
+    return jax.jit(self.fresh, out_shardings=shardings)(target.delayed.grads)
 
   # -- in the step -----------------------------------------------------------------------------
-  @staticmethod
-  def update(carried: DelayedGrads, grads: PyTree, overflow: jax.Array,
-             variant: Hashable) -> tuple[PyTree, Any, DelayedGrads]:
-    """The gradient to update with, whether to skip the update, and what to carry.
-
-    Args:
-      carried: the state's carried gradient (g_{t-1}).
-      grads: this step's unscaled, clipped gradient (g_t).
-      overflow: g_t overflowed (fp16): carry it as not ready.
-      variant: what is known statically about ``carried.ready`` (None: read it), or
-        :data:`WARMUP`: a plain step, which applies g_t (unless it overflowed) and carries
-        ``carried`` unchanged.
-
-    Returns:
-      (gradient to apply, skip -- True, False or a bool array --, the new DelayedGrads).
-    """
-    if variant == WARMUP:
-      return grads, overflow, carried
-    new = DelayedGrads(grads=grads, ready=jnp.logical_not(overflow))
-    skip = jnp.logical_not(carried.ready) if variant is None else not variant
-    return carried.grads, skip, new
+  def update(self, grads: PyTree, state: Any, skip: Any = None,
+             factor: jax.Array | None = None) -> tuple[Any, dict]:
+    """Carries ``grads`` (g_t, clipped; ``skip``: it overflowed -- carried as not ready) and
+    hands the carried g_{t-1} to the links below, skipped when it is not ready (what is known of
+    that statically is the state's variant). A warm-up step hands g_t itself down and carries
+    the state's unchanged."""
+    carried = state.delayed
+    variant = carried.variant
+    if variant == Variant.WARMUP:
+      return self.inner.update(grads, state, skip, factor)
+    new = dataclasses.replace(carried, grads=grads, ready=jnp.logical_not(skip))
+    apply_skip = (jnp.logical_not(carried.ready) if variant == Variant.READ
+                  else variant == Variant.PRIME)
+    result, outputs = self.inner.update(carried.grads, state, apply_skip, factor)
+    return result._replace(delayed=new), outputs
 
   @staticmethod
-  def checks_finite(variant: Hashable) -> bool:
-    """fp32: whether a non-finite gradient norm skips the step of ``variant`` (the steady step
-    always applies; the engine warns)."""
-    return variant == WARMUP
+  def checks_finite(carried: DelayedGrads) -> bool:
+    """fp32: whether a non-finite gradient norm skips the step ``carried`` goes into (the steady
+    step always applies; the engine warns)."""
+    return carried.variant == Variant.WARMUP
 
   @staticmethod
-  def applied_steps(carried: DelayedGrads, applied: jax.Array) -> jax.Array:
-    """The count of updates applied (the lr schedule's step): the carried one is not yet."""
-    return applied - carried.ready.astype(applied.dtype)
+  def applied_steps(ready: Any, applied: Any) -> Any:
+    """The count of updates applied (the lr schedule's step): a carried one (``ready``) is not
+    yet."""
+    return applied - ready.astype(applied.dtype)
 
   # -- on the host -----------------------------------------------------------------------------
-  def variant(self, state: Any, step: int | None, fused: bool) -> Hashable:
-    """The step variant ``state`` needs at host step ``step`` (``state`` and ``step`` None: the
-    steady step, e.g. for :meth:`jzero.Engine.jitted_step`); ``fused``: one jit (False: the timed
-    two-jit step of ``wall_clock_breakdown``, which reads the carried flag)."""
+  def variant(self, state: Any, step: int | None, fused: bool = True) -> Variant:
+    """The variant ``state`` needs at host step ``step`` (``state`` and ``step`` None: the steady
+    step, e.g. for :meth:`jzero.Engine.jitted_step`); ``fused``: one jit (False: the timed two-jit
+    step of ``wall_clock_breakdown``, which reads the carried flag)."""
     if step is not None and step < self.warmup:
-      return WARMUP
-    if not fused:
-      return None
-    if state is not None and self._needs_prime(state):
-      return False
-    return self.static_ready
+      return Variant.WARMUP
+    if not fused or self.static_ready is None:
+      return Variant.READ
+    if state is None or state.delayed.variant in (Variant.PRIME, Variant.APPLY):
+      return Variant.APPLY  # a prime or steady step returned it: its flag is true
+    return Variant.APPLY if bool(state.delayed.ready) else Variant.PRIME
 
-  def _needs_prime(self, state: Any) -> bool:
-    """The state carries no gradient and the steady step would apply one."""
-    if self.static_ready is None or state.delayed.ready is self._ready_seen:
-      return False
-    return not bool(state.delayed.ready)
-
-  def seen(self, state: Any, variant: Hashable) -> None:
-    """The step of ``variant`` returned ``state``."""
-    if self.static_ready is not None and variant in (True, False):  # a warm-up carries nothing
-      self._ready_seen = state.delayed.ready
+  @staticmethod
+  def labelled(state: Any, variant: Variant) -> Any:
+    """``state`` with its carried state labelled for the step of ``variant``."""
+    return state._replace(delayed=dataclasses.replace(state.delayed, variant=variant))

@@ -58,7 +58,8 @@ from jax import lax
 from jzero.errors import ConfigError
 from jzero.sharding.planner import Placement
 from jzero.tiers import where
-from jzero.tiers.base import EngineView, Tier, Update
+from jzero.tiers.base import Tier, Update
+from jzero.tiers.updates import DeviceUpdate
 
 __all__ = ["DEFAULT_UPDATE", "UPDATE_MODES", "OffloadSettings", "settings_from_config",
            "choose_offloaded", "apply_update", "on_host", "to_device", "to_host", "split_state",
@@ -70,6 +71,7 @@ UPDATE_MODES = ("stream", "host")
 DEFAULT_UPDATE = "stream"
 
 
+@dataclasses.dataclass(frozen=True)
 class OffloadSettings:
   """What the config asks of the optimizer-state tier (read once, before any device work).
 
@@ -78,16 +80,13 @@ class OffloadSettings:
     memory_kind: "pinned_host" or "unpinned_host".
     update: "stream" or "host" (see the module docstring).
     tier: the chosen leaves' tier: "host", or "nvme" (``device: nvme``,
-    :mod:`jzero.tiers.nvme_store`).
+    :mod:`jzero.tiers.nvme_store`), or another tier that answers the ``device`` value.
   """
 
-  def __init__(self, ratio: float = 0.0, memory_kind: str = "pinned_host",
-               update: str = DEFAULT_UPDATE, tier: str = "host"):
-    self.ratio, self.memory_kind, self.update, self.tier = ratio, memory_kind, update, tier
-
-  def __repr__(self) -> str:
-    return (f"OffloadSettings(ratio={self.ratio}, memory_kind={self.memory_kind!r}, "
-            f"update={self.update!r}, tier={self.tier!r})")
+  ratio: float = 0.0
+  memory_kind: str = "pinned_host"
+  update: str = DEFAULT_UPDATE
+  tier: str = "host"
 
 
 def settings_from_config(zero: Any) -> OffloadSettings:
@@ -111,7 +110,7 @@ def settings_from_config(zero: Any) -> OffloadSettings:
   pinned = block.pin_memory in (True, "auto")
   update = block.update or DEFAULT_UPDATE
   return OffloadSettings(ratio=ratio, memory_kind="pinned_host" if pinned else "unpinned_host",
-                         update=update, tier="nvme" if block.device == "nvme" else "host")
+                         update=update, tier="host" if block.device == "cpu" else block.device)
 
 
 def choose_offloaded(sizes: dict[str, int], ratio: float) -> set[str]:
@@ -308,10 +307,13 @@ def keep_tiers(opt_state: PyTree, master: PyTree, on_host: PyTree, *,
 class HostOptimizerTier(Tier):
   """The host-memory tier: active whenever some array of the train state lives in host memory --
   optimizer state and masters (``offload_optimizer.device: cpu``), or params
-  (``offload_param.device: cpu``, whose fp32-training masters are those params). Its update is
-  :class:`HostUpdate`."""
+  (``offload_param.device: cpu``, whose fp32-training masters are those params). Its update,
+  :class:`HostUpdate`, replaces the device's."""
 
   name = "host"
+  memory = "host"
+  answers = (("offload_optimizer", "cpu"),)
+  partial = True
 
   @classmethod
   def check_config(cls, config: Any) -> None:
@@ -320,7 +322,7 @@ class HostOptimizerTier(Tier):
   @classmethod
   def place(cls, plan: Any, zero: Any, placement: Placement) -> Placement:
     """The largest splittable leaves' state, up to the offload ratio (:func:`choose_offloaded`),
-    in the offload's tier."""
+    in the offload's tier (host memory, or the tier the ``device`` value names)."""
     offload = settings_from_config(zero)
     if offload.ratio <= 0 or plan.stage < 1:
       return placement
@@ -332,36 +334,37 @@ class HostOptimizerTier(Tier):
         state_kinds={**placement.state_kinds, **kinds})
 
   @classmethod
-  def create(cls, engine: EngineView) -> HostOptimizerTier | None:
-    return cls() if where.uses_host(engine.plan) else None
+  def uses(cls, plan: Any) -> bool:
+    return where.uses_host(plan)
 
-  def update(self, engine: EngineView, inner: Update) -> Update:
-    return HostUpdate(engine, inner)
+  @classmethod
+  def update(cls, plan: Any, config: Any, tx: optax.GradientTransformation, resource: Any,
+             inner: Update, *, elementwise: bool) -> Update:
+    mode = settings_from_config(config.zero_optimization).update
+    return HostUpdate(inner, mode=mode, grouped=elementwise)
 
 
-class HostUpdate(Update):
-  """The update of a state with arrays in host memory: the optimizer update streamed from host
-  memory or run on the host (:func:`apply_update`, replacing the device's), the new params of
-  leaves whose params live in host memory stored there (:mod:`jzero.tiers.host_params`), and a
-  skipped step's unchanged state placed as the update places its results. A skip is a
-  ``lax.cond`` in the "stream" mode (host arrays cannot be selected elementwise on the device) and
-  an elementwise select inside the host computation in the "host" mode (XLA's GPU compiler
-  rejects a host computation inside a conditional)."""
+class HostUpdate(DeviceUpdate):
+  """The update of a state with arrays in host memory, in place of the device's (``root``): the
+  optimizer update streamed from host memory or run on the host (:func:`apply_update`), the new
+  params of leaves whose params live in host memory stored there (:mod:`jzero.tiers.host_params`),
+  and a skipped step's unchanged state placed as the update places its results. Its skip mode is
+  "cond" in the "stream" mode (host arrays cannot be selected elementwise on the device) and
+  "select" -- inside the host computation -- in the "host" mode (XLA's GPU compiler rejects a
+  host computation inside a conditional)."""
 
-  def __init__(self, engine: EngineView, inner: Update):
-    super().__init__(inner)
-    plan = self.plan = engine.plan
-    self.tx = engine.tx
-    self.mode = settings_from_config(engine.config.zero_optimization).update
-    self.grouped = engine.schedule is not None
+  def __init__(self, root: DeviceUpdate, *, mode: str, grouped: bool):
+    super().__init__(root.plan, root.tx, root.held, root.checks_overflow)
+    plan = self.plan
+    self.mode, self.grouped = mode, grouped
     self.state_on_host = plan.map(lambda l: l.state_tier == where.HOST)  # per parameter leaf
 
   @property
-  def skip_by(self) -> str:
+  def skip_mode(self) -> str:
     return "select" if self.mode == "host" else "cond"
 
   def apply(self, grads: PyTree, opt_state: PyTree, master: PyTree,
-            keep: jax.Array | None = None) -> tuple[PyTree, PyTree, PyTree]:
+            keep: jax.Array | None) -> tuple[PyTree, PyTree, PyTree]:
     plan = self.plan
     # Which masters arrive (and go back) in host memory: the separate fp32 master follows the
     # state's tier; in fp32 training the master is the param partition, in the param's memory.
@@ -375,8 +378,8 @@ class HostUpdate(Update):
     return apply_update(self.tx, grads, opt_state, master, self.state_on_host, mode=self.mode,
                         grouped=self.grouped, master_on_host=master_on_host, keep=keep)
 
-  def skipped(self, params: PyTree, master: PyTree,
-              opt_state: PyTree) -> tuple[PyTree, PyTree, PyTree]:
+  def unchanged(self, params: PyTree, master: PyTree,
+                opt_state: PyTree) -> tuple[PyTree, PyTree, PyTree]:
     plan = self.plan
     master, opt_state = keep_tiers(opt_state, master, self.state_on_host,
                                    master_on_host=plan.has_master)
@@ -384,9 +387,8 @@ class HostUpdate(Update):
                       params)
     return params, master, opt_state
 
-  def store_params(self, params: PyTree, master: PyTree) -> PyTree:
+  def store(self, params: PyTree, master: PyTree) -> PyTree:
     plan = self.plan
     # fp32 training: the new param of a param in host memory is the master, already back there
-    return self.inner.store_params(
-        plan.map(lambda l, p, m: p if l.param_tier != where.HOST else
-                 m if not plan.has_master else to_host(p), params, master), master)
+    return plan.map(lambda l, p, m: p if not where.param_in_host_memory(plan, l) else
+                    m if not plan.has_master else to_host(p), params, master)

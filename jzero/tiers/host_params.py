@@ -60,7 +60,7 @@ from jzero.config.messages import user_stacklevel
 from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
 from jzero.sharding.planner import Placement
 from jzero.tiers import host_optimizer, where
-from jzero.tiers.base import EngineView, Tier
+from jzero.tiers.base import Tier
 from jzero.tiers.host_optimizer import to_device
 
 __all__ = ["ParamOffloadSettings", "settings_from_config", "fetch", "HostParamsTier"]
@@ -70,6 +70,7 @@ PyTree = Any
 logger = logging.getLogger("jzero")
 
 
+@dataclasses.dataclass(frozen=True)
 class ParamOffloadSettings:
   """What the config asks of the parameter tier.
 
@@ -78,16 +79,13 @@ class ParamOffloadSettings:
     device: "cpu" (this module) or "nvme" (:mod:`jzero.tiers.nvme_params`).
   """
 
-  def __init__(self, memory_kind: str = "pinned_host", device: str = "cpu"):
-    self.memory_kind, self.device = memory_kind, device
+  memory_kind: str = "pinned_host"
+  device: str = "cpu"
 
   @property
   def tier(self) -> str:
     """The plan's ``param_tier`` of a partitioned leaf: "host" or "nvme"."""
     return "nvme" if self.device == "nvme" else "host"
-
-  def __repr__(self) -> str:
-    return f"ParamOffloadSettings(memory_kind={self.memory_kind!r}, device={self.device!r})"
 
 
 def settings_from_config(zero: Any) -> ParamOffloadSettings | None:
@@ -161,6 +159,8 @@ class HostParamsTier(Tier):
   which puts the new partitions back there, is :class:`jzero.tiers.host_optimizer.HostUpdate`."""
 
   name = "host_params"
+  memory = "host"
+  answers = (("offload_param", "cpu"),)
 
   @classmethod
   def check_config(cls, config: Any) -> None:
@@ -218,11 +218,13 @@ class HostParamsTier(Tier):
                   stacklevel=user_stacklevel())
 
   @classmethod
-  def create(cls, engine: EngineView) -> HostParamsTier | None:
-    return cls() if where.param_offloads(engine.plan) else None
+  def uses(cls, plan: Any) -> bool:
+    return where.param_offloads(plan)
 
-  def grad_target(self, engine: EngineView, leaf: Any, p: jax.Array) -> jax.Array | None:
+  @classmethod
+  def grad_target(cls, plan: Any, leaf: Any, p: jax.Array) -> jax.Array | None:
     return jnp.zeros(p.shape, p.dtype) if leaf.param_tier == "host" else None
 
-  def gather_inputs(self, engine: EngineView, leaf: Any, p: jax.Array) -> dict | None:
+  @classmethod
+  def gather_inputs(cls, plan: Any, resource: Any, leaf: Any, p: jax.Array) -> dict | None:
     return {"source": FROM_HOST, "stored": p} if leaf.param_tier == "host" else None

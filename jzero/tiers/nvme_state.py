@@ -2,9 +2,9 @@
 read back from disk after a crash.
 
 ``save_checkpoint`` and ``logical_params`` read the committed slot into arrays laid out by the plan
-(:func:`full_state`); ``load_checkpoint`` restores them in their real shapes
-(:func:`expand_abstract`) and writes them into the store (:func:`absorb`), so a checkpoint moves
-between tiers exactly. :func:`open_committed` reads a process's store directory without an engine --
+(:func:`full_state`); ``load_checkpoint`` restores them in their real shapes (the abstract state is
+the full one) and writes them into the store (:func:`absorb`), so a checkpoint moves between tiers
+exactly. :func:`open_committed` reads a process's store directory from its files alone --
 what a crashed run left (see :mod:`jzero.tiers.nvme_store`, "Crash consistency"). The store's layout
 itself is :meth:`jzero.tiers.nvme_store.NvmeStore.with_arrays`.
 """
@@ -17,50 +17,37 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jzero.tiers.nvme_store import FORMAT, MANIFEST, NvmeStoreError
 
-__all__ = ["full_state", "expand_abstract", "absorb", "open_committed"]
+__all__ = ["full_state", "absorb", "open_committed"]
 
 
-def full_state(engine: Any, state: Any) -> Any:
-  """``state`` with the NVMe leaves' master and optimizer state read from the committed slot
-  (laid out by the plan); ``state`` itself without an NVMe tier."""
-  if getattr(engine, "nvme_store", None) is None:
-    return state
-  arrays = engine.nvme_store.read()
-  dtype = engine.plan.compute_dtype
-  cast = jax.jit(lambda x: x.astype(dtype))
-  return engine.nvme_store.with_arrays(state, lambda s: arrays[s.name],
-                                      lambda s: cast(arrays[s.name]))
-
-
-def expand_abstract(engine: Any, abstract: Any) -> Any:
-  """An abstract TrainState (``eval_shape(engine.init)``) with the NVMe leaves' real shapes."""
-  if getattr(engine, "nvme_store", None) is None:
-    return abstract
-  dtype = engine.plan.compute_dtype
-  return engine.nvme_store.with_arrays(
-      abstract, lambda s: jax.ShapeDtypeStruct(s.leaf.padded_shape, jnp.float32),
-      lambda s: jax.ShapeDtypeStruct(s.leaf.padded_shape, dtype))
-
-
-def absorb(engine: Any, state: Any) -> Any:
-  """A TrainState with real NVMe-leaf arrays (a restore) -> written to the store (committed as
-  its step) and replaced by placeholders."""
-  store = getattr(engine, "nvme_store", None)
+def full_state(plan: Any, store: Any, state: Any) -> Any:
+  """``state`` with the NVMe leaves' master and optimizer state read from ``store``'s committed
+  slot (laid out by the plan); ``state`` itself without a store."""
   if store is None:
     return state
-  store.write_state(engine, state)
+  arrays = store.read()
+  dtype = plan.compute_dtype
+  cast = jax.jit(lambda x: x.astype(dtype))
+  return store.with_arrays(state, lambda s: arrays[s.name], lambda s: cast(arrays[s.name]))
+
+
+def absorb(plan: Any, store: Any, state: Any) -> Any:
+  """A TrainState with real NVMe-leaf arrays (a restore) -> written to ``store`` (committed as its
+  step) and replaced by placeholders."""
+  if store is None:
+    return state
+  store.write_state(state)
   return store.with_arrays(state, lambda s: store.placeholder(s, np.float32),
-                           lambda s: store.placeholder(s, engine.plan.compute_dtype))
+                           lambda s: store.placeholder(s, plan.compute_dtype))
 
 
 def open_committed(directory: str | os.PathLike) -> tuple[int, dict[str, np.ndarray], dict]:
   """(committed step, stored name -> array of shape (local devices, *partition), manifest) of one
-  process's store directory (``.../process_<i>``), read without an engine.
+  process's store directory (``.../process_<i>``), read from its files alone.
 
   Raises:
     NvmeStoreError: no manifest (the process stopped before its first step was committed), or

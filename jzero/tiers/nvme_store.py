@@ -8,7 +8,7 @@ chosen leaves (all of them, or ``ratio`` of the parameters, largest first, as th
 master -- lives only in a tensorstore store on disk. DeepSpeed needs a libaio build for this
 (DeepSpeed #6972, #6920); tensorstore's ``file`` kvstore needs nothing.
 
-**Where.** One store per process and engine, under
+**Where.** One store per process and plan, under
 ``<nvme_path>/zero_stage_<n>/<host>-<pid>-<UTC time>-<uuid>/process_<i>/`` (DeepSpeed's
 ``zero_stage_3/`` layout): the pid and a fresh uuid make the name unique between two engines of one
 process, two processes and two runs. Each sub-group (below) is, per slot, one zarr3 array of shape
@@ -18,7 +18,7 @@ the group's arrays (a leaf's master, then its optimizer moments) end to end, so 
 exactly the shards its devices hold, and the disk sees few large files instead of one small file
 per array and device (that layout measured 0.03 of the disk's raw write bandwidth, fsync per small
 file dominating; one file for all rows 0.42, bench/nvme.py). The directory
-is removed when the engine is garbage-collected or the process exits normally; a killed process
+is removed when the store is garbage-collected or the process exits normally; a killed process
 leaves it (see crash consistency). Paths are checked before any device work: a missing
 ``nvme_path``, a path that is not a writable directory (a probe file is written and fsync'ed), and,
 when the plan exists, too little free space for both slots (``shutil.disk_usage``) are a
@@ -43,7 +43,7 @@ compute params, and written to the other slot. With ``pipeline_read`` the reads 
 group's writes proceed while the next groups are read and updated (at most ``buffer_count`` groups'
 writes pending); without them each read / write is waited for. :meth:`NvmeStore.update` returns
 once every write is committed and the manifest names the new step: that is the step's commit point;
-``engine.train_step`` returns after it. A skipped step (its gradient not finite) writes nothing and
+the engine's ``train_step`` returns after it. A skipped step (its gradient not finite) writes nothing and
 moves the manifest's step only.
 
 **Crash consistency.** Two slots, ``slot_a`` and ``slot_b``: step t reads the slot the manifest
@@ -122,9 +122,10 @@ from jzero.tiers.nvme_settings import (IO_MODE, NVME, NvmeSettings, check_direct
 from jzero.tiers import where
 from jzero.tiers.host_optimizer import split_state
 from jzero.tiers.nvme_params import ParamReader
+from jzero.tiers.updates import placeholder_shape
 
 __all__ = ["NVME", "NvmeSettings", "NvmeStoreError", "NvmeStore", "settings_from_config",
-           "check_directory", "shrink", "placeholder_shape", "IO_MODE", "io_context", "MANIFEST",
+           "check_directory", "IO_MODE", "io_context", "MANIFEST",
            "SLOTS", "FORMAT", "read_file_into"]
 
 PyTree = Any
@@ -153,39 +154,16 @@ def read_file_into(path: str | os.PathLike, out: np.ndarray, offset: int = 0) ->
   return out
 
 
-# -- placeholders (inside and outside the jitted step) --------------------------------------------
-def placeholder_shape(leaf: Any) -> tuple[int, ...]:
-  """An NVMe leaf's placeholder: its partitioned layout with the shard dimension of size 0."""
-  shape = list(leaf.padded_shape)
-  shape[leaf.shard_dim] = 0
-  return tuple(shape)
-
-
-def shrink(plan: Any, tree: PyTree, tier: str = "state_tier") -> PyTree:
-  """``tree`` (params structure) with NVMe leaves cut to size 0 along their shard dimension;
-  ``tier="param_tier"``: the params the state holds as placeholders
-  (:func:`jzero.tiers.where.param_placeholder`, jzero.tiers.nvme_params)."""
-  on_tier = (functools.partial(where.param_placeholder, plan) if tier == "param_tier"
-             else lambda leaf: leaf.state_tier == NVME)
-
-  def cut(leaf, x):
-    if not on_tier(leaf) or x is None:
-      return x
-    return lax.slice_in_dim(x, 0, 0, axis=leaf.shard_dim % x.ndim)
-  return plan.map(cut, tree)
-
-
 def _params_def(plan: Any):
   return jax.tree.structure(plan.map(lambda _: 0))
 
 
-def step_outputs(engine: Any, state: Any, grads: PyTree, factor: jax.Array | None) -> dict:
+def step_outputs(plan: Any, state: Any, grads: PyTree, factor: jax.Array | None) -> dict:
   """Inside the step's ``shard_map``: what :meth:`NvmeStore.update` needs from the device (module
   docstring): the NVMe leaves' fp32 gradients before clipping and the clipping ``factor`` (the
   update multiplies, as the device path does inside its fused update: the same rounding), fp32
   training's master partitions, and the optimizer state's non-parameter leaves before the
   update."""
-  plan = engine.plan
   nvme = [l for l in plan.leaf_list() if l.state_tier == NVME]
   flat_g = dict(zip([l.path for l in plan.leaf_list()], jax.tree.leaves(grads)))
   out = {"grads": {l.path: flat_g[l.path] for l in nvme},
@@ -199,14 +177,13 @@ def step_outputs(engine: Any, state: Any, grads: PyTree, factor: jax.Array | Non
   return out
 
 
-def step_output_specs(engine: Any) -> dict:
+def step_output_specs(plan: Any, tx: optax.GradientTransformation) -> dict:
   """Partition specs of :func:`step_outputs`."""
-  plan = engine.plan
   nvme = [l for l in plan.leaf_list() if l.state_tier == NVME]
   specs = {"grads": {l.path: plan.state_spec(l) for l in nvme}, "factor": P()}
   if not plan.has_master:
     specs["master"] = {l.path: plan.state_spec(l) for l in nvme if l.param_tier != NVME}
-  abstract = jax.eval_shape(engine.tx.init, plan.abstract_master())
+  abstract = jax.eval_shape(tx.init, plan.abstract_master())
   _, nodes, flags = split_state(abstract, _params_def(plan))
   specs["nodes"] = [P() for f in flags if not f]
   return specs
@@ -265,7 +242,8 @@ class _Stored:
 
 
 class NvmeStore:
-  """The NVMe tier of one engine in this process (see the module docstring).
+  """The NVMe tier of one plan in this process (see the module docstring): ``plan``'s leaves on the
+  tier, kept as ``settings`` say, updated by ``tx`` (an elementwise optax transformation).
 
   Attributes:
     directory: this process's store directory (``.../process_<i>``).
@@ -274,17 +252,16 @@ class NvmeStore:
     step: the committed step (None before the first commit); slot: the committed slot.
   """
 
-  def __init__(self, engine: Any, settings: NvmeSettings):
+  def __init__(self, plan: Any, settings: NvmeSettings, tx: optax.GradientTransformation):
     import tensorstore as ts  # pylint: disable=import-outside-toplevel
     self._ts = ts
-    plan = engine.plan
-    self.settings, self.plan = settings, plan
+    self.settings, self.plan, self.tx = settings, plan, tx
     # the leaves whose state is here, and the params here (their state here too, or a copy of
     # the param whose master and state live on the host or the device: jzero.tiers.nvme_params)
     self.leaves = [l for l in plan.leaf_list() if l.state_tier == NVME or l.param_tier == NVME]
     self.copies = any(where.param_copy_on_nvme(l) for l in self.leaves)
     self._position = {l.path: i for i, l in enumerate(plan.leaf_list())}
-    abstract = jax.eval_shape(engine.tx.init, plan.abstract_master())
+    abstract = jax.eval_shape(tx.init, plan.abstract_master())
     self._params_def = _params_def(plan)
     self._node_def, _, self._flags = split_state(abstract, self._params_def)
     self._param_nodes = [k for k, f in enumerate(self._flags) if f]
@@ -335,6 +312,7 @@ class NvmeStore:
     self.slot: str | None = None
     self._fns: dict[int, Any] = {}
     self._init_fns: dict[int, Any] = {}
+    self._refresh: Any = None  # hpZ: the secondary partitions' program
 
   # -- layout --------------------------------------------------------------------------------------
   def _make_groups(self) -> list[list[int]]:
@@ -455,14 +433,14 @@ class NvmeStore:
     return SLOTS[1] if self.slot == SLOTS[0] else SLOTS[0]
 
   # -- writing a whole state -----------------------------------------------------------------------
-  def write_masters(self, engine: Any, step: int, masters: dict[str, jax.Array]) -> None:
+  def write_masters(self, step: int, masters: dict[str, jax.Array]) -> None:
     """Fresh optimizer state (``tx.init``) for the NVMe leaves from their fp32 masters (state
     layout), written with the masters (mixed precision) into a slot and committed as ``step``."""
     def group_values(g: int) -> dict[str, jax.Array]:
       group = self.groups[g]
       if g not in self._init_fns:
         def init(ms):
-          nodes = self._node_def.flatten_up_to(engine.tx.init(ms))
+          nodes = self._node_def.flatten_up_to(self.tx.init(ms))
           return [n for n, f in zip(nodes, self._flags) if f]
         self._init_fns[g] = jax.jit(init)
       ms = [masters[self.leaves[i].path] for i in group]
@@ -473,7 +451,7 @@ class NvmeStore:
               for s in self._members(g)}
     self._write_slot(step, group_values)
 
-  def write_state(self, engine: Any, state: Any) -> None:
+  def write_state(self, state: Any) -> None:
     """Writes a TrainState whose NVMe leaves hold real arrays (a restore) and commits its step."""
     # the masters: fp32 training's are the params (stored here for the NVMe-tier params only)
     source = state.master if self.plan.has_master else state.params
@@ -497,14 +475,14 @@ class NvmeStore:
       f.result()
     self._commit(step, slot)
 
-  def write_copies(self, engine: Any, state: Any, metrics: dict) -> None:
+  def write_copies(self, state: Any, metrics: dict) -> None:
     """After a step whose params are copies on the tier (:func:`jzero.tiers.where.
     param_copy_on_nvme`): their new values, the state's masters, written to the other slot and
     committed as the step (a skipped step commits the unchanged slot under the new step)."""
     if bool(metrics["overflow"]):
       self._commit(int(state.step), self.slot)
     else:
-      self.write_state(engine, state)
+      self.write_state(state)
 
   def read(self) -> dict[str, jax.Array]:
     """The committed slot's arrays as global arrays laid out by the plan: name -> array."""
@@ -516,7 +494,7 @@ class NvmeStore:
     return out
 
   # -- the step ------------------------------------------------------------------------------------
-  def _group_fn(self, engine: Any, g: int):
+  def _group_fn(self, g: int):
     if g in self._fns:
       return self._fns[g]
     plan = self.plan
@@ -533,7 +511,7 @@ class NvmeStore:
       g_list = [g * factor for g in g_list]
       it_s, it_o = iter(s_lists), iter(others)
       state = jax.tree.unflatten(node_def, [next(it_s) if f else next(it_o) for f in flags])
-      updates, state = engine.tx.update(g_list, state, m_list)
+      updates, state = self.tx.update(g_list, state, m_list)
       new_m = optax.apply_updates(m_list, updates)
       out = node_def.flatten_up_to(state)
       params = [layouts.compute_param(plan, l, x)
@@ -547,9 +525,10 @@ class NvmeStore:
     self._fns[g] = fn
     return fn
 
-  def update(self, engine: Any, state: Any, metrics: dict, io: dict) -> Any:
+  def update(self, state: Any, metrics: dict, io: dict) -> Any:
     """The NVMe leaves' update after the jitted step (module docstring); returns the state with
-    the NVMe leaves' new compute params, after the step's writes are committed."""
+    the NVMe leaves' new compute params (and, with hpZ, the secondary partitions refreshed from
+    them), after the step's writes are committed."""
     settings, plan = self.settings, self.plan
     new_step = int(state.step)
     if bool(metrics["overflow"]):  # skipped step: the stored state is unchanged
@@ -574,8 +553,8 @@ class NvmeStore:
       m_list = [data[f"{p:05d}.master"] if f"{p:05d}.master" in data else io["master"][l.path]
                 for p, l in zip(pos, leaves)]
       s_lists = [[data[f"{p:05d}.state{j}"] for p in pos] for j in range(len(self._param_nodes))]
-      new_m, new_s, params = self._group_fn(engine, g)(g_list, io["factor"], m_list, s_lists,
-                                                         io["nodes"])
+      new_m, new_s, params = self._group_fn(g)(g_list, io["factor"], m_list, s_lists,
+                                               io["nodes"])
       index = {l.path: j for j, l in enumerate(leaves)}
       values = {s.name: new_m[index[s.leaf.path]] if s.node < 0
                 else new_s[s.node][index[s.leaf.path]] for s in self._members(g)}
@@ -590,7 +569,12 @@ class NvmeStore:
       writes.popleft().result()
     self._commit(new_step, dst)
     params = plan.map(lambda l, p: new_params.get(l.path, p), state.params)
-    return engine.with_secondary(state._replace(params=params))
+    state = state._replace(params=params)
+    if plan.zeropp.hpz > 1:  # the secondary partitions of the new params, as the step makes them
+      if self._refresh is None:
+        self._refresh = layouts.refresh_program(plan)
+      state = state._replace(secondary=self._refresh(params))
+    return state
 
   # -- the store's arrays in a TrainState (checkpoints, logical params: jzero.tiers.nvme_state) ----
   def with_arrays(self, state: Any, get, get_param) -> Any:

@@ -4,8 +4,8 @@ resumable loop.
 * :mod:`jzero.train.initialize` -- :func:`jzero.initialize`: a config, a model and a loss into an
   :class:`Engine`.
 * :mod:`jzero.train.engine` -- :class:`Engine`: state creation, steps, evaluation, checkpoints.
-* :mod:`jzero.train.step` -- what one step computes; its update phase is composed from the tiers'
-  hooks (:mod:`jzero.tiers`).
+* :mod:`jzero.train.step` -- what one step computes; its update phase is the update chain the tiers
+  compose (:mod:`jzero.tiers`).
 * :mod:`jzero.train.state` -- :class:`TrainState`.
 * :mod:`jzero.train.optim`, :mod:`jzero.train.precision` -- DeepSpeed's optimizers and schedules
   on optax; fp16 / bf16 and the loss scaler.

@@ -1,12 +1,14 @@
 """The training engine: ``jzero.initialize(...)`` -> ``engine.init`` / ``engine.train_step``.
 
 The engine wires; it computes nothing of a step. It owns the configuration, the mesh, the plan
-(:meth:`Engine.init` makes it: the layout, then the tiers' placement) and the plan's programs
-(:class:`jzero.train.programs.Programs`: the state's layout and one jitted step per step variant,
-built from the :class:`~jzero.train.step.StepParts` of :func:`jzero.train.setup.step_parts`). On
-the host it creates the train state in the plan's placement, shards and checks batches, runs the
-steps and the update's work after them, reports on them (:mod:`jzero.train.reporting`), evaluates,
-reads parameters back, and saves / restores checkpoints (:mod:`jzero.checkpoint`).
+(:meth:`Engine.init` makes it: the layout, then the tiers' placement), what the plan's tiers own
+at run time (:attr:`Engine.resources`, opened once per plan: the NVMe store) and the plan's
+programs (:class:`jzero.train.programs.Programs`: one jitted step per step variant, built from the
+:class:`~jzero.train.step.StepParts` of :func:`jzero.train.setup.step_parts`). On the host it
+creates the train state in the plan's placement, shards and checks batches, runs the steps and
+the update's work after them, reports on them (:mod:`jzero.train.reporting`), evaluates, reads
+parameters back, and saves / restores checkpoints (:mod:`jzero.checkpoint`) -- handing each
+function the plan, the state and the resources, never itself.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from jzero.sharding.mesh import ZeroMesh
 from jzero.sharding.plan import Plan
 from jzero.sharding.zeropp import ZeroPP
 from jzero.tiers import registry
-from jzero.tiers.base import Tier
-from jzero.tiers.delayed import DelayedUpdate
+from jzero.tiers.base import Resources, Tier
+from jzero.tiers.delayed import DelayedUpdate, Variant
 from jzero.train import input_checks, monitor as monitor_lib, reporting, setup
 from jzero.train import state as state_lib
 from jzero.train import step as step_lib
@@ -48,7 +50,6 @@ from jzero.train.step_runner import StepRunner
 from jzero.train.state import TrainState
 
 if TYPE_CHECKING:  # annotations only
-  from jzero.tiers.nvme_settings import NvmeSettings
   from jzero.tiers.nvme_store import NvmeStore
 
 __all__ = ["Engine"]
@@ -76,15 +77,15 @@ class Engine:
   # shard_batch refuses integer inputs past the model's largest embedding table (an out-of-range
   # lookup gives NaN); set False when an integer leaf larger than that is not an embedding input.
   check_input_ids: bool = True
-  nvme_settings: NvmeSettings | None = None  # the NVMe tier's (jzero.tiers.nvme)
-  nvme_store: NvmeStore | None = dataclasses.field(default=None, repr=False)
   # the config's tensorboard / csv_monitor / wandb writers (jzero.train.monitor), from initialize
   monitor: monitor_lib.Monitor = dataclasses.field(default_factory=monitor_lib.Monitor)
   tokens_per_sample: int | None = None  # tokens/s = samples/s x this (initialize's argument)
   # the delayed parameter update (jzero.tiers.delayed), from the config; None when it is off
   delayed: DelayedUpdate | None = dataclasses.field(init=False, default=None, repr=False)
+  # what the plan's tiers own at run time, by tier name (jzero.tiers.base.Resources)
+  resources: Resources = dataclasses.field(default_factory=dict, init=False, repr=False)
+  _resources_of: Plan | None = dataclasses.field(default=None, repr=False)  # their plan
   _built: Programs | None = dataclasses.field(default=None, repr=False)  # the plan's programs
-  _tiers: tuple[Tier, ...] | None = dataclasses.field(default=None, repr=False)
   _batches: Batches | None = dataclasses.field(default=None, repr=False)
   _runner: StepRunner | None = dataclasses.field(default=None, repr=False)
 
@@ -148,17 +149,32 @@ class Engine:
     return self.plan
 
   @property
-  def tiers(self) -> tuple[Tier, ...]:
-    """The tiers the plan and config use (:mod:`jzero.tiers.registry`), in the registry's order;
+  def tiers(self) -> tuple[type[Tier], ...]:
+    """The tiers the plan uses (:func:`jzero.tiers.registry.active`), in the registry's order;
     empty before the plan exists."""
-    if self._tiers is None and self.plan is not None:
-      self._tiers = registry.active(self)
-    return self._tiers or ()
+    return registry.active(self.plan) if self.plan is not None else ()
+
+  @property
+  def nvme_store(self) -> NvmeStore | None:
+    """The NVMe tier's store (its resource, :mod:`jzero.tiers.nvme_store`): its directory, files
+    and bytes; None without it."""
+    return self.resources.get("nvme")
+
+  def _open(self) -> Resources:
+    """What the plan's tiers own at run time (:meth:`jzero.tiers.base.Tier.open`), opened once
+    per plan, before its first state."""
+    plan = self._require_plan()
+    if self._resources_of is not plan:
+      self.resources = registry.open_resources(self.tiers, plan, self.config, self.tx)
+      self._resources_of = plan
+    return self.resources
 
   def _programs(self) -> Programs:
     """The programs of the current plan (:mod:`jzero.train.programs`), made once per plan."""
     if self._built is None or self._built.parts.plan is not self._require_plan():
-      self._built = Programs(setup.step_parts(self))
+      self._built = Programs(setup.step_parts(
+          self.plan, self.config, self.model, self.loss_fn, self.tx, self.schedule, self.scaler,
+          self.delayed, self._open()))
     return self._built
 
   @property
@@ -168,11 +184,11 @@ class Engine:
 
   def state_specs(self) -> TrainState:
     """PartitionSpecs of every TrainState leaf (prefix tree)."""
-    return self._programs().specs
+    return self._programs().specs()
 
   def state_memory_kinds(self) -> TrainState:
     """Memory kind of every TrainState leaf (prefix tree; None: the device)."""
-    return self._programs().kinds
+    return self._programs().kinds()
 
   def state_shardings(self) -> TrainState:
     """NamedShardings of every TrainState leaf (prefix tree), with their memory kinds."""
@@ -181,13 +197,43 @@ class Engine:
   def batch_sharding(self) -> NamedSharding:
     return self._require_plan().sharding(self._require_plan().batch_spec())
 
-  def gathered_working_set(self) -> tuple[int, int]:
+  def gathered_working_set(self, state: TrainState | None = None,
+                           batch: PyTree = None) -> tuple[int, int]:
     """Stage 3's (largest group gathered at once, elements gathered at the start): the plan's
-    (:meth:`jzero.sharding.plan.Plan.gathered_working_set`), the largest group as a traced step
-    gathers it (a unit inside the model's own ``nn.scan`` gathers one layer's slice per call)."""
+    (:meth:`jzero.sharding.plan.Plan.gathered_working_set`), the largest group as the model
+    really runs once measured from a ``state`` and ``batch`` (a unit inside the model's own
+    ``nn.scan`` gathers one layer's slice per call; :func:`jzero.train.step.gathered_groups`)."""
     largest, upfront = self._require_plan().gathered_working_set()
-    traced = self._programs().traced_gathered
-    return (traced if traced is not None and self.plan.stage == 3 else largest), upfront
+    if self.plan.stage != 3:
+      return largest, upfront
+    groups = self._programs().gathered(state, batch)
+    return (max(groups, default=0) if groups is not None else largest), upfront
+
+  def make_plan(self, sample_batch: Any = None) -> Plan:
+    """The engine's plan, made from the config and the model if it has none yet (as
+    :meth:`init` makes it; ``sample_batch``: for Linen models, as there)."""
+    if self.plan is None:
+      self.plan = setup.plan_from_config(self.config, self.mesh, self.model, self.stacked_layers,
+                                         self.zeropp, jax.random.key(0), sample_batch)
+    return self.plan
+
+  def abstract_state(self, sample_batch: Any = None, *, full: bool = True) -> TrainState:
+    """The TrainState as ShapeDtypeStructs with their shardings, a pure function of the plan
+    (:func:`jzero.train.setup.abstract_state`; makes the plan if needed): as checkpoints hold it
+    (every array in its real shape, no hpZ secondary), or with ``full=False`` as
+    :meth:`train_step` takes it (what a tier holds outside the state as its placeholders, the
+    secondary partitions) -- what a step compiles for."""
+    plan = self.make_plan(sample_batch)
+    parts = self._programs().parts
+    held = None if full else registry.held(parts.tiers, plan)
+    abstract = setup.abstract_state(plan, self.model, parts.update, self.scaler, sample_batch,
+                                    held)
+    shardings = self.state_shardings()
+    if full:
+      shardings = shardings._replace(secondary=None)
+    return jax.tree.map(lambda sharding, x: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), x), shardings,
+        abstract, is_leaf=lambda x: isinstance(x, NamedSharding))
 
   # -- init -------------------------------------------------------------------------------------
   def init(self, rng: jax.Array, sample_batch: Any = None, *, params: PyTree = None,
@@ -215,16 +261,15 @@ class Engine:
     if self.plan is None:
       self.plan = setup.plan_from_config(self.config, self.mesh, self.model, self.stacked_layers,
                                          self.zeropp, rng, sample_batch)
-    for tier in self.tiers:
-      tier.prepare(self)
+    parts = self._programs().parts  # the tiers' resources opened first
     devices = list(self.mesh.mesh.devices.flat)
     rng = host_or_mesh(rng, devices, "rng")
     if params is not None:
       params = host_or_mesh(params, devices, "params")
     if model_state is not None:
       model_state = host_or_mesh(model_state, devices, "model_state")
-    state = setup.initial_state(self.plan, self.model, self.tx, self.scaler, self.tiers,
-                                self.delayed, self, self.state_shardings(), rng, sample_batch,
+    state = setup.initial_state(self.plan, self.model, parts.update, self.scaler, parts.tiers,
+                                parts.resources, self.state_shardings(), rng, sample_batch,
                                 params, model_state)
     return self.with_secondary(state)
 
@@ -269,35 +314,56 @@ class Engine:
                                self.plan if self.check_input_ids else None)
 
   # -- steps ---------------------------------------------------------------------------------------
-  def variant_for(self, state: TrainState) -> dict:
-    """The step variant ``state`` would run with next, by name (e.g. the delayed update's prime
-    step, ``{"delayed": False}``, for a state that carries no gradient)."""
+  def variant_for(self, state: TrainState) -> Variant | None:
+    """The step variant ``state`` would run with next (e.g. the delayed update's prime step,
+    ``Variant.PRIME``, for a state that carries no gradient; None: the plain step)."""
     step = self._runner.step
-    return self._runner.variants(self.delayed, state,
-                                 step if step is not None else int(state.step))
+    return self._runner.variant(self.delayed, state,
+                                step if step is not None else int(state.step))
 
   @property
   def step_variants(self) -> tuple:
-    """The variants of the fused step built so far (each a tuple of (name, variant) pairs; ``()``:
+    """The variants of the fused step built so far (:class:`jzero.tiers.delayed.Variant`; None:
     the plain step)."""
     return self._built.variants if self._built is not None else ()
 
-  def jitted_step(self, batch: PyTree, variants: dict | None = None):
-    """The jitted (not yet compiled) fused step of ``variants`` (default: the steady step, e.g.
-    the delayed update's step that applies the carried gradient), to lower or ``jax.export``."""
-    self._batches.check(batch, self._tracer())
-    if variants is None:
-      variants = self._runner.variants(self.delayed, None, None)
-    return self._programs().fused(batch, variants)
+  def jitted_step(self, batch: PyTree, variant: Variant | None = None):
+    """The jitted (not yet compiled) fused step of ``variant``, to lower or ``jax.export``
+    with a state of this engine: ``engine.jitted_step(batch).lower(state, batch)``.
 
-  def jitted_split_step(self, batch: PyTree, variants: dict | None = None) -> tuple:
+    Without the delayed update there is one step. With it, the default is the step any state
+    :meth:`init` or a restore returns runs (``Variant.READ``: it reads the carried gradient's
+    flag); :meth:`compile_step` compiles the steady step the engine runs, and
+    :meth:`lowerable` labels a state for another variant's step (the variant is part of the
+    state's tree structure: :class:`jzero.tiers.delayed.DelayedGrads`)."""
+    self._batches.check(batch, self._tracer())
+    if variant is None and self.delayed is not None:
+      variant = Variant.READ
+    return self._programs().fused(batch, variant)
+
+  @property
+  def steady_variant(self) -> Variant | None:
+    """The variant of the step the engine runs once a delayed update applies a gradient every
+    step (None without the delayed update)."""
+    return self._runner.variant(self.delayed, None, None)
+
+  def lowerable(self, state: TrainState, variant: Variant | None) -> TrainState:
+    """``state`` labelled for the step :meth:`jitted_step` returns for ``variant``; ``state``
+    itself without the delayed update."""
+    return state if self.delayed is None else self.delayed.labelled(state, variant)
+
+  def jitted_split_step(self, batch: PyTree, variant: Variant | None = None) -> tuple:
     """The step as two jits, ``(state, batch) -> grads`` and ``(state, *grads) -> (state,
-    metrics, outputs)``: what ``wall_clock_breakdown`` times."""
-    return self._programs().split(batch, variants)
+    metrics, outputs)``: what ``wall_clock_breakdown`` times (with the delayed update, the step
+    that reads the carried flag: ``Variant.READ``)."""
+    if variant is None and self.delayed is not None:
+      variant = Variant.READ
+    return self._programs().split(batch, variant)
 
   def compile_step(self, state: TrainState, batch: PyTree):
     """The compiled step (for ``memory_analysis()`` and the HLO) without running it."""
-    return self.jitted_step(batch).lower(state, batch).compile()
+    variant = self.steady_variant
+    return self.jitted_step(batch, variant).lower(self.lowerable(state, variant), batch).compile()
 
   def train_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch (leading dim ``train_batch_size``). Donates ``state``.
@@ -366,15 +432,8 @@ class Engine:
   def full_state(self, state: TrainState) -> TrainState:
     """``state`` with the arrays the tiers hold outside it read in (the NVMe store's masters,
     optimizer state and params, laid out by the plan): what checkpoints save."""
-    return registry.through(self.tiers, "full_state", self, state)
-
-  def expand_abstract(self, abstract: TrainState) -> TrainState:
-    """An abstract TrainState with the real shapes of what :meth:`full_state` reads in."""
-    return registry.through(self.tiers, "expand_abstract", self, abstract)
-
-  def absorb(self, state: TrainState) -> TrainState:
-    """A full state (a restore) -> what the tiers hold taken in, as the step expects it."""
-    return registry.through(self.tiers, "absorb", self, state)
+    plan = self._require_plan()
+    return registry.full_state(self.tiers, plan, self._open(), state)
 
   # -- checkpoints (jzero.checkpoint) -------------------------------------------------------------
   def save_checkpoint(self, state: TrainState, directory: str | Path | None = None,
@@ -383,7 +442,10 @@ class Engine:
     """DeepSpeed's ``save_checkpoint(save_dir, tag, client_state, save_latest)`` with the state
     passed first: an asynchronous sharded save of ``state`` as ``directory/<tag>`` (default tag:
     its step); returns the tag (:func:`jzero.checkpoint.save_checkpoint`)."""
-    tag = checkpoint.save_checkpoint(self, state, directory, tag, keep=keep,
+    if hasattr(state, "opt_state"):  # (a DeepSpeed-style call is refused by the checkpoint)
+      self.check_live(state, "save_checkpoint")
+    tag = checkpoint.save_checkpoint(self.plan, state, self.resources, directory, tag,
+                                     config=self.config, tx=self.tx, keep=keep,
                                      client_state=client_state, save_latest=save_latest)
     self._runner.preemption.saved = (Path(directory), int(tag) if str(tag).isdigit() else None)
     return tag
@@ -392,18 +454,27 @@ class Engine:
                       params_only: bool = False, sample_batch: Any = None,
                       with_client_state: bool = False) -> Any:
     """A checkpoint of any stage / device count in this engine's placement: the TrainState, or
-    ``(state, client_state)`` (:func:`jzero.checkpoint.load_checkpoint`)."""
+    ``(state, client_state)`` (:func:`jzero.checkpoint.load_checkpoint`; the plan is made if
+    the engine has none)."""
     self._runner.step = None  # read from the restored state at its first step
-    return checkpoint.load_checkpoint(self, directory, tag, params_only=params_only,
-                                      sample_batch=sample_batch,
-                                      with_client_state=with_client_state)
+    target = self.abstract_state(sample_batch)
+    out = checkpoint.load_checkpoint(self.plan, target, self._open(), directory, tag,
+                                     config=self.config, tx=self.tx, scaler=self.scaler,
+                                     delayed=self.delayed, params_only=params_only,
+                                     with_client_state=with_client_state)
+    if with_client_state:
+      return self.with_secondary(out[0]), out[1]
+    return self.with_secondary(out)
 
   def import_deepspeed(self, ds: Any, convert: Callable[[dict], PyTree], *,
                        rng: jax.Array | None = None, sample_batch: Any = None) -> TrainState:
     """A DeepSpeed run's checkpoint ``ds`` continued in this engine's plan
     (:func:`jzero.checkpoint.import_deepspeed`)."""
     self._runner.step = None  # read from the imported state at its first step
-    return checkpoint.import_deepspeed(self, ds, convert, rng=rng, sample_batch=sample_batch)
+    target = self.abstract_state(sample_batch)
+    return self.with_secondary(checkpoint.import_deepspeed(
+        self.plan, target, self._open(), ds, convert, model=self.model, config=self.config,
+        tx=self.tx, scaler=self.scaler, delayed=self.delayed, rng=rng, sample_batch=sample_batch))
 
   def import_optax(self, params: PyTree, opt_state: PyTree, *, step: int | None = None,
                    rng: jax.Array | None = None, sample_batch: Any = None,
@@ -413,8 +484,23 @@ class Engine:
     and sharded by the plan (:func:`jzero.checkpoint.import_optax`). Its Orbax checkpoint:
     ``engine.import_optax(**checkpoint.read_optax(directory))``."""
     self._runner.step = None  # read from the imported state at its first step
-    return checkpoint.import_optax(self, params, opt_state, step=step, rng=rng,
-                                   sample_batch=sample_batch, **collections)
+    target = self.abstract_state(sample_batch)
+    return self.with_secondary(checkpoint.import_optax(
+        self.plan, target, self._open(), params, opt_state, model=self.model, tx=self.tx,
+        scaler=self.scaler, delayed=self.delayed, step=step, rng=rng, sample_batch=sample_batch,
+        **collections))
+
+  def load_weights(self, path: str | Path, *, sample_batch: Any = None) -> PyTree:
+    """Plain weights (safetensors, a Hugging Face index, a params-only Orbax checkpoint) as a
+    params tree for :meth:`init`'s ``params=``, placed by the plan, each process reading only what
+    its devices hold (:func:`jzero.checkpoint.load_weights`; the plan is made if needed)."""
+    return checkpoint.load_weights(self.make_plan(sample_batch), self.model, path,
+                                   sample_batch=sample_batch)
+
+  def load_model_state(self, path: str | Path, *, sample_batch: Any = None) -> dict:
+    """The model state (BatchNorm's statistics) of plain weights that hold it, for :meth:`init`'s
+    ``model_state=`` (:func:`jzero.checkpoint.load_model_state`)."""
+    return checkpoint.load_model_state(self.model, path, sample_batch=sample_batch)
 
   def wait_for_checkpoints(self) -> None:
     """Blocks until every pending save is finalized (``latest`` moved)."""
@@ -423,7 +509,12 @@ class Engine:
   def memory_report(self, state: TrainState, batch: PyTree = None):
     """Measured per-device bytes next to the estimator's prediction
     (:mod:`jzero.analysis.memory_report`)."""
-    return memory_report_lib.memory_report(self, state, batch)
+    plan = self._require_plan()
+    # compiled first: tracing the step tells the gathered working set as the model really runs
+    compiled = self.compile_step(state, batch) if batch is not None else None
+    return memory_report_lib.memory_report(plan, state, self._open(), config=self.config,
+                                           tx=self.tx, compiled=compiled,
+                                           gathered=self.gathered_working_set(state, batch))
 
   def bind(self, params: PyTree, model_state: PyTree = None) -> Any:
     """The user's model built from logical params (e.g. :meth:`logical_params`) and, for a model

@@ -22,6 +22,7 @@ from jzero.config import Config
 from jzero.config.messages import user_stacklevel
 from jzero.errors import ConfigError, JZeroWarning
 from jzero.runtime.data import DataLoader
+from jzero.runtime import logs
 from jzero.runtime.distributed import init_distributed
 from jzero.sharding.mesh import MeshSpec, ZeroMesh
 from jzero.tiers import delayed, nvme_settings, registry
@@ -97,6 +98,7 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
   The config's monitors (``tensorboard``, ``csv_monitor``, ``wandb``) are opened here, on process
   0, and written every step (:mod:`jzero.train.monitor`).
   """
+  logs.show_log()  # jzero's log on stdout, as DeepSpeed's (unless the application configured it)
   init_distributed()  # joins the other processes when launched as one of several (jzero launch, SLURM...)
   given = config if isinstance(config, Config) else Config.load(config)
   given.check_supported()
@@ -116,7 +118,9 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
         "unconditionally, so that the host update overlaps the next forward and backward. Use "
         "fp16, or bf16 (check_grad_overflow: true), to have such steps skipped.",
         JZeroWarning, stacklevel=user_stacklevel())
-  nvme = nvme_settings.settings_from_config(cfg, client_optimizer=optimizer is not None)
+  # the NVMe tier's settings checked now (its path, a client optimizer), before any device work;
+  # the tier reads them again when it opens its store
+  nvme_settings.settings_from_config(cfg, client_optimizer=optimizer is not None)
   if optimizer is None:
     tx, schedule = build_optimizer(_block(cfg.optimizer), _block(cfg.scheduler))
   else:
@@ -158,7 +162,7 @@ def initialize(model: Any, loss_fn: Callable[..., Any], config: Config | dict | 
     stacked_layers = adapter.stacked_layers
   engine = Engine(config=cfg, mesh=zmesh, model=adapter, loss_fn=loss_fn, tx=tx,
                   schedule=schedule, scaler=scaler, stacked_layers=_as_prefixes(stacked_layers),
-                  training_dataloader=loader, zeropp=zeropp, nvme_settings=nvme,
+                  training_dataloader=loader, zeropp=zeropp,
                   monitor=Monitor.from_config(cfg), tokens_per_sample=tokens_per_sample)
   if loader is not None:
     loader.check = engine._check_input_ids

@@ -1,7 +1,8 @@
 """What an engine builds once, before its first step: the plan of its config
 (:func:`plan_from_config`: the layout, then the tiers' placement), what the plan's step computes
-with (:func:`step_parts`), and a new train state created directly in that plan's placement
-(:func:`initial_state`).
+with (:func:`step_parts`: the tiers' resources and the update chain among it), a new train state
+created directly in that plan's placement (:func:`initial_state`), and its shapes without one
+(:func:`abstract_state`, a pure function of the plan).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jzero.comm import layouts
 from jzero.config import Config
 from jzero.config.blocks import DTYPES
 from jzero.errors import JZeroWarning
@@ -26,15 +28,15 @@ from jzero.sharding.plan import LeafPlan, Plan, flatten_paths
 from jzero.sharding.planner import CommSettings, Dtypes, Layout, make_plan
 from jzero.sharding.zeropp import ZeroPP
 from jzero.tiers import registry
-from jzero.tiers.base import EngineView, Tier
+from jzero.tiers.base import Resources, Tier, Update
 from jzero.tiers.delayed import DelayedUpdate
 from jzero.train import input_checks
 from jzero.train import step as step_lib
-from jzero.train.update import DeviceUpdate
 from jzero.train.precision import LossScaler
+from jzero.tiers.updates import Held, shrink
 from jzero.train.state import TrainState
 
-__all__ = ["initial_state", "plan_from_config", "step_parts", "train_key"]
+__all__ = ["abstract_state", "initial_state", "plan_from_config", "step_parts", "train_key"]
 
 PyTree = Any
 
@@ -100,36 +102,68 @@ def _say_auto_prefetch(plan: Plan, max_live_parameters: int | str) -> None:
         "set here for the better one.", JZeroWarning, stacklevel=3)
 
 
-def step_parts(engine: Any) -> step_lib.StepParts:
-  """What the step of ``engine``'s plan computes with: the engine's model, loss, optimizer and
-  loss scaler, its active tiers, the device's update wrapped by theirs
-  (:func:`jzero.tiers.registry.update`), its delayed update and the config's numbers."""
-  plan, tiers = engine.plan, engine.tiers
+def step_parts(plan: Plan, config: Config, model: ModelAdapter, loss_fn: Any,
+               tx: optax.GradientTransformation, schedule: Any, scaler: LossScaler,
+               delayed: DelayedUpdate | None, resources: Resources) -> step_lib.StepParts:
+  """What the step of ``plan`` computes with: the model, loss, optimizer (``schedule``: the
+  config's, None for a client optax transformation) and loss scaler, the plan's tiers and their
+  ``resources``, the update chain (:func:`jzero.tiers.registry.update`) with the delayed update
+  in it, and the config's numbers."""
+  tiers = registry.active(plan)
   return step_lib.StepParts(
-      plan=plan, model=engine.model, loss_fn=engine.loss_fn, tx=engine.tx,
-      schedule=engine.schedule, scaler=engine.scaler, tiers=tiers,
-      update=registry.update(tiers, engine, DeviceUpdate(plan, engine.tx)),
-      delayed=engine.delayed,
-      settings=step_lib.StepSettings.from_config(engine.config, prefetch=plan.prefetch),
-      tier_view=engine)
+      plan=plan, model=model, loss_fn=loss_fn, tx=tx, schedule=schedule, scaler=scaler,
+      tiers=tiers, resources=resources,
+      update=registry.update(tiers, plan, config, tx, resources, elementwise=schedule is not None,
+                             delayed=delayed),
+      delayed=delayed,
+      settings=step_lib.StepSettings.from_config(config, prefetch=plan.prefetch))
 
 
-def initial_state(plan: Plan, model: ModelAdapter, tx: optax.GradientTransformation,
-                  scaler: LossScaler, tiers: tuple[Tier, ...], delayed: DelayedUpdate | None,
-                  view: EngineView,
-                  shardings: TrainState, rng: jax.Array, sample_batch: Any = None,
-                  params: PyTree = None, model_state: PyTree = None) -> TrainState:
+def _to_layout(leaf: LeafPlan, x: jax.Array, partitioned: bool) -> jax.Array:
+  """A logical (or, partitioned, already padded) fp32 leaf in the plan's layout."""
+  if not partitioned:
+    return leaf.to_logical(x)
+  return x if x.shape == leaf.padded_shape else leaf.to_padded(x)  # given padded: as it is
+
+
+def abstract_state(plan: Plan, model: ModelAdapter, update: Update, scaler: LossScaler,
+                   sample_batch: Any = None, held: Held | None = None) -> TrainState:
+  """The TrainState of ``plan`` as ShapeDtypeStructs (global shapes): as checkpoints hold it --
+  every array in its real shape, also what a tier keeps outside the state, and no hpZ secondary
+  --, or with ``held`` (:func:`jzero.tiers.registry.held`) as the step takes it: placeholders
+  for what the tiers hold, and the secondary partitions. A pure function of the plan: the model's
+  shapes and the update chain's ``init``, traced abstractly."""
+  def make():
+    layout = plan.abstract_master()
+    layout = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), layout)
+    params = plan.map(lambda l: jnp.zeros(plan.param_shape(l), plan.compute_dtype))
+    if held is not None:
+      layout, params = shrink(plan, layout, held.state), shrink(plan, params, held.param)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32), params=params,
+        master=layout if plan.has_master else None, loss_scale=scaler.init(),
+        rng=jax.random.key_data(train_key(jax.random.key(0))), model_state={},
+        **update.init(layout))
+  abstract = jax.eval_shape(make)._replace(
+      model_state=model.abstract_model_state(jax.random.key(0), sample_batch))
+  if held is not None and plan.zeropp.hpz > 1:
+    abstract = abstract._replace(secondary=jax.eval_shape(layouts.refresh_program(plan),
+                                                          abstract.params))
+  return abstract
+
+
+def initial_state(plan: Plan, model: ModelAdapter, update: Update, scaler: LossScaler,
+                  tiers: tuple[type[Tier], ...], resources: Resources, shardings: TrainState,
+                  rng: jax.Array, sample_batch: Any = None, params: PyTree = None,
+                  model_state: PyTree = None) -> TrainState:
   """A new TrainState in ``shardings``: the model's initialisation (or ``params``, checked
   against the plan) laid out by the plan, the model's initial state (or ``model_state``, checked
-  against the model's), fresh optimizer and loss-scaler state, nothing carried by
-  the delayed update (``delayed``; None: it is off), each tier's
-  :meth:`~jzero.tiers.base.Tier.initial_layout` and, outside an ``eval_shape``, its
-  :meth:`~jzero.tiers.base.Tier.after_init` (e.g. the NVMe store's first write). Without the hpZ
+  against the model's), the update chain's fresh state (``update.init``: optimizer state, nothing
+  carried by the delayed update), placeholders where a tier keeps state outside the arrays, and
+  -- after the jit -- each tier's initial masters written into its resource
+  (:func:`jzero.tiers.registry.write_initial`, e.g. the NVMe store's first slot). Without the hpZ
   secondary partitions (the engine computes them)."""
-  def to_layout(leaf: LeafPlan, x: jax.Array, partitioned: bool) -> jax.Array:
-    if not partitioned:
-      return leaf.to_logical(x)
-    return x if x.shape == leaf.padded_shape else leaf.to_padded(x)  # given padded: as it is
+  held, kept = registry.held(tiers, plan), registry.kept(tiers, plan)
 
   def make_state(rng, params, model_state):
     if params is None or model_state is None:  # module.init(rng)'s variables
@@ -137,24 +171,24 @@ def initial_state(plan: Plan, model: ModelAdapter, tx: optax.GradientTransformat
       params = fresh_params if params is None else params
       model_state = fresh_state if model_state is None else model_state
     p32 = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-    state_layout = plan.map(lambda l, x: to_layout(l, x, l.state_partitioned), p32)
-    params = plan.map(lambda l, x: to_layout(l, x, l.param_partitioned).astype(
+    state_layout = plan.map(lambda l, x: _to_layout(l, x, l.state_partitioned), p32)
+    params = plan.map(lambda l, x: _to_layout(l, x, l.param_partitioned).astype(
         plan.compute_dtype), p32)
-    outputs = {}  # e.g. the NVMe store's initial masters; the state holds placeholders
-    for tier in tiers:
-      state_layout, params, out = tier.initial_layout(view, state_layout, params)
-      if out is not None:
-        outputs[tier.name] = out
+    # what a tier's resource keeps starts from the full masters; the state holds placeholders
+    masters = {l.path: x for l, x in zip(plan.leaf_list(), jax.tree.leaves(state_layout))
+               if l.path in kept}
+    state_layout = shrink(plan, state_layout, held.state)
+    params = shrink(plan, params, held.param)
     state = TrainState(
         step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32), params=params,
-        master=state_layout if plan.has_master else None, opt_state=tx.init(state_layout),
-        loss_scale=scaler.init(), rng=jax.random.key_data(train_key(rng)),
-        model_state=jax.tree.map(jnp.asarray, model_state),
-        delayed=delayed.init(state_layout) if delayed else None)
-    return state, outputs
+        master=state_layout if plan.has_master else None, loss_scale=scaler.init(),
+        rng=jax.random.key_data(train_key(rng)),
+        model_state=jax.tree.map(jnp.asarray, model_state), **update.init(state_layout))
+    return state, masters
 
-  out_shardings = (shardings._replace(secondary=None),
-                   {t.name: s for t in tiers if (s := t.init_output_shardings(view)) is not None})
+  masters_shardings = {l.path: plan.sharding(plan.state_spec(l)) for l in plan.leaf_list()
+                       if l.path in kept}
+  out_shardings = (shardings._replace(secondary=None), masters_shardings)
   params = model.initial_params if params is None else params
   if model_state is not None:
     input_checks.check_model_state(model_state, model.abstract_model_state(rng, sample_batch))
@@ -165,9 +199,6 @@ def initial_state(plan: Plan, model: ModelAdapter, tx: optax.GradientTransformat
   if params is not None:
     input_checks.check_params(plan, params)
   given = (params, model_state)
-  state, outputs = jax.jit(lambda r, g: make_state(r, *g), out_shardings=out_shardings)(rng, given)
-  if not isinstance(state.step, jax.core.Tracer):  # not under eval_shape (a restore's shapes)
-    for tier in tiers:
-      if tier.name in outputs:
-        tier.after_init(view, state, outputs[tier.name])
+  state, masters = jax.jit(lambda r, g: make_state(r, *g), out_shardings=out_shardings)(rng, given)
+  registry.write_initial(tiers, plan, resources, masters)
   return state

@@ -14,7 +14,7 @@ from jzero.sharding.plan import Plan
 from jzero.train.precision import LossScaleState
 
 if TYPE_CHECKING:  # annotations only: the delayed update defines the carried state
-  from jzero.tiers.delayed import DelayedGrads, DelayedUpdate
+  from jzero.tiers.delayed import DelayedGrads, DelayedUpdate, Variant
 
 __all__ = ["TrainState", "logical_params", "state_memory_kinds", "state_specs"]
 
@@ -57,25 +57,27 @@ class TrainState(NamedTuple):
 
 
 def state_specs(plan: Plan, tx: optax.GradientTransformation,
-                delayed: DelayedUpdate | None = None) -> TrainState:
+                delayed: DelayedUpdate | None = None, variant: Variant | None = None) -> TrainState:
   """PartitionSpecs of every TrainState leaf (prefix tree); ``delayed``: the delayed update, whose
-  carried state the TrainState holds (``delayed``)."""
+  carried state the TrainState holds (``delayed``), for the step of ``variant`` (None: a state no
+  step variant is written into yet)."""
   return TrainState(step=P(), skipped=P(), params=plan.param_specs(),
                     master=plan.state_specs() if plan.has_master else None,
                     opt_state=plan.opt_specs(tx), loss_scale=P(), rng=P(), model_state=P(),
                     secondary=plan.secondary_specs(),
-                    delayed=delayed.specs(plan) if delayed else None)
+                    delayed=_delayed(delayed.specs, variant, plan) if delayed else None)
 
 
 def state_memory_kinds(plan: Plan, tx: optax.GradientTransformation,
-                       delayed: DelayedUpdate | None = None) -> TrainState:
+                       delayed: DelayedUpdate | None = None,
+                       variant: Variant | None = None) -> TrainState:
   """Memory kind of every TrainState leaf (prefix tree; None: JAX's default, the device). A leaf's
   master and optimizer state, and its stored param, are in the memory kinds the plan records
   (host memory under ZeRO-Offload: :mod:`jzero.tiers.host_optimizer`,
   :mod:`jzero.tiers.host_params`)."""
   device = plan.memory_kind()
   if device is None:  # every leaf on the device
-    return jax.tree.map(lambda _: device, state_specs(plan, tx, delayed),
+    return jax.tree.map(lambda _: device, state_specs(plan, tx, delayed, variant),
                         is_leaf=lambda x: isinstance(x, P))
   return TrainState(step=device, skipped=device, params=plan.map(plan.param_memory_kind),
                     master=plan.map(plan.state_memory_kind) if plan.has_master else None,
@@ -83,7 +85,14 @@ def state_memory_kinds(plan: Plan, tx: optax.GradientTransformation,
                     model_state=device,
                     secondary=jax.tree.map(lambda _: device, plan.secondary_specs(),
                                            is_leaf=lambda x: isinstance(x, P)),
-                    delayed=delayed.memory_kinds(plan, device) if delayed else None)
+                    delayed=(_delayed(delayed.memory_kinds, variant, plan, device) if delayed
+                             else None))
+
+
+def _delayed(make: Any, variant: Variant | None, *args: Any) -> DelayedGrads:
+  """The delayed update's ``make(*args)`` (specs or memory kinds) for ``variant`` (None: its
+  default)."""
+  return make(*args) if variant is None else make(*args, variant=variant)
 
 
 def logical_params(plan: Plan, full_state: TrainState, dtype: Any = jnp.float32) -> PyTree:

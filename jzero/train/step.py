@@ -2,10 +2,12 @@
 the jitted step (MaxText's ``train_step(model, config, state_shardings, state, data)`` shape).
 
 What the step reads is explicit: :class:`StepParts` -- the plan, the model adapter, the loss, the
-optax transformation and schedule, the loss scaler, the active tiers, the update they compose, the
-delayed update and the config's numbers (:class:`StepSettings`). The engine builds one
-:class:`BuiltStep` per step variant and keeps it; the step writes nothing outside itself (what
-tracing learns -- the groups stage 3 gathered -- is the built step's :class:`StepTrace`).
+optax transformation and schedule, the loss scaler, the active tiers and what they own at run time
+(:data:`jzero.tiers.base.Resources`), the update chain they compose, the delayed update and the
+config's numbers (:class:`StepSettings`). The step is a function of its state and batch: the
+delayed update's variant is in the state (:class:`jzero.tiers.delayed.DelayedGrads`), and tracing
+writes nothing outside the step (the groups stage 3 gathers are measured by tracing the forward
+pass on its own, :func:`gathered_groups`).
 
 One optimizer step is one ``jax.jit`` whose body is a ``shard_map`` over the whole mesh, with the
 plan's shardings as the jit's in/out shardings and the train state donated. Inside, every
@@ -42,7 +44,7 @@ import dataclasses
 import functools
 import inspect
 import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -57,14 +59,14 @@ from jzero.modeling.layer_scan import LayerPolicy, engine_context
 from jzero.modeling.model_adapter import ModelAdapter
 from jzero.modeling.model_state import explain_unbound_axis
 from jzero.sharding.plan import LeafPlan, Plan
-from jzero.tiers.base import EngineView, Tier, Update
+from jzero.tiers.base import Resources, Tier, Update
 from jzero.tiers.delayed import DelayedUpdate
 from jzero.train import update as update_lib
 from jzero.train.precision import LossScaler
 from jzero.train.state import TrainState
 
-__all__ = ["BuiltStep", "StepParts", "StepSettings", "StepTrace", "build_eval", "build_split_step",
-           "build_step", "split_loss", "takes_rng", "trace_loss"]
+__all__ = ["StepParts", "StepSettings", "build_eval", "build_split_step", "build_step",
+           "gathered_groups", "split_loss", "takes_rng", "trace_loss"]
 
 PyTree = Any
 
@@ -116,11 +118,9 @@ class StepSettings:
 
 @dataclasses.dataclass(frozen=True)
 class StepParts:
-  """Everything a step computes with. ``tiers``: the active tiers, whose forward-pass hooks the
-  step calls; ``update``: how the optimizer update runs, the device's wrapped by the tiers'
-  (:func:`jzero.tiers.registry.update`); ``delayed``: the delayed parameter update, or None;
-  ``tier_view``: what the tiers' hooks receive (:class:`jzero.tiers.base.EngineView`); the step
-  itself reads none of it."""
+  """Everything a step computes with. ``tiers``: the active tiers (classes), whose forward-pass
+  hooks the step calls with their ``resources``; ``update``: the update chain
+  (:func:`jzero.tiers.registry.update`); ``delayed``: the delayed parameter update, or None."""
 
   plan: Plan
   model: ModelAdapter
@@ -128,11 +128,11 @@ class StepParts:
   tx: optax.GradientTransformation
   schedule: Callable[[jax.Array], jax.Array] | None
   scaler: LossScaler
-  tiers: tuple[Tier, ...]
+  tiers: tuple[type[Tier], ...]
+  resources: Resources
   update: Update
   delayed: DelayedUpdate | None
   settings: StepSettings
-  tier_view: EngineView
 
   @property
   def loss_takes_rng(self) -> bool:
@@ -150,21 +150,6 @@ class StepParts:
       raise explained from None
 
 
-@dataclasses.dataclass
-class StepTrace:
-  """What tracing a step learned: the full-parameter elements of each group stage 3 gathered
-  together (:class:`jzero.modeling.layer_scan.TraceLog`); None until the step is traced."""
-
-  gathered: tuple[int, ...] | None = None
-
-
-class BuiltStep(NamedTuple):
-  """A jitted step and what tracing it learned."""
-
-  fn: Any
-  trace: StepTrace
-
-
 # -- what the model sees ---------------------------------------------------------------------------
 def grad_targets(parts: StepParts, params: PyTree) -> PyTree:
   """What the step differentiates, per leaf: what a tier holding the leaf's param says (a zero
@@ -176,7 +161,7 @@ def grad_targets(parts: StepParts, params: PyTree) -> PyTree:
 
   def target(leaf: LeafPlan, p: jax.Array) -> jax.Array:
     for tier in parts.tiers:
-      if (slot := tier.grad_target(parts.tier_view, leaf, p)) is not None:
+      if (slot := tier.grad_target(plan, leaf, p)) is not None:
         return slot
     if leaf.grad_partitioned and not leaf.param_partitioned:
       shape = list(leaf.padded_shape)
@@ -212,7 +197,7 @@ def bind(parts: StepParts, targets: PyTree, params: PyTree, secondary: PyTree,
     if leaf.param_partitioned:
       extra = {}  # where a tier's partition comes from when gather() runs (jzero.tiers)
       for tier in parts.tiers:
-        extra.update(tier.gather_inputs(parts.tier_view, leaf, p) or {})
+        extra.update(tier.gather_inputs(plan, parts.resources.get(tier.name), leaf, p) or {})
       zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, plan.comm_dtype,
                      secondary=sec, comm=comm, path=leaf.path, **extra)
       keep = leaf.stacked or leaf.unit is not None
@@ -262,11 +247,10 @@ def _reduce_final(plan: Plan, leaf: LeafPlan, g: jax.Array) -> jax.Array:
   return g.astype(jnp.float32)
 
 
-def local_grads(parts: StepParts, trace: StepTrace, state: TrainState, batch: PyTree):
+def local_grads(parts: StepParts, state: TrainState, batch: PyTree):
   """Forward + backward over the micro-batches and the gradient reduction, on one device's
   blocks. Returns (fp32 gradients summed over devices in the state layout, still multiplied by
-  the loss scale; mean loss; mean aux; the model state the last micro-batch left). ``trace``
-  receives the groups stage 3 gathered."""
+  the loss scale; mean loss; mean aux; the model state the last micro-batch left)."""
   plan, settings, axes = parts.plan, parts.settings, parts.plan.mesh
   gas, micro, policy = settings.gas, settings.micro_batch_size, settings.layer_policy
   micro_batches = jax.tree.map(lambda x: x.reshape((gas, micro) + x.shape[1:]), batch)
@@ -280,7 +264,6 @@ def local_grads(parts: StepParts, trace: StepTrace, state: TrainState, batch: Py
       model = bind(parts, targets, state.params, state.secondary, model_state, rng)
       out = parts.call_loss(model, mb, rng)
       model_state = parts.model.model_state(model)
-    trace.gathered = tuple(log.gathered)
     if policy.offload_inputs and not sum(log.tagged):
       warnings.warn(
           "activation_checkpointing.cpu_checkpointing: the model ran no jzero remat region "
@@ -329,6 +312,30 @@ def trace_loss(parts: StepParts, batch: PyTree) -> None:
   jax.eval_shape(loss, params, model_state, micro)
 
 
+def gathered_groups(parts: StepParts, specs: TrainState, state: Any, batch: PyTree) -> tuple:
+  """The full-parameter elements of each group stage 3 gathers together in the step's forward
+  pass as the model really runs (:class:`jzero.modeling.layer_scan.TraceLog`: a scanned layer, a
+  unit's call -- one layer's slice per call inside a model's own ``nn.scan``), measured by tracing
+  one micro-batch's forward pass abstractly (``state`` and ``batch``: arrays or
+  ShapeDtypeStructs with the step's ``specs``); no device work. A pure function: the traced
+  forward returns one empty-valued array per group, whose length is the group's size."""
+  plan, settings = parts.plan, parts.settings
+
+  def forward(state, batch):
+    mb = jax.tree.map(lambda x: x[:settings.micro_batch_size], batch)
+    rng = jax.random.wrap_key_data(state.rng)  # a training pass's key (its value is not read)
+    with engine_context(settings.layer_policy) as log, one_pass():
+      model = bind(parts, grad_targets(parts, state.params), state.params, state.secondary,
+                   state.model_state, rng)
+      parts.call_loss(model, mb, rng)
+    return tuple(jnp.zeros((n,), jnp.int8) for n in log.gathered)
+
+  batch_specs = jax.tree.map(lambda _: plan.batch_spec(), batch)
+  local = program.shard_map(plan, forward, (specs, batch_specs), P())
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch))
+  return tuple(x.shape[0] for x in jax.eval_shape(local, *abstract))
+
+
 # -- jit(shard_map(...)) ---------------------------------------------------------------------------
 def _jit(plan: Plan, state_kinds: TrainState, fn, in_specs: tuple, out_specs: Any,
          donate: tuple[int, ...]):
@@ -345,43 +352,40 @@ def _jit(plan: Plan, state_kinds: TrainState, fn, in_specs: tuple, out_specs: An
 
 def _out_specs(parts: StepParts, specs: TrainState) -> tuple:
   """(state, metrics, outputs) specs; outputs: what the update's work after the step reads."""
-  return (specs, P(), parts.update.output_specs())
+  return (specs, P(), parts.update.output_specs)
 
 
-def build_step(parts: StepParts, specs: TrainState, kinds: TrainState, batch: PyTree,
-               variants: dict | None = None) -> BuiltStep:
-  """The fused step ``(state, batch) -> (state, metrics, outputs)`` of the step variant
-  ``variants`` (the delayed update's, by its name), jitted with the state's ``specs`` and memory
-  ``kinds`` and the state donated; ``outputs``: what the update hands out of the jit for its work
-  after it."""
-  trace = StepTrace()
+def build_step(parts: StepParts, specs: TrainState, kinds: TrainState, batch: PyTree):
+  """The fused step ``(state, batch) -> (state, metrics, outputs)``, jitted with the state's
+  ``specs`` and memory ``kinds`` (with the delayed update, of one variant: the state's) and the
+  state donated; ``outputs``: what the update hands out of the jit for its work after it."""
 
   def local_step(state, batch):
-    grads, loss, aux, model_state = local_grads(parts, trace, state, batch)
+    grads, loss, aux, model_state = local_grads(parts, state, batch)
     return update_lib.local_update(parts, state._replace(model_state=model_state), grads, loss,
-                                   aux, variants)
+                                   aux)
 
   batch_specs = jax.tree.map(lambda _: parts.plan.batch_spec(), batch)
-  return BuiltStep(_jit(parts.plan, kinds, local_step, (specs, batch_specs),
-                        _out_specs(parts, specs), donate=(0,)), trace)
+  return _jit(parts.plan, kinds, local_step, (specs, batch_specs), _out_specs(parts, specs),
+              donate=(0,))
 
 
-def build_split_step(parts: StepParts, specs: TrainState, kinds: TrainState, batch: PyTree,
-                     variants: dict | None = None) -> tuple[BuiltStep, Any]:
+def build_split_step(parts: StepParts, specs: TrainState, kinds: TrainState,
+                     batch: PyTree) -> tuple[Any, Any]:
   """The step as two jits -- forward+backward+reduction, then the update -- for timing them."""
-  plan, trace = parts.plan, StepTrace()
+  plan = parts.plan
   batch_specs = jax.tree.map(lambda _: plan.batch_spec(), batch)
   grad_specs = plan.state_specs()
-  grads = _jit(plan, kinds, functools.partial(local_grads, parts, trace), (specs, batch_specs),
+  grads = _jit(plan, kinds, functools.partial(local_grads, parts), (specs, batch_specs),
                (grad_specs, P(), P(), P()), donate=())
 
   def local_update(state, grads, loss, aux, model_state):
     return update_lib.local_update(parts, state._replace(model_state=model_state), grads, loss,
-                                   aux, variants)
+                                   aux)
 
   update = _jit(plan, kinds, local_update, (specs, grad_specs, P(), P(), P()),
                 _out_specs(parts, specs), donate=(0,))
-  return BuiltStep(grads, trace), update
+  return grads, update
 
 
 def build_eval(parts: StepParts):

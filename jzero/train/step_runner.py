@@ -1,9 +1,10 @@
 """Driving the jitted steps from the host: :class:`StepRunner`.
 
 Per ``train_step`` call, on the host: the step count (read from the state once, then counted), the
-step variant the delayed update asks for (:meth:`jzero.tiers.delayed.DelayedUpdate.variant`), the
-fused step -- or with ``wall_clock_breakdown`` the two timed jits -- of that variant, the update's
-work after the jitted step (:meth:`jzero.tiers.base.Update.after_step`), the report on it
+step variant the delayed update asks for (:meth:`jzero.tiers.delayed.DelayedUpdate.variant`),
+written into the state, the fused step -- or with ``wall_clock_breakdown`` the two timed jits -- of
+that variant, the update's work after the jitted step (:meth:`jzero.tiers.base.Update.after`), the
+report on it
 (:class:`jzero.train.reporting.StepReporter`), and across processes the preemption save
 (:class:`jzero.train.preemption.PreemptionWatch`). The engine owns one runner; the programs are its
 argument.
@@ -20,7 +21,7 @@ import numpy as np
 from jzero.train import reporting
 from jzero.train.update import applied_updates
 from jzero.train.preemption import PreemptionWatch
-from jzero.train.programs import Programs, variant_key
+from jzero.train.programs import Programs
 
 __all__ = ["StepRunner"]
 
@@ -37,11 +38,10 @@ class StepRunner:
   step: int | None = None
 
   @staticmethod
-  def variants(delayed: Any, state: Any | None, step: int | None, fused: bool = True) -> dict:
-    """The step variant the delayed update ``delayed`` asks for, by its name (``{}``: the plain
-    step; ``state`` and ``step`` None: the steady step)."""
-    variant = delayed.variant(state, step, fused) if delayed is not None else None
-    return {} if variant is None else {delayed.name: variant}
+  def variant(delayed: Any, state: Any | None, step: int | None, fused: bool = True) -> Any:
+    """The step variant the delayed update ``delayed`` asks for (None: the plain step; ``state``
+    and ``step`` None: the steady step)."""
+    return delayed.variant(state, step, fused) if delayed is not None else None
 
   def run(self, programs: Programs, fused: bool, state: Any, batch: PyTree,
           memory_report: Callable[[Any], Any], save: Callable[[Any, Any], Any],
@@ -52,22 +52,21 @@ class StepRunner:
     update, delayed = programs.parts.update, programs.parts.delayed
     if self.step is None:
       self.step = int(state.step)
-    variants = self.variants(delayed, state, self.step, fused=fused)
-    built, key = programs.has(variants, fused), variant_key(variants)
-    after = update.after_step  # e.g. the NVMe store's update of its leaves
+    variant = self.variant(delayed, state, self.step, fused=fused)
+    if delayed is not None:
+      state = delayed.labelled(state, variant)
+    built = programs.has(variant, fused)
 
     if not fused:
-      grads_fn, update_fn = programs.split(batch, variants)
-      state, metrics = self.reporter.timed(("split", key), not built, grads_fn, update_fn, after,
-                                           self.step + 1, state, batch)
+      grads_fn, update_fn = programs.split(batch, variant)
+      state, metrics = self.reporter.timed(("split", variant), not built, grads_fn, update_fn,
+                                           update.after, self.step + 1, state, batch)
     else:
-      fn = programs.fused(batch, variants)
+      fn = programs.fused(batch, variant)
       lowering = lambda: [(fn, reporting.abstract_arguments((state, batch)))]
-      self.reporter.running(key, not built, lowering)
+      self.reporter.running(("fused", variant), not built, lowering)
       state, metrics, outputs = fn(state, batch)
-      state = after(state, metrics, outputs)
-      if delayed is not None:
-        delayed.seen(state, variants.get(delayed.name))
+      state = update.after(state, metrics, outputs)  # e.g. the NVMe store's update of its leaves
     self.step += 1
     self.reporter.after_step(self.step, metrics, lambda: memory_report(state),
                              _applied_updates(state, delayed))
@@ -81,8 +80,6 @@ def _applied_updates(state: Any, delayed: Any) -> Callable[[], int]:
   counters on the host. Holds those scalars, not the state: the next step donates them, and the
   reporter is handed the next state's by then."""
   step, skipped = state.step, state.skipped
-  if delayed is None:
-    return lambda: int(applied_updates(np.asarray(step), np.asarray(skipped)))
-  carried, ready = type(state.delayed), state.delayed.ready
+  ready = state.delayed.ready if delayed is not None else None
   return lambda: int(applied_updates(np.asarray(step), np.asarray(skipped), delayed,
-                                     carried(grads=None, ready=np.asarray(ready))))
+                                     None if ready is None else np.asarray(ready)))

@@ -10,6 +10,7 @@ import pytest
 from jzero.analysis import estimate as estimator
 from jzero.analysis import memory_report
 from jzero.analysis.estimate import ParamShape, estimate
+from jzero.analysis.tables import markdown_table
 from jzero.cli import estimate as estimate_cli
 from jzero.errors import ConfigError
 from jzero.models import GPT, GPTConfig
@@ -110,7 +111,7 @@ def test_params_on_nvme_keep_max_in_cpu_and_the_staging_buffers_on_the_host():
 
 @pytest.mark.parametrize("stage, opt, param, message", [
     (0, "cpu", None, "stage 1, 2 or 3"), (2, None, "cpu", "needs ZeRO stage 3"),
-    (2, None, "nvme", "needs ZeRO stage 3"), (3, "gpu", None, "'cpu' or 'nvme'")])
+    (2, None, "nvme", "needs ZeRO stage 3"), (3, "gpu", None, r"a tier's value \('cpu', 'nvme'\)")])
 def test_offload_the_stage_does_not_have_is_refused(stage, opt, param, message):
   with pytest.raises(ConfigError, match=message):
     estimate(1e9, stage, 8, offload_optimizer=opt, offload_param=param)
@@ -193,7 +194,9 @@ def test_recommend_when_nothing_fits():
 def test_measured_state_bytes_match_the_estimator(stage, bf16):
   engine, state = _engine(GPTConfig(), stage, bf16)
   assert engine.mesh.zero_size == 8
-  report = memory_report.memory_report(engine, state)
+  # the module reads the plan, the state and the tiers' resources: no engine
+  report = memory_report.memory_report(engine.plan, state, engine.resources,
+                                       config=engine.config, tx=engine.tx)
   assert report.optimizer_bytes == (12 if bf16 else 8)
   assert report.estimate.num_params == 6_394_368
   if stage == 3:
@@ -227,7 +230,7 @@ def test_reports_show_themselves_in_a_notebook():
   assert max(p.get_y() + p.get_height() for p in ax.patches) == pytest.approx(112)
 
   engine, state = _engine(TINY, 3)
-  report = memory_report.memory_report(engine, state)
+  report = engine.memory_report(state)
   title, header, rows, notes = memory_report.report_rows(report)
   page = report._repr_html_()
   assert html.escape(title) in page and all(f">{html.escape(c)}<" in page for c in header)
@@ -242,7 +245,7 @@ def test_compiled_step_memory_analysis():
   engine, state = _engine(TINY, 2)
   batch = engine.shard_batch(
       {"tokens": np.zeros((engine.global_batch_size, TINY.seq_len + 1), np.int32)})
-  report = memory_report.memory_report(engine, state, batch)
+  report = engine.memory_report(state, batch)
   c = report.compiled
   assert min(c.argument, c.output, c.temp, c.alias) > 0 and c.generated_code >= 0
   assert c.peak == c.argument + c.output + c.temp - c.alias > 0
@@ -307,3 +310,10 @@ def test_cli_bad_flags(capsys):
   with pytest.raises(SystemExit):
     _run("--params 7e9 --budget 16parsecs", capsys)
   assert estimate_cli.parse_bytes("80GiB") == 80 * 2**30 and estimate_cli.parse_bytes("16GB") == 16e9
+
+
+def test_markdown_table_lines_as_the_benchmarks_write_them():
+  """bench/plan_questions.py and plan_validation.py write their tables through one writer: a
+  header, its rule, one line per row; a '|' inside a cell is escaped."""
+  assert markdown_table(("candidate", "ms"), [("zero3|mb2", 12.5), (7, "-")]) == [
+      "| candidate | ms |", "|---|---|", "| zero3\\|mb2 | 12.5 |", "| 7 | - |"]

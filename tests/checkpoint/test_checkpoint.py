@@ -24,7 +24,6 @@ from safetensors import safe_open
 import jzero
 from jzero import checkpoint
 from jzero.checkpoint.layout import opt_leaves
-from jzero.checkpoint.restore import abstract_state, broadcast
 from jzero.cli import main as cli_main
 from jzero.errors import CheckpointError, JZeroWarning
 from jzero.models import GPTConfig
@@ -83,11 +82,11 @@ def _moment(name: str) -> str | None:
 
 def _place(engine, truth: dict) -> jzero.TrainState:
   """The TrainState ``engine`` would hold with these logical values, placed with device_put."""
-  abstract = abstract_state(engine, None)
+  abstract = engine.abstract_state()
   plan = engine.plan
   leaves = {f"{g}/{l.path}": l for g in ("params", "master") for l in plan.leaf_list()}
-  leaves.update(opt_leaves(engine, abstract.opt_state))
-  shardings = jax.tree.leaves(broadcast(engine.state_shardings(), abstract))
+  leaves.update(opt_leaves(plan, engine.tx, abstract.opt_state))
+  shardings = [x.sharding for x in jax.tree.leaves(abstract)]
   values = []
   for (name, x), sharding in zip(flat(abstract).items(), shardings):
     leaf = leaves.get(name)
@@ -110,10 +109,10 @@ def _place(engine, truth: dict) -> jzero.TrainState:
 def _check_state(engine, state: jzero.TrainState, truth: dict) -> None:
   """``state`` holds ``truth`` exactly, in ``engine``'s layout and shardings, padding zero."""
   plan = engine.plan
-  abstract = abstract_state(engine, None)
-  expected = jax.tree.leaves(broadcast(engine.state_shardings(), abstract))
+  abstract = engine.abstract_state()
+  expected = [x.sharding for x in jax.tree.leaves(abstract)]
   assert all(x.sharding == s for x, s in zip(jax.tree.leaves(state), expected))
-  leaves = opt_leaves(engine, abstract.opt_state)
+  leaves = opt_leaves(plan, engine.tx, abstract.opt_state)
   by_path = {leaf.path: leaf for leaf in plan.leaf_list()}
   for name, x in flat(state).items():
     x = np.asarray(x)
@@ -147,12 +146,12 @@ def test_reshard_matrix_stages_and_device_counts(tmp_path):
   sources = [(stage, n) for stage in range(4) for n in (2, 8)]
   for stage, n in sources:
     engine = _engine(stage, n)
-    checkpoint.save_checkpoint(engine, _place(engine, truth), tmp_path / f"s{stage}n{n}", 7)
+    engine.save_checkpoint(_place(engine, truth), tmp_path / f"s{stage}n{n}", 7)
   checkpoint.wait_until_finished()
   for target_stage in range(4):
     target = _engine(target_stage, 4)
     for stage, n in sources:
-      state = checkpoint.load_checkpoint(target, tmp_path / f"s{stage}n{n}")
+      state = target.load_checkpoint(tmp_path / f"s{stage}n{n}")
       _check_state(target, state, truth)
 
 
@@ -161,30 +160,30 @@ def test_reshard_across_precisions(tmp_path):
   from it; the loss scale is kept only when the precision is the same."""
   truth = _truth(1)
   bf16 = _engine(3, 8, "bf16")
-  checkpoint.save_checkpoint(bf16, _place(bf16, truth), tmp_path / "bf16", 7)
+  bf16.save_checkpoint(_place(bf16, truth), tmp_path / "bf16", 7)
   fp32 = _engine(1, 2)
-  checkpoint.save_checkpoint(fp32, _place(fp32, truth), tmp_path / "fp32", 7)
+  fp32.save_checkpoint(_place(fp32, truth), tmp_path / "fp32", 7)
   checkpoint.wait_until_finished()
-  _check_state(fp32, checkpoint.load_checkpoint(fp32, tmp_path / "bf16"), truth)
+  _check_state(fp32, fp32.load_checkpoint(tmp_path / "bf16"), truth)
   target = _engine(2, 4, "bf16")
-  state = checkpoint.load_checkpoint(target, tmp_path / "fp32")
+  state = target.load_checkpoint(tmp_path / "fp32")
   _check_state(target, state, truth)
   assert state.params["pos"].dtype == jnp.bfloat16 and state.master["pos"].dtype == jnp.float32
 
   fp16 = _engine(1, 4, "fp16")
-  state = checkpoint.load_checkpoint(fp16, tmp_path / "bf16")
+  state = fp16.load_checkpoint(tmp_path / "bf16")
   assert float(state.loss_scale.scale) == float(fp16.scaler.init().scale)
 
 
 def test_other_optimizer_needs_params_only(tmp_path):
   truth = _truth(2)
   source = _engine(2, 8)
-  checkpoint.save_checkpoint(source, _place(source, truth), tmp_path, 7)
+  source.save_checkpoint(_place(source, truth), tmp_path, 7)
   checkpoint.wait_until_finished()
   lion = _engine(3, 4, optimizer={"type": "Lion", "params": {"lr": 1e-4}})
   with pytest.raises(CheckpointError, match="another optimizer.*AdamW.*Lion.*params_only=True"):
-    checkpoint.load_checkpoint(lion, tmp_path)
-  state = checkpoint.load_checkpoint(lion, tmp_path, params_only=True)
+    lion.load_checkpoint(tmp_path)
+  state = lion.load_checkpoint(tmp_path, params_only=True)
   np.testing.assert_array_equal(np.asarray(lion.logical_params(state)["pos"]),
                                 truth["params"]["pos"])
   assert int(state.step) == 0
@@ -204,7 +203,7 @@ def test_resume_in_new_process_is_bitwise_exact(tmp_path):
   for job in RESUME_JOBS:
     engine = resume_engine(job)
     state, first = train(engine, engine.init(jax.random.key(0)), RESUME_AT)
-    checkpoint.save_checkpoint(engine, state, tmp_path / job, client_state={"job": job})
+    engine.save_checkpoint(state, tmp_path / job, client_state={"job": job})
     saved = {p: np.asarray(x) for p, x in flat(engine.logical_params(state)).items()}
     state, rest = train(engine, state, RESUME_STEPS)
     straight[job] = (rest, flat(engine.logical_params(state)), saved)
@@ -221,7 +220,7 @@ def test_resume_in_new_process_is_bitwise_exact(tmp_path):
 
   # A real training state, onto another stage and device count: the fp32 truth is unchanged.
   other = _engine(1, 2)
-  restored = flat(other.logical_params(checkpoint.load_checkpoint(other, tmp_path / "fp32")))
+  restored = flat(other.logical_params(other.load_checkpoint(tmp_path / "fp32")))
   for path, x in straight["fp32"][2].items():
     np.testing.assert_array_equal(np.asarray(restored[path]), x)
 
@@ -235,7 +234,7 @@ def wide_checkpoint(tmp_path_factory):
   directory = tmp_path_factory.mktemp("wide")
   engine = wide_engine()
   state = engine.init(jax.random.key(0))
-  checkpoint.save_checkpoint(engine, state, directory, 1)
+  engine.save_checkpoint(state, directory, 1)
   checkpoint.wait_until_finished()
   return directory, {p: np.asarray(x) for p, x in flat(engine.logical_params(state)).items()}
 
@@ -274,14 +273,14 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(wide_checkpoint):
     assert not (directory / str(step)).exists(), "the save finished before the kill"
     written.append(_bytes_under(tmp[0]))
     assert checkpoint.latest_tag(directory) == "1" and checkpoint.all_tags(directory) == ["1"]
-    restored = flat(engine.logical_params(checkpoint.load_checkpoint(engine, directory)))
+    restored = flat(engine.logical_params(engine.load_checkpoint(directory)))
     for path, x in weights.items():
       np.testing.assert_array_equal(np.asarray(restored[path]), x)
   print(f"bytes of the killed saves on disk after the kill: {written}")
 
-  state = checkpoint.load_checkpoint(engine, directory)
+  state = engine.load_checkpoint(directory)
   fresh = checkpoint.Checkpointer(directory)
-  fresh.save(engine, state, 10)
+  fresh.save(engine.plan, state, engine.resources, 10, config=engine.config, tx=engine.tx)
   fresh.close()
   assert not list(directory.glob("*.orbax-checkpoint-tmp*"))
   assert checkpoint.latest_tag(directory) == "10" and checkpoint.all_tags(directory) == ["1", "10"]
@@ -315,12 +314,12 @@ def test_import_weights_into_any_stage(tmp_path):
   another stage and device count: logical params equal the checkpoint's."""
   truth = _truth(3)
   source = _engine(3, 8, "bf16")
-  checkpoint.save_checkpoint(source, _place(source, truth), tmp_path / "ckpt", 7)
+  source.save_checkpoint(_place(source, truth), tmp_path / "ckpt", 7)
   checkpoint.wait_until_finished()
   checkpoint.consolidate(tmp_path / "ckpt", safetensors=tmp_path / "w.safetensors")
   checkpoint.consolidate(tmp_path / "ckpt", orbax=tmp_path / "w16", dtype="bf16")
   target = _engine(2, 4)
-  state = target.init(jax.random.key(1), params=checkpoint.load_weights(target, tmp_path /
+  state = target.init(jax.random.key(1), params=target.load_weights(tmp_path /
                                                                           "w.safetensors"))
   for path, x in flat(target.logical_params(state)).items():
     np.testing.assert_array_equal(np.asarray(x), truth["params"][path])
@@ -331,8 +330,8 @@ def test_import_weights_into_any_stage(tmp_path):
 
   with pytest.raises(CheckpointError, match=r"do not fit the model's shapes: blocks/attn_out/bias: "
                      r"\(2, 64\) in the weights, \(2, 32\) in the model"):
-    checkpoint.load_weights(_engine(0, 2, model=GPTConfig(d_model=32, n_layers=2, n_heads=4,
-                                                          seq_len=32)), tmp_path / "w.safetensors")
+    _engine(0, 2, model=GPTConfig(d_model=32, n_layers=2, n_heads=4, seq_len=32)).load_weights(
+        tmp_path / "w.safetensors")
 
 
 def test_16bit_weights_written_at_save_and_keep_last(tmp_path):
@@ -343,7 +342,7 @@ def test_16bit_weights_written_at_save_and_keep_last(tmp_path):
       "stage": 3, "stage3_gather_16bit_weights_on_model_save": True})
   state = _place(engine, truth)
   for step in (1, 2, 3, 4):
-    checkpoint.save_checkpoint(engine, state, tmp_path, step, keep=2)
+    engine.save_checkpoint(state, tmp_path, step, keep=2)
   checkpoint.wait_until_finished()
   assert checkpoint.all_tags(tmp_path) == ["3", "4"] and checkpoint.latest_tag(tmp_path) == "4"
   assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4", "latest"]
@@ -377,7 +376,8 @@ def test_keep_leaves_the_newest_k_across_runs(tiny_state, tmp_path, keep):
   for first, last in ((1, 3), (4, 6)):
     run = checkpoint.Checkpointer(tmp_path, keep=keep)
     for step in range(first, last + 1):
-      run.save(engine, state._replace(step=jax.device_put(np.int32(step), state.step.sharding)))
+      run.save(engine.plan, state._replace(step=jax.device_put(np.int32(step), state.step.sharding)),
+               engine.resources, config=engine.config, tx=engine.tx)
     run.close()
     assert checkpoint.all_tags(tmp_path) == newest(last)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(newest(last) + ["latest"])
@@ -410,7 +410,7 @@ def test_boxed_linen_weights_convert_under_the_modules_names(tmp_path):
 
   boxed = engine(True)
   state = boxed.init(jax.random.key(0))
-  checkpoint.save_checkpoint(boxed, state, tmp_path / "ckpt")
+  boxed.save_checkpoint(state, tmp_path / "ckpt")
   checkpoint.wait_until_finished()
   out = tmp_path / "w.safetensors"
   assert cli_main(["convert", str(tmp_path / "ckpt"), "--safetensors", str(out)]) == 0
@@ -420,13 +420,13 @@ def test_boxed_linen_weights_convert_under_the_modules_names(tmp_path):
   assert set(checkpoint.read_weights(tmp_path / "ckpt" / "0" / checkpoint.WEIGHTS16)) == names
   trained = flat(linen.meta.unbox(boxed.logical_params(state)))
   for target in (engine(False), boxed):
-    loaded = target.init(jax.random.key(1), params=checkpoint.load_weights(target, out))
+    loaded = target.init(jax.random.key(1), params=target.load_weights(out))
     for name, x in flat(linen.meta.unbox(target.logical_params(loaded))).items():
       np.testing.assert_array_equal(np.asarray(x), np.asarray(trained[name]))
   old_names = tmp_path / "boxed_names.safetensors"  # written before the names were unboxed
   safetensors.numpy.save_file({("up/kernel/value" if n == "up/kernel" else n): np.asarray(x)
                                for n, x in trained.items()}, str(old_names))
-  assert set(flat(checkpoint.load_weights(boxed, old_names))) == set(flat(state.params))
+  assert set(flat(boxed.load_weights(old_names))) == set(flat(state.params))
 
 
 @pytest.fixture(scope="module")
@@ -434,7 +434,7 @@ def small_checkpoint(tmp_path_factory):
   """A finalized stage-2 checkpoint of SMALL on 8 devices (step 7)."""
   directory = tmp_path_factory.mktemp("small")
   engine = _engine(2, 8)
-  checkpoint.save_checkpoint(engine, _place(engine, _truth(5)), directory, 7)
+  engine.save_checkpoint(_place(engine, _truth(5)), directory, 7)
   checkpoint.wait_until_finished()
   return directory
 
@@ -467,7 +467,7 @@ def test_restoring_reads_only_data(small_checkpoint, tmp_path, monkeypatch):
 
   for name in ("load", "loads", "Unpickler"):
     monkeypatch.setattr(pickle, name, refuse)
-  checkpoint.load_checkpoint(_engine(1, 4), small_checkpoint)
+  _engine(1, 4).load_checkpoint(small_checkpoint)
   checkpoint.consolidate(small_checkpoint, orbax=tmp_path / "weights")
   checkpoint.read_weights(tmp_path / "weights")
   for root in (small_checkpoint / "7", tmp_path / "weights"):
@@ -500,7 +500,7 @@ def test_damaged_data_file_is_named(small_checkpoint, tmp_path, damage):
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
   rel = str(victim.relative_to(directory / "7"))
   with pytest.raises(CheckpointError, match=f"file {rel} (is missing|has .* bytes but)") as info:
-    checkpoint.load_checkpoint(_engine(2, 8), directory)
+    _engine(2, 8).load_checkpoint(directory)
   assert f"there is no other complete checkpoint in {directory}" in str(info.value)  # step 7 only
   with pytest.raises(CheckpointError, match=rel):
     checkpoint.consolidate(directory, safetensors=tmp_path / "w.safetensors")
@@ -514,7 +514,7 @@ def test_checkpoint_without_file_list_is_incomplete_and_refused(small_checkpoint
   (directory / "7" / checkpoint.FILES_FILE).unlink()
   assert checkpoint.all_tags(directory) == [] and checkpoint.incomplete_tags(directory) == ["7"]
   with pytest.raises(CheckpointError, match=r"7 is an incomplete checkpoint.*\(\[\]\)"):
-    checkpoint.load_checkpoint(_engine(2, 8), directory, 7)
+    _engine(2, 8).load_checkpoint(directory, 7)
   with pytest.warns(JZeroWarning, match=r"skipping incomplete checkpoint\(s\) \['7'\]"), \
       pytest.raises(CheckpointError, match=r"latest names '7'.*not a complete checkpoint"):
     checkpoint.consolidate(directory, safetensors=tmp_path / "w.safetensors")
@@ -525,36 +525,36 @@ def test_checkpoint_without_file_list_is_incomplete_and_refused(small_checkpoint
 def test_corrupt_metadata_and_missing_steps(small_checkpoint, tmp_path):
   engine = _engine(2, 8)
   with pytest.raises(CheckpointError, match="does not exist"):
-    checkpoint.load_checkpoint(engine, tmp_path / "nowhere")
+    engine.load_checkpoint(tmp_path / "nowhere")
   with pytest.raises(CheckpointError, match=r"no checkpoint '3'.*complete checkpoints: \['7'\]"):
-    checkpoint.load_checkpoint(engine, small_checkpoint, 3)
+    engine.load_checkpoint(small_checkpoint, 3)
   directory = _damaged(small_checkpoint, tmp_path)
   (directory / "latest").unlink()  # killed before its first `latest`: 7 was saved to become it
   assert checkpoint.resume_tag(directory) == "7" and checkpoint.latest_step(directory) == 7
   (directory / "other").mkdir()
   with pytest.raises(CheckpointError, match=r"no 'latest' file \(it holds no complete checkpoint"):
-    checkpoint.load_checkpoint(engine, directory / "other")
+    engine.load_checkpoint(directory / "other")
   (directory / "7" / "meta" / checkpoint.META_FILE).write_text("{not json")
   with pytest.raises(CheckpointError, match="file meta/jzero.json has 9 bytes but"):
-    checkpoint.load_checkpoint(engine, directory, 7)
+    engine.load_checkpoint(directory, 7)
   (directory / "7" / checkpoint.FILES_FILE).unlink()  # unverifiable: incomplete, refused
   with pytest.raises(CheckpointError, match="incomplete checkpoint"):
-    checkpoint.load_checkpoint(engine, directory, 7)
+    engine.load_checkpoint(directory, 7)
 
 
 def test_other_model_is_refused_naming_the_leaf(small_checkpoint):
   wider = _engine(2, 8, model=GPTConfig(d_model=64, n_layers=2, n_heads=4, seq_len=16))
   with pytest.raises(CheckpointError, match=r"pos: \(32, 64\) in the checkpoint, \(16, 64\)"):
-    checkpoint.load_checkpoint(wider, small_checkpoint)
+    wider.load_checkpoint(small_checkpoint)
 
 
 def test_saving_twice_or_bad_arguments_is_refused(small_checkpoint):
   engine = _engine(2, 8)
   state = _place(engine, _truth(5))
   with pytest.raises(CheckpointError, match="already exists"):
-    checkpoint.save_checkpoint(engine, state, small_checkpoint, 7)
+    engine.save_checkpoint(state, small_checkpoint, 7)
   with pytest.raises(CheckpointError, match="JSON-serialisable"):
-    checkpoint.save_checkpoint(engine, state, small_checkpoint, 8, client_state={"f": object()})
+    engine.save_checkpoint(state, small_checkpoint, 8, client_state={"f": object()})
   with pytest.raises(CheckpointError, match="keep must be"):
     checkpoint.Checkpointer(small_checkpoint, keep=0)
 

@@ -229,14 +229,14 @@ def test_plain_layouts_read_and_load_weights(plain_run, tmp_path):
   logical = lambda tree: jax.tree.map(lambda leaf, x: leaf.to_logical(x), engine.plan.leaves,
                                       tree, is_leaf=lambda x: isinstance(x, LeafPlan))
   for source in (plain_run / "adamw" / "4", plain_run / "adamw", tmp_path / "single" / "4"):
-    assert same_bits(logical(checkpoint.load_weights(engine, source)), items["params"]), source
+    assert same_bits(logical(engine.load_weights(source)), items["params"]), source
   manager = ocp.CheckpointManager(tmp_path / "other")
   manager.save(1, args=ocp.args.Composite(weights=ocp.args.StandardSave(items["params"]),
                                           extra=ocp.args.StandardSave({"a": np.zeros(2)})))
   manager.wait_until_finished()
   with pytest.raises(CheckpointError, match=r"holds the items \['extra', 'weights'\], none of "
                      r"them params"):
-    checkpoint.load_weights(engine, tmp_path / "other")
+    engine.load_weights(tmp_path / "other")
   with pytest.raises(CheckpointError, match=r"holds \['extra', 'weights'\], not a plain run's "
                      r"params and opt_state"):
     checkpoint.read_optax(tmp_path / "other" / "1")

@@ -99,7 +99,7 @@ def test_sharded_load_equals_the_whole_file_load_bit_for_bit(tmp_path, stage, pr
   sources = [tmp_path / "one.safetensors", _write_index(tmp_path / "hf", weights, 3),
              tmp_path / "orbax"]
   for source in sources:
-    params = checkpoint.load_weights(engine, source)
+    params = engine.load_weights(source)
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(params))
     plan = engine.plan
     for leaf, x in zip(plan.leaf_list(), jax.tree.leaves(params)):
@@ -169,7 +169,7 @@ def test_bad_indexes_and_directories_are_named(tmp_path):
   (index.parent / "model-00002-of-00002.safetensors").unlink()
   with pytest.raises(CheckpointError, match=r"places \d+ tensors \(e\.g\. '.*'\) in .*"
                      r"model-00002-of-00002\.safetensors, which does not exist"):
-    checkpoint.load_weights(engine, index.parent)
+    engine.load_weights(index.parent)
 
   other = _write_index(tmp_path / "other", {"a/kernel": weights["a/kernel"]}, 1)
   moved = json.loads(index.read_text())
@@ -177,7 +177,7 @@ def test_bad_indexes_and_directories_are_named(tmp_path):
   index.write_text(json.dumps(moved))
   with pytest.raises(CheckpointError, match=r"places tensors \[.*'a/bias'.*\] in .*other.*"
                      r"which does not hold them"):
-    checkpoint.load_weights(engine, index)
+    engine.load_weights(index)
 
   index.write_text('{"weights": {}}')
   with pytest.raises(CheckpointError, match=r"is not a safetensors index: expected JSON with a "
@@ -185,7 +185,7 @@ def test_bad_indexes_and_directories_are_named(tmp_path):
     checkpoint.read_weights(index)
   with pytest.raises(CheckpointError, match=r"neither a params-only Orbax checkpoint .* nor a "
                      r"Hugging Face model directory"):
-    checkpoint.load_weights(engine, tmp_path)
+    engine.load_weights(tmp_path)
   assert other.is_dir()
 
   truncated = tmp_path / "truncated.safetensors"
@@ -193,7 +193,7 @@ def test_bad_indexes_and_directories_are_named(tmp_path):
   truncated.write_bytes(truncated.read_bytes()[:-100])
   with pytest.raises(CheckpointError, match=r"truncated\.safetensors is not a readable "
                      r"safetensors file"):
-    checkpoint.load_weights(engine, truncated)
+    engine.load_weights(truncated)
 
 
 def test_init_takes_a_padded_leaf_only_as_a_placed_array():

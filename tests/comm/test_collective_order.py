@@ -60,7 +60,7 @@ def _compiled_step(config: dict, mesh) -> str:
   engine = make_engine(config, mesh=mesh)
   state = engine.init(jax.random.key(0))
   batch = engine.shard_batch(batches(SMALL.seq_len, engine.global_batch_size, 1)[0])
-  return engine.jitted_step(batch, variants={}).lower(state, batch).compile().as_text()
+  return engine.compile_step(state, batch).as_text()
 
 
 @pytest.fixture

@@ -79,8 +79,7 @@ def test_unhonoured_zeropp_keys_are_refused():
 
 def test_plan_records_each_leafs_collectives():
   engine = _engine("all", cfg=COMM_MODEL)
-  jax.eval_shape(engine.init, jax.random.key(0))  # makes the plan; nothing is allocated
-  plan = engine.plan
+  plan = engine.make_plan()  # nothing is allocated
   assert engine.zeropp.hierarchy.node_axes == ("node",)
   assert engine.zeropp.hierarchy.local_axes == ("local",)
   leaves = {l.path: l for l in plan.leaf_list()}
@@ -95,8 +94,7 @@ def test_plan_records_each_leafs_collectives():
   # the secondary is Psi/s per device, held in the compute dtype; the primary layout unchanged
   assert plan.secondary_numel(qkv) * 4 == int(np.prod(qkv.padded_shape))
   plain = _engine("plain", cfg=COMM_MODEL)
-  jax.eval_shape(plain.init, jax.random.key(0))
-  assert plain.plan.param_specs() == plan.param_specs()
+  assert plain.make_plan().param_specs() == plan.param_specs()
 
 
 # --- bytes, from the compiled HLO ------------------------------------------------------------------
@@ -105,7 +103,7 @@ def test_plan_records_each_leafs_collectives():
 @functools.lru_cache(maxsize=None)
 def _volume(mode: str):
   engine = _engine(mode, "bf16", COMM_MODEL)
-  state = jax.eval_shape(engine.init, jax.random.key(0))  # abstract: only the step compiles
+  state = engine.abstract_state(full=False)  # abstract: only the step compiles
   batch = engine.shard_batch(batches(COMM_MODEL.seq_len, BATCH, 1)[0])
   psi = sum(l.numel for l in engine.plan.leaf_list())
   return engine, comm_volume(engine.compile_step(state, batch), engine.mesh, num_params=psi,
@@ -214,7 +212,7 @@ def test_zeropp_all_on_converges_like_zero3(precision):
 
 def test_bf16_stays_bf16():
   engine = _engine("all", "bf16", cfg=COMM_MODEL)
-  state = jax.eval_shape(engine.init, jax.random.key(0))
+  state = engine.abstract_state(full=False)
   dtypes = {x.dtype for x in jax.tree.leaves(state.params)}
   dtypes |= {x.dtype for x in jax.tree.leaves(state.secondary)}
   assert dtypes == {np.dtype(jax.numpy.bfloat16)}

@@ -20,7 +20,6 @@ from flax import nnx
 
 import jzero
 from jzero.analysis import hlo
-from jzero.analysis.memory_report import memory_report
 from jzero.comm.zero_param import ZeroParam
 from jzero.models import GPTConfig
 from jzero.modeling.gather_units import ModuleInfo, UnitRules, choose_units
@@ -213,7 +212,7 @@ def test_loop_model_moves_zero3_volume():
 
 def test_memory_report_shows_the_gathered_working_set():
   engine, state, compiled = _compiled("nnx", 4)
-  report = memory_report(engine, state)
+  report = engine.memory_report(state)
   largest = 2 * WIDE * 4 * WIDE * 4 // 2  # one 512 x 2048 fp32 kernel (the largest unit)
   assert report.estimate.gathered == pytest.approx(largest + 0, rel=0.01)
   assert report.estimate.gathered <= compiled.memory_analysis().temp_size_in_bytes
@@ -327,7 +326,7 @@ def test_a_models_own_scan_reports_one_layer_of_its_largest_unit(model):
   batch = regression_batch(N, 32)
   engine = make_engine(_stage3(), model(), mse, init_inputs=lambda b: (b["x"],), sample_batch=batch)
   state = engine.init(jax.random.key(0))
-  report = memory_report(engine, state, engine.shard_batch(batch))
+  report = engine.memory_report(state, engine.shard_batch(batch))
   one_layer_of_dense_0 = 32 * 64 + 64  # ScannedBlock: Dense(64) on width 32, then Dense(32)
   assert report.estimate.gathered == 4 * one_layer_of_dense_0
   assert engine.plan.gathered_working_set()[0] > one_layer_of_dense_0

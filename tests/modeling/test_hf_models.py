@@ -167,7 +167,7 @@ def _stage3_temp_two_layers(name: str) -> int:
   """Temp bytes of the stage-3 step of the model with two layers (compiled for an abstract state:
   nothing is allocated or run)."""
   engine = _engine(name, 3, layers=2)
-  state = jax.eval_shape(engine.init, jax.random.key(0))
+  state = engine.abstract_state(full=False)
   batch = engine.shard_batch(_data(1)[0])
   compiled = engine.jitted_step(batch).trace(state, batch).lower().compile()
   return compiled.memory_analysis().temp_size_in_bytes

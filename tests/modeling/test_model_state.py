@@ -345,8 +345,8 @@ def test_convert_writes_the_statistics_beside_the_weights(runs, tmp_path, capsys
   with safe_open(str(files), framework="numpy") as f:
     assert "batch_stats/bn_init/mean" in f.keys() and "conv_init/kernel" in f.keys()
   for source in (files, variables):
-    assert max_relative_diff(checkpoint.load_weights(engine, source), params) == 0.0, source
-    assert max_relative_diff(checkpoint.load_model_state(engine, source), stats) == 0.0, source
+    assert max_relative_diff(engine.load_weights(source), params) == 0.0, source
+    assert max_relative_diff(engine.load_model_state(source), stats) == 0.0, source
 
 
 def test_stacked_layers_with_statistics_are_refused_by_scan_layers():

@@ -16,7 +16,7 @@ import warnings
 import pytest
 
 from jzero.analysis.hlo import parameter_bytes
-from jzero.errors import ConfigError
+from jzero.errors import ConfigError, JZeroError
 from jzero.models.gpt import preset
 from jzero.planning import aot, aot_report, tpu_specs
 from jzero.runtime import quiet_start
@@ -115,6 +115,20 @@ def test_bad_tpu_targets_are_refused_before_any_compile():
   with pytest.raises(ConfigError, match="give --tpu too"):
     aot.prepare(BF16_ADAM, topology="2x4")
   assert {s.name for s in tpu_specs.TPU_SPECS.values()} == {"v4", "v5e", "v5p", "v6e"}
+
+
+def test_a_missing_compiler_names_the_extra_that_installs_it(monkeypatch):
+  """Without libtpu (or the CUDA plugin) a compile for the topology is refused with the extra to
+  install, before any device work."""
+  monkeypatch.setattr(quiet_start, "tpu_compiler_installed", lambda: False)
+  with pytest.raises(JZeroError, match=r"TPU topology needs libtpu.*Install the tpu-aot extra: "
+                     r"pip install -e \"\.\[tpu-aot\]\""):
+    tpu_specs.tpu_devices("v5e", "2x4")
+  monkeypatch.setattr(quiet_start, "hidden", lambda: ())
+  monkeypatch.setattr(quiet_start, "cuda_plugin_installed", lambda: False)
+  with pytest.raises(JZeroError, match=r"GPU topology needs the CUDA compiler plugin.*Install the "
+                     r"gpu-aot extra: pip install -e \"\.\[gpu-aot\]\""):
+    aot.gpu_devices("h100", 8)
 
 
 def test_parameter_bytes_pads_to_the_first_tile():

@@ -16,7 +16,8 @@ import warnings
 
 import pytest
 
-from jzero.analysis.hlo import Collective, collectives, trip_count
+from jzero.analysis.hlo import Collective, collectives
+from jzero.analysis.hlo_module import parse_module, trip_count
 from jzero.comm import program
 from jzero.errors import JZeroWarning
 from jzero.models import GPTConfig
@@ -114,9 +115,7 @@ def test_a_peeled_accumulation_loop_is_counted_and_told_apart():
 
 def _trips(text: str) -> int | None:
   """trip_count of the while named "loop" in ``text``."""
-  from jzero.analysis.hlo import _parse_module
-
-  comps = _parse_module(text).comps
+  comps = parse_module(text).comps
   rest = next(rest for name, _, _, rest in comps["main"] if name == "loop")
   return trip_count(comps, "main", rest)
 
@@ -190,8 +189,7 @@ def test_compile_options_carry_the_pool_limit_and_the_prefetch_cap(monkeypatch):
                                     "stage3_param_persistence_threshold": 0, **zero}}
     engine = initialize(model=lambda rngs: GPT(small, rngs=rngs), loss_fn=lm_loss, config=config,
                         mesh=mesh)
-    jax.eval_shape(engine.init, jax.random.key(0))
-    return engine.plan
+    return engine.make_plan()
 
   layer = plan("auto").gathered_working_set()[0]
   assert layer == 12 * 64 * 64 + 10 * 64  # qkv, out, MLP in and out; biases and LayerNorms

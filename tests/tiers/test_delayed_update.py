@@ -18,9 +18,10 @@ import pytest
 import jzero
 from jzero.analysis.memory_report import format_memory_report
 from jzero.errors import ConfigError
-from jzero.tiers.delayed import WARMUP
+from jzero.tiers.delayed import Variant
 from zero_testing import (SAME_MATH, SMALL, assert_same_as_one_device, batches, ds_config,
-                          gpt_factory, loss_of_params, make_engine, max_relative_diff, reference_optimizer)
+                          gpt_factory, loss_of_params, make_engine, max_relative_diff,
+                          reference_optimizer)
 
 N = 8
 STEPS = 3
@@ -138,11 +139,15 @@ def test_delayed_update_equals_the_documented_math(stage, gas, update):
   assert [x.sharding.spec for x in carried] == jax.tree.leaves(
       engine.plan.state_specs(), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   assert bool(state.delayed.ready)
-  # step 1 ran the prime variant, the rest the steady one
-  assert set(engine.step_variants) == {(("delayed", False),), (("delayed", True),)}
+  # step 1 ran the prime variant, the rest the steady one (the variant is the state's)
+  assert set(engine.step_variants) == {Variant.PRIME, Variant.APPLY}
+  assert state.delayed.variant == Variant.APPLY
   batch = engine.shard_batch(data[0])
-  hlo = engine.jitted_step(batch).lower(state, batch).as_text()
+  hlo = engine.jitted_step(batch, Variant.APPLY).lower(state, batch).as_text()
   assert "stablehlo.case" not in hlo and "stablehlo.if" not in hlo
+  # a state as init returns it lowers with the default step: the one that reads the carried flag
+  engine.jitted_step(batch).lower(engine.init(jax.random.key(0)), batch)
+  assert Variant.READ in engine.step_variants
 
 
 def test_warmup_runs_plain_steps_before_the_delayed_update():
@@ -160,8 +165,7 @@ def test_warmup_runs_plain_steps_before_the_delayed_update():
   assert max_relative_diff(params[2], params[1]) > 1e-4
   for got, by_hand in zip(params, _same_stage_delayed_by_hand(2, 1, "stream", data, warmup=1)):
     assert max_relative_diff(got, by_hand) <= SAME_MATH
-  assert set(engine.step_variants) == {(("delayed", WARMUP),), (("delayed", False),),
-                                       (("delayed", True),)}
+  assert set(engine.step_variants) == {Variant.WARMUP, Variant.PRIME, Variant.APPLY}
   assert bool(state.delayed.ready)
 
 
@@ -182,7 +186,7 @@ def test_checkpoint_resumes_exactly_with_the_carried_gradient(tmp_path):
   state, straight, straight_losses = _train(engine, state, data[1:])
 
   restored = engine.load_checkpoint(tmp_path)
-  assert bool(restored.delayed.ready) and engine.variant_for(restored) == {"delayed": True}
+  assert bool(restored.delayed.ready) and engine.variant_for(restored) == Variant.APPLY
   assert {x.sharding.memory_kind for x in jax.tree.leaves(restored.delayed.grads)} == {"device"}
   for a, b in zip(saved, jax.tree.leaves(restored.delayed.grads)):
     np.testing.assert_array_equal(a, np.asarray(b))
@@ -205,9 +209,9 @@ def test_checkpoint_resumes_exactly_with_the_carried_gradient(tmp_path):
   plain.save_checkpoint(back, tmp_path / "plain")  # and a plain run's checkpoint resumes with
   plain.wait_for_checkpoints()                     # nothing carried: a prime step first
   switched = engine.load_checkpoint(tmp_path / "plain")
-  assert not bool(switched.delayed.ready) and engine.variant_for(switched) == {"delayed": False}
+  assert not bool(switched.delayed.ready) and engine.variant_for(switched) == Variant.PRIME
   fresh = engine.load_checkpoint(tmp_path, params_only=True)  # weights only: nothing carried
-  assert not bool(fresh.delayed.ready) and engine.variant_for(fresh) == {"delayed": False}
+  assert not bool(fresh.delayed.ready) and engine.variant_for(fresh) == Variant.PRIME
 
 
 def test_memory_report_counts_the_carried_gradient():

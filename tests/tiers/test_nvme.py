@@ -22,7 +22,7 @@ import pytest
 
 import jzero
 from jzero.errors import ConfigError, NotSupportedError
-from jzero.tiers import nvme_state
+from jzero.tiers import nvme_settings, nvme_state
 from jzero.tiers import nvme_store
 from nvme_worker import batch, config, loss_fn, model_factory
 from zero_testing import SAME_MATH, make_engine, max_relative_diff
@@ -101,7 +101,7 @@ def test_bf16_partial_nvme_and_checkpoints_across_tiers(tmp_path):
   plain = _engine(3, precision="bf16")
   restored = plain.load_checkpoint(tmp_path / "ckpt")
   assert max_relative_diff(jax.tree.map(np.asarray, plain.logical_params(restored)), params) == 0
-  full = nvme_state.full_state(engine, state)
+  full = nvme_state.full_state(engine.plan, engine.nvme_store, state)
   for a, b in zip(jax.tree.leaves(full.opt_state), jax.tree.leaves(restored.opt_state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   plain.save_checkpoint(restored, tmp_path / "plain")
@@ -110,18 +110,18 @@ def test_bf16_partial_nvme_and_checkpoints_across_tiers(tmp_path):
   again = back.load_checkpoint(tmp_path / "plain")
   assert back.nvme_store.step == STEPS and back.nvme_store.directory != engine.nvme_store.directory
   assert max_relative_diff(jax.tree.map(np.asarray, back.logical_params(again)), params) == 0
-  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(nvme_state.full_state(back, again))):
+  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(nvme_state.full_state(back.plan, back.nvme_store, again))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   again, metrics = back.train_step(again, back.shard_batch(batch(STEPS)))
   assert np.isfinite(float(metrics["loss"])) and back.nvme_store.step == STEPS + 1
 
 
 def test_two_engines_in_one_process_never_share_a_directory(tmp_path):
-  """(The stores are made by the engines' plans: abstract_state traces init, no device work.)"""
-  from jzero.checkpoint.restore import abstract_state
+  """(The stores are opened with the engines' plans: abstract_state makes them, no device
+  work.)"""
   first, second = _engine(1, tmp_path), _engine(1, tmp_path)
-  abstract_state(first, None)
-  abstract_state(second, None)
+  first.abstract_state()
+  second.abstract_state()
   a, b = first.nvme_store.run_directory, second.nvme_store.run_directory
   assert a != b and a.parent == b.parent == tmp_path / "zero_stage_1"
   assert f"-{os.getpid()}-" in a.name and f"-{os.getpid()}-" in b.name
@@ -170,7 +170,7 @@ def test_missing_nvme_path_is_created_when_its_parent_exists(tmp_path):
   created = [w for w in record if "did not exist: jzero created it" in str(w.message)]
   assert len(created) == 1 and created[0].filename == __file__, [str(w.message) for w in record]
   assert str(path) in str(created[0].message)
-  assert path.is_dir() and engine.nvme_settings.path == path
+  assert path.is_dir() and nvme_settings.settings_from_config(engine.config).path == path
 
 
 def test_nvme_settings_map_to_tensorstore_or_are_refused(tmp_path):
@@ -178,7 +178,7 @@ def test_nvme_settings_map_to_tensorstore_or_are_refused(tmp_path):
   cfg["aio"] = {"queue_depth": 16, "intra_op_parallelism": 4, "block_size": 4096}
   with pytest.warns(jzero.JZeroWarning, match="aio.block_size=4096 has no effect"):
     engine = make_engine(cfg, model_factory(), loss_fn)
-  s = engine.nvme_settings
+  s = nvme_settings.settings_from_config(engine.config)
   assert (s.queue_depth, s.intra_op_parallelism, s.buffer_count, s.sub_group_size) == (16, 4, 2, 60)
   assert s.pipeline_read and s.pipeline_write
   cfg["aio"] = {"use_gds": True}

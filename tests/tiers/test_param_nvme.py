@@ -120,7 +120,7 @@ def test_params_on_nvme_equal_stage3_without_offload(variant, precision, gas, tm
     assert reader.disk_reads == reader.prefetch_hits == 0
     held = sum(l.numel for l in on_nvme)  # padded to the devices: at most one row more per leaf
     assert held * 4 <= reader.cache_bytes() <= (held + N * len(on_nvme)) * 4
-    assert reader.cache_bytes() <= nvme_params.host_bytes_bound(engine.nvme_settings, N)
+    assert reader.cache_bytes() <= nvme_params.host_bytes_bound(engine.nvme_store.settings, N)
   else:  # nothing cached: the disk, the next layer prefetched during the current one
     assert reader.cache_hits == 0 and reader.cache_bytes() == 0
     assert reader.disk_reads > 0 and reader.prefetch_hits > 0

@@ -1,8 +1,8 @@
 """The tier interface (jzero.tiers.base): a new tier is its own class plus one registry entry.
 
-A tier whose update (:class:`jzero.tiers.base.Update`, wrapping the device's) hands each step's
-clipping factor out of the jitted step (``hand_out``) and collects it after the step
-(``after_step``), registered by adding it to ``registry.TIERS``: the
+A tier whose update (:class:`jzero.tiers.base.Update`, the outermost link of the chain) hands each
+step's clipping factor out of the jitted step (``update``'s outputs) and collects it after the
+step (``after``) in its resource, registered by ``registry.register``: the
 engine's step carries it out unchanged -- the run is bit for bit the plain one -- and every factor
 arrives, equal to DeepSpeed's ``min(1, clip / (norm + 1e-6))`` of the step's own norm."""
 
@@ -20,19 +20,22 @@ N = 8
 
 
 class ClipFactorLog(Tier):
-  """Each step's clipping factor, taken out of the jit and kept on the host."""
+  """Each step's clipping factor, taken out of the jit and kept in its resource (a list)."""
 
   name = "clip_factor_log"
-
-  def __init__(self):
-    self.factors: list[float] = []
+  wraps = "step"  # outside the clipping: the factor arrives unapplied
 
   @classmethod
-  def create(cls, engine):
-    return cls()
+  def uses(cls, plan):
+    return True
 
-  def update(self, engine, inner):
-    return FactorOut(inner, self.factors)
+  @classmethod
+  def open(cls, plan, config, tx):
+    return []
+
+  @classmethod
+  def update(cls, plan, config, tx, resource, inner, *, elementwise):
+    return FactorOut(inner, resource)
 
 
 class FactorOut(Update):
@@ -40,16 +43,17 @@ class FactorOut(Update):
     super().__init__(inner)
     self.factors = factors
 
-  def hand_out(self, state, grads, factor):
-    grads, outputs = self.inner.hand_out(state, grads, factor)
-    return grads, {**outputs, ClipFactorLog.name: factor}
-
+  @property
   def output_specs(self):
-    return {**self.inner.output_specs(), ClipFactorLog.name: P()}
+    return {**self.inner.output_specs, ClipFactorLog.name: P()}
 
-  def after_step(self, state, metrics, outputs):
+  def update(self, grads, state, skip=None, factor=None):
+    new, outputs = self.inner.update(grads, state, skip, factor)
+    return new, {**outputs, ClipFactorLog.name: factor}
+
+  def after(self, state, metrics, outputs):
     self.factors.append(float(outputs[ClipFactorLog.name]))
-    return self.inner.after_step(state, metrics, outputs)
+    return self.inner.after(state, metrics, outputs)
 
 
 def _run(config, data):
@@ -62,17 +66,21 @@ def _run(config, data):
   return engine, state, norms
 
 
-def test_a_registered_tier_gets_its_hooks_called(monkeypatch):
+def test_a_registered_tier_gets_its_hooks_called():
   data = batches(SMALL.seq_len, N, 3)
   config = {**ds_config(2), "gradient_clipping": 0.05}
   plain, plain_state, _ = _run(config, data)
-  monkeypatch.setattr(registry, "TIERS", registry.TIERS + (ClipFactorLog,))
-  engine, state, norms = _run(config, data)
-  (log,) = [t for t in engine.tiers if isinstance(t, ClipFactorLog)]
-  assert [t.name for t in plain.tiers] == []
-  assert len(log.factors) == 3
-  np.testing.assert_allclose(log.factors, [min(1.0, 0.05 / (n + 1e-6)) for n in norms], rtol=1e-6)
-  assert min(log.factors) < 1.0  # the clip acted
+  assert plain.tiers == ()
+  registry.register(ClipFactorLog)
+  try:
+    engine, state, norms = _run(config, data)
+    assert engine.tiers == (ClipFactorLog,)
+  finally:
+    registry.unregister(ClipFactorLog)
+  factors = engine.resources[ClipFactorLog.name]
+  assert len(factors) == 3
+  np.testing.assert_allclose(factors, [min(1.0, 0.05 / (n + 1e-6)) for n in norms], rtol=1e-6)
+  assert min(factors) < 1.0  # the clip acted
   for a, b in zip(jax.tree.leaves(engine.logical_params(state)),
                   jax.tree.leaves(plain.logical_params(plain_state))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
