@@ -19,8 +19,9 @@ kernels are compiled only when first run). The Triton lowering's limits shape th
   ``ref[...]`` loads are not bounds-checked on GPU). Keep tiles 2-D: the same kernel written
   on ``(tg, 1, width)`` tiles took ptxas 35 s for G = 4096 and minutes for 16384, this one a
   second;
-* there is no ``round``: :func:`~jzero.kernels.reference.round_half_even` builds it from truncation (the magic-number trick
-  ``(y + 1.5 * 2^23) - 1.5 * 2^23`` is folded to ``y`` by XLA, so interpret mode would truncate);
+* there is no ``round``: :func:`~jzero.kernels.reference.round_half_even` builds it from
+  truncation (the magic-number trick ``(y + 1.5 * 2^23) - 1.5 * 2^23`` is folded to ``y`` by XLA,
+  so interpret mode would truncate);
 * ``max`` lowers to ``maxnumf``, which drops nans: absmax is taken over finite elements only and
   non-finite elements are counted separately, which is also what the reference does;
 * float32 division lowers to ``div.full.f32`` (within 2 ulp), as XLA's own GPU division does, so

@@ -29,23 +29,28 @@ __all__ = ["ARRAY", "BRANCHES", "CALLS", "ELEMENT_BITS", "ELEMENT_BYTES", "Instr
            "element_types", "operand_names", "parse_module", "run_counts", "trip_count",
            "tuple_elements", "type_bytes"]
 
-ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
-          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-          "c128": 16}
+ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+                 "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+                 "c64": 8, "c128": 16}
 ELEMENT_BITS = {"s4": 4, "u4": 4, "s2": 2, "u2": 2, "s1": 1, "u1": 1}  # sub-byte types, packed
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 ARRAY = re.compile(r"([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)="
-                    r"%?([\w.\-]+)")
+                   r"%?([\w.\-]+)")
 BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
 
 def type_bytes(type_str: str) -> int:
+  """Bytes of the arrays a type string names, each at its element type's width (sub-byte types
+  packed, rounded up to whole bytes)."""
   total = 0
   for dt, dims in ARRAY.findall(type_str):
     numel = math.prod(int(d) for d in dims.split(",") if d)
-    total += -(-numel * ELEMENT_BITS[dt] // 8) if dt in ELEMENT_BITS else ELEMENT_BYTES.get(dt, 4) * numel
+    if dt in ELEMENT_BITS:
+      total += -(-numel * ELEMENT_BITS[dt] // 8)
+    else:
+      total += ELEMENT_BYTES.get(dt, 4) * numel
   return total
 
 

@@ -226,7 +226,7 @@ def memory_report(plan: Plan, state: Any, resources: Resources, *, config: Any, 
       model runs (default: the plan's).
   """
   zero = config.zero_optimization
-  compiled = CompiledMemory.of(compiled) if compiled is not None else None
+  compiled_memory = CompiledMemory.of(compiled) if compiled is not None else None
   master_k, opt_k = _state_bytes_per_param(plan, state, resources, tx)
   leaves = plan.leaf_list()
   host = sum(l.numel for l in leaves if l.state_tier == "host")
@@ -298,7 +298,7 @@ def memory_report(plan: Plan, state: Any, resources: Resources, *, config: Any, 
   return MemoryReport(device=str(plan.mesh.mesh.devices.flat[0]),
                       precision=config.precision, measured=state_report(plan, state, resources),
                       predicted=predicted, estimate=est, optimizer_bytes=master_k + opt_k,
-                      compiled=compiled, prefetch=program.prefetches(plan), notes=notes)
+                      compiled=compiled_memory, prefetch=program.prefetches(plan), notes=notes)
 
 
 def report_rows(report: MemoryReport) -> tuple[str, list[str], list[list[str]], list[str]]:

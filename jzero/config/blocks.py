@@ -16,8 +16,8 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationI
 from jzero.config.messages import show, suggest, warn
 
 __all__ = ["Auto", "DType", "DTYPES", "Flag", "AutoFlag", "Size", "AutoSize", "AutoInt", "AutoReal",
-           "AutoFraction", "BatchSize", "accept_devices_from", "number", "replace_key", "OffloadParamConfig",
-           "OffloadOptimizerConfig", "LeafModuleConfig", "ZeroConfig", "Fp16Config", "Bf16Config",
+           "AutoFraction", "BatchSize", "accept_devices_from", "number", "replace_key",
+           "OffloadParamConfig", "OffloadOptimizerConfig", "LeafModuleConfig", "ZeroConfig", "Fp16Config", "Bf16Config",
            "DataTypesConfig", "OptimizerConfig", "SchedulerConfig",
            "ActivationCheckpointingConfig", "AioConfig", "CheckpointConfig", "TensorBoardConfig",
            "CsvMonitorConfig", "WandbConfig", "CometConfig", "TrackioConfig"]

@@ -16,9 +16,8 @@ latency-hiding scheduler. :func:`compile_for` does that for jzero's own train st
    model with its loss and an abstract batch);
 3. the state, abstractly: ``engine.abstract_state(full=False)``, a pure function of the plan --
    nothing is allocated, and no device work is done on the compile-only devices;
-4. the step: ``engine.jitted_step(batch, variant).trace(state, batch).lower().compile()`` (the steady
-   variant, :attr:`jzero.Engine.steady_variant`) with the batch as
-   a ``ShapeDtypeStruct`` carrying its sharding -- and with the latency-hiding scheduler's memory
+4. the step: ``engine.jitted_step(batch, variant).trace(state, batch).lower().compile()`` (the
+   steady variant, :attr:`jzero.Engine.steady_variant`) with the batch as a ``ShapeDtypeStruct`` carrying its sharding -- and with the latency-hiding scheduler's memory
    limit a run has: on a GPU, XLA plans with the allocator's pool (``memory_fraction`` of the
    part) less the step's inputs and outputs; without the device it would take 80% of the part, so
    the compile gets the slop factor that makes the two equal

@@ -47,8 +47,7 @@ from typing import Any
 from jzero.errors import ConfigError, JZeroError
 from jzero.runtime import quiet_start
 
-__all__ = ["TPU_SPECS", "TpuSpec", "tpu_spec", "tpu_devices",
-           "parse_topology"]
+__all__ = ["TPU_SPECS", "TpuSpec", "tpu_spec", "tpu_devices", "parse_topology"]
 
 GiB, GB = 2**30, 10**9
 

@@ -64,7 +64,7 @@ import types
 
 from jzero.errors import JZeroError
 
-__all__ = ["CUDA_COMPILER_EXTRA", "TPU_COMPILER_EXTRA", "KERNEL_PACKAGES", "PJRT_PLUGINS", "TPU_COMPILE_ONLY_ENV", "TPU_PACKAGE",
+__all__ = ["KERNEL_PACKAGES", "PJRT_PLUGINS", "TPU_COMPILE_ONLY_ENV", "TPU_PACKAGE",
            "cuda_can_run", "cuda_plugin_installed", "hidden", "load_cuda_compiler",
            "load_tpu_compiler", "prepare", "tpu_can_run", "tpu_compiler_installed"]
 
@@ -196,16 +196,12 @@ def hidden() -> tuple[str, ...]:
   return tuple(name for name, entry in _HIDDEN.items() if sys.modules.get(name, 0) is entry)
 
 
-CUDA_COMPILER_EXTRA = ('pip install -e ".[gpu-aot]" (or pip install "jzero[gpu-aot]"): the CUDA '
-                       'compiler plugin, jax-cuda12-plugin and jax-cuda12-pjrt matching your jax; '
-                       'no GPU and no CUDA libraries are needed')
-TPU_COMPILER_EXTRA = ('pip install -e ".[tpu-aot]" (or pip install "jzero[tpu-aot]"): libtpu, the '
-                      'version jax\'s tpu extra pins; no TPU is needed')
-
-
-def _not_installed(target: str, compiler: str, extra: str, hint: str, cause: str) -> JZeroError:
+def _not_installed(target: str, compiler: str, cause: str, extra: str, holds: str) -> JZeroError:
+  """The error of a compile for a ``target`` topology whose compile-only ``compiler`` is missing:
+  the ``extra`` that installs it and what it ``holds``."""
   return JZeroError(f"compiling for a {target} topology needs {compiler}, which is not installed "
-                    f"({cause}). Install the {extra} extra: {hint}.")
+                    f"({cause}). Install the {extra} extra: pip install -e \".[{extra}]\" (or pip "
+                    f"install \"jzero[{extra}]\"): {holds}.")
 
 
 def load_cuda_compiler() -> None:
@@ -223,8 +219,10 @@ def load_cuda_compiler() -> None:
   deferred = [name for name in PJRT_PLUGINS if name in hidden()]
   if not deferred:
     if not cuda_plugin_installed():
-      raise _not_installed("GPU", "the CUDA compiler plugin", "gpu-aot", CUDA_COMPILER_EXTRA,
-                           f"no CUDA PJRT plugin: {' / '.join(PJRT_PLUGINS)}")
+      raise _not_installed("GPU", "the CUDA compiler plugin",
+                           f"no CUDA PJRT plugin: {' / '.join(PJRT_PLUGINS)}", "gpu-aot",
+                           "the CUDA compiler plugin, jax-cuda12-plugin and jax-cuda12-pjrt "
+                           "matching your jax; no GPU and no CUDA libraries are needed")
     if not _backends_started():
       os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     return
@@ -256,8 +254,8 @@ def load_tpu_compiler() -> None:
     JZeroError: libtpu is not installed (the message names the ``tpu-aot`` extra).
   """
   if not tpu_compiler_installed():
-    raise _not_installed("TPU", "libtpu", "tpu-aot", TPU_COMPILER_EXTRA,
-                         f"no module {TPU_PACKAGE}")
+    raise _not_installed("TPU", "libtpu", f"no module {TPU_PACKAGE}", "tpu-aot",
+                         "libtpu, the version jax's tpu extra pins; no TPU is needed")
   if TPU_PACKAGE in hidden():
     import jax  # noqa: PLC0415
     jax.devices()  # the backends start first, without a TPU backend
