@@ -20,6 +20,7 @@ from jzero.config import Config  # noqa: E402
 from jzero.runtime.distributed import init_distributed  # noqa: E402
 from jzero.train.engine import Engine  # noqa: E402
 from jzero.train.state import TrainState  # noqa: E402
+from jzero.train.aux_metrics import Max, Mean, Min, Sum  # noqa: E402
 from jzero.train.initialize import initialize  # noqa: E402
 from jzero.errors import (CheckpointError, ConfigError, DataError, JZeroError,  # noqa: E402
                           JZeroWarning, MeshError, NotSupportedError, Preempted)
@@ -37,5 +38,5 @@ __all__ = [
     "Config", "Engine", "TrainState", "initialize", "init_distributed", "gather", "remat", "scan_layers",
     "linen_scan_layers", "MeshSpec", "ZeroMesh", "simulate_cpu_devices", "Plan", "make_plan",
     "JZeroError", "ConfigError", "NotSupportedError", "MeshError", "DataError", "CheckpointError",
-    "Preempted", "JZeroWarning",
+    "Preempted", "JZeroWarning", "Mean", "Sum", "Max", "Min",
 ]

@@ -25,6 +25,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jzero.errors import ConfigError
+from jzero.sharding.opt_layout import OptLayout
 from jzero.sharding.plan import LeafPlan
 from jzero.tiers.base import Tier, Update
 from jzero.tiers.updates import placeholder_shape, shrink
@@ -45,10 +46,11 @@ class NumpyStore:
     self.updates = 0  # steps applied (a skipped step is none)
 
   def param_like(self, fn) -> Any:
-    """``fn(leaf, array)`` over the stored state's param-like arrays (0 for the others)."""
-    return optax.tree_utils.tree_map_params(
-        self.tx, lambda x, leaf: fn(leaf, x), self.opt_state, self.plan.leaves,
-        transform_non_params=lambda _: 0, is_leaf=_is_leaf)
+    """``fn(leaf, array)`` over the stored state's arrays laid out like a parameter (its twins,
+    :mod:`jzero.sharding.opt_layout`; 0 for the others)."""
+    twins = OptLayout.of(self.plan, self.tx).twins()
+    return jax.tree.map(lambda leaf, x: 0 if leaf is None else fn(leaf, x), twins, self.opt_state,
+                        is_leaf=lambda x: x is None or _is_leaf(x))
 
   def per_device_bytes(self) -> int:
     n = self.plan.mesh.zero_size
@@ -110,16 +112,17 @@ class NumpyTier(Tier):
 
   @classmethod
   def full_state(cls, plan: Any, resource: NumpyStore, state: Any) -> Any:
-    shardings = plan.shardings(plan.opt_specs(resource.tx))
+    shardings = plan.shardings(OptLayout.of(plan, resource.tx).specs())
     return state._replace(opt_state=jax.device_put(resource.opt_state, shardings))
 
   @classmethod
   def absorb(cls, plan: Any, resource: NumpyStore, state: Any) -> Any:
     resource.opt_state = jax.tree.map(np.asarray, state.opt_state)
-    placeholders = optax.tree_utils.tree_map_params(
-        resource.tx, lambda x, leaf: jax.device_put(np.zeros(placeholder_shape(leaf), x.dtype),
-                                                    x.sharding),
-        state.opt_state, plan.leaves, transform_non_params=lambda x: x, is_leaf=_is_leaf)
+    placeholders = jax.tree.map(
+        lambda leaf, x: x if leaf is None else jax.device_put(
+            np.zeros(placeholder_shape(leaf), x.dtype), x.sharding),
+        OptLayout.of(plan, resource.tx).twins(), state.opt_state,
+        is_leaf=lambda x: x is None or _is_leaf(x))
     return state._replace(opt_state=placeholders)
 
   @classmethod
@@ -184,5 +187,5 @@ class NumpyUpdate(Update):
       return plan.map(lambda l, m: narrow(l, m).astype(plan.compute_dtype), new), opt_state
 
     shardings = (jax.tree.map(lambda x: x.sharding, state.params),
-                 plan.shardings(plan.opt_specs(tx)))
+                 plan.shardings(OptLayout.of(plan, tx).specs()))
     return jax.jit(apply, out_shardings=shardings)

@@ -20,7 +20,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jzero.analysis.estimate import CATEGORIES, Estimate, estimate
 from jzero.analysis.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
@@ -191,13 +190,12 @@ def _state_bytes_per_param(plan: Plan, state: Any, resources: Resources,
                            tx: Any) -> tuple[float, float]:
   """(fp32 master, optimizer state) bytes per parameter, from the live state's global arrays.
 
-  Optimizer leaves that optax marks as param-like (Adam's moments, not its step count) count.
+  Every optimizer leaf but a replicated scalar counts (Adam's moments, factored statistics, not
+  its step count).
   """
   numel = sum(math.prod(plan.state_shape(l)) for l in plan.leaf_list())
-  param_like = optax.tree_utils.tree_map_params(tx, lambda x: x.nbytes, state.opt_state,
-                                                transform_non_params=lambda _: 0)
   master = sum(x.nbytes for x in jax.tree.leaves(state.master))
-  optimizer = sum(jax.tree.leaves(param_like))
+  optimizer = sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if x.ndim)
   for tier in registry.active(plan):  # e.g. NVMe leaves: 0-byte placeholders in the state
     held = tier.held_bytes(plan, resources.get(tier.name))
     master, optimizer = master + held.get("master", 0), optimizer + held.get("optimizer", 0)

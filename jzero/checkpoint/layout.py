@@ -52,6 +52,7 @@ from flax import traverse_util
 from flax.core import meta as flax_meta
 
 from jzero.errors import CheckpointError, JZeroWarning
+from jzero.sharding.opt_layout import OptLayout
 from jzero.sharding.plan import LeafPlan, Plan, flatten_paths, path_str
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "META_FILE", "FILES_FILE", "LATEST_FILE", "WEIGHTS16",
@@ -102,14 +103,10 @@ def leaf_names(model: PyTree, stored: dict[str, Any]) -> dict[str, str]:
           for p, name in module_names(model).items()}
 
 
-def opt_leaves(plan: Plan, tx: optax.GradientTransformation,
-               opt_state: PyTree) -> dict[str, LeafPlan | None]:
-  """For each optimizer-state array name: the plan leaf it is laid out like, or None (counts...)."""
-  marked = optax.tree_utils.tree_map_params(
-      tx, lambda _, leaf: leaf, opt_state, plan.leaves,
-      transform_non_params=lambda x: x, is_leaf=lambda x: isinstance(x, LeafPlan))
-  flat = jax.tree_util.tree_flatten_with_path(marked, is_leaf=lambda x: isinstance(x, LeafPlan))[0]
-  return {"opt_state/" + path_str(p): (x if isinstance(x, LeafPlan) else None) for p, x in flat}
+def opt_leaves(plan: Plan, tx: optax.GradientTransformation) -> dict[str, LeafPlan | None]:
+  """For each optimizer-state array name: the plan leaf it is laid out like (a parameter's twin,
+  :mod:`jzero.sharding.opt_layout`), or None (counts, factored statistics...)."""
+  return {"opt_state/" + l.path: l.twin for l in OptLayout.of(plan, tx).leaves}
 
 
 def array_leaves(plan: Plan, tx: optax.GradientTransformation,
@@ -122,7 +119,7 @@ def array_leaves(plan: Plan, tx: optax.GradientTransformation,
       leaves[f"master/{leaf.path}"] = leaf
     if getattr(state, "delayed", None) is not None:  # the carried gradient (jzero.tiers.delayed)
       leaves[f"delayed/grads/{leaf.path}"] = leaf
-  leaves.update(opt_leaves(plan, tx, state.opt_state))
+  leaves.update(opt_leaves(plan, tx))
   return leaves
 
 

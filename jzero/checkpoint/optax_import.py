@@ -52,6 +52,7 @@ from jax.tree_util import SequenceKey
 from jzero.checkpoint import layout
 from jzero.checkpoint.restore import carried, compute_params, shardings_of
 from jzero.errors import CheckpointError, JZeroWarning
+from jzero.sharding.opt_layout import OptLayout
 from jzero.sharding.plan import LeafPlan, Plan, flatten_paths, path_str
 from jzero.tiers import registry
 from jzero.tiers.base import Resources
@@ -298,15 +299,13 @@ def read_optax(directory: str | os.PathLike, step: int | None = None) -> dict[st
 # -- placing host trees in the plan ---------------------------------------------------------------
 def opt_layout(plan: Plan, tx: optax.GradientTransformation, opt_state: PyTree) -> PyTree:
   """A logical optax state of ``tx`` (traced) laid out as ``plan``'s optimizer state: every
-  param-like leaf as its parameter's master (zero-padded where partitioned), in the dtype of a
-  fresh state's; counts and other leaves as they are."""
-
-  def lay_out(leaf: LeafPlan, x: jax.Array) -> jax.Array:
-    return leaf.to_padded(x) if leaf.state_partitioned else x
-
-  return optax.tree_utils.tree_map_params(
-      tx, lambda x, leaf: lay_out(leaf, x), opt_state, plan.leaves,
-      transform_non_params=lambda x: x, is_leaf=lambda x: isinstance(x, LeafPlan))
+  parameter's twin (:mod:`jzero.sharding.opt_layout`) as its parameter's master (zero-padded where
+  partitioned); counts and other leaves as they are."""
+  opt = OptLayout.of(plan, tx)
+  leaves = opt.treedef.flatten_up_to(opt_state)
+  return jax.tree.unflatten(opt.treedef, [
+      l.twin.to_padded(x) if l.twin is not None and l.twin.state_partitioned else x
+      for l, x in zip(opt.leaves, leaves)])
 
 
 def train_rng(rng: jax.Array | None) -> jax.Array:

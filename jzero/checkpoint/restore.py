@@ -237,7 +237,7 @@ def load_checkpoint(plan: Plan, target: Any, resources: Resources,
   targets = flatten_paths(target)
   model_state = {n: x for n, x in targets.items() if n.startswith("model_state/")}
   _check_model(meta, plan, model_state, step_dir)
-  leaves = layout.opt_leaves(plan, tx, target.opt_state)
+  leaves = layout.opt_leaves(plan, tx)
   if not params_only:
     _check_optimizer(meta, config, targets, leaves, step_dir)
     _check_batch_size(meta, config, step_dir)

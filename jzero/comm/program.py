@@ -47,7 +47,7 @@ from jzero.comm import collective_order
 from jzero.errors import JZeroWarning
 
 __all__ = ["CPU_OPTIONS", "SCHEDULER_POOL_PERCENT", "XLA_DEFAULT_SLOP_PERCENT", "compile_options",
-           "prefetches", "scheduler_slop_for", "shard_map", "supported"]
+           "per_device", "prefetches", "scheduler_slop_for", "shard_map", "supported"]
 
 #: xla_gpu_memory_limit_slop_factor jzero passes with overlap_comm: the scheduler's limit is the
 #: whole pool less the resident state (module docstring).
@@ -87,6 +87,14 @@ def shard_map(plan: Any, fn: Callable[..., Any], in_specs: Any, out_specs: Any) 
   mesh = plan.mesh.mesh
   body = collective_order.in_one_order(fn) if collective_order.needed(mesh) else fn
   return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def per_device(plan: Any, inside: bool, fn: Callable[..., Any], in_specs: Any,
+               out_specs: Any) -> Callable:
+  """``fn``, a function of one device's blocks, callable where the caller is: ``fn`` itself
+  ``inside`` a ``shard_map`` over the plan's mesh (the step's), else a :func:`shard_map` of it
+  (on global arrays, inside a jit: the update's whole view, :mod:`jzero.sharding.opt_layout`)."""
+  return fn if inside else shard_map(plan, fn, in_specs, out_specs)
 
 
 def compile_options(plan: Any) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from jax.extend.core import get_opaque_trace_state
 
 from jzero.comm import collectives, zeropp
 from jzero.comm.param_array import ArrayBehaviour
+from jzero.errors import JZeroError
 
 __all__ = ["PartitionSource", "Pass", "ZeroParam", "one_pass", "read_sources",
            "record_unit_inputs"]
@@ -86,10 +87,27 @@ class ZeroParam(ArrayBehaviour):
   stored: Any = None
   path: str | None = None
   pass_: Pass | None = None
+  rank: int | None = None  # the partition's rank as made: a scan over a stack slices one axis off
 
   def __post_init__(self):
     if self.pass_ is None:
       self.pass_ = _PASS.get()
+    if self.rank is None:
+      self.rank = self.partition.ndim
+    elif self.partition.ndim < self.rank and self.dim % self.rank < self.rank - self.partition.ndim:
+      raise self.sliced_on_its_shard_axis()
+
+  def sliced_on_its_shard_axis(self) -> JZeroError:
+    """The error for a partition a transformation slices on the axis ZeRO-3 splits it on (a
+    stack of layers run by ``nnx.scan`` or ``lax.scan`` without ``stacked_layers``)."""
+    top = (self.path or "?").split("/")[0]
+    return JZeroError(
+        f"{self.path or 'a parameter'} is run one slice of its leading axis at a time (its layers "
+        f"stacked and run by nnx.scan, nnx.vmap or jax.lax.scan), and that axis is the one ZeRO-3 "
+        f"partitions it on, so no device holds a whole layer's slice. Tell jzero which parameters "
+        f"are stacked layers: jzero.initialize(..., stacked_layers=\"{top}\") (the path of the "
+        f"stacked subtree; several as a list) -- each layer is then partitioned on another axis "
+        f"and gathered as the scan reaches it.")
 
   def with_partition(self, partition: jax.Array) -> "ZeroParam":
     """This parameter with ``partition`` as its partition, read already (no ``source``)."""
@@ -220,7 +238,8 @@ def read_sources(params: list) -> list:
 
 
 _CHILDREN = ("partition", "full", "secondary", "stored")
-_STATIC = ("dim", "dim_size", "axes", "comm_dtype", "scatter", "comm", "source", "path", "pass_")
+_STATIC = ("dim", "dim_size", "axes", "comm_dtype", "scatter", "comm", "source", "path", "pass_",
+           "rank")
 
 
 def _flatten_with_keys(param: ZeroParam) -> tuple[tuple, tuple]:

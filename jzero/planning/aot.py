@@ -239,7 +239,6 @@ def _estimate(engine: Any, state: Any, gpt: Any) -> dict[str, float]:
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
-  import optax  # noqa: PLC0415
 
   from jzero.analysis import estimate  # noqa: PLC0415
 
@@ -247,9 +246,7 @@ def _estimate(engine: Any, state: Any, gpt: Any) -> dict[str, float]:
   numel = sum(math.prod(plan.state_shape(l)) for l in plan.leaf_list())
   nbytes = lambda x: math.prod(x.shape) * np.dtype(x.dtype).itemsize  # noqa: E731
   master_k = sum(nbytes(x) for x in jax.tree.leaves(state.master)) / numel
-  param_like = optax.tree_utils.tree_map_params(engine.tx, nbytes, state.opt_state,
-                                                transform_non_params=lambda _: 0)
-  opt_k = sum(jax.tree.leaves(param_like)) / numel
+  opt_k = sum(nbytes(x) for x in jax.tree.leaves(state.opt_state) if len(x.shape)) / numel
   itemsize = jnp.dtype(plan.compute_dtype).itemsize
   activations = 0.0
   checkpointing = engine.config.activation_checkpointing

@@ -74,7 +74,6 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -139,6 +138,8 @@ class LeafPlan:
       (:meth:`jzero.tiers.base.Tier.place`; what the names mean: :mod:`jzero.tiers.where`).
     state_kind, param_kind: the memory kind they are stored in when a tier keeps them in another
       memory than the device's (e.g. "pinned_host"); None: the plan's ``device_kind``.
+    frozen: the optimizer's update of the leaf is a constant zero (:mod:`jzero.sharding.tx_traits`):
+      it has no gradient and no fp32 master (a 0-byte placeholder), and its param never changes.
   """
 
   path: str
@@ -159,6 +160,7 @@ class LeafPlan:
   param_tier: str = "device"
   state_kind: str | None = None
   param_kind: str | None = None
+  frozen: bool = False
 
   @property
   def numel(self) -> int:
@@ -246,6 +248,12 @@ class Plan:
     """``tree.map`` over (LeafPlan, the matching leaf of each of ``trees``)."""
     return jax.tree.map(fn, self.leaves, *trees, is_leaf=lambda x: isinstance(x, LeafPlan))
 
+  def flat(self, tree: PyTree) -> list[Any]:
+    """The subtrees of a params-structured ``tree`` at the plan's leaves, in :meth:`leaf_list`'s
+    order (a leaf may be None)."""
+    is_leaf = lambda x: isinstance(x, LeafPlan)
+    return jax.tree_util.tree_structure(self.leaves, is_leaf=is_leaf).flatten_up_to(tree)
+
   def placed(self, placement: Placement) -> Plan:
     """This plan with its leaves in the tiers and memory kinds ``placement`` names. Only a
     partitioned param can leave the device (a replicated one is every device's whole copy)."""
@@ -262,6 +270,15 @@ class Plan:
     return dataclasses.replace(self, leaves=self.map(place),
                                device_kind="device" if elsewhere else None)
 
+  def with_frozen(self, paths: frozenset[str]) -> Plan:
+    """This plan with the leaves of ``paths`` frozen (:attr:`LeafPlan.frozen`): no gradient is
+    computed or reduced for them."""
+    def freeze(leaf: LeafPlan) -> LeafPlan:
+      if leaf.path not in paths:
+        return leaf
+      return dataclasses.replace(leaf, frozen=True, grad_partitioned=False, reduce=PLAIN)
+    return dataclasses.replace(self, leaves=self.map(freeze))
+
   # -- memory kinds --------------------------------------------------------------------------------
   def memory_kind(self) -> str | None:
     """The memory kind of what stays on the device (:attr:`device_kind`)."""
@@ -274,16 +291,6 @@ class Plan:
   def state_memory_kind(self, leaf: LeafPlan) -> str | None:
     """The memory kind of a leaf's fp32 master and optimizer state."""
     return leaf.state_kind or self.device_kind
-
-  def opt_memory_kinds(self, tx: optax.GradientTransformation) -> PyTree:
-    """Memory kind of every leaf of ``tx``'s state: param-like leaves follow their leaf's state
-    tier (0-d leaves stay on the device); the rest (step counts) stay on the device."""
-    abstract_state = jax.eval_shape(tx.init, self.abstract_master())
-    kinds = self.map(self.state_memory_kind)
-    return optax.tree_utils.tree_map_params(
-        tx, lambda _, kind: kind, abstract_state, kinds,
-        transform_non_params=lambda _: self.memory_kind(), is_leaf=lambda x: x is None or
-        isinstance(x, str))
 
   # -- partition specs -----------------------------------------------------------------------------
   def _split_spec(self, leaf: LeafPlan) -> P:
@@ -349,14 +356,6 @@ class Plan:
   def abstract_master(self) -> PyTree:
     """ShapeDtypeStructs (global shapes) of the fp32 params in the master layout."""
     return self.map(lambda l: jax.ShapeDtypeStruct(self.state_shape(l), jnp.float32))
-
-  def opt_specs(self, tx: optax.GradientTransformation) -> PyTree:
-    """Partition specs of ``tx``'s state: param-like leaves follow the master layout; the rest
-    (step counts, scalars) are replicated."""
-    abstract_state = jax.eval_shape(tx.init, self.abstract_master())
-    return optax.tree_utils.tree_map_params(
-        tx, lambda _, spec: spec, abstract_state, self.state_specs(),
-        transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
 
   def batch_spec(self) -> P:
     return self.mesh.batch_spec()

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -55,7 +56,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jzero.errors import ConfigError
+from jzero.errors import ConfigError, JZeroWarning
+from jzero.sharding.opt_layout import View
 from jzero.sharding.planner import Placement
 from jzero.tiers import where
 from jzero.tiers.base import Tier, Update
@@ -304,6 +306,10 @@ def keep_tiers(opt_state: PyTree, master: PyTree, on_host: PyTree, *,
   return master, jax.tree.unflatten(node_def, nodes)
 
 
+def _in_host_memory(kind: str | None) -> bool:
+  return kind is not None and kind.endswith("_host")
+
+
 class HostOptimizerTier(Tier):
   """The host-memory tier: active whenever some array of the train state lives in host memory --
   optimizer state and masters (``offload_optimizer.device: cpu``), or params
@@ -327,7 +333,7 @@ class HostOptimizerTier(Tier):
     if offload.ratio <= 0 or plan.stage < 1:
       return placement
     chosen = choose_offloaded({l.path: l.numel for l in plan.leaf_list()
-                               if l.shard_dim is not None}, offload.ratio)
+                               if l.shard_dim is not None and not l.frozen}, offload.ratio)
     kinds = dict.fromkeys(chosen, offload.memory_kind) if offload.tier == where.HOST else {}
     return dataclasses.replace(
         placement, state_tiers={**placement.state_tiers, **dict.fromkeys(chosen, offload.tier)},
@@ -354,8 +360,15 @@ class HostUpdate(DeviceUpdate):
   host computation inside a conditional)."""
 
   def __init__(self, root: DeviceUpdate, *, mode: str, grouped: bool):
-    super().__init__(root.plan, root.tx, root.held, root.checks_overflow)
+    super().__init__(root.plan, root.tx, root.opt, root.held, root.checks_overflow)
     plan = self.plan
+    if mode == "host" and root.opt.view is View.WHOLE:
+      warnings.warn(
+          f"offload_optimizer.update: host: the optimizer couples elements across devices "
+          f"({root.opt.traits.coupling}), so its update runs on whole arrays with collectives, "
+          f"which a host computation cannot run: its host-memory state is streamed to the device "
+          f"for the update instead (the 'stream' mode).", JZeroWarning, stacklevel=2)
+      mode = "stream"
     self.mode, self.grouped = mode, grouped
     self.state_on_host = plan.map(lambda l: l.state_tier == where.HOST)  # per parameter leaf
 
@@ -363,13 +376,21 @@ class HostUpdate(DeviceUpdate):
   def skip_mode(self) -> str:
     return "select" if self.mode == "host" else "cond"
 
+  @property
+  def master_on_host(self) -> PyTree:
+    """Per parameter leaf, whether its master arrives (and goes back) in host memory: the
+    separate fp32 master follows the state's tier; in fp32 training the master is the param
+    partition, in the param's memory."""
+    plan = self.plan
+    return (self.state_on_host if plan.has_master
+            else plan.map(lambda l: where.param_in_host_memory(plan, l)))
+
   def apply(self, grads: PyTree, opt_state: PyTree, master: PyTree,
             keep: jax.Array | None) -> tuple[PyTree, PyTree, PyTree]:
     plan = self.plan
-    # Which masters arrive (and go back) in host memory: the separate fp32 master follows the
-    # state's tier; in fp32 training the master is the param partition, in the param's memory.
-    master_on_host = (self.state_on_host if plan.has_master
-                      else plan.map(lambda l: where.param_in_host_memory(plan, l)))
+    master_on_host = self.master_on_host
+    if self.opt.view is View.WHOLE:
+      return self._apply_whole(grads, opt_state, master, keep)
     if keep is not None:
       # The update starts from finished gradients, as inside the step's lax.cond it would: without
       # the barrier XLA fuses the unscale and clipping into the update and rounds the master one
@@ -378,9 +399,39 @@ class HostUpdate(DeviceUpdate):
     return apply_update(self.tx, grads, opt_state, master, self.state_on_host, mode=self.mode,
                         grouped=self.grouped, master_on_host=master_on_host, keep=keep)
 
+  def _apply_whole(self, grads: PyTree, opt_state: PyTree, master: PyTree,
+                   keep: jax.Array | None) -> tuple[PyTree, PyTree, PyTree]:
+    """The whole view's update (a transformation that couples elements,
+    :mod:`jzero.sharding.opt_layout`): the host-memory state and masters brought to the
+    device, the device's update, the results back where they are stored -- one group."""
+    opt, plan = self.opt, self.plan
+    state_host = [_in_host_memory(opt.leaf_kind(l)) for l in opt.leaves]
+    master_host = plan.flat(self.master_on_host)
+    moved = lambda xs, flags, move: [move(x) if f else x for x, f in zip(xs, flags)]
+    state = jax.tree.unflatten(opt.treedef, moved(opt.treedef.flatten_up_to(opt_state),
+                                                  state_host, to_device))
+    master = jax.tree.unflatten(jax.tree.structure(grads),
+                                moved(plan.flat(master), master_host, to_device))
+    new_master, on_device, new_state = super().apply(grads, state, master, keep)
+    new_state = jax.tree.unflatten(opt.treedef, moved(opt.treedef.flatten_up_to(new_state),
+                                                      state_host, to_host))
+    stored = jax.tree.unflatten(jax.tree.structure(grads),
+                                moved(plan.flat(new_master), master_host, to_host))
+    return stored, on_device, new_state
+
   def unchanged(self, params: PyTree, master: PyTree,
                 opt_state: PyTree) -> tuple[PyTree, PyTree, PyTree]:
     plan = self.plan
+    if self.opt.view is View.WHOLE:
+      state_host = [_in_host_memory(self.opt.leaf_kind(l)) for l in self.opt.leaves]
+      leaves = self.opt.treedef.flatten_up_to(opt_state)
+      opt_state = jax.tree.unflatten(self.opt.treedef, [
+          to_host(x) if h else x for x, h in zip(leaves, state_host)])
+      if plan.has_master:
+        master = plan.map(lambda l, m, h: to_host(m) if h else m, master, self.master_on_host)
+      params = plan.map(lambda l, p: to_host(p) if where.param_in_host_memory(plan, l) else p,
+                        params)
+      return params, master, opt_state
     master, opt_state = keep_tiers(opt_state, master, self.state_on_host,
                                    master_on_host=plan.has_master)
     params = plan.map(lambda l, p: to_host(p) if where.param_in_host_memory(plan, l) else p,

@@ -21,6 +21,7 @@ import optax
 
 from jzero.config import blocks as config_blocks
 from jzero.errors import ConfigError
+from jzero.sharding.opt_layout import OptLayout
 from jzero.sharding.plan import Plan
 from jzero.sharding.planner import Placement
 from jzero.tiers import delayed as delayed_lib
@@ -166,12 +167,14 @@ def open_resources(tiers: tuple[type[Tier], ...], plan: Plan, config: Any,
 
 
 def update(tiers: tuple[type[Tier], ...], plan: Plan, config: Any,
-           tx: optax.GradientTransformation, resources: Resources, *, elementwise: bool,
-           delayed: delayed_lib.DelayedUpdate | None = None) -> Update:
-  """The step's update chain (:mod:`jzero.tiers.base`): the device's update, wrapped by the
-  tiers that change where the step's state lives, the non-finite skip, the delayed update (when
-  on), the clipping, then the tiers that take leaves out of the step."""
-  chain: Update = DeviceUpdate(plan, tx, held(tiers, plan), checks_overflow=config.checks_overflow)
+           tx: optax.GradientTransformation, opt: OptLayout, resources: Resources, *,
+           elementwise: bool, delayed: delayed_lib.DelayedUpdate | None = None) -> Update:
+  """The step's update chain (:mod:`jzero.tiers.base`): the device's update (``opt``: its
+  state's layout and view), wrapped by the tiers that change where the step's state lives, the
+  non-finite skip, the delayed update (when on), the clipping, then the tiers that take leaves
+  out of the step."""
+  chain: Update = DeviceUpdate(plan, tx, opt, held(tiers, plan),
+                               checks_overflow=config.checks_overflow)
   wrap = lambda t, inner: t.update(plan, config, tx, resources.get(t.name), inner,
                                    elementwise=elementwise)
   for tier in tiers:

@@ -214,7 +214,7 @@ class Engine:
     :meth:`init` makes it; ``sample_batch``: for Linen models, as there)."""
     if self.plan is None:
       self.plan = setup.plan_from_config(self.config, self.mesh, self.model, self.stacked_layers,
-                                         self.zeropp, jax.random.key(0), sample_batch)
+                                         self.zeropp, jax.random.key(0), sample_batch, self.tx)
     return self.plan
 
   def abstract_state(self, sample_batch: Any = None, *, full: bool = True) -> TrainState:
@@ -260,7 +260,7 @@ class Engine:
     self._runner.step = None  # a new state starts its own step count
     if self.plan is None:
       self.plan = setup.plan_from_config(self.config, self.mesh, self.model, self.stacked_layers,
-                                         self.zeropp, rng, sample_batch)
+                                         self.zeropp, rng, sample_batch, self.tx)
     parts = self._programs().parts  # the tiers' resources opened first
     devices = list(self.mesh.mesh.devices.flat)
     rng = host_or_mesh(rng, devices, "rng")

@@ -37,12 +37,12 @@ class Programs:
     """PartitionSpecs of the train state (with the delayed update's carried state, for the step
     of ``variant``)."""
     parts = self.parts
-    return state_lib.state_specs(parts.plan, parts.tx, parts.delayed, variant)
+    return state_lib.state_specs(parts.plan, parts.opt, parts.delayed, variant)
 
   def kinds(self, variant: Any = None) -> TrainState:
     """Memory kinds of the train state (as :meth:`specs`)."""
     parts = self.parts
-    return state_lib.state_memory_kinds(parts.plan, parts.tx, parts.delayed, variant)
+    return state_lib.state_memory_kinds(parts.plan, parts.opt, parts.delayed, variant)
 
   def has(self, variant: Any, fused: bool = True) -> bool:
     """The step of ``variant`` is built (in one jit, or as two with ``fused=False``)."""

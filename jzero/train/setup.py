@@ -24,6 +24,7 @@ from jzero.errors import JZeroWarning
 from jzero.modeling.gather_units import UnitRules, check_units, choose_units, prefetches
 from jzero.modeling.model_adapter import ModelAdapter
 from jzero.sharding.mesh import ZeroMesh
+from jzero.sharding.opt_layout import OptLayout, tx_traits_of
 from jzero.sharding.plan import LeafPlan, Plan, flatten_paths
 from jzero.sharding.planner import CommSettings, Dtypes, Layout, make_plan
 from jzero.sharding.zeropp import ZeroPP
@@ -51,9 +52,10 @@ def train_key(rng: jax.Array) -> jax.Array:
 
 def plan_from_config(config: Config, mesh: ZeroMesh, model: ModelAdapter,
                      stacked_layers: tuple[str, ...], zeropp: ZeroPP, rng: jax.Array,
-                     sample_batch: Any) -> Plan:
+                     sample_batch: Any, tx: optax.GradientTransformation | None = None) -> Plan:
   """The plan of a resolved config for ``model``'s parameters: stage-3 gather units from the
-  model's module tree and ``leaf_module``, the layout, then where the tiers put leaves
+  model's module tree and ``leaf_module``, the layout, the leaves ``tx`` never changes frozen
+  (:mod:`jzero.sharding.tx_traits`; None: none), then where the tiers put leaves
   (:func:`jzero.tiers.registry.placement`); prefetching when ``stage3_prefetch_bucket_size`` and
   ``stage3_max_live_parameters`` allow it (:func:`jzero.modeling.gather_units.prefetches`);
   checked against ``max_live_parameters`` and said once
@@ -80,6 +82,8 @@ def plan_from_config(config: Config, mesh: ZeroMesh, model: ModelAdapter,
       gather_bucket_size=zero.prefetch_bucket_size if zero.stage == 3 else
       zero.allgather_bucket_size, overlap_comm=bool(zero.overlap_comm), zeropp=zeropp)
   plan = make_plan(abstract, layout, dtypes, moves)
+  if tx is not None:
+    plan = plan.with_frozen(tx_traits_of(plan, tx).frozen)
   plan = dataclasses.replace(plan, prefetch=prefetches(plan, zero.prefetch_bucket_size,
                                                        zero.max_live_parameters))
   _say_auto_prefetch(plan, zero.max_live_parameters)
@@ -110,11 +114,12 @@ def step_parts(plan: Plan, config: Config, model: ModelAdapter, loss_fn: Any,
   ``resources``, the update chain (:func:`jzero.tiers.registry.update`) with the delayed update
   in it, and the config's numbers."""
   tiers = registry.active(plan)
+  opt = OptLayout.of(plan, tx)
   return step_lib.StepParts(
-      plan=plan, model=model, loss_fn=loss_fn, tx=tx, schedule=schedule, scaler=scaler,
+      plan=plan, model=model, loss_fn=loss_fn, tx=tx, opt=opt, schedule=schedule, scaler=scaler,
       tiers=tiers, resources=resources,
-      update=registry.update(tiers, plan, config, tx, resources, elementwise=schedule is not None,
-                             delayed=delayed),
+      update=registry.update(tiers, plan, config, tx, opt, resources,
+                             elementwise=schedule is not None, delayed=delayed),
       delayed=delayed,
       settings=step_lib.StepSettings.from_config(config, prefetch=plan.prefetch))
 

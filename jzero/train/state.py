@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import PartitionSpec as P
 
+from jzero.sharding.opt_layout import OptLayout
 from jzero.sharding.plan import Plan
 from jzero.train.precision import LossScaleState
 
@@ -56,20 +56,20 @@ class TrainState(NamedTuple):
   delayed: DelayedGrads | None = None
 
 
-def state_specs(plan: Plan, tx: optax.GradientTransformation,
-                delayed: DelayedUpdate | None = None, variant: Variant | None = None) -> TrainState:
-  """PartitionSpecs of every TrainState leaf (prefix tree); ``delayed``: the delayed update, whose
+def state_specs(plan: Plan, opt: OptLayout, delayed: DelayedUpdate | None = None,
+                variant: Variant | None = None) -> TrainState:
+  """PartitionSpecs of every TrainState leaf (prefix tree); ``opt``: the optimizer state's layout;
+  ``delayed``: the delayed update, whose
   carried state the TrainState holds (``delayed``), for the step of ``variant`` (None: a state no
   step variant is written into yet)."""
   return TrainState(step=P(), skipped=P(), params=plan.param_specs(),
                     master=plan.state_specs() if plan.has_master else None,
-                    opt_state=plan.opt_specs(tx), loss_scale=P(), rng=P(), model_state=P(),
+                    opt_state=opt.specs(), loss_scale=P(), rng=P(), model_state=P(),
                     secondary=plan.secondary_specs(),
                     delayed=_delayed(delayed.specs, variant, plan) if delayed else None)
 
 
-def state_memory_kinds(plan: Plan, tx: optax.GradientTransformation,
-                       delayed: DelayedUpdate | None = None,
+def state_memory_kinds(plan: Plan, opt: OptLayout, delayed: DelayedUpdate | None = None,
                        variant: Variant | None = None) -> TrainState:
   """Memory kind of every TrainState leaf (prefix tree; None: JAX's default, the device). A leaf's
   master and optimizer state, and its stored param, are in the memory kinds the plan records
@@ -77,11 +77,11 @@ def state_memory_kinds(plan: Plan, tx: optax.GradientTransformation,
   :mod:`jzero.tiers.host_params`)."""
   device = plan.memory_kind()
   if device is None:  # every leaf on the device
-    return jax.tree.map(lambda _: device, state_specs(plan, tx, delayed, variant),
+    return jax.tree.map(lambda _: device, state_specs(plan, opt, delayed, variant),
                         is_leaf=lambda x: isinstance(x, P))
   return TrainState(step=device, skipped=device, params=plan.map(plan.param_memory_kind),
                     master=plan.map(plan.state_memory_kind) if plan.has_master else None,
-                    opt_state=plan.opt_memory_kinds(tx), loss_scale=device, rng=device,
+                    opt_state=opt.memory_kinds(), loss_scale=device, rng=device,
                     model_state=device,
                     secondary=jax.tree.map(lambda _: device, plan.secondary_specs(),
                                            is_leaf=lambda x: isinstance(x, P)),
@@ -98,9 +98,11 @@ def _delayed(make: Any, variant: Variant | None, *args: Any) -> DelayedGrads:
 def logical_params(plan: Plan, full_state: TrainState, dtype: Any = jnp.float32) -> PyTree:
   """Parameters in the model's own shapes (padding removed), replicated, in ``dtype``, from a
   state with every array in it (:meth:`jzero.Engine.full_state`): the fp32 master in mixed
-  precision, the params themselves in fp32. Host-memory arrays (offload) are read on the device:
+  precision (a frozen leaf's param), the params themselves in fp32. Host-memory arrays (offload) are read on the device:
   a copy of the partitions, then gathered."""
-  source = full_state.master if plan.has_master else full_state.params
+  source = full_state.params
+  if plan.has_master:  # a frozen leaf has no master: its param
+    source = plan.map(lambda l, m, p: p if l.frozen else m, full_state.master, source)
   source = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device"))
                         if x.sharding.memory_kind not in (None, "device") else x, source)
   unpad = lambda leaf, x: leaf.to_logical(x).astype(dtype)

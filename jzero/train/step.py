@@ -58,29 +58,18 @@ from jzero.errors import JZeroError, JZeroWarning
 from jzero.modeling.layer_scan import LayerPolicy, engine_context
 from jzero.modeling.model_adapter import ModelAdapter
 from jzero.modeling.model_state import explain_unbound_axis
+from jzero.sharding.opt_layout import OptLayout, View
 from jzero.sharding.plan import LeafPlan, Plan
 from jzero.tiers.base import Resources, Tier, Update
 from jzero.tiers.delayed import DelayedUpdate
-from jzero.train import update as update_lib
+from jzero.train import aux_metrics, update as update_lib
 from jzero.train.precision import LossScaler
 from jzero.train.state import TrainState
 
 __all__ = ["StepParts", "StepSettings", "build_eval", "build_split_step", "build_step",
-           "gathered_groups", "split_loss", "takes_rng", "trace_loss"]
+           "gathered_groups", "takes_rng", "trace_loss"]
 
 PyTree = Any
-
-
-def split_loss(out: Any) -> tuple[jax.Array, Any]:
-  """What a loss_fn returned -> (scalar loss, aux dict or None); a loss that is not a scalar is an
-  error naming the fix (value_and_grad would raise JAX's own TypeError deep in the step)."""
-  loss, aux = out if isinstance(out, tuple) else (out, None)
-  if jnp.ndim(loss) != 0:
-    raise JZeroError(
-        f"loss_fn returned a loss of shape {tuple(jnp.shape(loss))}; jzero needs a scalar, the "
-        f"mean over the batch it is given (as DeepSpeed's loss.backward() does): return "
-        f"loss.mean().")
-  return loss, aux
 
 
 def takes_rng(loss_fn: Callable[..., Any]) -> bool:
@@ -119,13 +108,16 @@ class StepSettings:
 @dataclasses.dataclass(frozen=True)
 class StepParts:
   """Everything a step computes with. ``tiers``: the active tiers (classes), whose forward-pass
-  hooks the step calls with their ``resources``; ``update``: the update chain
-  (:func:`jzero.tiers.registry.update`); ``delayed``: the delayed parameter update, or None."""
+  hooks the step calls with their ``resources``; ``opt``: the optimizer state's layout and the
+  view its update runs in (:class:`jzero.sharding.opt_layout.OptLayout`); ``update``: the update
+  chain (:func:`jzero.tiers.registry.update`); ``delayed``: the delayed parameter update, or
+  None."""
 
   plan: Plan
   model: ModelAdapter
   loss_fn: Callable[..., Any]
   tx: optax.GradientTransformation
+  opt: OptLayout
   schedule: Callable[[jax.Array], jax.Array] | None
   scaler: LossScaler
   tiers: tuple[type[Tier], ...]
@@ -190,7 +182,7 @@ def bind(parts: StepParts, targets: PyTree, params: PyTree, secondary: PyTree,
     secondary = plan.map(lambda _: None)
 
   def leaf_param(leaf: LeafPlan, target: jax.Array, p: jax.Array, sec: jax.Array | None):
-    if not leaf.grad_partitioned:
+    if not (leaf.grad_partitioned or leaf.param_partitioned):
       return target
     size = leaf.shape[leaf.shard_dim]
     comm = plan.comm(leaf)
@@ -223,6 +215,8 @@ def _reduce_micro(plan: Plan, leaf: LeafPlan, g: jax.Array, accumulate: bool) ->
   communication dtype and only its reduced partition is upcast (:func:`_reduce_final`).
   """
   axes = plan.mesh
+  if g is None:  # a frozen leaf: no gradient
+    return None
   if leaf.grad_partitioned:
     g = g.astype(plan.comm_dtype)
     g = lax.psum(g, axes.replica_axes) if axes.replica_axes else g
@@ -233,6 +227,8 @@ def _reduce_micro(plan: Plan, leaf: LeafPlan, g: jax.Array, accumulate: bool) ->
 def _reduce_final(plan: Plan, leaf: LeafPlan, g: jax.Array) -> jax.Array:
   """Accumulated gradient -> fp32 gradient in the state layout, summed over devices."""
   axes = plan.mesh
+  if g is None:  # a frozen leaf: no gradient
+    return None
   if leaf.grad_partitioned:
     return g.astype(jnp.float32)
   g = g.astype(plan.comm_dtype)
@@ -259,7 +255,8 @@ def local_grads(parts: StepParts, state: TrainState, batch: PyTree):
   key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
   key = jax.random.fold_in(key, lax.axis_index(axes.batch_axes))
 
-  def scaled_loss(targets, mb, rng, model_state):
+  def scaled_loss(trained, mb, rng, model_state, fixed):
+    targets = plan.map(lambda l, t, f: f if l.frozen else t, trained, fixed)
     with engine_context(policy) as log, one_pass():
       model = bind(parts, targets, state.params, state.secondary, model_state, rng)
       out = parts.call_loss(model, mb, rng)
@@ -269,34 +266,40 @@ def local_grads(parts: StepParts, state: TrainState, batch: PyTree):
           "activation_checkpointing.cpu_checkpointing: the model ran no jzero remat region "
           "(jzero.scan_layers, linen_scan_layers, jzero.remat or a ZeRO-3 gather unit), so no "
           "activation was offloaded to the host", JZeroWarning, stacklevel=2)
-    loss, aux = split_loss(out)
-    loss, aux = loss.astype(jnp.float32), {} if aux is None else aux
+    loss, aux = aux_metrics.split_loss(out)
+    loss = loss.astype(jnp.float32)
+    aux = None if aux is None else aux_metrics.mark(aux, micro)
     return loss * loss_mult, (loss, aux, model_state)
 
   def micro_grads(mb, i, model_state):
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
-    (_, (loss, aux, model_state)), g = grad_fn(grad_targets(parts, state.params), mb,
-                                               jax.random.fold_in(key, i), model_state)
+    targets = grad_targets(parts, state.params)  # a frozen leaf's is not differentiated
+    trained = plan.map(lambda l, t: None if l.frozen else t, targets)
+    fixed = plan.map(lambda l, t: t if l.frozen else None, targets)
+    (_, (loss, aux, model_state)), g = grad_fn(trained, mb, jax.random.fold_in(key, i),
+                                               model_state, fixed)
     return (loss, aux, plan.map(lambda l, x: _reduce_micro(plan, l, x, gas > 1), g)), model_state
 
   if gas == 1:
     (loss, aux, grads), model_state = micro_grads(jax.tree.map(lambda x: x[0], micro_batches), 0,
                                                   state.model_state)
+    aux = jax.tree.map(lambda x: x[None], aux)  # stacked over the one micro-batch
   else:
     def accumulate(carry, xs):
       acc, model_state = carry
-      out, model_state = micro_grads(*xs, model_state)
-      return (jax.tree.map(jnp.add, acc, out), model_state), None
+      (loss, aux, grads), model_state = micro_grads(*xs, model_state)
+      return (jax.tree.map(jnp.add, acc, (loss, grads)), model_state), aux
 
     first = jax.tree.map(lambda x: x[0], micro_batches)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                         jax.eval_shape(micro_grads, first, 0, state.model_state)[0])
-    ((loss, aux, grads), model_state), _ = lax.scan(
+    loss_grads = jax.eval_shape(micro_grads, first, 0, state.model_state)[0]
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss_grads[0], loss_grads[2]))
+    ((loss, grads), model_state), aux = lax.scan(
         accumulate, (zeros, state.model_state), (micro_batches, jnp.arange(gas)))
-    loss, aux = loss / gas, jax.tree.map(lambda a: a / gas, aux)
+    loss = loss / gas
   mean = lambda x: lax.pmean(x, axes.batch_axes)
   grads = plan.map(functools.partial(_reduce_final, plan), grads)
-  return grads, mean(loss), jax.tree.map(mean, aux), model_state
+  aux = aux_metrics.over_devices(aux_metrics.over_micro_batches(aux), axes.batch_axes)
+  return grads, mean(loss), aux, model_state
 
 
 def trace_loss(parts: StepParts, batch: PyTree) -> None:
@@ -338,13 +341,14 @@ def gathered_groups(parts: StepParts, specs: TrainState, state: Any, batch: PyTr
 
 # -- jit(shard_map(...)) ---------------------------------------------------------------------------
 def _jit(plan: Plan, state_kinds: TrainState, fn, in_specs: tuple, out_specs: Any,
-         donate: tuple[int, ...]):
+         donate: tuple[int, ...], per_device: bool = True):
   """jit(shard_map(fn)) with the plan's shardings as the jit's in/out shardings (TrainState
-  arguments and results with their memory kinds ``state_kinds``)."""
+  arguments and results with their memory kinds ``state_kinds``); ``per_device`` False: ``fn``
+  is a function of global arrays already (it calls its own ``shard_map``)."""
   kinds = lambda specs: tuple(state_kinds if isinstance(s, TrainState) else None for s in specs)
   out = out_specs if isinstance(out_specs, tuple) else (out_specs,)
   out_shardings = plan.shardings(out, kinds(out))
-  body = program.shard_map(plan, fn, in_specs, out_specs)
+  body = program.shard_map(plan, fn, in_specs, out_specs) if per_device else fn
   return jax.jit(body, in_shardings=plan.shardings(in_specs, kinds(in_specs)),
                  out_shardings=out_shardings if isinstance(out_specs, tuple) else out_shardings[0],
                  donate_argnums=donate, compiler_options=program.compile_options(plan) or None)
@@ -355,19 +359,50 @@ def _out_specs(parts: StepParts, specs: TrainState) -> tuple:
   return (specs, P(), parts.update.output_specs)
 
 
+def _grad_specs(plan: Plan) -> PyTree:
+  """Specs of the reduced gradients (state layout; None for a frozen leaf, which has none)."""
+  return plan.map(lambda l: None if l.frozen else plan.state_spec(l))
+
+
+def _whole_update(parts: StepParts, specs: TrainState):
+  """The update phase in the whole view (:mod:`jzero.sharding.opt_layout`): the reduction of the
+  gradients on each device's blocks, then the update chain on global arrays --
+  ``(state, grads, loss, aux, model_state) -> (state, metrics, outputs)``."""
+  plan = parts.plan
+  reduce = program.shard_map(plan, functools.partial(update_lib.reduce_grads, parts),
+                             (specs, _grad_specs(plan)), (_grad_specs(plan), P(), P()))
+
+  def update(state, grads, loss, aux, model_state):
+    grads, grad_norm, overflow = reduce(state, grads)
+    return update_lib.apply_update(parts, state._replace(model_state=model_state), grads,
+                                   grad_norm, overflow, loss, aux)
+  return update
+
+
 def build_step(parts: StepParts, specs: TrainState, kinds: TrainState, batch: PyTree):
   """The fused step ``(state, batch) -> (state, metrics, outputs)``, jitted with the state's
   ``specs`` and memory ``kinds`` (with the delayed update, of one variant: the state's) and the
-  state donated; ``outputs``: what the update hands out of the jit for its work after it."""
+  state donated; ``outputs``: what the update hands out of the jit for its work after it. In the
+  partition view one ``shard_map`` is the whole step; in the whole view the gradients leave it
+  and the update runs on global arrays (:func:`_whole_update`)."""
+  plan = parts.plan
+  batch_specs = jax.tree.map(lambda _: plan.batch_spec(), batch)
+  if parts.opt.view is View.PARTITION:
+    def local_step(state, batch):
+      grads, loss, aux, model_state = local_grads(parts, state, batch)
+      return update_lib.local_update(parts, state._replace(model_state=model_state), grads,
+                                     loss, aux)
+    return _jit(plan, kinds, local_step, (specs, batch_specs), _out_specs(parts, specs),
+                donate=(0,))
 
-  def local_step(state, batch):
-    grads, loss, aux, model_state = local_grads(parts, state, batch)
-    return update_lib.local_update(parts, state._replace(model_state=model_state), grads, loss,
-                                   aux)
+  grads_of = program.shard_map(plan, functools.partial(local_grads, parts), (specs, batch_specs),
+                               (_grad_specs(plan), P(), P(), P()))
+  update = _whole_update(parts, specs)
 
-  batch_specs = jax.tree.map(lambda _: parts.plan.batch_spec(), batch)
-  return _jit(parts.plan, kinds, local_step, (specs, batch_specs), _out_specs(parts, specs),
-              donate=(0,))
+  def step(state, batch):
+    return update(state, *grads_of(state, batch))
+  return _jit(plan, kinds, step, (specs, batch_specs), _out_specs(parts, specs), donate=(0,),
+              per_device=False)
 
 
 def build_split_step(parts: StepParts, specs: TrainState, kinds: TrainState,
@@ -375,16 +410,20 @@ def build_split_step(parts: StepParts, specs: TrainState, kinds: TrainState,
   """The step as two jits -- forward+backward+reduction, then the update -- for timing them."""
   plan = parts.plan
   batch_specs = jax.tree.map(lambda _: plan.batch_spec(), batch)
-  grad_specs = plan.state_specs()
+  grad_specs = _grad_specs(plan)
   grads = _jit(plan, kinds, functools.partial(local_grads, parts), (specs, batch_specs),
                (grad_specs, P(), P(), P()), donate=())
+  in_specs = (specs, grad_specs, P(), P(), P())
+  if parts.opt.view is View.WHOLE:
+    update = _jit(plan, kinds, _whole_update(parts, specs), in_specs, _out_specs(parts, specs),
+                  donate=(0,), per_device=False)
+    return grads, update
 
   def local_update(state, grads, loss, aux, model_state):
     return update_lib.local_update(parts, state._replace(model_state=model_state), grads, loss,
                                    aux)
 
-  update = _jit(plan, kinds, local_update, (specs, grad_specs, P(), P(), P()),
-                _out_specs(parts, specs), donate=(0,))
+  update = _jit(plan, kinds, local_update, in_specs, _out_specs(parts, specs), donate=(0,))
   return grads, update
 
 
@@ -399,9 +438,11 @@ def build_eval(parts: StepParts):
       model = parts.model.evaluating(bind(parts, grad_targets(parts, params), params, secondary,
                                           model_state, None))
       out = parts.call_loss(model, mb, None)
-    loss, aux = split_loss(out)
-    mean = lambda x: lax.pmean(jnp.asarray(x).astype(jnp.float32), plan.mesh.batch_axes)
-    return mean(loss), jax.tree.map(mean, aux)
+    loss, aux = aux_metrics.split_loss(out)
+    if aux is not None:
+      aux = jax.tree.map(lambda x: x[None], aux_metrics.mark(aux, jax.tree.leaves(mb)[0].shape[0]))
+      aux = aux_metrics.over_devices(aux_metrics.over_micro_batches(aux), plan.mesh.batch_axes)
+    return lax.pmean(loss.astype(jnp.float32), plan.mesh.batch_axes), aux
 
   specs = (plan.param_specs(), plan.secondary_specs(), P(), plan.batch_spec())
   return jax.jit(program.shard_map(plan, local_loss, specs, P()))

@@ -27,23 +27,31 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jzero.train import aux_metrics
 from jzero.train.precision import has_overflow
 from jzero.train.state import TrainState
 
 if TYPE_CHECKING:  # annotations only (step imports this module)
   from jzero.train.step import StepParts
 
-__all__ = ["local_update", "applied_updates", "global_norm"]
+__all__ = ["local_update", "reduce_grads", "apply_update", "applied_updates", "global_norm"]
 
 PyTree = Any
 
 
 def local_update(parts: StepParts, state: TrainState, grads: PyTree, loss: jax.Array,
                  aux: dict):
-  """Overflow check, unscale, the global norm and the clipping factor, the update chain -> (state,
-  metrics, outputs): ``outputs`` is what the update hands out of the jit for work after it, by
-  name (``{}`` when nothing is). The step's variant (the delayed update's) is in ``state``."""
-  plan, settings, update, delayed = parts.plan, parts.settings, parts.update, parts.delayed
+  """The whole update phase on one device's blocks (the partition view): :func:`reduce_grads`
+  then :func:`apply_update` -> (state, metrics, outputs)."""
+  grads, grad_norm, overflow = reduce_grads(parts, state, grads)
+  return apply_update(parts, state, grads, grad_norm, overflow, loss, aux)
+
+
+def reduce_grads(parts: StepParts, state: TrainState,
+                 grads: PyTree) -> tuple[PyTree, jax.Array, jax.Array]:
+  """On one device's blocks: the overflow check, the unscaled gradients and their global norm
+  -> (gradients, norm, overflow). A frozen leaf's gradient is None."""
+  plan, settings, delayed = parts.plan, parts.settings, parts.delayed
   axes = plan.mesh
   scale = state.loss_scale.scale
   checks = settings.checks_overflow
@@ -55,13 +63,25 @@ def local_update(parts: StepParts, state: TrainState, grads: PyTree, loss: jax.A
     overflow = jnp.logical_not(jnp.isfinite(grad_norm))  # a NaN or inf anywhere: norm not finite
   elif not checks:  # bf16 without check_grad_overflow; the delayed update's steady step
     overflow = jnp.zeros((), bool)
+  return grads, grad_norm, overflow
+
+
+def apply_update(parts: StepParts, state: TrainState, grads: PyTree, grad_norm: jax.Array,
+                 overflow: jax.Array, loss: jax.Array, aux: dict):
+  """The clipping factor, the update chain and the state's counters -> (state, metrics,
+  outputs): ``outputs`` is what the update hands out of the jit for work after it, by name
+  (``{}`` when nothing is). In the partition view on one device's blocks; in the whole view on
+  global arrays (:mod:`jzero.sharding.opt_layout`). The step's variant (the delayed update's) is
+  in ``state``."""
+  settings, update, delayed = parts.settings, parts.update, parts.delayed
+  scale = state.loss_scale.scale
   clip = settings.gradient_clipping
   factor = jnp.minimum(1.0, clip / (grad_norm + 1e-6)) if clip > 0 else None
   new_state, outputs = update.update(grads, state, overflow, factor)
 
   applied = applied_updates(state.step, state.skipped, delayed, state.delayed)
   skipped = state.skipped + overflow.astype(jnp.int32)
-  metrics = {
+  metrics = aux_metrics.into_metrics({
       "loss": loss,
       "grad_norm": grad_norm,
       "lr": _learning_rate(parts, applied, new_state.opt_state),
@@ -69,8 +89,7 @@ def local_update(parts: StepParts, state: TrainState, grads: PyTree, loss: jax.A
       "overflow": overflow,
       "skipped": skipped,
       "min_scale_overflow": parts.scaler.at_min_scale_overflow(state.loss_scale, overflow),
-      **aux,
-  }
+  }, aux)
   new_state = new_state._replace(
       step=state.step + 1, skipped=skipped,
       loss_scale=parts.scaler.update(state.loss_scale, overflow))
@@ -105,7 +124,9 @@ def _learning_rate(parts: StepParts, applied: jax.Array, opt_state: PyTree) -> j
 def global_norm(parts: StepParts, grads: PyTree) -> jax.Array:
   """L2 norm of the full gradient, from partitions: psum of the partitioned partial sums."""
   plan = parts.plan
-  sums = plan.map(lambda l, g: (jnp.sum(jnp.square(g)), l.state_partitioned), grads)
+  zero = jnp.zeros((), jnp.float32)
+  sums = plan.map(lambda l, g: (zero if g is None else jnp.sum(jnp.square(g)),
+                                l.state_partitioned), grads)
   flat = jax.tree.leaves(sums, is_leaf=lambda x: isinstance(x, tuple))
   partitioned = sum((s for s, split in flat if split), jnp.zeros((), jnp.float32))
   replicated = sum((s for s, split in flat if not split), jnp.zeros((), jnp.float32))

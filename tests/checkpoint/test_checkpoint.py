@@ -85,7 +85,7 @@ def _place(engine, truth: dict) -> jzero.TrainState:
   abstract = engine.abstract_state()
   plan = engine.plan
   leaves = {f"{g}/{l.path}": l for g in ("params", "master") for l in plan.leaf_list()}
-  leaves.update(opt_leaves(plan, engine.tx, abstract.opt_state))
+  leaves.update(opt_leaves(plan, engine.tx))
   shardings = [x.sharding for x in jax.tree.leaves(abstract)]
   values = []
   for (name, x), sharding in zip(flat(abstract).items(), shardings):
@@ -112,7 +112,7 @@ def _check_state(engine, state: jzero.TrainState, truth: dict) -> None:
   abstract = engine.abstract_state()
   expected = [x.sharding for x in jax.tree.leaves(abstract)]
   assert all(x.sharding == s for x, s in zip(jax.tree.leaves(state), expected))
-  leaves = opt_leaves(plan, engine.tx, abstract.opt_state)
+  leaves = opt_leaves(plan, engine.tx)
   by_path = {leaf.path: leaf for leaf in plan.leaf_list()}
   for name, x in flat(state).items():
     x = np.asarray(x)

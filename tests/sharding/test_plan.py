@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from jzero.comm import program
 from jzero.comm.program import CPU_OPTIONS
 from jzero.sharding.mesh import MeshSpec
+from jzero.sharding.opt_layout import OptLayout
 from jzero.sharding.planner import Dtypes, Layout, make_plan
 
 
@@ -70,7 +71,7 @@ def test_persistence_thresholds(mesh):
 
 def test_opt_specs_follow_master_layout(mesh):
   plan = make_plan(_abstract(w=(64, 8), b=(8,)), Layout(stage=2, mesh=mesh), Dtypes(jnp.bfloat16))
-  specs = plan.opt_specs(optax.adamw(1e-3))
+  specs = OptLayout.of(plan, optax.adamw(1e-3)).specs()
   adam = specs[0]
   assert adam.mu == {"b": P("data"), "w": P("data", None)}
   assert adam.count == P()
