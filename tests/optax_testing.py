@@ -18,13 +18,14 @@ VOCAB, WIDTH, HIDDEN, SEQ = 16, 12, 20, 8
 
 class Tiny(nnx.Module):
   """Embedding (16 x 12), LayerNorm (12), two dense layers (12 -> 20 -> 16): 12 and 20 are
-  divisible by neither 8 nor 4 devices, so most leaves are padded where they are partitioned."""
+  divisible by neither 8 nor 4 devices, so most leaves are padded where they are partitioned
+  (``width`` and ``hidden`` give other sizes)."""
 
-  def __init__(self, rngs: nnx.Rngs):
-    self.embed = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
-    self.ln = nnx.LayerNorm(WIDTH, rngs=rngs)
-    self.up = nnx.Linear(WIDTH, HIDDEN, rngs=rngs)
-    self.out = nnx.Linear(HIDDEN, VOCAB, rngs=rngs)
+  def __init__(self, rngs: nnx.Rngs, width: int = WIDTH, hidden: int = HIDDEN):
+    self.embed = nnx.Embed(VOCAB, width, rngs=rngs)
+    self.ln = nnx.LayerNorm(width, rngs=rngs)
+    self.up = nnx.Linear(width, hidden, rngs=rngs)
+    self.out = nnx.Linear(hidden, VOCAB, rngs=rngs)
 
   def __call__(self, tokens):
     x = self.ln(self.embed(tokens))
@@ -93,13 +94,13 @@ def plain_run(tx: optax.GradientTransformation, params, batches: list[dict], *,
 
 
 def engine_run_with(tx, stage: int, batches: list[dict], *, devices: int = 8, loss_fn=token_loss,
-                    hook=None, **initialize_kw):
+                    hook=None, model=Tiny, **initialize_kw):
   """``tx`` as ``initialize(optimizer=tx)`` at ``stage`` on the first ``devices`` devices.
-  Returns (engine, initial logical params, final logical params, losses, metrics)."""
+  Returns (engine, final state, initial logical params, final logical params, losses, metrics)."""
   mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices],
                        axis_types=(jax.sharding.AxisType.Auto,))
-  micro = len(batches[0]["tokens"]) // devices
-  engine = jzero.initialize(Tiny, loss_fn, config(stage, micro), mesh=mesh, optimizer=tx,
+  micro = len(batches[0]["tokens"]) // devices if batches else 1
+  engine = jzero.initialize(model, loss_fn, config(stage, micro), mesh=mesh, optimizer=tx,
                             **initialize_kw)
   state = engine.init(jax.random.key(0))
   initial = jax.tree.map(np.asarray, engine.logical_params(state))
@@ -110,7 +111,8 @@ def engine_run_with(tx, stage: int, batches: list[dict], *, devices: int = 8, lo
     state, m = engine.train_step(state, engine.shard_batch(batch))
     losses.append(float(m["loss"]))
     metrics.append(jax.tree.map(np.asarray, m))
-  return engine, initial, jax.tree.map(np.asarray, engine.logical_params(state)), losses, metrics
+  final = jax.tree.map(np.asarray, engine.logical_params(state))
+  return engine, state, initial, final, losses, metrics
 
 
 def leafwise_errors(params, reference) -> dict[str, float]:

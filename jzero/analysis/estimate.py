@@ -23,7 +23,9 @@ partitioned params, split over the s devices of a node only: p(Ψ - Ψr)/s more 
 Ψr is the stage-3 *persistent* parameters (see :mod:`jzero.sharding.plan`): leaves with fewer than
 ``persistence_threshold`` elements (per layer for leaves stacked over a layer axis) keep a
 replicated compute param; their gradients and optimizer state stay partitioned. Ψr needs the
-leaves' shapes (pass them instead of a count); padding to a multiple of N is ignored.
+leaves' shapes (pass them instead of a count). A plan's leaves (:class:`jzero.sharding.plan.LeafPlan`)
+also give the padding of their partitions (to a multiple of N) and which of them are frozen (no
+gradient, master or optimizer state); plain shapes have neither.
 
 Offload moves a category off the device, per process (one process per device):
 
@@ -305,7 +307,8 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
              model_persistence_threshold: int | None = None, activations: float = 0.0,
              gathered: tuple[int, int] = (0, 0), prefetch: bool = False,
              hpz_partition_size: int = 1, delayed_update: bool = False,
-             param_buffer_elements: float = 0.0, param_cache_elements: float = 0.0) -> Estimate:
+             param_buffer_elements: float = 0.0, param_cache_elements: float = 0.0,
+             trainable: float | None = None, replicated_optimizer: float = 0.0) -> Estimate:
   """Per-device bytes of one ZeRO configuration (formulas and offload rules: module docstring).
 
   Args:
@@ -340,6 +343,12 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
       ``buffer_size`` elements), counted in host params.
     param_cache_elements: ``offload_param: "nvme"``: partitioned elements kept in host memory
       (``max_in_cpu``); the rest of the partition lives on NVMe only.
+    trainable: with a parameter count: the parameters the optimizer changes (default: all); the
+      others are frozen (no gradient, no master, no optimizer state). A plan's leaves say it
+      themselves (:attr:`jzero.sharding.plan.LeafPlan.frozen`).
+    replicated_optimizer: bytes of optimizer state every device holds whole (a client
+      transformation's small statistics, :meth:`jzero.sharding.opt_layout.OptLayout.bytes_per_device`),
+      beside the K bytes per trainable parameter that are partitioned.
 
   Raises:
     ConfigError: an offload setting the stage does not have, or hpZ outside stage 3.
@@ -355,18 +364,23 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
   n, g, k = devices * nodes, param_bytes if grad_bytes is None else grad_bytes, optimizer_bytes
   if isinstance(params, (int, float)):
     psi, persistent = int(params), 0
+    local = held = psi if trainable is None else trainable
   else:
     psi = sum(math.prod(leaf.shape) for leaf in params)
     persistent = (persistent_numel(params, persistence_threshold, model_persistence_threshold)
                   if stage == 3 else 0)
+    trained = [leaf for leaf in params if not getattr(leaf, "frozen", False)]
+    local = sum(math.prod(leaf.shape) for leaf in trained)
+    held = sum(_state_numel(leaf, stage) for leaf in trained)
   tiers = {tier: dict.fromkeys(CATEGORIES, 0.0) for tier in columns()}
   device = tiers["device"]
   device["params"] = (param_bytes * (psi - persistent) / n + param_bytes * persistent
                       if stage == 3 else param_bytes * psi)
-  device["grads"] = g * psi / n if stage >= 2 else g * psi
-  device["optimizer"] = k * psi / n if stage >= 1 else k * psi
-  numbers = Numbers(stage=stage, optimizer=k * psi / n, grad_partition=g * psi / n,
-                    grads_local=g * psi, param_partition=param_bytes * ((psi - persistent) / n),
+  device["grads"] = g * held / n if stage >= 2 else g * local
+  device["optimizer"] = (k * held / n if stage >= 1 else k * held) + replicated_optimizer
+  numbers = Numbers(stage=stage, optimizer=k * held / n + replicated_optimizer,
+                    grad_partition=g * held / n,
+                    grads_local=g * local, param_partition=param_bytes * ((psi - persistent) / n),
                     persistent=float(param_bytes * persistent), param_bytes=param_bytes,
                     partition_elements=(psi - persistent) / n, param_cache=param_cache_elements,
                     param_buffers=param_buffer_elements)
@@ -390,6 +404,14 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
                   activations=activations, hpz=hpz,
                   gathered=(param_bytes * (gathered[0] * (1 + prefetch) + gathered[1])
                             if stage == 3 else 0.0))
+
+
+def _state_numel(leaf: Any, stage: int) -> int:
+  """Elements of a leaf's gradient / optimizer-state arrays: a plan's leaf partitioned at
+  ``stage`` >= 1 counts its padding (:attr:`jzero.sharding.plan.LeafPlan.padded_shape`)."""
+  if stage >= 1 and getattr(leaf, "state_partitioned", False):
+    return math.prod(leaf.padded_shape)
+  return math.prod(leaf.shape)
 
 
 def activation_bytes(micro_batch: int, seq_len: int, hidden: int, layers: int, heads: int, *,

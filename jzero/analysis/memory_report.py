@@ -67,7 +67,8 @@ def state_report(plan: Plan, state: Any, resources: Resources) -> dict[str, dict
   """
   device = plan.mesh.mesh.devices.flat[0]
   itemsize = jnp.dtype(plan.compute_dtype).itemsize
-  grads = sum(plan.local_numel(l, l.grad_partitioned) for l in plan.leaf_list()) * itemsize
+  grads = sum(plan.local_numel(l, l.grad_partitioned) for l in plan.leaf_list()
+              if not l.frozen) * itemsize
   report = {
       "params": live_bytes(state.params, device),
       "grads": {"device": grads},
@@ -187,19 +188,20 @@ class MemoryReport:
 
 
 def _state_bytes_per_param(plan: Plan, state: Any, resources: Resources,
-                           tx: Any) -> tuple[float, float]:
-  """(fp32 master, optimizer state) bytes per parameter, from the live state's global arrays.
-
-  Every optimizer leaf but a replicated scalar counts (Adam's moments, factored statistics, not
-  its step count).
-  """
-  numel = sum(math.prod(plan.state_shape(l)) for l in plan.leaf_list())
+                           tx: Any) -> tuple[float, float, float]:
+  """(fp32 master, partitioned optimizer state) bytes per trainable parameter, from the live
+  state's global arrays, and the bytes of the optimizer state every device holds whole (its
+  replicated leaves but scalars: a client transformation's small statistics)."""
+  numel = sum(math.prod(plan.state_shape(l)) for l in plan.leaf_list() if not l.frozen)
   master = sum(x.nbytes for x in jax.tree.leaves(state.master))
-  optimizer = sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if x.ndim)
+  split = lambda x: any(a is not None for a in x.sharding.spec)  # noqa: E731
+  leaves = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+  optimizer = sum(x.nbytes for x in leaves if split(x))
+  replicated = sum(x.nbytes for x in leaves if not split(x))
   for tier in registry.active(plan):  # e.g. NVMe leaves: 0-byte placeholders in the state
     held = tier.held_bytes(plan, resources.get(tier.name))
     master, optimizer = master + held.get("master", 0), optimizer + held.get("optimizer", 0)
-  return master / numel, optimizer / numel
+  return master / max(numel, 1), optimizer / max(numel, 1), replicated
 
 
 def memory_report(plan: Plan, state: Any, resources: Resources, *, config: Any, tx: Any,
@@ -225,7 +227,7 @@ def memory_report(plan: Plan, state: Any, resources: Resources, *, config: Any, 
   """
   zero = config.zero_optimization
   compiled_memory = CompiledMemory.of(compiled) if compiled is not None else None
-  master_k, opt_k = _state_bytes_per_param(plan, state, resources, tx)
+  master_k, opt_k, replicated = _state_bytes_per_param(plan, state, resources, tx)
   leaves = plan.leaf_list()
   host = sum(l.numel for l in leaves if l.state_tier == "host")
   on_nvme = sum(l.numel for l in leaves if l.state_tier == "nvme")
@@ -259,7 +261,8 @@ def memory_report(plan: Plan, state: Any, resources: Resources, *, config: Any, 
                  gathered=gathered if gathered is not None else plan.gathered_working_set(),
                  prefetch=program.prefetches(plan),
                  hpz_partition_size=plan.zeropp.hpz,
-                 delayed_update=getattr(state, "delayed", None) is not None)
+                 delayed_update=getattr(state, "delayed", None) is not None,
+                 replicated_optimizer=replicated)
   # Offload: master + optimizer state are predicted over the tiers they live on. jzero's gradient
   # buffer is a temporary of the step on the device; the estimator's host share of it (DeepSpeed
   # copies the gradient partition to the host) is counted as the device's here.
@@ -270,9 +273,10 @@ def memory_report(plan: Plan, state: Any, resources: Resources, *, config: Any, 
     # (counted as params), and fp32 training's state holds the param itself (its master)
     copies = 4 * sum(plan.local_numel(l, True) for l in leaves if where.param_copy_on_nvme(l))
     total["params"] += copies * (1 if plan.has_master else 2)
-  per_k = total["optimizer"] / (master_k + opt_k) if master_k + opt_k else 0.0
+  partitioned = total["optimizer"] - replicated
+  per_k = partitioned / (master_k + opt_k) if master_k + opt_k else 0.0
   predicted = {"params": total["params"], "grads": total["grads"], "master": per_k * master_k,
-               "optimizer": per_k * opt_k}
+               "optimizer": per_k * opt_k + replicated}
   if est.hpz > 1:
     predicted["secondary"] = est.bytes["device"]["secondary"]
   if "delayed_grads" in est.bytes["device"]:

@@ -29,7 +29,7 @@ from flax import nnx
 
 from jzero.modeling.layer_scan import scan_layers
 
-__all__ = ["GPTConfig", "GPT", "lm_loss", "PRESETS", "preset", "residual_dtype"]
+__all__ = ["GPTConfig", "GPT", "lm_loss", "lora_labels", "PRESETS", "preset", "residual_dtype"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +46,9 @@ class GPTConfig:
     mlp_dim: MLP width (default ``mlp_ratio * d_model``).
     gated_mlp: a gated SiLU MLP (``down(silu(gate(x)) * up(x))``, Llama's) instead of GELU.
     tie_embeddings: the output head is the token embedding (else a separate ``head`` matrix).
+    lora_rank: LoRA adapters of this rank on the attention projections (``qkv`` and
+      ``attn_out`` as ``nnx.LoRALinear``: their ``lora/lora_a`` and ``lora/lora_b`` beside the
+      kernel); 0: none. Fine-tune them alone with :func:`lora_labels`.
   """
 
   vocab_size: int = 256
@@ -57,6 +60,7 @@ class GPTConfig:
   mlp_dim: int | None = None
   gated_mlp: bool = False
   tie_embeddings: bool = True
+  lora_rank: int = 0
 
   @property
   def hidden_size(self) -> int:
@@ -72,6 +76,7 @@ class GPTConfig:
     block = (3 * d * d + d * d + d + 4 * d  # qkv, attention out (+ bias), two LayerNorms
              + (3 if self.gated_mlp else 2) * d * f + (2 if self.gated_mlp else 1) * f + d)
     head = 0 if self.tie_embeddings else d * self.vocab_size
+    block += self.lora_rank * (d + 3 * d) + self.lora_rank * (d + d)  # adapters of qkv, attn_out
     return self.vocab_size * d + self.seq_len * d + self.n_layers * block + 2 * d + head
 
 
@@ -103,8 +108,10 @@ class Block(nnx.Module):
     out_init = nnx.initializers.normal(0.02 / (2 * cfg.n_layers) ** 0.5)
     self.n_heads = cfg.n_heads
     self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-    self.qkv = nnx.Linear(d, 3 * d, use_bias=False, kernel_init=init, rngs=rngs)
-    self.attn_out = nnx.Linear(d, d, kernel_init=out_init, rngs=rngs)
+    linear = (functools.partial(nnx.LoRALinear, lora_rank=cfg.lora_rank) if cfg.lora_rank
+              else nnx.Linear)
+    self.qkv = linear(d, 3 * d, use_bias=False, kernel_init=init, rngs=rngs)
+    self.attn_out = linear(d, d, kernel_init=out_init, rngs=rngs)
     self.ln2 = nnx.LayerNorm(d, rngs=rngs)
     self.mlp_in = nnx.Linear(d, cfg.mlp_width, kernel_init=init, rngs=rngs)
     if cfg.gated_mlp:
@@ -163,6 +170,16 @@ def lm_loss(model: GPT, batch: dict) -> jax.Array:
   tokens = batch["tokens"]
   logits = model(tokens[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def lora_labels(params: Any) -> Any:
+  """``optax.multi_transform`` labels for LoRA fine-tuning: "lora" for the adapters (a path with a
+  ``lora`` key), "frozen" for everything else --
+  ``optax.multi_transform({"lora": optax.adamw(1e-3), "frozen": optax.set_to_zero()},
+  lora_labels)``."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "lora" if any(getattr(k, "key", None) == "lora" for k in path) else "frozen",
+      params)
 
 
 def residual_dtype(config: GPTConfig, param_dtype: Any) -> jnp.dtype:

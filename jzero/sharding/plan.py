@@ -270,6 +270,12 @@ class Plan:
     return dataclasses.replace(self, leaves=self.map(place),
                                device_kind="device" if elsewhere else None)
 
+  @property
+  def frozen_paths(self) -> frozenset[str]:
+    """Paths of the frozen leaves (:attr:`LeafPlan.frozen`): their master is a 0-byte
+    placeholder in the train state."""
+    return frozenset(l.path for l in self.leaf_list() if l.frozen)
+
   def with_frozen(self, paths: frozenset[str]) -> Plan:
     """This plan with the leaves of ``paths`` frozen (:attr:`LeafPlan.frozen`): no gradient is
     computed or reduced for them."""

@@ -131,16 +131,12 @@ class DeviceUpdate(Update):
           lambda p: plan.map(lambda l, x: layouts.secondary_partition(plan, l, x), p),
           (plan.param_specs(),), plan.secondary_specs())(params)
     params = self.store(params, master)
-    master = shrink(plan, master, self.held.state | self.frozen) if plan.has_master else None
+    master = shrink(plan, master, self.held.state | plan.frozen_paths) if plan.has_master else None
     return state._replace(params=params, master=master, opt_state=opt_state,
                           secondary=secondary), {}
 
   def after(self, state: Any, metrics: dict, outputs: dict) -> Any:
     return state
-
-  @property
-  def frozen(self) -> frozenset[str]:
-    return frozenset(l.path for l in self.plan.leaf_list() if l.frozen)
 
   def per_device(self, fn: Any, in_specs: Any, out_specs: Any) -> Any:
     """``fn`` (one device's blocks) callable in this update's view
@@ -151,7 +147,7 @@ class DeviceUpdate(Update):
     """What the optimizer updates, in the state layout: the fp32 master; in fp32 training, and
     for a frozen leaf, the params' (upcast) partitions; a tier's placeholders as they are."""
     plan = self.plan
-    if plan.has_master and not self.frozen:
+    if plan.has_master and not plan.frozen_paths:
       return shrink(plan, state.master, self.held.state)
     from_params = self.per_device(
         lambda ps: plan.map(lambda l, p: layouts.local_master(plan, l, p).astype(jnp.float32),

@@ -131,6 +131,12 @@ def _to_layout(leaf: LeafPlan, x: jax.Array, partitioned: bool) -> jax.Array:
   return x if x.shape == leaf.padded_shape else leaf.to_padded(x)  # given padded: as it is
 
 
+def _master(plan: Plan, layout: PyTree) -> PyTree:
+  """The train state's fp32 master from the state layout: None in fp32 training; a frozen leaf's
+  a 0-byte placeholder (it has none; its optimizer state, if any, was made from the layout)."""
+  return shrink(plan, layout, plan.frozen_paths) if plan.has_master else None
+
+
 def abstract_state(plan: Plan, model: ModelAdapter, update: Update, scaler: LossScaler,
                    sample_batch: Any = None, held: Held | None = None) -> TrainState:
   """The TrainState of ``plan`` as ShapeDtypeStructs (global shapes): as checkpoints hold it --
@@ -146,7 +152,7 @@ def abstract_state(plan: Plan, model: ModelAdapter, update: Update, scaler: Loss
       layout, params = shrink(plan, layout, held.state), shrink(plan, params, held.param)
     return TrainState(
         step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32), params=params,
-        master=layout if plan.has_master else None, loss_scale=scaler.init(),
+        master=_master(plan, layout), loss_scale=scaler.init(),
         rng=jax.random.key_data(train_key(jax.random.key(0))), model_state={},
         **update.init(layout))
   abstract = jax.eval_shape(make)._replace(
@@ -186,7 +192,7 @@ def initial_state(plan: Plan, model: ModelAdapter, update: Update, scaler: LossS
     params = shrink(plan, params, held.param)
     state = TrainState(
         step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32), params=params,
-        master=state_layout if plan.has_master else None, loss_scale=scaler.init(),
+        master=_master(plan, state_layout), loss_scale=scaler.init(),
         rng=jax.random.key_data(train_key(rng)),
         model_state=jax.tree.map(jnp.asarray, model_state), **update.init(state_layout))
     return state, masters
