@@ -1,7 +1,7 @@
 """A user's own optax transformations against a plain one-device optax loop: a small NNX model with
 dimensions no device count divides and a LayerNorm (:class:`Tiny`), its data, the plain loop
 (:func:`plain_run`) and the engine run (:func:`engine_run_with`), used by
-tests/train/test_optax_interop.py."""
+tests/train/test_client_optimizers.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Models that ship with jzero (the default job's GPT)."""
+"""Models that ship with jzero (the default job's GPT; LoRA adapters and their labels)."""
 
-from jzero.models.gpt import GPT, GPTConfig, lm_loss
+from jzero.models.gpt import GPT, GPTConfig, lm_loss, lora_labels
 
-__all__ = ["GPT", "GPTConfig", "lm_loss"]
+__all__ = ["GPT", "GPTConfig", "lm_loss", "lora_labels"]
