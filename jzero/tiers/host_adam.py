@@ -1,0 +1,429 @@
+"""Adam and AdamW on the host: the optimizer step on host numpy arrays, in place, over the cores.
+
+ZeRO-Offload's optimizer step (DeepSpeed's ``DeepSpeedCPUAdam``): the fp32 master ``p`` and the
+moments ``m``, ``v`` live in host memory; a step reads an fp32 gradient ``g`` and rewrites
+``p``, ``m``, ``v`` in place in one pass per chunk -- 28 bytes moved per parameter, 30 when it
+also writes the new parameter cast to bf16 / fp16 into an output buffer (the 16-bit params for
+the device or the NVMe tier). Chunks run on a pool of ``threads`` threads (default: the cores
+this process may use), each in a compiled, vectorised loop that holds no GIL.
+
+**The numbers are jzero's device step's.** DeepSpeed's formula, with its ``adam_w_mode``
+(decoupled weight decay) or L2 mode and ``bias_correction`` on or off::
+
+    g' = g + wd p                      (L2 mode only)
+    m  = b1 m + (1 - b1) g'
+    v  = b2 v + (1 - b2) g'^2
+    u  = (m / bc1) / (sqrt(v / bc2) + eps)      bc_i = 1 - b_i^step, or 1 without correction
+    p  = p - lr (u + wd p)             (adam_w_mode; L2 mode: p - lr u)
+
+computed with the operations, order, fused multiply-adds and float32 constants of the optax chain
+jzero builds from the config (``jzero.train.optim``: ``scale_by_adam``, ``add_decayed_weights``,
+``scale_by_learning_rate``, ``apply_updates``) as XLA:CPU compiles it -- ``x / bc`` as ``x * (1 /
+bc)``, ``b ** step`` by the C library's ``powf`` -- so on the host it gives that chain's fp32
+numbers bit for bit (tests). DeepSpeed's own kernel computes the same formula in another order
+(``1 - b1`` rounded from the float32 ``b1``, ``-lr / bc1`` folded into one factor), a few ulp
+from both, and skips a weight decay that is not positive, where optax applies any value.
+
+**Backends.** ``numba`` (the ``host-adam`` extra: LLVM compiles the loop for the host's CPU at
+first use and caches it, so the user's machine needs no compiler); without it ``xla``: the same
+formula jitted by XLA:CPU on copies of the arrays, copied back -- correct, slower, announced once
+by a warning that names the extra. docs/offload.md has the measured speeds
+(``bench/host_adam.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import ml_dtypes
+import numpy as np
+
+from jzero.errors import ConfigError, JZeroError, JZeroWarning
+
+__all__ = ["BACKENDS", "EXTRA", "HostAdamSettings", "HostAdam", "default_threads"]
+
+BACKENDS = ("auto", "numba", "xla")
+#: The optional-dependency group that brings numba (pyproject.toml).
+EXTRA = "host-adam"
+#: Elements per task: 4 MiB of each fp32 array, so a pool keeps its threads balanced while a
+#: task's bookkeeping (a few microseconds) stays under 1% of its time.
+DEFAULT_CHUNK = 1 << 20
+_OUT_NONE, _OUT_BF16, _OUT_FP16 = 0, 1, 2
+# The weight decay's form; a zero weight decay is none at all, as optax.add_decayed_weights skips it.
+_NO_DECAY, _DECOUPLED, _L2 = 0, 1, 2
+_OUT_KINDS = {np.dtype(ml_dtypes.bfloat16): _OUT_BF16, np.dtype(np.float16): _OUT_FP16}
+
+
+@dataclasses.dataclass(frozen=True)
+class HostAdamSettings:
+  """DeepSpeed's Adam parameters that stay fixed over a run (``lr`` and the step come per call).
+
+  Attributes:
+    betas: ``(b1, b2)``, the moments' decay rates.
+    eps: added to ``sqrt(v_hat)`` (outside the square root, as torch and optax do).
+    weight_decay: the decay factor ``wd``.
+    adam_w_mode: decoupled weight decay (AdamW: ``p -= lr * wd * p``) if true, else L2 (``g +=
+      wd * p`` before the moments). DeepSpeed's ``"AdamW"`` is always decoupled.
+    bias_correction: divide the moments by ``1 - b ** step``.
+  """
+
+  betas: tuple[float, float] = (0.9, 0.999)
+  eps: float = 1e-8
+  weight_decay: float = 0.0
+  adam_w_mode: bool = True
+  bias_correction: bool = True
+
+  def __post_init__(self):
+    b1, b2 = self.betas
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+      raise ConfigError(f"HostAdamSettings.betas: each must lie in [0, 1), got {self.betas!r}.")
+    if not self.eps >= 0.0:
+      raise ConfigError(f"HostAdamSettings.eps: must be >= 0, got {self.eps!r}.")
+
+
+def default_threads() -> int:
+  """The cores this process may run on (its CPU affinity where the OS has one)."""
+  if hasattr(os, "sched_getaffinity"):
+    return len(os.sched_getaffinity(0))
+  return os.cpu_count() or 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scalars:
+  """One step's float32 constants, rounded as the optax chain rounds them."""
+
+  b1: np.float32
+  c1: np.float32  # float32(1 - b1), 1 - b1 formed in double precision as Python does
+  b2: np.float32
+  c2: np.float32
+  r1: np.float32  # 1 / (1 - b1 ** step) in float32, or 1 without bias correction
+  r2: np.float32
+  eps: np.float32
+  wd: np.float32
+  neg_lr: np.float32
+
+
+def _scalars(betas: tuple[float, float], eps: float, weight_decay: float, correct: bool,
+             step: int, lr: float) -> _Scalars:
+  f32 = np.float32
+  b1, b2 = betas
+
+  def inverse_correction(b: float) -> np.float32:
+    if not correct:
+      return f32(1.0)
+    # numpy's float32 scalar power is the C library's powf, as XLA:CPU's is: f32(b) ** f32(step).
+    with np.errstate(divide="ignore", over="ignore"):
+      return f32(1.0) / (f32(1.0) - f32(b) ** f32(step))
+
+  return _Scalars(b1=f32(b1), c1=f32(1 - b1), b2=f32(b2), c2=f32(1 - b2),
+                  r1=inverse_correction(b1), r2=inverse_correction(b2), eps=f32(eps),
+                  wd=f32(weight_decay), neg_lr=-f32(lr))
+
+
+# -- the numba kernel --------------------------------------------------------------------------
+
+def _build_numba_kernel():
+  """The compiled step over one chunk, or None where numba is not installed."""
+  try:
+    import numba
+    from llvmlite import ir
+    from numba.core import types
+    from numba.core.extending import intrinsic
+  except ImportError:
+    return None
+
+  f32_t = ir.FloatType()
+
+  @intrinsic
+  def fma(typingctx, a, b, c):
+    """float32 ``a * b + c`` rounded once (what XLA:CPU's contraction of ``a * b + c`` gives)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+      fn = builder.module.declare_intrinsic("llvm.fma", [f32_t],
+                                            ir.FunctionType(f32_t, [f32_t] * 3))
+      return builder.call(fn, args)
+
+    return sig, codegen
+
+  @intrinsic
+  def bits(typingctx, x):
+    """A float32's bit pattern as a uint32."""
+    def codegen(context, builder, signature, args):
+      return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+  @intrinsic
+  def from_bits(typingctx, u):
+    """The float32 of a uint32 bit pattern."""
+    def codegen(context, builder, signature, args):
+      return builder.bitcast(args[0], f32_t)
+
+    return types.float32(types.uint32), codegen
+
+  @numba.njit(inline="always")
+  def to_bf16(u):
+    """Round-to-nearest-even float32 bits -> bfloat16 bits; a NaN stays a (quiet) NaN."""
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+      return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
+                     >> np.uint32(16))
+
+  @numba.njit(inline="always")
+  def to_fp16(u):
+    """Round-to-nearest-even float32 bits -> float16 bits (subnormals, overflow to inf and a
+    quiet NaN as the hardware conversion gives them)."""
+    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
+    a = u & np.uint32(0x7FFFFFFF)
+    if a >= np.uint32(0x47800000):  # |x| >= 65536 (or inf / NaN)
+      h = np.uint32(0x7C00)
+      if a > np.uint32(0x7F800000):
+        h = np.uint32(0x7E00) | ((a >> np.uint32(13)) & np.uint32(0x3FF))
+    elif a < np.uint32(0x38800000):  # a float16 subnormal or zero: align the bits by adding 0.5
+      magic = np.uint32(0x3F000000)
+      h = bits(from_bits(np.uint32(a)) + from_bits(magic)) - magic
+    else:
+      h = (a + np.uint32(0xC8000FFF) + ((a >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
+    return np.uint16(h | sign)
+
+  @numba.njit(nogil=True, fastmath=False, error_model="numpy", cache=True)
+  def adam_chunk(p, m, v, g, out, out_kind, b1, c1, b2, c2, r1, r2, eps, wd, neg_lr, decay):
+    # The fused multiply-adds sit where XLA:CPU (jax 0.10) contracts the optax chain's
+    # multiply-adds; any other placement changes the last bit of about 1 element in 10.
+    for i in range(p.size):
+      pi = p[i]
+      gi = g[i]
+      if decay == 2:  # L2
+        gi = fma(wd, pi, gi)
+      mi = fma(c1, gi, b1 * m[i])
+      gg = gi * gi
+      if decay == 2:
+        vi = fma(b2, v[i], c2 * gg)
+      else:
+        vi = fma(c2, gg, b2 * v[i])
+      u = (mi * r1) / (np.sqrt(vi * r2) + eps)
+      if decay == 1:  # decoupled
+        pn = fma(fma(wd, pi, u), neg_lr, pi)
+      else:
+        pn = fma(u, neg_lr, pi)
+      m[i] = mi
+      v[i] = vi
+      p[i] = pn
+      if out_kind == 1:
+        out[i] = to_bf16(bits(pn))
+      elif out_kind == 2:
+        out[i] = to_fp16(bits(pn))
+
+  return adam_chunk
+
+
+_numba_lock = threading.Lock()
+_numba_kernel = None
+_numba_checked = False
+
+
+def _numba():
+  """The numba kernel, built on first use (None without numba)."""
+  global _numba_kernel, _numba_checked
+  with _numba_lock:
+    if not _numba_checked:
+      _numba_kernel = _build_numba_kernel()
+      _numba_checked = True
+  return _numba_kernel
+
+
+# -- the XLA fallback --------------------------------------------------------------------------
+
+def _xla_step(decay: int, out_dtype, betas: tuple[float, float], eps: float,
+              weight_decay: float):
+  """The step as one jitted XLA:CPU function of (p, m, v, g, r1, r2, neg_lr) -> (p, m, v[, out]),
+  written as the optax chain writes it: its Python-float constants stay constants, so XLA
+  simplifies and fuses it as it does the device step."""
+  import jax
+  import jax.numpy as jnp
+
+  b1, b2 = betas
+  wd = weight_decay
+
+  def step(p, m, v, g, r1, r2, neg_lr):
+    if decay == _L2:
+      g = g + wd * p
+    m = (1 - b1) * g + b1 * m
+    v = (1 - b2) * (g * g) + b2 * v
+    u = (m * r1) / (jnp.sqrt(v * r2) + eps)
+    if decay == _DECOUPLED:
+      u = u + wd * p
+    p = p + neg_lr * u
+    return (p, m, v) if out_dtype is None else (p, m, v, p.astype(out_dtype))
+
+  return jax.jit(step)
+
+
+# -- the optimizer -----------------------------------------------------------------------------
+
+Arrays = np.ndarray | Sequence[np.ndarray]
+
+
+class HostAdam:
+  """DeepSpeed's CPU Adam / AdamW on host numpy arrays, in place, over ``threads`` threads.
+
+  ``HostAdam(settings).step(p, m, v, g, step, lr, out_params=None)``: ``p`` (the fp32 master),
+  ``m``, ``v`` (the moments) and ``g`` (the fp32 gradient) are float32 numpy arrays of one
+  shape, or lists of them leaf by leaf; ``p``, ``m``, ``v`` are updated in place. ``step`` is the
+  1-based count of this update (DeepSpeed's ``state["step"]`` after its increment, optax's count
+  plus one), ``lr`` the learning rate for it. ``out_params`` (bf16 or fp16 arrays of the same
+  shapes) receives the new params cast with round-to-nearest-even.
+
+  Args:
+    settings: the fixed parameters; ``step`` may override ``betas``, ``eps``, ``weight_decay``
+      per call, as DeepSpeed's ``adam_update`` takes them.
+    threads: worker threads (default :func:`default_threads`).
+    backend: ``"numba"`` (raises without the ``host-adam`` extra), ``"xla"``, or ``"auto"``:
+      numba where installed, else XLA with a warning naming the extra.
+    chunk: elements per task.
+  """
+
+  def __init__(self, settings: HostAdamSettings = HostAdamSettings(), *,
+               threads: int | None = None, backend: str = "auto", chunk: int = DEFAULT_CHUNK):
+    if backend not in BACKENDS:
+      raise ConfigError(f"HostAdam backend: {backend!r} is not one of {', '.join(BACKENDS)}.")
+    threads = default_threads() if threads is None else threads
+    if not (isinstance(threads, int) and threads >= 1):
+      raise ConfigError(f"HostAdam threads: must be a positive integer, got {threads!r}.")
+    if not (isinstance(chunk, int) and chunk >= 1):
+      raise ConfigError(f"HostAdam chunk: must be a positive integer, got {chunk!r}.")
+    kernel = _numba() if backend in ("auto", "numba") else None
+    if kernel is None and backend == "numba":
+      raise JZeroError(
+        f'HostAdam backend "numba": numba is not installed; install it with '
+        f'pip install "jzero[{EXTRA}]", or pass backend="xla" (the same numbers, slower).')
+    if kernel is None and backend == "auto":
+      warnings.warn(
+        f'HostAdam: numba is not installed, so the host Adam step runs in XLA:CPU (the same '
+        f'numbers, several times slower on many cores). pip install "jzero[{EXTRA}]" for the '
+        f'fast path.', JZeroWarning, stacklevel=2)
+    self.settings = settings
+    self.threads = threads
+    self.chunk = chunk
+    self.backend = "numba" if kernel is not None else "xla"
+    self._kernel = kernel
+    self._pool: ThreadPoolExecutor | None = None
+    self._xla: dict = {}
+
+  # -- the public step ----------------------------------------------------------------------
+  def step(self, params: Arrays, exp_avg: Arrays, exp_avg_sq: Arrays, grads: Arrays, step: int,
+           lr: float, *, out_params: Arrays | None = None,
+           betas: tuple[float, float] | None = None, eps: float | None = None,
+           weight_decay: float | None = None) -> None:
+    """One Adam step on every leaf, in place (see the class docstring)."""
+    s = self.settings
+    if betas is not None or eps is not None or weight_decay is not None:
+      s = dataclasses.replace(s, betas=s.betas if betas is None else tuple(betas),
+                              eps=s.eps if eps is None else eps,
+                              weight_decay=s.weight_decay if weight_decay is None else weight_decay)
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
+      raise ConfigError(f"HostAdam.step: step must be an integer >= 1 (the 1-based count of "
+                        f"this update), got {step!r}.")
+    if not math.isfinite(float(lr)):
+      raise ConfigError(f"HostAdam.step: lr must be a finite number, got {lr!r}.")
+    leaves = _leaves(params, exp_avg, exp_avg_sq, grads, out_params)
+    scalars = _scalars(s.betas, s.eps, s.weight_decay, s.bias_correction, int(step), lr)
+    decay = _NO_DECAY if s.weight_decay == 0 else _DECOUPLED if s.adam_w_mode else _L2
+    if self.backend == "numba":
+      self._step_numba(leaves, scalars, decay)
+    else:
+      self._step_xla(leaves, scalars, decay, s)
+
+  def close(self) -> None:
+    """Stops the worker threads (a later step starts them again)."""
+    if self._pool is not None:
+      self._pool.shutdown()
+      self._pool = None
+
+  def __enter__(self) -> HostAdam:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  # -- backends -----------------------------------------------------------------------------
+  def _step_numba(self, leaves: list[tuple], k: _Scalars, decay: int) -> None:
+    kernel = self._kernel
+    consts = (k.b1, k.c1, k.b2, k.c2, k.r1, k.r2, k.eps, k.wd, k.neg_lr, decay)
+    no_out = np.empty(0, np.uint16)
+    tasks = []
+    for p, m, v, g, out in leaves:
+      kind = _OUT_NONE if out is None else _OUT_KINDS[out.dtype]
+      out = no_out if out is None else out.view(np.uint16)
+      for lo in range(0, p.size, self.chunk):
+        hi = min(lo + self.chunk, p.size)
+        tasks.append((p[lo:hi], m[lo:hi], v[lo:hi], g[lo:hi],
+                      out if kind == _OUT_NONE else out[lo:hi], kind))
+    if self.threads == 1 or len(tasks) == 1:
+      for p, m, v, g, out, kind in tasks:
+        kernel(p, m, v, g, out, kind, *consts)
+      return
+    if self._pool is None:
+      self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="jzero-host-adam")
+    futures = [self._pool.submit(kernel, p, m, v, g, out, kind, *consts)
+               for p, m, v, g, out, kind in tasks]
+    for future in futures:
+      future.result()
+
+  def _step_xla(self, leaves: list[tuple], k: _Scalars, decay: int,
+                s: HostAdamSettings) -> None:
+    import jax
+
+    for p, m, v, g, out in leaves:
+      key = (decay, None if out is None else out.dtype, s.betas, s.eps, s.weight_decay)
+      if key not in self._xla:
+        self._xla[key] = _xla_step(*key)
+      with jax.default_device(jax.devices("cpu")[0]):
+        results = self._xla[key](p, m, v, g, k.r1, k.r2, k.neg_lr)
+      for target, result in zip((p, m, v, out), results):
+        np.copyto(target, np.asarray(result))
+
+
+def _leaves(params: Arrays, exp_avg: Arrays, exp_avg_sq: Arrays, grads: Arrays,
+            out_params: Arrays | None) -> list[tuple]:
+  """``[(p, m, v, g, out), ...]`` as flat views, after checking dtypes, shapes and layout."""
+  single = isinstance(params, np.ndarray)
+  groups = [params, exp_avg, exp_avg_sq, grads]
+  if out_params is not None:
+    groups.append(out_params)
+  if single:
+    groups = [[x] for x in groups]
+  names = ("params", "exp_avg", "exp_avg_sq", "grads", "out_params")
+  counts = {len(x) for x in groups}
+  if len(counts) != 1:
+    raise ConfigError(f"HostAdam.step: params, exp_avg, exp_avg_sq, grads (and out_params) must "
+                      f"have as many leaves each; got {[len(x) for x in groups]}.")
+  leaves = []
+  for i, arrays in enumerate(zip(*groups)):
+    shape = arrays[0].shape
+    for name, x in zip(names, arrays):
+      where = name if single else f"{name}[{i}]"
+      if not isinstance(x, np.ndarray):
+        raise ConfigError(f"HostAdam.step: {where} must be a numpy array, got "
+                          f"{type(x).__name__}; pass host arrays (np.asarray(...)).")
+      if x.shape != shape:
+        raise ConfigError(f"HostAdam.step: {where} has shape {x.shape}, params {shape}.")
+      if not x.flags.c_contiguous:
+        raise ConfigError(f"HostAdam.step: {where} must be C-contiguous (np.ascontiguousarray).")
+      wanted = ("bfloat16 or float16" if name == "out_params" else "float32")
+      ok = x.dtype in _OUT_KINDS if name == "out_params" else x.dtype == np.float32
+      if not ok:
+        raise ConfigError(f"HostAdam.step: {where} has dtype {x.dtype}; it must be {wanted}.")
+      if name != "grads" and not x.flags.writeable:
+        raise ConfigError(f"HostAdam.step: {where} is read-only; the step writes it in place.")
+    p, m, v, g = (x.reshape(-1) for x in arrays[:4])
+    out = arrays[4].reshape(-1) if len(arrays) == 5 else None
+    leaves.append((p, m, v, g, out))
+  return leaves
