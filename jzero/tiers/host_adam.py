@@ -34,6 +34,7 @@ by a warning that names the extra. docs/offload.md has the measured speeds
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import threading
@@ -54,10 +55,7 @@ EXTRA = "host-adam"
 #: Elements per task: 4 MiB of each fp32 array, so a pool keeps its threads balanced while a
 #: task's bookkeeping (a few microseconds) stays under 1% of its time.
 DEFAULT_CHUNK = 1 << 20
-_OUT_NONE, _OUT_BF16, _OUT_FP16 = 0, 1, 2
-# The weight decay's form; a zero weight decay is none at all, as optax.add_decayed_weights skips it.
-_NO_DECAY, _DECOUPLED, _L2 = 0, 1, 2
-_OUT_KINDS = {np.dtype(ml_dtypes.bfloat16): _OUT_BF16, np.dtype(np.float16): _OUT_FP16}
+_OUT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,120 +126,22 @@ def _scalars(betas: tuple[float, float], eps: float, weight_decay: float, correc
 
 # -- the numba kernel --------------------------------------------------------------------------
 
-def _build_numba_kernel():
-  """The compiled step over one chunk, or None where numba is not installed."""
-  try:
-    import numba
-    from llvmlite import ir
-    from numba.core import types
-    from numba.core.extending import intrinsic
-  except ImportError:
-    return None
-
-  f32_t = ir.FloatType()
-
-  @intrinsic
-  def fma(typingctx, a, b, c):
-    """float32 ``a * b + c`` rounded once (what XLA:CPU's contraction of ``a * b + c`` gives)."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):
-      fn = builder.module.declare_intrinsic("llvm.fma", [f32_t],
-                                            ir.FunctionType(f32_t, [f32_t] * 3))
-      return builder.call(fn, args)
-
-    return sig, codegen
-
-  @intrinsic
-  def bits(typingctx, x):
-    """A float32's bit pattern as a uint32."""
-    def codegen(context, builder, signature, args):
-      return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.uint32(types.float32), codegen
-
-  @intrinsic
-  def from_bits(typingctx, u):
-    """The float32 of a uint32 bit pattern."""
-    def codegen(context, builder, signature, args):
-      return builder.bitcast(args[0], f32_t)
-
-    return types.float32(types.uint32), codegen
-
-  @numba.njit(inline="always")
-  def to_bf16(u):
-    """Round-to-nearest-even float32 bits -> bfloat16 bits; a NaN stays a (quiet) NaN."""
-    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-      return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
-    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
-                     >> np.uint32(16))
-
-  @numba.njit(inline="always")
-  def to_fp16(u):
-    """Round-to-nearest-even float32 bits -> float16 bits (subnormals, overflow to inf and a
-    quiet NaN as the hardware conversion gives them)."""
-    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
-    a = u & np.uint32(0x7FFFFFFF)
-    if a >= np.uint32(0x47800000):  # |x| >= 65536 (or inf / NaN)
-      h = np.uint32(0x7C00)
-      if a > np.uint32(0x7F800000):
-        h = np.uint32(0x7E00) | ((a >> np.uint32(13)) & np.uint32(0x3FF))
-    elif a < np.uint32(0x38800000):  # a float16 subnormal or zero: align the bits by adding 0.5
-      magic = np.uint32(0x3F000000)
-      h = bits(from_bits(np.uint32(a)) + from_bits(magic)) - magic
-    else:
-      h = (a + np.uint32(0xC8000FFF) + ((a >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
-    return np.uint16(h | sign)
-
-  @numba.njit(nogil=True, fastmath=False, error_model="numpy", cache=True)
-  def adam_chunk(p, m, v, g, out, out_kind, b1, c1, b2, c2, r1, r2, eps, wd, neg_lr, decay):
-    # The fused multiply-adds sit where XLA:CPU (jax 0.10) contracts the optax chain's
-    # multiply-adds; any other placement changes the last bit of about 1 element in 10.
-    for i in range(p.size):
-      pi = p[i]
-      gi = g[i]
-      if decay == 2:  # L2
-        gi = fma(wd, pi, gi)
-      mi = fma(c1, gi, b1 * m[i])
-      gg = gi * gi
-      if decay == 2:
-        vi = fma(b2, v[i], c2 * gg)
-      else:
-        vi = fma(c2, gg, b2 * v[i])
-      u = (mi * r1) / (np.sqrt(vi * r2) + eps)
-      if decay == 1:  # decoupled
-        pn = fma(fma(wd, pi, u), neg_lr, pi)
-      else:
-        pn = fma(u, neg_lr, pi)
-      m[i] = mi
-      v[i] = vi
-      p[i] = pn
-      if out_kind == 1:
-        out[i] = to_bf16(bits(pn))
-      elif out_kind == 2:
-        out[i] = to_fp16(bits(pn))
-
-  return adam_chunk
-
-
 _numba_lock = threading.Lock()
-_numba_kernel = None
-_numba_checked = False
 
 
 def _numba():
-  """The numba kernel, built on first use (None without numba)."""
-  global _numba_kernel, _numba_checked
-  with _numba_lock:
-    if not _numba_checked:
-      _numba_kernel = _build_numba_kernel()
-      _numba_checked = True
-  return _numba_kernel
+  """The numba kernel (:func:`jzero.tiers.host_adam_kernel.adam_chunk`), or None where numba is
+  not installed; compiled at its first call, from numba's cache after that."""
+  if importlib.util.find_spec("numba") is None:
+    return None
+  with _numba_lock:  # one thread imports it: numba's first import is not thread-safe
+    from jzero.tiers import host_adam_kernel
+  return host_adam_kernel.adam_chunk
 
 
 # -- the XLA fallback --------------------------------------------------------------------------
 
-def _xla_step(decay: int, out_dtype, betas: tuple[float, float], eps: float,
+def _xla_step(l2: bool, decoupled: bool, out_dtype, betas: tuple[float, float], eps: float,
               weight_decay: float):
   """The step as one jitted XLA:CPU function of (p, m, v, g, r1, r2, neg_lr) -> (p, m, v[, out]),
   written as the optax chain writes it: its Python-float constants stay constants, so XLA
@@ -253,12 +153,12 @@ def _xla_step(decay: int, out_dtype, betas: tuple[float, float], eps: float,
   wd = weight_decay
 
   def step(p, m, v, g, r1, r2, neg_lr):
-    if decay == _L2:
+    if l2:
       g = g + wd * p
     m = (1 - b1) * g + b1 * m
     v = (1 - b2) * (g * g) + b2 * v
     u = (m * r1) / (jnp.sqrt(v * r2) + eps)
-    if decay == _DECOUPLED:
+    if decoupled:
       u = u + wd * p
     p = p + neg_lr * u
     return (p, m, v) if out_dtype is None else (p, m, v, p.astype(out_dtype))
@@ -335,11 +235,13 @@ class HostAdam:
       raise ConfigError(f"HostAdam.step: lr must be a finite number, got {lr!r}.")
     leaves = _leaves(params, exp_avg, exp_avg_sq, grads, out_params)
     scalars = _scalars(s.betas, s.eps, s.weight_decay, s.bias_correction, int(step), lr)
-    decay = _NO_DECAY if s.weight_decay == 0 else _DECOUPLED if s.adam_w_mode else _L2
+    # A zero weight decay is none at all, as optax.add_decayed_weights skips it.
+    decoupled = s.weight_decay != 0 and s.adam_w_mode
+    l2 = s.weight_decay != 0 and not s.adam_w_mode
     if self.backend == "numba":
-      self._step_numba(leaves, scalars, decay)
+      self._step_numba(leaves, scalars, l2, decoupled)
     else:
-      self._step_xla(leaves, scalars, decay, s)
+      self._step_xla(leaves, scalars, l2, decoupled, s)
 
   def close(self) -> None:
     """Stops the worker threads (a later step starts them again)."""
@@ -354,35 +256,35 @@ class HostAdam:
     self.close()
 
   # -- backends -----------------------------------------------------------------------------
-  def _step_numba(self, leaves: list[tuple], k: _Scalars, decay: int) -> None:
+  def _step_numba(self, leaves: list[tuple], k: _Scalars, l2: bool, decoupled: bool) -> None:
     kernel = self._kernel
-    consts = (k.b1, k.c1, k.b2, k.c2, k.r1, k.r2, k.eps, k.wd, k.neg_lr, decay)
+    consts = (k.b1, k.c1, k.b2, k.c2, k.r1, k.r2, k.eps, k.wd, k.neg_lr, l2, decoupled)
     no_out = np.empty(0, np.uint16)
-    tasks = []
+    tasks = []  # (p, m, v, g, out, bf16, fp16) per chunk
     for p, m, v, g, out in leaves:
-      kind = _OUT_NONE if out is None else _OUT_KINDS[out.dtype]
-      out = no_out if out is None else out.view(np.uint16)
+      bf16 = out is not None and out.dtype == ml_dtypes.bfloat16
+      fp16 = out is not None and out.dtype == np.float16
+      bits16 = no_out if out is None else out.view(np.uint16)
       for lo in range(0, p.size, self.chunk):
         hi = min(lo + self.chunk, p.size)
         tasks.append((p[lo:hi], m[lo:hi], v[lo:hi], g[lo:hi],
-                      out if kind == _OUT_NONE else out[lo:hi], kind))
+                      no_out if out is None else bits16[lo:hi], bf16, fp16))
     if self.threads == 1 or len(tasks) == 1:
-      for p, m, v, g, out, kind in tasks:
-        kernel(p, m, v, g, out, kind, *consts)
+      for task in tasks:
+        kernel(*task, *consts)
       return
     if self._pool is None:
       self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="jzero-host-adam")
-    futures = [self._pool.submit(kernel, p, m, v, g, out, kind, *consts)
-               for p, m, v, g, out, kind in tasks]
+    futures = [self._pool.submit(kernel, *task, *consts) for task in tasks]
     for future in futures:
       future.result()
 
-  def _step_xla(self, leaves: list[tuple], k: _Scalars, decay: int,
+  def _step_xla(self, leaves: list[tuple], k: _Scalars, l2: bool, decoupled: bool,
                 s: HostAdamSettings) -> None:
     import jax
 
     for p, m, v, g, out in leaves:
-      key = (decay, None if out is None else out.dtype, s.betas, s.eps, s.weight_decay)
+      key = (l2, decoupled, None if out is None else out.dtype, s.betas, s.eps, s.weight_decay)
       if key not in self._xla:
         self._xla[key] = _xla_step(*key)
       with jax.default_device(jax.devices("cpu")[0]):
@@ -418,7 +320,7 @@ def _leaves(params: Arrays, exp_avg: Arrays, exp_avg_sq: Arrays, grads: Arrays,
       if not x.flags.c_contiguous:
         raise ConfigError(f"HostAdam.step: {where} must be C-contiguous (np.ascontiguousarray).")
       wanted = ("bfloat16 or float16" if name == "out_params" else "float32")
-      ok = x.dtype in _OUT_KINDS if name == "out_params" else x.dtype == np.float32
+      ok = x.dtype in _OUT_DTYPES if name == "out_params" else x.dtype == np.float32
       if not ok:
         raise ConfigError(f"HostAdam.step: {where} has dtype {x.dtype}; it must be {wanted}.")
       if name != "grads" and not x.flags.writeable:

@@ -1,0 +1,256 @@
+"""Benchmark: the host Adam step -- jzero's kernel, XLA:CPU's optax, DeepSpeed's CPU Adam.
+
+  python bench/host_adam.py [--params 200e6] [--threads 1,2] [--rounds 5] [--steps 3] \
+      [--deepspeed-python PYTHON] [--out bench/out]
+
+One AdamW step (weight decay 0.01, bias correction) over ``--params`` fp32 parameters, elements per
+second, for each thread count in ``--threads``:
+
+* ``jzero``: :class:`jzero.tiers.host_adam.HostAdam` (numba) on numpy arrays, in place;
+* ``jzero, bf16 out``: the same, also writing the new params as bf16 (30 bytes per parameter);
+* ``XLA:CPU optax``: jzero's optax AdamW (``jzero.train.optim``) jitted by XLA:CPU on the same
+  arrays as jax arrays, donated (the host update's path before this kernel);
+* ``DeepSpeed``: ``DeepSpeedCPUAdam`` (its ``cpu_adam`` op, AVX-512 / AVX2 and OpenMP, JIT-built
+  with ninja and g++) in the Python of ``--deepspeed-python`` -- a separate venv with torch's CPU
+  wheel and DeepSpeed, never a dependency of jzero; without the flag the table says so;
+* ``copy``: ``np.copyto`` of ``--params`` fp32 values in chunks over the threads: the machine's
+  copy rate, counted as STREAM counts it (4 bytes read + 4 written per element).
+
+The memory-bandwidth limit of an Adam step is the copy rate over 28 bytes per parameter (p, m, v
+read and written, g read): each contender's elements per second is shown as a fraction of it, with
+the copy rate measured at the same thread count and at the most threads of the run. (A copy also
+reads each destination line before writing it, which STREAM does not count, while Adam writes
+only lines it has read; so an Adam step can exceed this limit somewhat.)
+
+Each measurement runs in a fresh process pinned to that many cores (``sched_setaffinity``, and
+``OMP_NUM_THREADS`` / ``torch.set_num_threads`` / the kernel's ``threads``), one process alive at
+a time (a contender holds 3.2 GB at 200M parameters): it builds its arrays, runs a warm-up step,
+times ``--steps`` steps and reports their median. A round measures every contender once at every
+thread count, in turn; the table gives the median over ``--rounds`` rounds, so a shared machine's
+load falls on all of them alike. Writes ``host_adam.json`` and ``host_adam.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+# Adam's bytes per parameter: p, m, v read and written (24), g read (4).
+ADAM_BYTES = 28
+COPY_BYTES = 8
+CONTENDERS = ("jzero", "jzero, bf16 out", "XLA:CPU optax", "DeepSpeed", "copy")
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
+
+
+def _parse() -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--params", type=float, default=200e6, help="fp32 parameters per step")
+  p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+  p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
+  p.add_argument("--deepspeed-python", default=None,
+                 help="the python of a venv with torch (CPU) and deepspeed installed")
+  p.add_argument("--out", default="bench/out")
+  p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+  return p.parse_args()
+
+
+# -- the workers: one contender, one thread count, one process ---------------------------------
+
+def _arrays(n: int) -> tuple[np.ndarray, ...]:
+  rng = np.random.default_rng(0)
+  p = rng.random(n, dtype=np.float32) - np.float32(0.5)
+  g = rng.random(n, dtype=np.float32) - np.float32(0.5)
+  return p, np.zeros(n, np.float32), np.zeros(n, np.float32), g
+
+
+def _timed(step, steps: int) -> list[float]:
+  step()  # warm-up: compiles, faults the pages in, builds the moments
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - t0)
+  return times
+
+
+def _worker_jzero(n: int, threads: int, steps: int, bf16_out: bool) -> list[float]:
+  import ml_dtypes
+  from jzero.tiers.host_adam import HostAdam, HostAdamSettings
+
+  p, m, v, g = _arrays(n)
+  out = np.empty(n, ml_dtypes.bfloat16) if bf16_out else None
+  adam = HostAdam(HostAdamSettings(betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY),
+                  threads=threads, backend="numba")
+  count = [0]
+
+  def step():
+    count[0] += 1
+    adam.step(p, m, v, g, count[0], LR, out_params=out)
+
+  return _timed(step, steps)
+
+
+def _worker_xla(n: int, threads: int, steps: int) -> list[float]:
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jzero.train.optim import build_optimizer
+
+  tx, _ = build_optimizer({"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                       "weight_decay": WEIGHT_DECAY}}, None)
+  arrays = _arrays(n)
+  p, g = jnp.asarray(arrays[0]), jnp.asarray(arrays[3])
+  del arrays
+  state = [p, tx.init(p)]
+
+  def update(p, opt_state, g):
+    updates, opt_state = tx.update(g, opt_state, p)
+    return optax.apply_updates(p, updates), opt_state
+
+  update = jax.jit(update, donate_argnums=(0, 1))
+
+  def step():
+    state[0], state[1] = update(state[0], state[1], g)
+    jax.block_until_ready(state)
+
+  return _timed(step, steps)
+
+
+def _worker_deepspeed(n: int, threads: int, steps: int) -> list[float]:
+  import torch
+  from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+  torch.set_num_threads(threads)
+  p, _, _, g = _arrays(n)
+  param = torch.nn.Parameter(torch.from_numpy(p))
+  param.grad = torch.from_numpy(g)
+  opt = DeepSpeedCPUAdam([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                         bias_correction=True, adamw_mode=True)
+  return _timed(opt.step, steps)
+
+
+def _worker_copy(n: int, threads: int, steps: int) -> list[float]:
+  from concurrent.futures import ThreadPoolExecutor
+
+  src = _arrays(n)[0]
+  dst = np.empty_like(src)
+  chunk = 1 << 20
+  pool = ThreadPoolExecutor(threads)
+
+  def step():
+    list(pool.map(lambda lo: np.copyto(dst[lo:lo + chunk], src[lo:lo + chunk]),
+                  range(0, n, chunk)))
+
+  return _timed(step, steps)
+
+
+def _run_worker(spec: str) -> None:
+  contender, threads, n, steps = json.loads(spec)
+  if contender in ("jzero", "jzero, bf16 out"):
+    times = _worker_jzero(n, threads, steps, bf16_out=contender != "jzero")
+  elif contender == "XLA:CPU optax":
+    times = _worker_xla(n, threads, steps)
+  elif contender == "DeepSpeed":
+    times = _worker_deepspeed(n, threads, steps)
+  else:
+    times = _worker_copy(n, threads, steps)
+  print("RESULT " + json.dumps({"seconds": statistics.median(times), "all": times}), flush=True)
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+def _measure(python: str, contender: str, threads: int, n: int, steps: int) -> float:
+  """Median seconds of one step in a fresh process pinned to ``threads`` cores."""
+  cores = sorted(os.sched_getaffinity(0))[:threads]
+  env = dict(os.environ, OMP_NUM_THREADS=str(threads), JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                      os.environ.get("PYTHONPATH")])))
+  spec = json.dumps([contender, threads, n, steps])
+  done = subprocess.run([python, __file__, "--worker", spec], env=env, capture_output=True,
+                        text=True, preexec_fn=lambda: os.sched_setaffinity(0, cores))
+  results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+  if done.returncode != 0 or not results:
+    raise RuntimeError(f"{contender} at {threads} threads failed:\n{done.stdout[-3000:]}"
+                       f"\n{done.stderr[-3000:]}")
+  return json.loads(results[-1][len("RESULT "):])["seconds"]
+
+
+def main() -> None:
+  args = _parse()
+  if args.worker is not None:
+    _run_worker(args.worker)
+    return
+  n = int(args.params)
+  thread_counts = [int(t) for t in args.threads.split(",")]
+  cores = len(os.sched_getaffinity(0))
+  if max(thread_counts) > cores:
+    sys.exit(f"--threads {args.threads}: this process may use {cores} cores.")
+  contenders = [c for c in CONTENDERS if c != "DeepSpeed" or args.deepspeed_python]
+  if not args.deepspeed_python:
+    print("DeepSpeed: not measured (give --deepspeed-python PYTHON: a venv with torch's CPU wheel "
+          "and deepspeed; its cpu_adam op builds with ninja and g++ on first use).")
+  seconds: dict[tuple[str, int], list[float]] = {}
+  for r in range(args.rounds):
+    for threads in thread_counts:
+      for contender in contenders:
+        python = args.deepspeed_python if contender == "DeepSpeed" else sys.executable
+        s = _measure(python, contender, threads, n, args.steps)
+        seconds.setdefault((contender, threads), []).append(s)
+        print(f"round {r + 1}/{args.rounds}  {threads} thread(s)  {contender:16s} "
+              f"{n / s / 1e9:7.3f} G elements/s", flush=True)
+  _report(args, n, thread_counts, contenders, seconds)
+
+
+def _report(args: argparse.Namespace, n: int, thread_counts: list[int], contenders: list[str],
+            seconds: dict) -> None:
+  from jzero.analysis.tables import markdown_table
+
+  rate = {key: n / statistics.median(s) for key, s in seconds.items()}  # elements per second
+  copy_bytes = {t: rate["copy", t] * COPY_BYTES for t in thread_counts}
+  top = max(thread_counts)
+  header = ["contender", "threads", "G elements/s", "vs DeepSpeed", "GB/s at 28 B/param",
+            "of the copy limit (same threads)", f"of the copy limit ({top} threads)"]
+  rows = []
+  for threads in thread_counts:
+    for contender in contenders:
+      if contender == "copy":
+        continue
+      r = rate[contender, threads]
+      ds = rate.get(("DeepSpeed", threads))
+      rows.append([contender, threads, f"{r / 1e9:.3f}", f"{r / ds:.2f}" if ds else "-",
+                   f"{r * ADAM_BYTES / 1e9:.1f}", f"{r * ADAM_BYTES / copy_bytes[threads]:.2f}",
+                   f"{r * ADAM_BYTES / copy_bytes[top]:.2f}"])
+  copy_line = ", ".join(f"{t} thread(s) {copy_bytes[t] / 1e9:.1f} GB/s (limit "
+                        f"{copy_bytes[t] / ADAM_BYTES / 1e9:.3f} G elements/s)"
+                        for t in thread_counts)
+  meta = (f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, "
+          f"{platform.system()}; {n / 1e6:.0f}M fp32 parameters, AdamW, median of {args.rounds} "
+          f"rounds x {args.steps} steps; copy rate (np.copyto, STREAM's 8 B per element): "
+          f"{copy_line}")
+  lines = [meta, "", *markdown_table(header, rows)]
+  if "DeepSpeed" not in contenders:
+    lines += ["", "DeepSpeed not measured: no --deepspeed-python given."]
+  text = "\n".join(lines)
+  print()
+  print(text)
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "host_adam.md").write_text(text + "\n")
+  (out / "host_adam.json").write_text(json.dumps(
+    {"meta": meta, "params": n, "seconds": {f"{c}@{t}": s for (c, t), s in seconds.items()}},
+    indent=1))
+
+
+if __name__ == "__main__":
+  main()
