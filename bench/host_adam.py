@@ -10,17 +10,24 @@ second, for each thread count in ``--threads``:
 * ``jzero, bf16 out``: the same, also writing the new params as bf16 (30 bytes per parameter);
 * ``XLA:CPU optax``: jzero's optax AdamW (``jzero.train.optim``) jitted by XLA:CPU on the same
   arrays as jax arrays, donated (the host update's path before this kernel);
+* ``numpy + threads``: the same formula as numpy ufuncs (``out=``, no temporaries past 64 KiB
+  per array) over 16K-element blocks of the same chunks, on a pool of the same threads (numpy
+  releases the GIL inside a ufunc) -- the library-free way, without fused multiply-adds;
 * ``DeepSpeed``: ``DeepSpeedCPUAdam`` (its ``cpu_adam`` op, AVX-512 / AVX2 and OpenMP, JIT-built
   with ninja and g++) in the Python of ``--deepspeed-python`` -- a separate venv with torch's CPU
   wheel and DeepSpeed, never a dependency of jzero; without the flag the table says so;
 * ``copy``: ``np.copyto`` of ``--params`` fp32 values in chunks over the threads: the machine's
-  copy rate, counted as STREAM counts it (4 bytes read + 4 written per element).
+  copy rate, counted as STREAM counts it (4 bytes read + 4 written per element);
+* ``28-B stream``: Adam's bytes without its arithmetic -- a numba loop over the same chunks and
+  threads that reads p, m, v, g and writes p, m, v (one add each).
 
 The memory-bandwidth limit of an Adam step is the copy rate over 28 bytes per parameter (p, m, v
-read and written, g read): each contender's elements per second is shown as a fraction of it, with
-the copy rate measured at the same thread count and at the most threads of the run. (A copy also
-reads each destination line before writing it, which STREAM does not count, while Adam writes
-only lines it has read; so an Adam step can exceed this limit somewhat.)
+read and written, g read); each contender's elements per second is shown as a fraction of it and
+of the 28-B stream, both measured at the same thread count. A copy is one read stream and one
+write stream, and its destination lines are read before they are written (bytes STREAM does not
+count), while Adam reads four streams and writes only lines it has read: on a machine whose one
+core cannot saturate the memory with one stream, Adam moves more bytes per second than a copy,
+and the 28-B stream is the tighter limit.
 
 Each measurement runs in a fresh process pinned to that many cores (``sched_setaffinity``, and
 ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` / the kernel's ``threads``), one process alive at
@@ -48,7 +55,9 @@ import numpy as np
 # Adam's bytes per parameter: p, m, v read and written (24), g read (4).
 ADAM_BYTES = 28
 COPY_BYTES = 8
-CONTENDERS = ("jzero", "jzero, bf16 out", "XLA:CPU optax", "DeepSpeed", "copy")
+CONTENDERS = ("jzero", "jzero, bf16 out", "XLA:CPU optax", "numpy + threads", "DeepSpeed", "copy",
+              "28-B stream")
+LIMITS = ("copy", "28-B stream")  # measured beside the contenders, not contenders themselves
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
 
@@ -155,16 +164,89 @@ def _worker_copy(n: int, threads: int, steps: int) -> list[float]:
   return _timed(step, steps)
 
 
+def _worker_numpy(n: int, threads: int, steps: int) -> list[float]:
+  from concurrent.futures import ThreadPoolExecutor
+
+  f32 = np.float32
+  b1, b2, wd, neg_lr = f32(BETAS[0]), f32(BETAS[1]), f32(WEIGHT_DECAY), f32(-LR)
+  c1, c2, eps = f32(1 - BETAS[0]), f32(1 - BETAS[1]), f32(EPS)
+  p, m, v, g = _arrays(n)
+  chunk, block = 1 << 20, 1 << 14
+  count = [0]
+
+  def update(lo: int, r1: np.float32, r2: np.float32) -> None:
+    x, y = np.empty(block, np.float32), np.empty(block, np.float32)
+    for a in range(lo, min(lo + chunk, n), block):
+      b = min(a + block, lo + chunk, n)
+      pb, mb, vb, gb, xb, yb = p[a:b], m[a:b], v[a:b], g[a:b], x[:b - a], y[:b - a]
+      np.multiply(mb, b1, out=mb)
+      np.multiply(gb, c1, out=xb)
+      np.add(mb, xb, out=mb)  # m = b1 m + (1 - b1) g
+      np.multiply(vb, b2, out=vb)
+      np.multiply(gb, gb, out=xb)
+      np.multiply(xb, c2, out=xb)
+      np.add(vb, xb, out=vb)  # v = b2 v + (1 - b2) g^2
+      np.multiply(vb, r2, out=yb)
+      np.sqrt(yb, out=yb)
+      np.add(yb, eps, out=yb)
+      np.multiply(mb, r1, out=xb)
+      np.divide(xb, yb, out=xb)  # m_hat / (sqrt(v_hat) + eps)
+      np.multiply(pb, wd, out=yb)
+      np.add(xb, yb, out=xb)
+      np.multiply(xb, neg_lr, out=xb)
+      np.add(pb, xb, out=pb)  # p - lr (u + wd p)
+
+  pool = ThreadPoolExecutor(threads)
+
+  def step():
+    count[0] += 1
+    r1 = f32(1) / (f32(1) - b1 ** f32(count[0]))
+    r2 = f32(1) / (f32(1) - b2 ** f32(count[0]))
+    list(pool.map(lambda lo: update(lo, r1, r2), range(0, n, chunk)))
+
+  return _timed(step, steps)
+
+
+def _worker_stream(n: int, threads: int, steps: int) -> list[float]:
+  """Adam's bytes without its arithmetic: p, m, v read and written, g read, by a numba loop over
+  the same chunks and threads as the kernel's."""
+  from concurrent.futures import ThreadPoolExecutor
+
+  import numba
+
+  @numba.njit(nogil=True, error_model="numpy")
+  def touch(p, m, v, g):
+    for i in range(p.size):
+      gi = g[i]
+      p[i] += gi
+      m[i] += gi
+      v[i] += gi
+
+  p, m, v, g = _arrays(n)
+  chunk = 1 << 20
+  pool = ThreadPoolExecutor(threads)
+
+  def step():
+    list(pool.map(lambda lo: touch(p[lo:lo + chunk], m[lo:lo + chunk], v[lo:lo + chunk],
+                                   g[lo:lo + chunk]), range(0, n, chunk)))
+
+  return _timed(step, steps)
+
+
 def _run_worker(spec: str) -> None:
   contender, threads, n, steps = json.loads(spec)
   if contender in ("jzero", "jzero, bf16 out"):
     times = _worker_jzero(n, threads, steps, bf16_out=contender != "jzero")
   elif contender == "XLA:CPU optax":
     times = _worker_xla(n, threads, steps)
+  elif contender == "numpy + threads":
+    times = _worker_numpy(n, threads, steps)
   elif contender == "DeepSpeed":
     times = _worker_deepspeed(n, threads, steps)
-  else:
+  elif contender == "copy":
     times = _worker_copy(n, threads, steps)
+  else:
+    times = _worker_stream(n, threads, steps)
   print("RESULT " + json.dumps({"seconds": statistics.median(times), "all": times}), flush=True)
 
 
@@ -217,27 +299,28 @@ def _report(args: argparse.Namespace, n: int, thread_counts: list[int], contende
   from jzero.analysis.tables import markdown_table
 
   rate = {key: n / statistics.median(s) for key, s in seconds.items()}  # elements per second
-  copy_bytes = {t: rate["copy", t] * COPY_BYTES for t in thread_counts}
-  top = max(thread_counts)
+  # The limits in Adam's elements per second: the copy rate's bytes over 28, and the 28-B stream.
+  copy_limit = {t: rate["copy", t] * COPY_BYTES / ADAM_BYTES for t in thread_counts}
+  stream_limit = {t: rate["28-B stream", t] for t in thread_counts}
   header = ["contender", "threads", "G elements/s", "vs DeepSpeed", "GB/s at 28 B/param",
-            "of the copy limit (same threads)", f"of the copy limit ({top} threads)"]
+            "of the copy limit", "of the 28-B stream"]
   rows = []
   for threads in thread_counts:
     for contender in contenders:
-      if contender == "copy":
+      if contender in LIMITS:
         continue
       r = rate[contender, threads]
       ds = rate.get(("DeepSpeed", threads))
       rows.append([contender, threads, f"{r / 1e9:.3f}", f"{r / ds:.2f}" if ds else "-",
-                   f"{r * ADAM_BYTES / 1e9:.1f}", f"{r * ADAM_BYTES / copy_bytes[threads]:.2f}",
-                   f"{r * ADAM_BYTES / copy_bytes[top]:.2f}"])
-  copy_line = ", ".join(f"{t} thread(s) {copy_bytes[t] / 1e9:.1f} GB/s (limit "
-                        f"{copy_bytes[t] / ADAM_BYTES / 1e9:.3f} G elements/s)"
-                        for t in thread_counts)
+                   f"{r * ADAM_BYTES / 1e9:.1f}", f"{r / copy_limit[threads]:.2f}",
+                   f"{r / stream_limit[threads]:.2f}"])
+  limits = "; ".join(
+    f"{t} thread(s): copy {rate['copy', t] * COPY_BYTES / 1e9:.1f} GB/s (limit "
+    f"{copy_limit[t] / 1e9:.3f} G elements/s), 28-B stream {stream_limit[t] / 1e9:.3f} G "
+    f"elements/s ({stream_limit[t] * ADAM_BYTES / 1e9:.1f} GB/s)" for t in thread_counts)
   meta = (f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, "
           f"{platform.system()}; {n / 1e6:.0f}M fp32 parameters, AdamW, median of {args.rounds} "
-          f"rounds x {args.steps} steps; copy rate (np.copyto, STREAM's 8 B per element): "
-          f"{copy_line}")
+          f"rounds x {args.steps} steps; limits measured beside them: {limits}")
   lines = [meta, "", *markdown_table(header, rows)]
   if "DeepSpeed" not in contenders:
     lines += ["", "DeepSpeed not measured: no --deepspeed-python given."]

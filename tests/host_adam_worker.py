@@ -1,5 +1,5 @@
-"""The host Adam kernel against jzero's optax chain on XLA:CPU at XLA's default settings, in a process
-of its own (the suite's conftest compiles XLA at LLVM level 0, which fuses multiply-adds
+"""The host Adam kernel against jzero's optax chain on XLA:CPU at XLA's default settings, in a
+process of its own (the suite's conftest compiles XLA at LLVM level 0, which fuses multiply-adds
 elsewhere); tests/tiers/test_host_adam.py runs it. Not a test module itself.
 
 Usage: python host_adam_worker.py OUT_JSON
@@ -88,6 +88,7 @@ def compare(name: str, backend: str, n: int = 200_003) -> list[dict[str, int]]:
 
 
 if __name__ == "__main__":
-  result = {f"{name} / {backend}": compare(name, backend) for name in BLOCKS for backend in BACKENDS}
+  result = {f"{name} / {backend}": compare(name, backend)
+            for name in BLOCKS for backend in BACKENDS}
   with open(sys.argv[1], "w") as f:
     json.dump(result, f)

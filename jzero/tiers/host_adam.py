@@ -5,7 +5,8 @@ moments ``m``, ``v`` live in host memory; a step reads an fp32 gradient ``g`` an
 ``p``, ``m``, ``v`` in place in one pass per chunk -- 28 bytes moved per parameter, 30 when it
 also writes the new parameter cast to bf16 / fp16 into an output buffer (the 16-bit params for
 the device or the NVMe tier). Chunks run on a pool of ``threads`` threads (default: the cores
-this process may use), each in a compiled, vectorised loop that holds no GIL.
+this process may use), each in a compiled, vectorised loop that holds no GIL
+(:mod:`jzero.tiers.host_adam_kernel`).
 
 **The numbers are jzero's device step's.** DeepSpeed's formula, with its ``adam_w_mode``
 (decoupled weight decay) or L2 mode and ``bias_correction`` on or off::
@@ -18,17 +19,23 @@ this process may use), each in a compiled, vectorised loop that holds no GIL.
 
 computed with the operations, order, fused multiply-adds and float32 constants of the optax chain
 jzero builds from the config (``jzero.train.optim``: ``scale_by_adam``, ``add_decayed_weights``,
-``scale_by_learning_rate``, ``apply_updates``) as XLA:CPU compiles it -- ``x / bc`` as ``x * (1 /
-bc)``, ``b ** step`` by the C library's ``powf`` -- so on the host it gives that chain's fp32
-numbers bit for bit (tests). DeepSpeed's own kernel computes the same formula in another order
-(``1 - b1`` rounded from the float32 ``b1``, ``-lr / bc1`` folded into one factor), a few ulp
-from both, and skips a weight decay that is not positive, where optax applies any value.
+``scale_by_learning_rate``, ``apply_updates``) as XLA:CPU compiles it at its default settings --
+``x / bc`` as ``x * (1 / bc)``, ``b ** step`` by the C library's ``powf``, no decay at all for a
+zero weight decay -- so it gives that chain's fp32 numbers and 16-bit casts bit for bit (tests),
+except where a subnormal number occurs: XLA:CPU flushes those to zero, this kernel (like
+DeepSpeed's) does not. Where XLA fuses other multiply-adds (LLVM level 0, another CPU, a GPU) the
+two differ within float32's rounding of the formula's terms (tests bound it). DeepSpeed's own
+kernel forms ``1 - b`` in float32 from the float32 ``b`` (for b2 = 0.999: 0.99998713e-3, where
+optax rounds 1e-3), so its ``v`` is 1.3e-5 and its ``m`` about 2e-7 relatively off these;
+it also skips a negative weight decay, which optax applies. Without bias correction (DeepSpeed's
+``bias_correction: false``) the kernel uses 1 for both corrections; jzero's config path refuses
+that setting (optax's Adam always corrects), so no device step has it to agree with.
 
-**Backends.** ``numba`` (the ``host-adam`` extra: LLVM compiles the loop for the host's CPU at
-first use and caches it, so the user's machine needs no compiler); without it ``xla``: the same
-formula jitted by XLA:CPU on copies of the arrays, copied back -- correct, slower, announced once
-by a warning that names the extra. docs/offload.md has the measured speeds
-(``bench/host_adam.py``).
+**Backends.** ``numba`` (the ``host-adam`` extra: LLVM, inside numba's wheel, compiles the loop
+for the host's CPU at its first call and caches it, so the user's machine needs no compiler);
+without it ``xla``: the same formula jitted by XLA:CPU on copies of the arrays, copied back --
+the device step's numbers, slower, announced by a warning that names the extra. docs/offload.md
+has the measured speeds (``bench/host_adam.py``).
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ BACKENDS = ("auto", "numba", "xla")
 #: The optional-dependency group that brings numba (pyproject.toml).
 EXTRA = "host-adam"
 #: Elements per task: 4 MiB of each fp32 array, so a pool keeps its threads balanced while a
-#: task's bookkeeping (a few microseconds) stays under 1% of its time.
+#: task's bookkeeping (microseconds) stays small beside its work (about a millisecond).
 DEFAULT_CHUNK = 1 << 20
 _OUT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
@@ -176,10 +183,12 @@ class HostAdam:
 
   ``HostAdam(settings).step(p, m, v, g, step, lr, out_params=None)``: ``p`` (the fp32 master),
   ``m``, ``v`` (the moments) and ``g`` (the fp32 gradient) are float32 numpy arrays of one
-  shape, or lists of them leaf by leaf; ``p``, ``m``, ``v`` are updated in place. ``step`` is the
+  shape, or lists of them leaf by leaf; ``p``, ``m``, ``v`` are updated in place, so they are
+  buffers the caller owns (``np.asarray`` of a jax array is a read-only view: refused). ``step`` is the
   1-based count of this update (DeepSpeed's ``state["step"]`` after its increment, optax's count
   plus one), ``lr`` the learning rate for it. ``out_params`` (bf16 or fp16 arrays of the same
-  shapes) receives the new params cast with round-to-nearest-even.
+  shapes) receives the new params cast with round-to-nearest-even. Calls on one instance run one
+  at a time (a lock); :meth:`close` (or a ``with`` block) ends the worker threads.
 
   Args:
     settings: the fixed parameters; ``step`` may override ``betas``, ``eps``, ``weight_decay``
@@ -207,8 +216,8 @@ class HostAdam:
     if kernel is None and backend == "auto":
       warnings.warn(
         f'HostAdam: numba is not installed, so the host Adam step runs in XLA:CPU (the same '
-        f'numbers, several times slower on many cores). pip install "jzero[{EXTRA}]" for the '
-        f'fast path.', JZeroWarning, stacklevel=2)
+        f'numbers, slower: it copies the arrays in and out and does not scale with cores). '
+        f'pip install "jzero[{EXTRA}]" for the fast path.', JZeroWarning, stacklevel=2)
     self.settings = settings
     self.threads = threads
     self.chunk = chunk
@@ -216,6 +225,7 @@ class HostAdam:
     self._kernel = kernel
     self._pool: ThreadPoolExecutor | None = None
     self._xla: dict = {}
+    self._lock = threading.Lock()
 
   # -- the public step ----------------------------------------------------------------------
   def step(self, params: Arrays, exp_avg: Arrays, exp_avg_sq: Arrays, grads: Arrays, step: int,
@@ -238,16 +248,18 @@ class HostAdam:
     # A zero weight decay is none at all, as optax.add_decayed_weights skips it.
     decoupled = s.weight_decay != 0 and s.adam_w_mode
     l2 = s.weight_decay != 0 and not s.adam_w_mode
-    if self.backend == "numba":
-      self._step_numba(leaves, scalars, l2, decoupled)
-    else:
-      self._step_xla(leaves, scalars, l2, decoupled, s)
+    with self._lock:
+      if self.backend == "numba":
+        self._step_numba(leaves, scalars, l2, decoupled)
+      else:
+        self._step_xla(leaves, scalars, l2, decoupled, s)
 
   def close(self) -> None:
     """Stops the worker threads (a later step starts them again)."""
-    if self._pool is not None:
-      self._pool.shutdown()
-      self._pool = None
+    with self._lock:
+      if self._pool is not None:
+        self._pool.shutdown()
+        self._pool = None
 
   def __enter__(self) -> HostAdam:
     return self
@@ -325,6 +337,12 @@ def _leaves(params: Arrays, exp_avg: Arrays, exp_avg_sq: Arrays, grads: Arrays,
         raise ConfigError(f"HostAdam.step: {where} has dtype {x.dtype}; it must be {wanted}.")
       if name != "grads" and not x.flags.writeable:
         raise ConfigError(f"HostAdam.step: {where} is read-only; the step writes it in place.")
+    for a in range(len(arrays)):
+      for b in range(a + 1, len(arrays)):
+        if np.may_share_memory(arrays[a], arrays[b]):
+          suffix = "" if single else f"[{i}]"
+          raise ConfigError(f"HostAdam.step: {names[a]}{suffix} and {names[b]}{suffix} share "
+                            f"memory; each must be an array of its own.")
     p, m, v, g = (x.reshape(-1) for x in arrays[:4])
     out = arrays[4].reshape(-1) if len(arrays) == 5 else None
     leaves.append((p, m, v, g, out))

@@ -1,4 +1,4 @@
-"""The compiled loops of :class:`jzero.tiers.host_adam.HostAdam`: one chunk of an Adam step, in place.
+"""The compiled loops of :class:`jzero.tiers.host_adam.HostAdam`: a chunk of an Adam step, in place.
 
 Importing this module needs numba (the ``host-adam`` extra); numba compiles the loops for the
 host's CPU at their first call with the LLVM its wheel ships, and caches them beside the module
@@ -111,8 +111,8 @@ def adam_chunk(p, m, v, g, out, bf16, fp16, b1, c1, b2, c2, r1, r2, eps, wd, neg
                decoupled):
   """One chunk of the step, in place: ``p``, ``m``, ``v``, ``g`` float32 1-D arrays of one size,
   ``out`` the uint16 bits of the bf16 (``bf16``) or fp16 (``fp16``) output of that size, or
-  unused; the float32 constants as :class:`jzero.tiers.host_adam` rounds them; ``l2`` / ``decoupled``
-  the weight decay's form (both false: none)."""
+  unused; the float32 constants as :mod:`jzero.tiers.host_adam` rounds them; ``l2`` /
+  ``decoupled`` the weight decay's form (both false: none)."""
   for lo in range(0, p.size, BLOCK):
     hi = min(lo + BLOCK, p.size)
     pb = p[lo:hi]

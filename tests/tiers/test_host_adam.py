@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
@@ -28,7 +27,7 @@ U = 2.0 ** -24  # float32's unit roundoff
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def test_matches_jzero_optax_bit_for_bit():
+def test_matches_jzero_optax_bit_for_bit(tmp_path):
   """Seven steps of each config block of tests/host_adam_worker.py (AdamW, Adam's L2 mode, no
   decay, other betas / eps with a schedule), both backends: the master, both moments and the
   bf16 / fp16 params equal those of build_optimizer's transformation jitted by XLA:CPU, bit for
@@ -37,13 +36,12 @@ def test_matches_jzero_optax_bit_for_bit():
   settings (the worker runs without the suite's XLA_FLAGS); at LLVM level 0 XLA fuses fewer, and
   about 0.4% of the master differs by an ulp. If a jax release moves the fusions, this fails: the
   offload tier would no longer give the device step's numbers."""
-  with tempfile.TemporaryDirectory() as tmp:
-    out = Path(tmp) / "counts.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run([sys.executable, str(TESTS / "host_adam_worker.py"), str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = json.loads(out.read_text())
+  out = tmp_path / "counts.json"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  done = subprocess.run([sys.executable, str(TESTS / "host_adam_worker.py"), str(out)], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  counts = json.loads(out.read_text())
   assert len(counts) == 8
   for case, steps in counts.items():
     assert len(steps) == 7 and all(len(step) == 4 for step in steps), case
@@ -115,7 +113,8 @@ def test_deepspeed_formula_within_rounding(bias_correction, adam_w_mode, backend
 
 def test_bias_correction_off_differs_from_on():
   """The two settings give different first steps, each the one its formula predicts: with the
-  correction |step| ~ lr (Adam's first step is lr sign(g)), without it ~ lr (1 - b1) / sqrt(1 - b2)."""
+  correction |step| ~ lr (Adam's first step is lr sign(g)), without it ~ lr (1 - b1) /
+  sqrt(1 - b2)."""
   g = np.full(1000, 0.5, np.float32)
   steps = {}
   for correct in (True, False):
@@ -138,7 +137,8 @@ def test_threads_chunks_and_leaves_do_not_change_the_numbers(backend):
   def leaves():
     r = np.random.default_rng(3)
     return ([r.standard_normal(k, dtype=np.float32).reshape(-1, 1) for k in sizes],
-            [np.zeros((k, 1), np.float32) for k in sizes], [np.zeros((k, 1), np.float32) for k in sizes])
+            [np.zeros((k, 1), np.float32) for k in sizes],
+            [np.zeros((k, 1), np.float32) for k in sizes])
 
   grads = [[gradient(rng, k).reshape(-1, 1) for k in sizes] for _ in range(3)]
   p_a, m_a, v_a = leaves()
@@ -214,6 +214,7 @@ def test_errors_name_the_argument_and_the_fix():
      "out_params has dtype float32; it must be bfloat16 or float16"),
     (([x], [x.copy()], [x.copy()], [[0.0] * 8], 1, 1e-3), {}, r"grads\[0\] must be a numpy array"),
   ]
+  cases.append(((x, x, x.copy(), x.copy(), 1, 1e-3), {}, "params and exp_avg share memory"))
   read_only = x.copy()
   read_only.flags.writeable = False
   cases.append(((read_only, x.copy(), x.copy(), x.copy(), 1, 1e-3), {}, "params is read-only"))
