@@ -47,8 +47,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from jzero.config.blocks import Flag, number
 from jzero.config.messages import show
 from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
+from jzero.tiers.host_adam import HostAdamSettings
 
-__all__ = ["Schedule", "build_schedule", "build_optimizer"]
+__all__ = ["Schedule", "build_schedule", "build_optimizer", "host_adam_settings"]
 
 Schedule = Callable[[jax.Array | int], jax.Array]
 
@@ -268,7 +269,8 @@ def build_schedule(scheduler: dict | None, base_lr: float) -> Schedule:
   return warmup
 
 
-def _adam(params: AdamParams, decoupled: bool) -> list[optax.GradientTransformation]:
+def _check_adam(params: AdamParams) -> None:
+  """Refuses the Adam settings jzero does not implement."""
   if params.amsgrad:
     raise NotSupportedError(
       "optimizer.params.amsgrad: true is not supported (DeepSpeed's default FusedAdam refuses it "
@@ -280,6 +282,10 @@ def _adam(params: AdamParams, decoupled: bool) -> list[optax.GradientTransformat
       "optimizer.params.bias_correction: false is not supported (optax's Adam always corrects "
       "the moment bias); remove it or set it to true."
     )
+
+
+def _adam(params: AdamParams, decoupled: bool) -> list[optax.GradientTransformation]:
+  _check_adam(params)
   adam = optax.scale_by_adam(*params.betas, params.eps)
   decay = optax.add_decayed_weights(params.weight_decay)
   # Decoupled (FusedAdam adam_w_mode, torch AdamW): p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd p).
@@ -312,6 +318,37 @@ def _sgd(params: SGDParams) -> list[optax.GradientTransformation]:
   return stages
 
 
+def _kind(optimizer: dict) -> str:
+  """The optimizer block's type as :data:`_OPTIMIZER_PARAMS` names it (DeepSpeed lower-cases its
+  own optimizer names, not torch's)."""
+  name = optimizer.get("type")
+  if isinstance(name, str) and name.lower() in ("adam", "adamw", "lion"):
+    return name.lower()
+  if name not in _OPTIMIZER_PARAMS:
+    raise NotSupportedError(
+      f"optimizer.type: {name!r} is not supported by jzero; the supported types are Adam, AdamW, "
+      f"Lion (any case, as in DeepSpeed) and SGD (exact case, as torch.optim names it). Use one "
+      f"of them, or pass an optax optimizer to jzero.initialize(optimizer=...)."
+    )
+  return name
+
+
+def host_adam_settings(optimizer: dict) -> HostAdamSettings | None:
+  """The settings of the fast host step (:class:`jzero.tiers.host_adam.HostAdam`) for the
+  config's ``optimizer`` block (free of "auto"): Adam and AdamW have one, and it computes what
+  :func:`build_optimizer`'s transformation computes, bit for bit on XLA:CPU; None for Lion and
+  SGD, which keep the optax update. The learning rate and its schedule stay with the caller."""
+  kind = _kind(optimizer)
+  if kind not in ("adam", "adamw"):
+    return None
+  params = _read_params(optimizer, "optimizer", AdamParams)
+  _check_adam(params)
+  return HostAdamSettings(betas=tuple(params.betas), eps=params.eps,
+                          weight_decay=params.weight_decay,
+                          adam_w_mode=kind == "adamw" or params.adam_w_mode,
+                          bias_correction=params.bias_correction)
+
+
 def build_optimizer(
   optimizer: dict | None, scheduler: dict | None
 ) -> tuple[optax.GradientTransformation, Schedule]:
@@ -331,16 +368,7 @@ def build_optimizer(
       'optimizer: the config has no "optimizer" block; add one (e.g. {"type": "AdamW", "params": '
       '{"lr": 1e-4}}) or pass an optax optimizer to jzero.initialize(optimizer=...).'
     )
-  name = optimizer.get("type")
-  kind = name
-  if isinstance(name, str) and name.lower() in ("adam", "adamw", "lion"):
-    kind = name.lower()  # DeepSpeed lower-cases its own optimizer names, not torch's
-  if kind not in _OPTIMIZER_PARAMS:
-    raise NotSupportedError(
-      f"optimizer.type: {name!r} is not supported by jzero; the supported types are Adam, AdamW, "
-      f"Lion (any case, as in DeepSpeed) and SGD (exact case, as torch.optim names it). Use one "
-      f"of them, or pass an optax optimizer to jzero.initialize(optimizer=...)."
-    )
+  kind = _kind(optimizer)
   if "max_grad_norm" in (optimizer.get("params") or {}):
     raise ConfigError(
       "optimizer.params.max_grad_norm: 'max_grad_norm' is not supported as an optimizer "
