@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 __all__ = ["JZeroError", "ConfigError", "NotSupportedError", "MeshError", "CheckpointError",
-           "DataError", "Preempted", "JZeroWarning", "refuse_deepspeed_call"]
+           "DataError", "Preempted", "StepNotCommitted", "JZeroWarning", "refuse_deepspeed_call"]
 
 
 class JZeroError(Exception):
@@ -46,6 +46,25 @@ class Preempted(JZeroError):
   def __init__(self, message: str, *, step: int, directory: str | None):
     super().__init__(message)
     self.step, self.directory = step, directory
+
+
+class StepNotCommitted(JZeroError):
+  """A step was computed but a tier could not write its share of it (the NVMe store's disk full,
+  an I/O error). Nothing committed is lost: the tier still holds the previous step, ``committed``
+  (``path``: where), and this error holds the computed step. Fix the cause (free space) and call
+  :meth:`finish`, which writes the step and returns ``(state, metrics)`` as ``train_step`` would
+  have -- or raises this error again if the write fails again. The state given to ``train_step``
+  was donated to the step; the one :meth:`finish` returns is the one to train on."""
+
+  def __init__(self, message: str, *, step: int, committed: int | None, path: str,
+               finish: Callable[[], tuple[Any, dict]]):
+    super().__init__(message)
+    self.step, self.committed, self.path = step, committed, path
+    self._finish = finish
+
+  def finish(self) -> tuple[Any, dict]:
+    """Writes the step (after the cause is fixed) and returns ``(state, metrics)``."""
+    return self._finish()
 
 
 class JZeroWarning(UserWarning):
