@@ -7,10 +7,12 @@ work starts, so a user never sees a traceback from inside JAX for a mistake in t
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 __all__ = ["JZeroError", "ConfigError", "NotSupportedError", "MeshError", "CheckpointError",
-           "DataError", "Preempted", "StepNotCommitted", "JZeroWarning", "refuse_deepspeed_call"]
+           "DataError", "Preempted", "StepNotCommitted", "JZeroWarning", "refuse_deepspeed_call",
+           "describe_io_error"]
 
 
 class JZeroError(Exception):
@@ -84,3 +86,26 @@ def refuse_deepspeed_call(call: str) -> Callable[..., Any]:
   def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
     raise JZeroError(_TRAIN_STEP_HINT.format(call=call))
   return refuse
+
+
+# the codes tensorstore puts first in its ValueError's message for a failed file operation
+_IO_CODES = ("RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "DATA_LOSS", "UNKNOWN", "INTERNAL",
+             "UNAVAILABLE", "FAILED_PRECONDITION", "NOT_FOUND", "ABORTED", "DEADLINE_EXCEEDED")
+
+
+def describe_io_error(error: BaseException) -> str | None:
+  """The cause, in a line, when ``error`` is a file operation's failure (an OSError, or
+  tensorstore's ValueError with an error code: a full disk, an I/O error, a file that vanished);
+  None for anything else (a bug is not reported as a disk's fault)."""
+  if isinstance(error, OSError):
+    where = f" ({error.filename})" if error.filename else ""
+    return f"{error.strerror or error}{where}"
+  text = str(error)
+  if isinstance(error, ValueError) and text.startswith(_IO_CODES):
+    reason = re.search(r"(No space left on device|Read-only file system|Input/output error|"
+                       r"Permission denied|Disk quota exceeded|No such file or directory)", text)
+    path = re.search(r'"([^"]+)"', text)
+    if reason:
+      return f"{reason[1]}" + (f" ({path[1]})" if path else "")
+    return text.splitlines()[0][:300]
+  return None

@@ -49,6 +49,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ from jzero.checkpoint import claim as claim_lib
 from jzero.checkpoint import layout
 from jzero.checkpoint.layout import (DELETING, FILES_FILE, FORMAT, FORMAT_VERSION, LATEST_FILE,
                                      META_FILE, ORBAX_TMP, WEIGHTS16)
-from jzero.errors import CheckpointError, JZeroError, JZeroWarning
+from jzero.errors import CheckpointError, JZeroError, JZeroWarning, describe_io_error
 from jzero.sharding.plan import LeafPlan, Plan, flatten_paths
 from jzero.tiers import registry
 from jzero.tiers.base import Resources
@@ -303,10 +304,14 @@ class Checkpointer:
     except BaseException as e:  # re-raised by wait_until_finished in the caller's thread
       self._failure = (tag, e)
       if self._primary:
-        for left in self.directory.glob(f"{tag}{ORBAX_TMP}*"):
-          shutil.rmtree(left, ignore_errors=True)
-        if (self.directory / tag).is_dir() and not layout.is_complete(self.directory / tag):
-          _remove(self.directory / tag)
+        try:
+          _wait_for_orbax_threads()
+          for left in self.directory.glob(f"{tag}{ORBAX_TMP}*"):
+            shutil.rmtree(left, ignore_errors=True)
+          if (self.directory / tag).is_dir() and not layout.is_complete(self.directory / tag):
+            _remove(self.directory / tag)
+        except OSError:  # what cannot be removed stays; the next Checkpointer removes it
+          pass
 
   def _prune(self, newest: str) -> None:
     """Deletes the checkpoints older than the newest ``keep`` (module docstring, *Retention*).
@@ -383,20 +388,38 @@ def _agree(error: CheckpointError | None, what: str) -> None:
 
 
 def _cause(error: BaseException) -> str:
-  """The innermost cause of a failed save, in a line (an OSError's strerror and file)."""
+  """The innermost cause of a failed save, in a line (a disk's error as
+  :func:`jzero.errors.describe_io_error` says it)."""
   while error.__cause__ is not None or error.__context__ is not None:
     error = error.__cause__ or error.__context__
-  if isinstance(error, OSError) and error.strerror:
-    return f"{error.strerror}" + (f" ({error.filename})" if error.filename else "")
-  return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+  return describe_io_error(error) or (
+      f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+
+
+def _wait_for_orbax_threads(timeout_s: float = 60.0) -> None:
+  """After a failed save: waits (at most ``timeout_s``) for Orbax's writer threads still running
+  -- its commit raises at the first failed write while the others go on, and tensorstore creates
+  the directories a late write needs -- so that what the save left can be removed for good."""
+  deadline = time.monotonic() + timeout_s
+  for thread in threading.enumerate():
+    if type(thread).__name__ == "_SignalingThread" and thread is not threading.current_thread():
+      try:
+        thread.join(max(0.0, deadline - time.monotonic()))
+      except Exception:  # pylint: disable=broad-except  (its join re-raises its failure)
+        pass
 
 
 class _OrbaxFailureLine(logging.Filter):
-  """Orbax logs a failed background save with its traceback; jzero raises the cause itself
-  (:meth:`Checkpointer.wait_until_finished`), so the record keeps its one line."""
+  """Orbax logs a failed background save, each of its writer threads with a traceback; jzero
+  raises the cause itself in one message (:meth:`Checkpointer.wait_until_finished`). So Orbax's
+  error records about a directory a :class:`Checkpointer` writes are dropped, and its other error
+  records keep their one line."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     if record.levelno >= logging.ERROR and "orbax" in record.pathname:
+      message = record.getMessage()
+      if any(str(directory) in message for directory in _CHECKPOINTERS):
+        return False
       record.exc_info, record.exc_text, record.stack_info = None, None, None
     return True
 

@@ -13,8 +13,8 @@ them when it opens (their bytes, their age, the step each process committed), an
 :func:`reclaim` -- ``jzero nvme-stores NVME_PATH --reclaim`` -- removes them. Stores of running
 processes and of other hosts are never touched.
 
-A failed write (:func:`io_failure` tells a disk's error -- an ``OSError``, or tensorstore's
-``ValueError`` carrying an error code -- from a bug) becomes one paragraph
+A failed write (:func:`jzero.errors.describe_io_error` tells a disk's error -- an ``OSError``, or
+tensorstore's ``ValueError`` carrying an error code -- from a bug) becomes one paragraph
 (:func:`write_failure`): the path, the cause, the bytes a step writes and those free, and how to
 finish the step or resume.
 """
@@ -33,13 +33,10 @@ import uuid
 from pathlib import Path
 
 __all__ = ["RunDirectory", "run_name", "host_name", "find_runs", "stale_runs", "reclaim",
-           "describe", "describe_stale", "io_failure", "write_failure", "remove_unless_kept"]
+           "describe", "describe_stale", "write_failure", "remove_unless_kept"]
 
 _NAME = re.compile(r"^(?P<host>.+)-(?P<pid>\d+)-(?P<time>\d{8}T\d{6})-(?P<uuid>[0-9a-f]{12})$")
 _TIME = "%Y%m%dT%H%M%S"
-# the codes tensorstore puts first in its ValueError's message for a failed file operation
-_IO_CODES = ("RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "DATA_LOSS", "UNKNOWN", "INTERNAL",
-             "UNAVAILABLE", "FAILED_PRECONDITION", "NOT_FOUND", "ABORTED", "DEADLINE_EXCEEDED")
 
 
 def host_name() -> str:
@@ -208,24 +205,6 @@ def describe_stale(nvme_path: str | os.PathLike, stale: list[RunDirectory]) -> s
           f"and jzero.tiers.nvme_state.open_committed reads a store's committed step). "
           f"Remove them with `jzero nvme-stores {nvme_path} --reclaim` (stores of running "
           f"processes and of other hosts are never touched).")
-
-
-def io_failure(error: BaseException) -> str | None:
-  """The cause, in a line, when ``error`` is a file operation's failure (an OSError, or
-  tensorstore's ValueError with an error code: a full disk, an I/O error, a file that vanished);
-  None for anything else (a bug is not reported as a disk's fault)."""
-  if isinstance(error, OSError):
-    where = f" ({error.filename})" if error.filename else ""
-    return f"{error.strerror or error}{where}"
-  text = str(error)
-  if isinstance(error, ValueError) and text.startswith(_IO_CODES):
-    reason = re.search(r"(No space left on device|Read-only file system|Input/output error|"
-                       r"Permission denied|Disk quota exceeded|No such file or directory)", text)
-    path = re.search(r'"([^"]+)"', text)
-    if reason:
-      return f"{reason[1]}" + (f" ({path[1]})" if path else "")
-    return text.splitlines()[0][:300]
-  return None
 
 
 def write_failure(directory: Path, run_directory: Path, nvme_path: Path, step: int,

@@ -111,7 +111,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jzero.comm import layouts, program
-from jzero.errors import ConfigError, JZeroError, JZeroWarning, StepNotCommitted
+from jzero.errors import (ConfigError, JZeroError, JZeroWarning, StepNotCommitted,
+                          describe_io_error)
 from jzero.tiers.nvme_settings import (IO_MODE, NVME, NvmeSettings, check_directory, io_context,
                                  settings_from_config)
 from jzero.tiers import nvme_runs, where
@@ -471,8 +472,8 @@ class NvmeStore:
     the initial params, a checkpoint -- is where it was)."""
     try:
       write()
-    except Exception as e:  # pylint: disable=broad-except  (nvme_runs.io_failure sorts it)
-      cause = nvme_runs.io_failure(e)
+    except Exception as e:  # pylint: disable=broad-except  (describe_io_error sorts it)
+      cause = describe_io_error(e)
       if cause is None:
         raise
       raise NvmeStoreError(
@@ -488,8 +489,8 @@ class NvmeStore:
     step, committed = int(state.step), (self.step, self.slot)
     try:
       return write()
-    except Exception as e:  # pylint: disable=broad-except  (nvme_runs.io_failure sorts it)
-      cause = nvme_runs.io_failure(e)
+    except Exception as e:  # pylint: disable=broad-except  (describe_io_error sorts it)
+      cause = describe_io_error(e)
       if cause is None:
         raise
     self._kept[0] = True

@@ -84,9 +84,15 @@ def init_or_resume(engine: Engine, rng: jax.Array, checkpoint_dir: str | Path | 
   """A fresh state (:meth:`Engine.init`), or the latest checkpoint in ``checkpoint_dir`` when
   there is one; returns ``(state, step it is at)``.
 
+  The directory is claimed for this run first (:func:`jzero.checkpoint.writer`): one that another
+  run saves into, or that cannot be written, is refused before any device work.
+
   Raises:
     JZeroError: ``require`` and no checkpoint to resume from.
+    CheckpointError: ``checkpoint_dir`` in use by another run, or not writable.
   """
+  if checkpoint_dir:
+    checkpoint.writer(checkpoint_dir)
   latest = checkpoint.latest_step(checkpoint_dir) if checkpoint_dir else None
   if require and latest is None:
     raise JZeroError(f"--resume: no checkpoint in --checkpoint-dir {checkpoint_dir!r} to "
