@@ -76,8 +76,6 @@ def _started_after(pid: int, when: float) -> bool:
 
 
 def _alive(pid: int, created: float) -> bool:
-  if pid == os.getpid():
-    return True
   try:
     os.kill(pid, 0)
   except ProcessLookupError:

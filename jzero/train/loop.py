@@ -34,6 +34,7 @@ import jax
 
 from jzero import checkpoint
 from jzero.errors import JZeroError
+from jzero.runtime import distributed
 from jzero.train.engine import Engine
 from jzero.train.monitor import Throughput
 from jzero.train.precision import MIN_SCALE_ERROR
@@ -137,8 +138,9 @@ def train_loop(engine: Engine, state: TrainState, batch_at: Callable[[int], Any]
     for step in bar:
       batch = batch_at(step)
       t0 = time.perf_counter()
-      result.state, metrics = engine.train_step(result.state, batch)  # logs every steps_per_print
-      loss = float(metrics["loss"])  # waits for the step
+      with distributed.explained_peer_loss():  # a peer lost shows when the loss is read, too
+        result.state, metrics = engine.train_step(result.state, batch)  # logs every steps_per_print
+        loss = float(metrics["loss"])  # waits for the step
       result.step_times.append(time.perf_counter() - t0)
       if bool(metrics["min_scale_overflow"]):
         raise JZeroError(f"step {step + 1}: {MIN_SCALE_ERROR} (fp16 overflow with the loss scale "
