@@ -41,13 +41,14 @@ def small_disk(target: Path, size: str = "2m") -> Iterator[Path | None]:
 
 
 @contextlib.contextmanager
-def filled(disk: Path) -> Iterator[None]:
-  """``disk`` (a small file system) filled to the last byte while the block runs."""
+def filled(disk: Path, leave: int = 0) -> Iterator[None]:
+  """``disk`` (a small file system) filled but for ``leave`` bytes while the block runs."""
   filler = disk / "filler"
   with open(filler, "wb") as f:
     try:
-      while True:
-        f.write(b"\0" * (1 << 16))
+      while (free := shutil.disk_usage(disk).free - leave) > 0:
+        f.write(b"\0" * min(free, 1 << 16))
+        f.flush()
     except OSError as e:
       assert e.errno == errno.ENOSPC, e
   try:

@@ -247,7 +247,11 @@ class Checkpointer:
       items[WEIGHTS16] = ocp.args.PyTreeSave(
           layout.nest(weights), custom_metadata={"jzero": weights_json(
               {k: (v.shape, v.dtype) for k, v in weights.items()}, int(state.step), "save")})
-    self._orbax.save(self.directory / tag, args=ocp.args.Composite(**items))
+    try:
+      self._orbax.save(self.directory / tag, args=ocp.args.Composite(**items))
+    except Exception as e:  # pylint: disable=broad-except  (said in one message, as below)
+      self._discard(tag)
+      raise self._failed(tag, e) from None
     self._pending = tag
     self._finalizer = threading.Thread(target=self._finalize, args=(tag, save_latest),
                                        name=f"jzero-checkpoint-{tag}")
@@ -303,15 +307,29 @@ class Checkpointer:
         self._prune(tag)
     except BaseException as e:  # re-raised by wait_until_finished in the caller's thread
       self._failure = (tag, e)
-      if self._primary:
-        try:
-          _wait_for_orbax_threads()
-          for left in self.directory.glob(f"{tag}{ORBAX_TMP}*"):
-            shutil.rmtree(left, ignore_errors=True)
-          if (self.directory / tag).is_dir() and not layout.is_complete(self.directory / tag):
-            _remove(self.directory / tag)
-        except OSError:  # what cannot be removed stays; the next Checkpointer removes it
-          pass
+      self._discard(tag)
+
+  def _discard(self, tag: str) -> None:
+    """What a failed save of ``tag`` left -- Orbax's temporary directory, or a committed directory
+    without its file list -- removed by the primary, once Orbax's writers have stopped."""
+    if not self._primary:
+      return
+    try:
+      _wait_for_orbax_threads()
+      for left in self.directory.glob(f"{tag}{ORBAX_TMP}*"):
+        shutil.rmtree(left, ignore_errors=True)
+      if (self.directory / tag).is_dir() and not layout.is_complete(self.directory / tag):
+        _remove(self.directory / tag)
+    except OSError:  # what cannot be removed stays; the next Checkpointer removes it
+      pass
+
+  def _failed(self, tag: str, error: BaseException) -> CheckpointError:
+    """The one message of a failed save: its cause, what was kept, the checkpoints intact."""
+    kept = ("it is complete, but 'latest' could not be moved to it" if layout.is_complete(
+        self.directory / tag) else "nothing of it was kept")
+    return CheckpointError(f"saving checkpoint {tag!r} to {self.directory} failed: "
+                           f"{_cause(error)}; {kept}. The checkpoints saved before are intact: "
+                           f"{layout.all_tags(self.directory)}.")
 
   def _prune(self, newest: str) -> None:
     """Deletes the checkpoints older than the newest ``keep`` (module docstring, *Retention*).
@@ -349,11 +367,7 @@ class Checkpointer:
     if self._failure is not None:
       tag, error = self._failure
       self._failure = None
-      kept = ("it is complete, but 'latest' could not be moved to it" if layout.is_complete(
-          self.directory / tag) else "nothing of it was kept")
-      raise CheckpointError(f"saving checkpoint {tag!r} to {self.directory} failed: "
-                            f"{_cause(error)}; {kept}. The checkpoints saved before are intact: "
-                            f"{layout.all_tags(self.directory)}.") from None
+      raise self._failed(tag, error) from None
 
   def close(self) -> None:
     """Waits for the last save and releases Orbax's resources and the directory's claim."""
