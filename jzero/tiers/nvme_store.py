@@ -18,8 +18,9 @@ the group's arrays (a leaf's master, then its optimizer moments) end to end, so 
 exactly the shards its devices hold, and the disk sees few large files instead of one small file
 per array and device (that layout measured 0.03 of the disk's raw write bandwidth, fsync per small
 file dominating; one file for all rows 0.42, bench/nvme.py). The directory
-is removed when the store is garbage-collected or the process exits normally; a killed process
-leaves it (see crash consistency). Paths are checked before any device work: a missing
+is removed when the store is garbage-collected or the process exits normally; a killed process, or
+one that ends on a step it could not write (below), leaves it, and the next store opened under the
+same ``nvme_path`` warns about it (:mod:`jzero.tiers.nvme_runs`). Paths are checked before any device work: a missing
 ``nvme_path``, a path that is not a writable directory (a probe file is written and fsync'ed), and,
 when the plan exists, too little free space for both slots (``shutil.disk_usage``) are a
 :class:`~jzero.errors.ConfigError` naming the path and the fix.
@@ -59,6 +60,17 @@ it back (or refuses clearly: no manifest -- killed before the first commit --, o
 missing files). Resuming training goes through checkpoints (below), as in DeepSpeed, whose swap
 files are scratch space too.
 
+**A write that fails** (a full disk, an I/O error; :func:`jzero.errors.describe_io_error` tells it
+from a bug) loses nothing. During a step the update waits for every read and write still in
+flight, drops what it staged for the parameter reader, leaves the manifest as it was -- the store
+still commits the previous step -- and raises :class:`~jzero.errors.StepNotCommitted` naming the
+path, the cause, the bytes a step writes and those free; the run directory is then kept at exit
+until a step commits. The jitted step's outputs are whole: the group update donates only what it
+read from the disk, never the gradients or fp32 training's masters. So the error's ``finish()``,
+once there is room, runs the update again from the committed slot and those outputs -- the same
+numbers bitwise -- and returns the step's state and metrics. Outside a step (the initial state, a
+restore) a failed write is an :class:`NvmeStoreError` naming the path and the cause.
+
 **Settings** (:mod:`jzero.tiers.nvme_settings`; DeepSpeed's names -> tensorstore):
 ``aio.queue_depth`` -> the context's ``file_io_concurrency`` limit (concurrent file operations) and
 the reading threads, ``aio.intra_op_parallelism`` -> ``data_copy_concurrency`` (threads copying /
@@ -84,11 +96,13 @@ NVMe bytes from the committed slot's files (per device: a file's size over its r
 master and optimizer by the layout) next to the estimator's ``nvme`` tier, and prints the process's
 store directory and its bytes on disk.
 
-**Why one module of over 500 lines.** The store's write, read and commit protocol is one piece:
-the two slots, the manifest that commits a step and the reads that trust it are correct only
-together -- a process killed in any phase must leave the last committed step readable
-(tests/checkpoint/test_kill_resume.py kills it in each one) -- so :class:`NvmeStore` is kept whole,
-with the few helpers the step and the NVMe parameter tier share.
+**Why one module of 700 lines.** The store's write, read and commit protocol is one piece: the
+two slots, the manifest that commits a step, the reads that trust it and what a failed write
+leaves are correct only together -- a process killed in any phase must leave the last committed
+step readable (tests/tiers/test_nvme.py kills it in each one), a failed write must leave it
+committed (tests/tiers/test_nvme_faults.py) -- so :class:`NvmeStore` is kept whole; what the step
+hands it is :mod:`jzero.tiers.nvme`'s, its layout in a TrainState :mod:`jzero.tiers.nvme_state`'s,
+its directories on disk :mod:`jzero.tiers.nvme_runs`'.
 """
 
 from __future__ import annotations
