@@ -30,9 +30,10 @@ writes, renames or deletes.
 :data:`MAX_TAG_BYTES` bytes. The checkpoint directory may be any path the file system takes --
 spaces, unicode -- except one holding a backslash, which Orbax and tensorstore read as a separator
 (the arrays would land in another directory): :func:`check_path` refuses it before anything is
-written or read. A checkpoint records its tag; a directory whose name is not that tag (renamed, or
-another checkpoint copied under it) is refused by every reader, as is a ``latest`` that names a tag
-which is not there -- no other checkpoint is restored in its place.
+written or read. A checkpoint records its tag; asked for by a tag (or by ``latest``), a directory
+whose name is not that tag (renamed, or another checkpoint copied under it) is refused, as is a
+``latest`` that names a tag which is not there -- no other checkpoint is restored in its place. A
+checkpoint's own directory passed as such (a copy named ``best``) restores.
 
 **Integrity.** After Orbax commits a checkpoint, jzero reads every file of it back once and
 records its size and an XXH3-128 checksum in ``jzero_files.json`` (written atomically), and only
@@ -262,8 +263,11 @@ def resume_tag(directory: str | os.PathLike) -> str | None:
                           f"{root} (deleted or moved since it was saved); jzero does not guess "
                           f"another. Restore one by its tag (complete: {complete}), or write the "
                           f"tag to restore into {root / LATEST_FILE}.")
-  candidates = [t for t in complete
-                if t == named or _recorded(root / t, "save_latest", False) is True]
+  if named in complete:
+    _holding_its_tag(root / named)
+  candidates = [t for t in complete  # (a copy under another name is no candidate)
+                if (t == named or _recorded(root / t, "save_latest", False) is True)
+                and str(_recorded(root / t, "tag", t)) == t]
   if named is not None and named not in candidates:
     warnings.warn(f"{root / LATEST_FILE} names {named!r}, which is not a complete checkpoint; "
                   f"restoring the newest complete one instead.", JZeroWarning, stacklevel=3)
@@ -299,7 +303,7 @@ def checkpoint_dir(directory: str | os.PathLike, tag: str | int | None = None) -
       hint = (f"complete checkpoints present: {tags}; pass one explicitly" if tags else
               "it holds no complete checkpoint")
       raise CheckpointError(f"{root} has no '{LATEST_FILE}' file ({hint}).")
-    return root / tag
+    return _holding_its_tag(root / tag)
   tag = check_tag(tag)
   path = root / tag
   if not path.is_dir():
@@ -312,6 +316,20 @@ def checkpoint_dir(directory: str | os.PathLike, tag: str | int | None = None) -
                           f"Orbax's commit and before jzero recorded its files ({FILES_FILE}), so "
                           f"it cannot be trusted. Restore a complete one ({all_tags(root)}); the "
                           f"next save under {tag!r} replaces it.")
+  return _holding_its_tag(path)
+
+
+def _holding_its_tag(path: Path) -> Path:
+  """``path``, a checkpoint asked for by its tag, if it holds the checkpoint saved under that tag;
+  else (renamed, or another copied under its name) a CheckpointError naming both. A checkpoint's
+  own directory passed as such (a copy named ``best``) is not asked for by a tag."""
+  saved = _recorded(path, "tag", None)  # (format 1 recorded none)
+  if saved is not None and str(saved) != path.name:
+    raise CheckpointError(
+        f"{path} holds checkpoint {saved!r} (step {_recorded(path, 'step', '?')}), saved under "
+        f"that tag and renamed or copied to {path.name!r} since: restoring it as {path.name!r} "
+        f"would resume from the wrong step. Rename the directory back to {saved!r}, or pass the "
+        f"directory itself ({path}).")
   return path
 
 
@@ -421,12 +439,6 @@ def read_metadata(directory: str | os.PathLike, tag: str | int | None = None) ->
                           f"jzero reads format {FORMAT_VERSION}. Upgrade jzero.")
   if "extra" in meta:  # format 1 called the client state "extra"
     meta["client_state"] = meta.pop("extra")
-  saved = meta.get("tag")  # (format 1 recorded none)
-  if saved is not None and str(saved) != step_dir.name:
-    raise CheckpointError(
-        f"{step_dir} holds checkpoint {saved!r} (step {meta.get('step')}), saved under that tag "
-        f"and renamed or copied to {step_dir.name!r} since: restoring it as {step_dir.name!r} "
-        f"would resume from the wrong step. Rename the directory back to {saved!r}.")
   meta["path"] = str(step_dir)
   return meta
 

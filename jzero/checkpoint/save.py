@@ -17,6 +17,14 @@ waited for when the main thread ends -- before Python shuts down the thread pool
 with -- so such a script still leaves a finalized checkpoint. If a save fails then, the process
 prints one line naming the checkpoint and exits with status 1.
 
+**Faults.** A :class:`Checkpointer` claims its directory first (:mod:`jzero.checkpoint.claim`: one
+writer per directory, a second run refused naming the first) and checks before each save that the
+directory can be written, so a read-only or full disk is one error before Orbax starts. A save that
+fails later -- the disk fills while Orbax writes -- is one :class:`~jzero.errors.CheckpointError`
+naming the cause and the checkpoints kept: Orbax's writer threads are waited for and what the save
+left (its temporary directory, a committed one without its file list) is removed; Orbax's own
+error records about the directory are dropped (:class:`_OrbaxFailureLine`).
+
 **Retention** (``keep``). After ``latest`` has moved, the newest ``keep`` complete checkpoints up to
 the one just saved stay -- counting those of earlier runs in the directory, so a resumed job keeps
 the newest ``keep`` overall -- and older ones are deleted; a checkpoint newer than the one just
@@ -539,6 +547,6 @@ def _finish_at_exit() -> None:
     except CheckpointError as e:
       print(f"jzero: error: {e}", file=sys.stderr, flush=True)
       sys.stdout.flush()
-      os._exit(1)
-    if ckpt._primary:  # pylint: disable=protected-access
       claim_lib.release(ckpt.directory)
+      os._exit(1)
+    claim_lib.release(ckpt.directory)  # (a process that claimed nothing releases nothing)

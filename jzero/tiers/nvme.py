@@ -177,10 +177,11 @@ class NvmeUpdate(Update):
 
 def step_outputs(plan: Any, state: Any, grads: PyTree, factor: jax.Array | None) -> dict:
   """Inside the step's ``shard_map``: what :meth:`jzero.tiers.nvme_store.NvmeStore.update` needs
-  from the device (its module docstring): the NVMe leaves' fp32 gradients before clipping and the clipping ``factor`` (the
-  update multiplies, as the device path does inside its fused update: the same rounding), fp32
-  training's master partitions, and the optimizer state's non-parameter leaves before the
-  update."""
+  from the device (its module docstring): the NVMe leaves' fp32 gradients before clipping and the
+  clipping ``factor`` (the update multiplies, as the device path does inside its fused update: the
+  same rounding), fp32 training's master partitions, and the optimizer state's non-parameter
+  leaves before the update. The store never donates them: a failed write runs its update again
+  from them (:class:`jzero.errors.StepNotCommitted`)."""
   nvme = [l for l in plan.leaf_list() if l.state_tier == NVME]
   flat_g = dict(zip([l.path for l in plan.leaf_list()], jax.tree.leaves(grads)))
   out = {"grads": {l.path: flat_g[l.path] for l in nvme},

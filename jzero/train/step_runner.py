@@ -24,7 +24,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jzero.errors import StepNotCommitted
+from jzero.errors import JZeroError, StepNotCommitted
 from jzero.train import input_checks, reporting
 from jzero.train.step import trace_loss
 from jzero.train.update import applied_updates
@@ -80,8 +80,8 @@ class StepRunner:
       self.step = None  # the state its finish() returns is read at the next step
       raise
     except Exception as e:  # pylint: disable=broad-except  (explained or re-raised)
-      if not built and not any(getattr(x, "is_deleted", lambda: False)()
-                               for x in jax.tree.leaves(given)):
+      if not built and not isinstance(e, JZeroError) and not any(
+          getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(given)):
         # failed while the step was traced (nothing ran): a batch the model cannot take
         input_checks.explain_trace_error(programs.parts.plan, batch,
                                          lambda b: trace_loss(programs.parts, b), e)

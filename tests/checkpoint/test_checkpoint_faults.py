@@ -256,8 +256,8 @@ def test_directories_that_cannot_hold_checkpoints_are_jzero_errors(run, tmp_path
 
 def test_latest_and_tags_are_checked_against_what_they_hold(run, tmp_path):
   """'latest' naming a tag that was deleted is refused (no other checkpoint restored in its
-  place); a tag directory holding another checkpoint (step 5's under the name '3') is refused,
-  naming both."""
+  place); a tag directory holding another checkpoint (step 5's under the name '3'), asked for by
+  its tag or by 'latest', is refused naming both; given as a directory of its own it restores."""
   engine, state, _ = run
   for step in (3, 5):
     engine.save_checkpoint(state_copy(engine, state)._replace(
@@ -273,6 +273,11 @@ def test_latest_and_tags_are_checked_against_what_they_hold(run, tmp_path):
   with pytest.raises(CheckpointError, match=r"/3 holds checkpoint '5' \(step 5\), saved under "
                                             r"that tag and renamed or copied to '3'"):
     make_engine(2).load_checkpoint(tmp_path, 3)
+  (tmp_path / "latest").write_text("3\n")
+  with pytest.raises(CheckpointError, match=r"holds checkpoint '5'"):
+    make_engine(2).load_checkpoint(tmp_path)
+  restored = make_engine(2).load_checkpoint(tmp_path / "3")  # the directory itself: a copy
+  assert int(restored.step) == 5
 
 
 # -- helpers ---------------------------------------------------------------------------------------
