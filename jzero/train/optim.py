@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 from jzero.config.blocks import Flag, number
 from jzero.config.messages import show
@@ -56,9 +56,22 @@ Schedule = Callable[[jax.Array | int], jax.Array]
 # -- each type's params: pydantic models with DeepSpeed's (or torch's) defaults -----------------------
 
 Real = Annotated[float, number(False)]
-MaybeReal = Annotated[float | None, number(False, nullable=True)]
 Integer = Annotated[int, number(True)]
-Betas = tuple[Real, Real]
+# torch.optim's own checks ("Invalid learning rate", "Invalid beta parameter at index 0", ...),
+# which DeepSpeed's fused optimizers skip: a negative rate trains uphill, a beta of 1 or more
+# makes the moments grow without bound
+NonNegative = Annotated[float, number(False, lo=0)]
+MaybeNonNegative = Annotated[float | None, number(False, lo=0, nullable=True)]
+
+
+def _below_one(value: float) -> float:
+  if value >= 1:
+    raise ValueError(f"must be in [0, 1) (a moment's decay rate), got {show(value)}")
+  return value
+
+
+Beta = Annotated[float, number(False, lo=0), AfterValidator(_below_one)]
+Betas = tuple[Beta, Beta]
 
 
 class _Params(BaseModel):
@@ -68,10 +81,10 @@ class _Params(BaseModel):
 class AdamParams(_Params):
   """FusedAdam's (and torch.optim.Adam / AdamW's) parameters."""
 
-  lr: Real = 1e-3
+  lr: NonNegative = 1e-3
   betas: Betas = (0.9, 0.999)
-  eps: Real = 1e-8
-  weight_decay: Real = 0.0
+  eps: NonNegative = 1e-8
+  weight_decay: NonNegative = 0.0
   bias_correction: Flag = True
   adam_w_mode: Flag = True
   amsgrad: Flag = False
@@ -82,25 +95,25 @@ class AdamParams(_Params):
 class LionParams(_Params):
   """DeepSpeed's FusedLion / DeepSpeedCPULion parameters."""
 
-  lr: Real = 1e-3
+  lr: NonNegative = 1e-3
   betas: Betas = (0.9, 0.999)
-  weight_decay: Real = 0.0
+  weight_decay: NonNegative = 0.0
   set_grad_none: Flag = True
 
 
 class SGDParams(_Params):
   """torch.optim.SGD's parameters (DeepSpeed looks the type up by its exact name)."""
 
-  lr: Real = 1e-3
-  momentum: Real = 0.0
+  lr: NonNegative = 1e-3
+  momentum: NonNegative = 0.0
   dampening: Real = 0.0
-  weight_decay: Real = 0.0
+  weight_decay: NonNegative = 0.0
   nesterov: Flag = False
 
 
 class WarmupLRParams(_Params):
-  warmup_min_lr: Real = 0.0
-  warmup_max_lr: MaybeReal = None  # the optimizer's lr (DeepSpeed >= 0.17.2)
+  warmup_min_lr: NonNegative = 0.0
+  warmup_max_lr: MaybeNonNegative = None  # the optimizer's lr (DeepSpeed >= 0.17.2)
   warmup_num_steps: Integer = 1000
   warmup_type: str = "log"
   last_batch_iteration: Integer = -1
@@ -108,7 +121,7 @@ class WarmupLRParams(_Params):
 
 class WarmupDecayLRParams(WarmupLRParams):
   total_num_steps: Integer  # required
-  warmup_max_lr: MaybeReal = 0.001
+  warmup_max_lr: MaybeNonNegative = 0.001
 
 
 class WarmupCosineLRParams(_Params):
@@ -121,7 +134,7 @@ class WarmupCosineLRParams(_Params):
 
 
 class LRRangeTestParams(_Params):
-  lr_range_test_min_lr: Real = 1e-3
+  lr_range_test_min_lr: NonNegative = 1e-3
   lr_range_test_step_size: Integer = 2000
   lr_range_test_step_rate: Real = 1.0
   lr_range_test_staircase: Flag = False
@@ -145,18 +158,27 @@ def _read_params(block: dict, section: str, model: type[_Params]) -> _Params:
   except ValidationError as error:
     known = list(model.model_fields)
     lines = []
+    given = dict(block.get("params") or {})
     for problem in error.errors():
       name = f"{section}.params.{'.'.join(str(part) for part in problem['loc'])}"
-      if problem["type"] == "extra_forbidden":
+      field = str(problem["loc"][0]) if problem["loc"] else ""
+      if problem["type"] in ("too_long", "too_short") or (
+          len(problem["loc"]) > 1 and problem["type"] == "missing"):
+        # a pair given with one number or three (betas: [0.9])
+        lines.append(f"{section}.params.{field}: expected two numbers (e.g. [0.9, 0.999]), got "
+                     f"{show(given.get(field))}; give exactly two.")
+      elif problem["type"] == "extra_forbidden":
         close = difflib.get_close_matches(str(problem["loc"][0]), known, n=1)
         hint = f' Did you mean "{close[0]}"?' if close else ""
         lines.append(f'{name}: unknown parameter for {section} type "{block["type"]}".{hint} '
                      f"Valid parameters: {', '.join(known)}.")
       elif problem["type"] == "missing":
-        lines.append(f'{name}: required by {section} type "{block["type"]}" but missing; add it '
-                     f"(for a HF Trainer config, the total number of optimizer steps of the run).")
+        what = (" (for a HF Trainer config, the total number of optimizer steps of the run)"
+                if field == "total_num_steps" else "")
+        lines.append(f'{name}: required by {section} type "{block["type"]}" but missing; add '
+                     f"it{what}.")
       elif problem["type"] == "value_error":
-        lines.append(f"{name}: {problem['ctx']['error']}; set one.")
+        lines.append(f"{name}: {problem['ctx']['error']}; fix it.")
       elif problem["type"].startswith(("float", "int")):  # e.g. an "auto" left unresolved
         expected = "a number" if problem["type"].startswith("float") else "an integer"
         lines.append(f"{name}: expected {expected}, got {show(problem['input'])}; set one.")
