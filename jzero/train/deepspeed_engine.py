@@ -184,7 +184,8 @@ class DeepSpeedEngine:
     self._metrics: dict | None = None  # the last committed step's
     self._bound: tuple[Any, Any] | None = None  # (state, the model on its weights)
     self.optimizer = DeepSpeedOptimizer(self)
-    self.lr_scheduler = DeepSpeedScheduler(self) if engine.schedule is not None else None
+    self.lr_scheduler = (DeepSpeedScheduler(self) if engine.schedule is not None
+                         and engine.config.scheduler is not None else None)
 
   # -- the state it holds ---------------------------------------------------------------------
   @property

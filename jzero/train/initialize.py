@@ -232,8 +232,8 @@ def model_output_loss(model: Any, batch: Any) -> Any:
   if np.ndim(loss) != 0:
     raise ConfigError(
         f"initialize got no loss_fn, so the model's output is the loss (DeepSpeed's "
-        f"loss = engine(batch)), but the model returned {type(out).__name__} of shape "
-        f"{np.shape(loss)}, not a scalar. jzero compiles the loss into the step: give "
+        f"loss = engine(batch)), but the model returned an array of shape {np.shape(loss)} "
+        f"(for one device's micro-batch), not a scalar. jzero compiles the loss into the step: give "
         f"jzero.initialize(..., loss_fn=lambda model, batch: ...) (e.g. the cross-entropy of "
         f"model(batch['x']) and batch['y']), or have the model return its loss.")
   return loss
