@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jzero.checkpoint import layout
 from jzero.config.blocks import DTYPES
@@ -319,16 +320,19 @@ class DeepSpeedEngine:
   # -- the model, its parameters --------------------------------------------------------------
   @property
   def module(self) -> Any:
-    """The model on the current weights (fp32), gathered to the host, in the engine's mode."""
+    """The model on the current weights (fp32), gathered to the host once per state, in the
+    engine's mode (an NNX model's ``train()`` / ``eval()``)."""
     state = self.state
     if self._bound is None or self._bound[0] is not state:
       engine = self.jzero_engine
       model = engine.bind(engine.logical_params(state), state.model_state or None)
       self._bound = (state, model)
     model = self._bound[1]
-    evaluating = getattr(self.jzero_engine.model, "evaluating", None)
-    if not self._training and evaluating is not None and hasattr(model, "eval"):
-      model = evaluating(model)
+    if isinstance(model, nnx.Module):
+      if self._training:
+        model.train()
+      else:
+        self.jzero_engine.model.evaluating(model)
     return model
 
   def module_state_dict(self, *args: Any, **kwargs: Any) -> PyTree:
@@ -374,6 +378,7 @@ class DeepSpeedEngine:
       raise JZeroError("load_checkpoint(load_lr_scheduler_states=False): jzero's schedule is a "
                        "function of the restored step count and cannot be left behind; "
                        "load_optimizer_states=False restores the weights alone (a fresh count).")
+    self.jzero_engine.wait_for_checkpoints()  # this process's own saves, complete first
     if tag is None and layout.resume_tag(load_dir) is None:
       warnings.warn(f"load_checkpoint: {load_dir} holds no checkpoint (no `latest`): nothing "
                     f"was loaded, returning (None, None) as DeepSpeed does.", JZeroWarning,
@@ -478,9 +483,11 @@ class DeepSpeedEngine:
 
   def __getattr__(self, name: str) -> Any:  # only names not found otherwise
     raise AttributeError(
-        f"{type(self).__name__} has no attribute {name!r}: it is neither a name of DeepSpeed's "
-        f"engine (jzero.train.deepspeed_names) nor jzero's; jzero's engine is "
-        f"engine.jzero_engine.")
+        f"{type(self).__name__} has no attribute {name!r}: not a name of DeepSpeed's engine "
+        f"(jzero.train.deepspeed_names). DeepSpeed's engine hands other names to its module; "
+        f"this one does not, since the model given to initialize is not the one training: "
+        f"engine.module.{name} reads the model on the current weights, engine.jzero_engine is "
+        f"jzero's engine.")
 
   def __repr__(self) -> str:
     return f"DeepSpeedEngine(jzero_engine={self.jzero_engine!r})"

@@ -119,12 +119,16 @@ _TABLE: list[Name] = [
     Name("monitor", _A, "differs", "jzero's Monitor of the tensorboard / csv_monitor / wandb blocks"),
     Name("param_names", _A, "differs", "the parameters' paths in the Flax tree ('a/b/kernel')"),
     # -- checkpoints --------------------------------------------------------------------------
-    Name("save_checkpoint", _M, "works",
+    Name("save_checkpoint", _M, "differs",
          "(save_dir, tag=None, client_state={}, save_latest=True): saves the engine's state as "
-         "save_dir/<tag>, default tag 'global_step<N>'; an asynchronous Orbax save"),
-    Name("load_checkpoint", _M, "works",
+         "save_dir/<tag>, default tag 'global_step<N>'; an asynchronous Orbax save, which "
+         "load_checkpoint and destroy() wait for; a tag that exists is refused (DeepSpeed "
+         "overwrites it)"),
+    Name("load_checkpoint", _M, "differs",
          "returns (load_path, client_state); global_steps, global_samples, get_lr() are the "
          "checkpoint's; (None, None) with a warning when load_dir holds no checkpoint. "
+         "load_path is the checkpoint's directory (DeepSpeed: its model-states file) and "
+         "client_state the dict given to save_checkpoint (DeepSpeed adds its own keys). "
          "load_optimizer_states=False or load_module_only=True restore the weights alone"),
     Name("module_state_dict", _M, "differs",
          "the parameters as a Flax tree of fp32 arrays (the master), not torch names"),

@@ -34,7 +34,7 @@ from jzero.modeling.model_adapter import NnxModel, as_model
 from jzero.train.deepspeed_engine import DeepSpeedEngine
 from jzero.train.optim import build_optimizer
 from jzero.train.precision import LossScaler
-__all__ = ["initialize", "deepspeed_tuple", "model_output_loss"]
+__all__ = ["initialize", "add_config_arguments", "deepspeed_tuple", "model_output_loss"]
 
 
 def _as_mesh(mesh: Any) -> ZeroMesh:
@@ -203,6 +203,20 @@ def initialize(model: Any = None, loss_fn: Callable[..., Any] | None = None,
   if model_parameters is not None:
     _check_model_parameters(model_parameters, engine)
   return engine
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+  """DeepSpeed's ``add_config_arguments``: ``--deepspeed`` and ``--deepspeed_config`` (and the
+  retired ``--deepscale`` / ``--deepscale_config``) on ``parser``, which it returns;
+  ``initialize(args=args)`` reads ``args.deepspeed_config`` as the config."""
+  group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+  group.add_argument("--deepspeed", default=False, action="store_true",
+                     help="kept for DeepSpeed's scripts: jzero always runs its engine")
+  group.add_argument("--deepspeed_config", default=None, type=str,
+                     help="DeepSpeed json configuration file")
+  group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+  group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+  return parser
 
 
 def deepspeed_tuple(engine: Engine, *, seed: int, client_optimizer: Any,
