@@ -205,7 +205,7 @@ def initialize(model: Any = None, loss_fn: Callable[..., Any] | None = None,
   return engine
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_config_arguments(parser: Any) -> Any:
   """DeepSpeed's ``add_config_arguments``: ``--deepspeed`` and ``--deepspeed_config`` (and the
   retired ``--deepscale`` / ``--deepscale_config``) on ``parser``, which it returns;
   ``initialize(args=args)`` reads ``args.deepspeed_config`` as the config."""
