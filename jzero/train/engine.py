@@ -1,14 +1,14 @@
 """The training engine: ``jzero.initialize(...)`` -> ``engine.init`` / ``engine.train_step``.
 
 The engine wires; it computes nothing of a step. It owns the configuration, the mesh, the plan
-(:meth:`Engine.init` makes it: the layout, then the tiers' placement), what the plan's tiers own
-at run time (:attr:`Engine.resources`, opened once per plan: the NVMe store) and the plan's
+(made once, :meth:`Engine.make_plan`: in ``initialize`` when it can be, else at ``init``), what
+the plan's tiers own at run time (:attr:`Engine.resources`: the NVMe store) and the plan's
 programs (:class:`jzero.train.programs.Programs`: one jitted step per step variant, built from the
 :class:`~jzero.train.step.StepParts` of :func:`jzero.train.setup.step_parts`). On the host it
 creates the train state in the plan's placement, shards and checks batches, runs the steps and
-the update's work after them, reports on them (:mod:`jzero.train.reporting`), evaluates, reads
-parameters back, and saves / restores checkpoints (:mod:`jzero.checkpoint`) -- handing each
-function the plan, the state and the resources, never itself.
+the update's work after them, reports on them (:mod:`jzero.train.reporting`) and evaluates; the
+state outside a step (read back, checkpoints, imports) is :class:`jzero.train.state_io.StateIO`'s.
+DeepSpeed's names are not the engine's: :mod:`jzero.train.deepspeed_engine` adapts them.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class Engine(StateIO):
         self.config, here, DTYPES[self.config.precision], self.monitor, self.tokens_per_sample,
         self.schedule))
 
-  # -- the config's numbers, DeepSpeed's engine shapes -------------------------------------------
+  # -- the config's numbers; DeepSpeed's 4-tuple -----------------------------------------------
   @property
   def global_batch_size(self) -> int:
     return self.config.train_batch_size
@@ -150,8 +150,7 @@ class Engine(StateIO):
 
   @property
   def nvme_store(self) -> NvmeStore | None:
-    """The NVMe tier's store (its resource, :mod:`jzero.tiers.nvme_store`): its directory, files
-    and bytes; None without it."""
+    """The NVMe tier's store (:mod:`jzero.tiers.nvme_store`; None without it)."""
     return self.resources.get("nvme")
 
   def _open(self) -> Resources:
@@ -320,14 +319,11 @@ class Engine(StateIO):
     return self._built.variants if self._built is not None else ()
 
   def jitted_step(self, batch: PyTree, variant: Variant | None = None):
-    """The jitted (not yet compiled) fused step of ``variant``, to lower or ``jax.export``
-    with a state of this engine: ``engine.jitted_step(batch).lower(state, batch)``.
-
-    Without the delayed update there is one step. With it, the default is the step any state
-    :meth:`init` or a restore returns runs (``Variant.READ``: it reads the carried gradient's
-    flag); :meth:`compile_step` compiles the steady step the engine runs, and
-    :meth:`lowerable` labels a state for another variant's step (the variant is part of the
-    state's tree structure: :class:`jzero.tiers.delayed.DelayedGrads`)."""
+    """The jitted (not yet compiled) fused step of ``variant``, to lower or ``jax.export``:
+    ``engine.jitted_step(batch).lower(state, batch)``. With the delayed update the default is the
+    step a new or restored state runs (``Variant.READ``: it reads the carried gradient's flag);
+    :meth:`compile_step` compiles the steady one, :meth:`lowerable` labels a state for another
+    variant (part of its tree structure: :class:`jzero.tiers.delayed.DelayedGrads`)."""
     self._batches.check(batch, self._tracer())
     if variant is None and self.delayed is not None:
       variant = Variant.READ
@@ -360,16 +356,11 @@ class Engine(StateIO):
   def train_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch (leading dim ``train_batch_size``). Donates ``state``.
 
-    Every ``steps_per_print`` steps the step's metrics are logged (logger ``jzero``) with the
-    throughput since the last log. With ``wall_clock_breakdown`` the step runs as two jits,
-    forward+backward+reduction then the update, each timed to completion; the timings are
-    appended to ``engine.timings`` and logged with the metrics. With a monitor in the config
-    (``tensorboard``, ``csv_monitor``, ``wandb``) every step's metrics are written to it.
-
-    Several processes: a collective that fails because a peer is gone is a JZeroError that says
-    so; a preemption the script does not poll for raises :class:`jzero.Preempted` after the save
-    (:meth:`reached_preemption`).
-    """
+    Every ``steps_per_print`` steps the metrics and the throughput are logged (logger ``jzero``);
+    with ``wall_clock_breakdown`` the step runs as two jits (forward+backward+reduction, the
+    update), each timed into ``engine.timings``; the config's monitors get every step's metrics.
+    Several processes: a peer gone is a JZeroError saying so; a preemption the script does not
+    poll for raises :class:`jzero.Preempted` after the save (:meth:`reached_preemption`)."""
     with distributed.explained_peer_loss():
       self._batches.check(batch, self._tracer())
       self.check_live(state, "train_step")
@@ -378,11 +369,10 @@ class Engine(StateIO):
                               self.wait_for_checkpoints)
 
   def throughput(self, step_seconds: float) -> monitor_lib.Throughput:
-    """What steps of ``step_seconds`` each make per second -- samples, tokens (with
-    ``tokens_per_sample``), model FLOPs utilization -- for the step variant that ran last. The
-    FLOPs are read once per variant from its compiled program (:mod:`jzero.analysis.flops`),
-    lowered again from its abstract arguments: XLA's compilation cache returns the program that
-    ran, except for a step with host callbacks (the NVMe tiers), which compiles once more."""
+    """Samples, tokens (with ``tokens_per_sample``) and model FLOPs utilization per second of
+    steps of ``step_seconds``, for the variant that ran last; its FLOPs read once from its program
+    lowered again (:mod:`jzero.analysis.flops`; XLA's cache returns the one that ran, except with
+    host callbacks, the NVMe tiers, which compile once more)."""
     return self.runner.reporter.throughput(step_seconds)
 
   def reached_preemption(self, step: int) -> bool:
@@ -393,17 +383,12 @@ class Engine(StateIO):
     return distributed.should_stop(step)
 
   def eval_loss(self, state: TrainState, batch: PyTree) -> float | tuple[float, dict]:
-    """Mean loss of ``batch`` (leading dim a multiple of the data-parallel size), no update.
-
-    Returns what the loss returns, averaged over the batch: a float, or ``(loss, aux)`` with each
-    aux value a float. Evaluation, as ``model.eval()`` in PyTorch: an NNX model is called in its
-    eval mode (Dropout deterministic, for this call only), and a loss with an ``rng`` parameter
-    gets ``rng=None`` (a Linen model's dropout is off when the loss passes
-    ``deterministic=rng is None``, docs/getting-started.md). BatchNorm normalises by the
-    running statistics of ``state.model_state`` (NNX: ``use_running_average=True`` by
-    ``model.eval()``; Linen: when the loss calls the model with ``train=rng is not None``, as
-    flax's ResNet takes it) and evaluation leaves them as they are.
-    """
+    """Mean loss of ``batch`` (leading dim a multiple of the data-parallel size), no update: a
+    float, or ``(loss, aux)`` with each aux value a float. As ``model.eval()`` in PyTorch: an NNX
+    model runs in eval mode (this call only), a loss with an ``rng`` parameter gets ``rng=None``
+    (Linen: dropout off by ``deterministic=rng is None``, docs/getting-started.md), BatchNorm
+    normalises by ``state.model_state``'s running statistics (NNX: ``model.eval()``; Linen: the
+    loss's ``train=rng is not None``, as flax's ResNet) and leaves them as they are."""
     self._require_plan()
     self.check_live(state, "eval_loss")
     self._batches.check_eval(batch, self._tracer())
