@@ -149,6 +149,17 @@ def test_config_getters_read_the_resolved_config():
   assert engine.param_names == ["hidden/bias", "hidden/kernel", "out/bias", "out/kernel"]
 
 
+def test_deepspeed_io_gives_global_batches_of_a_dataset():
+  engine, *_ = _deepspeed()
+  samples = [(np.full(8, i, np.float32), np.full(4, i, np.float32)) for i in range(40)]
+  assert engine.is_map_style_dataset(samples) and not engine.is_iterable_style_dataset(samples)
+  assert engine.is_iterable_style_dataset(iter(samples))
+  loader = engine.deepspeed_io(samples)
+  assert len(loader) == 2 and [b[0].shape for b in loader] == [(16, 8), (16, 8)]
+  with pytest.raises(JZeroError, match=r"global batches of train_batch_size = 16"):
+    engine.deepspeed_io(samples, batch_size=2)
+
+
 # --- initialize's call shape ----------------------------------------------------------------------
 
 
