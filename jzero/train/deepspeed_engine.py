@@ -11,7 +11,7 @@ holds the model: ``loss = engine(batch); engine.backward(loss); engine.step()`` 
 return what DeepSpeed's do. Every other public name of DeepSpeed 0.19's ``DeepSpeedEngine`` is a row
 of :data:`jzero.train.deepspeed_names.NAMES`: implemented here, or refused from that table with a
 :class:`~jzero.errors.JZeroError` naming jzero's way -- never an AttributeError. jzero's own engine
-is :attr:`DeepSpeedEngine.jzero_engine`; it computes everything, the adapter only translates.
+is ``DeepSpeedEngine.jzero_engine``; it computes everything, the adapter only translates.
 """
 
 from __future__ import annotations
@@ -155,17 +155,21 @@ def _getter(fn: Callable[[Any], Any]) -> Callable[[DeepSpeedEngine], Any]:
   return get
 
 
+_REFUSED_DOC = ("Refused in jzero, with a JZeroError that says why and what jzero does instead "
+                "(its row of jzero.train.deepspeed_names.NAMES).")
+
+
 def _refused_method(name: str) -> Callable[..., Any]:
   def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
     raise JZeroError(refusal_message(name))
-  refuse.__name__, refuse.__doc__ = name, refusal_message(name)
+  refuse.__name__, refuse.__doc__ = name, _REFUSED_DOC
   return refuse
 
 
 def _refused_attribute(name: str) -> property:
   def refuse(self: Any) -> Any:
     raise JZeroError(refusal_message(name))
-  return property(refuse, doc=refusal_message(name))
+  return property(refuse, doc=_REFUSED_DOC)
 
 
 class DeepSpeedEngine:
@@ -581,7 +585,7 @@ class DeepSpeedScheduler:
 
   @property
   def last_batch_iteration(self) -> int:
-    """DeepSpeed's count: -1 before the first applied step, then the applied steps less one."""
+    """DeepSpeed's count, -1 before the first applied step, then the applied steps less one."""
     return self._engine.jzero_engine.runner.reporter.applied() - 1
 
   def get_lr(self) -> list[float]:
