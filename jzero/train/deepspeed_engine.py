@@ -149,6 +149,21 @@ _CONSTANTS: dict[str, Any] = {
 }
 
 
+def _check_one_step(config: Any, leaves: list) -> None:
+  """DeepSpeed's gradient accumulation calls ``engine(micro_batch)`` once per micro-batch; here
+  each call is one optimizer step: a single process's batch of another size is refused, saying
+  so (several processes: the engine's batch check names the sizes)."""
+  gas, size = config.gradient_accumulation_steps, config.train_batch_size
+  rows = {np.shape(x)[0] for x in leaves if np.ndim(x)}
+  if gas > 1 and jax.process_count() == 1 and rows and rows != {size}:
+    raise JZeroError(
+        f"engine(batch) got {max(rows)} rows with gradient_accumulation_steps = {gas}: "
+        f"DeepSpeed's loop calls engine(micro_batch) {gas} times per optimizer step, but each "
+        f"engine(batch) here is one optimizer step over train_batch_size = {size} rows, its "
+        f"{gas} micro-batches accumulated inside the compiled step. Give engine(batch) the "
+        f"{size} rows of one step.")
+
+
 def _getter(fn: Callable[[Any], Any]) -> Callable[[DeepSpeedEngine], Any]:
   def get(self: DeepSpeedEngine) -> Any:
     return fn(self.jzero_engine.config)
@@ -225,9 +240,10 @@ class DeepSpeedEngine:
       raise JZeroError("engine(...) takes the batch as positional arguments or as keywords, not "
                        "both: jzero hands the loss function one batch (a dict for keywords).")
     batch = kwargs if kwargs else (args[0] if len(args) == 1 else tuple(args))
-    state = self._ensure_state(batch)
     engine = self.jzero_engine
     leaves = jax.tree.leaves(batch)
+    _check_one_step(engine.config, leaves)
+    state = self._ensure_state(batch)
     if not all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) for x in leaves):
       batch = engine.shard_batch(batch)
     self._state = None  # donated to the step

@@ -287,6 +287,16 @@ def test_the_loop_out_of_order_is_refused_and_eval_mode_does_not_train():
   assert engine.global_steps == 2
 
 
+def test_deepspeeds_per_micro_batch_accumulation_is_named():
+  engine, *_ = _deepspeed({**CONFIG, "gradient_accumulation_steps": 2})
+  micro = {k: v[:8] for k, v in _batches(1)[0].items()}
+  with pytest.raises(JZeroError, match=r"got 8 rows with gradient_accumulation_steps = 2: .* "
+                     r"Give engine\(batch\) the 16 rows of one step"):
+    engine(**micro)
+  _train(engine, _batches(1))  # the whole step's rows: one step, two micro-batches inside
+  assert engine.global_steps == 1 and engine.micro_steps == 2
+
+
 # --- checkpoints -----------------------------------------------------------------------------------
 
 
