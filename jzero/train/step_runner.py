@@ -51,6 +51,14 @@ class StepRunner:
     and ``step`` None: the steady step)."""
     return delayed.variant(state, step, fused) if delayed is not None else None
 
+  def start(self, state: Any, delayed: Any) -> Any:
+    """``state``, a state the engine just made or restored, as the next one: its step count and
+    the updates it has applied (the lr the next step uses) read now, so that they are the
+    state's before its first step."""
+    self.step = int(state.step)
+    self.reporter.resumed(_applied_updates(state, delayed))
+    return state
+
   def run(self, programs: Programs, fused: bool, state: Any, batch: PyTree,
           memory_report: Callable[[Any], Any], save: Callable[[Any, Any], Any],
           wait: Callable[[], None]) -> tuple[Any, dict]:
