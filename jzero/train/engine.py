@@ -195,7 +195,7 @@ class Engine(StateIO):
     """Stage 3's (largest group gathered at once, elements gathered at the start): the plan's
     (:meth:`jzero.sharding.plan.Plan.gathered_working_set`), the largest group as the model
     really runs once measured from a ``state`` and ``batch`` (a unit inside the model's own
-    ``nn.scan`` gathers one layer's slice per call; :func:`jzero.train.step.gathered_groups`)."""
+    ``nn.scan`` gathers one layer's slice per call; :func:`jzero.train.programs.gathered_groups`)."""
     largest, upfront = self._require_plan().gathered_working_set()
     if self.plan.stage != 3:
       return largest, upfront

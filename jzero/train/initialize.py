@@ -163,6 +163,14 @@ def initialize(model: Any = None, loss_fn: Callable[..., Any] | None = None,
           f"not used. Put the schedule in the optax optimizer (wrapped in "
           f"optax.inject_hyperparams, jzero logs its learning rate).", JZeroWarning,
           stacklevel=user_stacklevel())
+    if "gradient_clipping" not in given.model_fields_set and cfg.gradient_clipping > 0:
+      warnings.warn(
+          f"initialize(optimizer=...): the config does not set gradient_clipping, so DeepSpeed's "
+          f"default ({cfg.gradient_clipping:g}) clips the gradient by its global norm before your "
+          f"optax transformation, as DeepSpeed does before a client optimizer. Give "
+          f'"gradient_clipping": 0.0 to leave clipping to the transformation '
+          f"(optax.clip_by_global_norm), or set it to keep the clipping without this warning.",
+          JZeroWarning, stacklevel=user_stacklevel())
   if cfg.precision == "fp16":
     fp16 = cfg.fp16
     scaler = LossScaler.from_config(
