@@ -62,7 +62,7 @@ from flax.core import meta as flax_meta
 
 from jzero.errors import CheckpointError, JZeroWarning
 from jzero.sharding.opt_layout import OptLayout
-from jzero.sharding.plan import LeafPlan, Plan, flatten_paths, path_str
+from jzero.sharding.plan import LeafPlan, Plan, flatten_paths
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "META_FILE", "FILES_FILE", "LATEST_FILE", "WEIGHTS16",
            "DELETING", "ORBAX_TMP", "CHECKSUM", "MAX_TAG_BYTES", "check_path", "nest", "module_names", "leaf_names",

@@ -10,6 +10,7 @@ cannot work.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import contextvars
 import dataclasses
@@ -23,7 +24,7 @@ from jzero.comm import collectives, zeropp
 from jzero.comm.param_array import ArrayBehaviour
 from jzero.errors import JZeroError
 
-__all__ = ["PartitionSource", "Pass", "ZeroParam", "one_pass", "read_sources",
+__all__ = ["PartitionSource", "Pass", "SlotTarget", "ZeroParam", "one_pass", "read_sources",
            "record_unit_inputs"]
 
 Axes = tuple[str, ...]
@@ -38,6 +39,19 @@ class PartitionSource(Protocol):
 
   def fetch(self, slot: jax.Array, stored: Any) -> jax.Array:
     ...
+
+
+class SlotTarget(abc.ABC):
+  """What the step differentiates for a leaf whose gradient a tier takes somewhere else as the
+  backward produces it (a subclass: :class:`jzero.tiers.host_step.HostSlot`): a pytree whose
+  :meth:`zero_param_args` are the leaf's :class:`ZeroParam`'s ``partition``, ``stored`` and
+  ``source``, so the slot travels with the parameter (a scan over layers slices it with the
+  rest). Its gradient is the reduced one, where the tier put it: the step reduces it no further."""
+
+  @abc.abstractmethod
+  def zero_param_args(self, value: jax.Array | None) -> dict:
+    """``partition``, ``stored`` and ``source`` for the ZeroParam of a leaf whose device value
+    is ``value`` (a stage-3 partition) or None (a replicated parameter's gradient slot)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -165,10 +179,10 @@ class ZeroParam(ArrayBehaviour):
       if self.full is None:
         return zeropp.gather(partition, self.secondary, self.dim, self.dim_size, self.comm,
                              self.comm_dtype)
-      return zeropp.attach(self.full, self.partition, self.dim, self.comm)
+      return zeropp.attach(self.full, partition, self.dim, self.comm)
     if self.full is None:
       return collectives.gather(partition, self.dim, self.dim_size, self.axes, self.comm_dtype)
-    return collectives.attach(self.full, self.partition, self.dim, self.axes, scatter=self.scatter)
+    return collectives.attach(self.full, partition, self.dim, self.axes, scatter=self.scatter)
 
   def __repr__(self):
     kind = "partition" if self.full is None else "full + gradient slot"

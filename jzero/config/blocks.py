@@ -183,7 +183,7 @@ class OffloadOptimizerConfig(_Block):
   cpuadam_cores_perc: AutoFraction = 0.8
   # jzero's own key (not DeepSpeed's): how the host-resident state is updated
   # (jzero.tiers.host_optimizer).
-  update: Literal["stream", "host"] | None = None  # None: jzero.tiers.host_optimizer.DEFAULT_UPDATE
+  update: Literal["stream", "host", "cpu_adam"] | None = None  # None: jzero.tiers.host_optimizer.DEFAULT_UPDATE
   # jzero's own key: ZeRO-Offload's one-step delayed parameter update (jzero.tiers.delayed).
   delayed_update: Flag = False
   # jzero's own key: plain steps before the delayed update starts (the paper's warm-up).

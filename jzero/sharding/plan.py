@@ -266,7 +266,7 @@ class Plan:
                                  param_tier=param_tier,
                                  state_kind=placement.state_kinds.get(leaf.path),
                                  param_kind=placement.param_kinds.get(leaf.path))
-    elsewhere = bool(placement.state_kinds or placement.param_kinds)
+    elsewhere = bool(placement.state_kinds or placement.param_kinds or placement.explicit_kinds)
     return dataclasses.replace(self, leaves=self.map(place),
                                device_kind="device" if elsewhere else None)
 

@@ -96,6 +96,7 @@ class Placement:
   param_tiers: Mapping[str, str] = dataclasses.field(default_factory=dict)
   state_kinds: Mapping[str, str] = dataclasses.field(default_factory=dict)
   param_kinds: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  explicit_kinds: bool = False  # a step output lives in another memory: every array names its kind
 
 
 def make_plan(abstract_params: PyTree, layout: Layout, dtypes: Dtypes,

@@ -84,6 +84,12 @@ class Update:
     """PartitionSpecs of what :meth:`update` hands out of the jit, by name."""
     return self.inner.output_specs
 
+  @property
+  def output_kinds(self) -> dict:
+    """Memory kinds of what :meth:`update` hands out (a prefix of :attr:`output_specs`; None or a
+    missing name: the device's)."""
+    return self.inner.output_kinds
+
   def init(self, layout: PyTree) -> dict:
     """The train state's fields this chain owns, fresh (``{"opt_state": ..., "delayed": ...}``),
     from the fp32 params in the state layout (``layout``; traced inside the init's jit, or under

@@ -68,7 +68,7 @@ __all__ = ["DEFAULT_UPDATE", "UPDATE_MODES", "OffloadSettings", "settings_from_c
            "HostOptimizerTier", "HostUpdate"]
 
 PyTree = Any
-UPDATE_MODES = ("stream", "host")
+UPDATE_MODES = ("stream", "host", "cpu_adam")
 # Picked from bench/offload.py on the default job (8 simulated CPU devices): see docs/benchmarks.md.
 DEFAULT_UPDATE = "stream"
 
@@ -111,8 +111,12 @@ def settings_from_config(zero: Any) -> OffloadSettings:
                       f"(0, 1] of the parameters whose optimizer state goes to the host.")
   pinned = block.pin_memory in (True, "auto")
   update = block.update or DEFAULT_UPDATE
+  if update == "cpu_adam" and block.device != "cpu":
+    raise ConfigError(f"zero_optimization.offload_optimizer.update: cpu_adam runs the optimizer on "
+                      f"the host's cores: it needs device: cpu, got {block.device!r}.")
   return OffloadSettings(ratio=ratio, memory_kind="pinned_host" if pinned else "unpinned_host",
-                         update=update, tier="host" if block.device == "cpu" else block.device)
+                         update=update, tier=("host_step" if update == "cpu_adam" else "host")
+                         if block.device == "cpu" else block.device)
 
 
 def choose_offloaded(sizes: dict[str, int], ratio: float) -> set[str]:
@@ -337,7 +341,9 @@ class HostOptimizerTier(Tier):
     kinds = dict.fromkeys(chosen, offload.memory_kind) if offload.tier == where.HOST else {}
     return dataclasses.replace(
         placement, state_tiers={**placement.state_tiers, **dict.fromkeys(chosen, offload.tier)},
-        state_kinds={**placement.state_kinds, **kinds})
+        state_kinds={**placement.state_kinds, **kinds},
+        # the host step's gradients leave the step in host memory: every array gets its kind
+        explicit_kinds=placement.explicit_kinds or (offload.tier == "host_step" and bool(chosen)))
 
   @classmethod
   def uses(cls, plan: Any) -> bool:

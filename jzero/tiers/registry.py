@@ -28,6 +28,7 @@ from jzero.tiers import delayed as delayed_lib
 from jzero.tiers.base import Resources, Tier, Update
 from jzero.tiers.host_optimizer import HostOptimizerTier
 from jzero.tiers.host_params import HostParamsTier
+from jzero.tiers.host_step import HostStepTier
 from jzero.tiers.nvme import NvmeTier
 from jzero.tiers.updates import ClipByFactor, DeviceUpdate, Held, SkipNonFinite
 
@@ -39,6 +40,7 @@ TIERS: tuple[type[Tier], ...] = (
     HostOptimizerTier,
     HostParamsTier,
     NvmeTier,
+    HostStepTier,
 )
 
 #: The config blocks whose ``device`` value picks a tier (besides "none" and "auto").

@@ -102,6 +102,10 @@ class DeviceUpdate(Update):
     return {}
 
   @property
+  def output_kinds(self) -> dict:
+    return {}
+
+  @property
   def in_step(self) -> bool:
     """The update runs inside the step's ``shard_map`` (the partition view)."""
     return self.opt.view is View.PARTITION

@@ -32,7 +32,7 @@ from jzero.train.engine import Engine
 from jzero.train.monitor import Monitor, check_packages
 from jzero.modeling.model_adapter import NnxModel, as_model
 from jzero.train.deepspeed_engine import DeepSpeedEngine
-from jzero.train.optim import build_optimizer
+from jzero.train.optim import build_optimizer, plain_block
 from jzero.train.precision import LossScaler
 __all__ = ["initialize", "add_config_arguments", "deepspeed_tuple", "model_output_loss"]
 
@@ -152,7 +152,7 @@ def initialize(model: Any = None, loss_fn: Callable[..., Any] | None = None,
   # the tier reads them again when it opens its store
   nvme_settings.settings_from_config(cfg, client_optimizer=optimizer is not None)
   if optimizer is None:
-    tx, schedule = build_optimizer(_block(cfg.optimizer), _block(cfg.scheduler))
+    tx, schedule = build_optimizer(plain_block(cfg.optimizer), plain_block(cfg.scheduler))
   else:
     tx, schedule = optimizer, None
     dropped = [key for key in ("optimizer", "scheduler") if getattr(cfg, key) is not None]
@@ -347,8 +347,3 @@ def _warn_gpu_only_knobs(given: Any, zero: Any, mesh: ZeroMesh) -> None:
         stacklevel=user_stacklevel())
 
 
-def _block(block: Any) -> dict | None:
-  """A config's optimizer / scheduler block as DeepSpeed's plain ``{"type", "params"}`` dict."""
-  if block is None:
-    return None
-  return {"type": block.type, "params": dict(block.params)}

@@ -36,7 +36,7 @@ from __future__ import annotations
 import difflib
 import math
 import warnings
-from typing import Annotated, Callable
+from typing import Annotated, Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +49,7 @@ from jzero.config.messages import show
 from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
 from jzero.tiers.host_adam import HostAdamSettings
 
-__all__ = ["Schedule", "build_schedule", "build_optimizer", "host_adam_settings"]
+__all__ = ["Schedule", "build_schedule", "build_optimizer", "host_adam_settings", "plain_block"]
 
 Schedule = Callable[[jax.Array | int], jax.Array]
 
@@ -353,6 +353,12 @@ def _kind(optimizer: dict) -> str:
       f"of them, or pass an optax optimizer to jzero.initialize(optimizer=...)."
     )
   return name
+
+
+def plain_block(block: Any) -> dict | None:
+  """A config's ``optimizer`` / ``scheduler`` block as DeepSpeed's plain ``{"type", "params"}``
+  dict (what :func:`build_optimizer` and :func:`host_adam_settings` read); None stays None."""
+  return None if block is None else {"type": block.type, "params": dict(block.params)}
 
 
 def host_adam_settings(optimizer: dict) -> HostAdamSettings | None:

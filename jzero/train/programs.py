@@ -141,17 +141,32 @@ def gathered_groups(parts: StepParts, specs: TrainState, state: Any, batch: PyTr
 
 # -- jit(shard_map(...)) ---------------------------------------------------------------------------
 def _jit(plan: Plan, state_kinds: TrainState, fn, in_specs: tuple, out_specs: Any,
-         donate: tuple[int, ...], per_device: bool = True):
+         donate: tuple[int, ...], per_device: bool = True, out_outputs_kinds: Any = None):
   """jit(shard_map(fn)) with the plan's shardings as the jit's in/out shardings (TrainState
   arguments and results with their memory kinds ``state_kinds``); ``per_device`` False: ``fn``
   is a function of global arrays already (it calls its own ``shard_map``)."""
   kinds = lambda specs: tuple(state_kinds if isinstance(s, TrainState) else None for s in specs)
   out = out_specs if isinstance(out_specs, tuple) else (out_specs,)
-  out_shardings = plan.shardings(out, kinds(out))
+  out_kinds = kinds(out)
+  if out_outputs_kinds is not None:  # (state, metrics, outputs): what the update hands out
+    out_kinds = (*out_kinds[:-1], _outputs_kinds(plan, out[-1], out_outputs_kinds))
+  out_shardings = plan.shardings(out, out_kinds)
   body = program.shard_map(plan, fn, in_specs, out_specs) if per_device else fn
   return jax.jit(body, in_shardings=plan.shardings(in_specs, kinds(in_specs)),
                  out_shardings=out_shardings if isinstance(out_specs, tuple) else out_shardings[0],
                  donate_argnums=donate, compiler_options=program.compile_options(plan) or None)
+
+
+def _outputs_kinds(plan: Plan, specs: dict, kinds: dict) -> Any:
+  """Memory kinds of the update's outputs: ``kinds`` where it names one, the plan's device kind
+  elsewhere (a tree with ``specs``' structure)."""
+  def kind_of(name):
+    given = kinds.get(name) if isinstance(kinds, dict) else None
+    if isinstance(given, dict):
+      return _outputs_kinds(plan, specs[name], given)
+    return jax.tree.map(lambda _: given or plan.memory_kind(), specs[name],
+                        is_leaf=lambda x: isinstance(x, P))
+  return {name: kind_of(name) for name in specs}
 
 
 def _out_specs(parts: StepParts, specs: TrainState) -> tuple:
@@ -193,7 +208,7 @@ def build_step(parts: StepParts, specs: TrainState, kinds: TrainState, batch: Py
       return update_lib.local_update(parts, state._replace(model_state=model_state), grads,
                                      loss, aux)
     return _jit(plan, kinds, local_step, (specs, batch_specs), _out_specs(parts, specs),
-                donate=(0,))
+                donate=(0,), out_outputs_kinds=parts.update.output_kinds)
 
   grads_of = program.shard_map(plan, functools.partial(local_grads, parts), (specs, batch_specs),
                                (_grad_specs(plan), P(), P(), P()))
@@ -202,7 +217,7 @@ def build_step(parts: StepParts, specs: TrainState, kinds: TrainState, batch: Py
   def step(state, batch):
     return update(state, *grads_of(state, batch))
   return _jit(plan, kinds, step, (specs, batch_specs), _out_specs(parts, specs), donate=(0,),
-              per_device=False)
+              per_device=False, out_outputs_kinds=parts.update.output_kinds)
 
 
 def build_split_step(parts: StepParts, specs: TrainState, kinds: TrainState,
@@ -216,14 +231,15 @@ def build_split_step(parts: StepParts, specs: TrainState, kinds: TrainState,
   in_specs = (specs, grad_specs, P(), P(), P())
   if parts.opt.view is View.WHOLE:
     update = _jit(plan, kinds, _whole_update(parts, specs), in_specs, _out_specs(parts, specs),
-                  donate=(0,), per_device=False)
+                  donate=(0,), per_device=False, out_outputs_kinds=parts.update.output_kinds)
     return grads, update
 
   def local_update(state, grads, loss, aux, model_state):
     return update_lib.local_update(parts, state._replace(model_state=model_state), grads, loss,
                                    aux)
 
-  update = _jit(plan, kinds, local_update, in_specs, _out_specs(parts, specs), donate=(0,))
+  update = _jit(plan, kinds, local_update, in_specs, _out_specs(parts, specs), donate=(0,),
+                out_outputs_kinds=parts.update.output_kinds)
   return grads, update
 
 

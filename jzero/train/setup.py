@@ -30,9 +30,11 @@ from jzero.sharding.planner import CommSettings, Dtypes, Layout, make_plan
 from jzero.sharding.zeropp import ZeroPP
 from jzero.tiers import registry
 from jzero.tiers.base import Resources, Tier, Update
+from jzero.tiers.host_step import HOST_STEP
 from jzero.tiers.delayed import DelayedUpdate
 from jzero.train import input_checks
 from jzero.train import step as step_lib
+from jzero.train.optim import host_adam_settings, plain_block
 from jzero.train.precision import LossScaler
 from jzero.tiers.updates import Held, shrink
 from jzero.train.state import TrainState
@@ -115,6 +117,10 @@ def step_parts(plan: Plan, config: Config, model: ModelAdapter, loss_fn: Any,
   in it, and the config's numbers."""
   tiers = registry.active(plan)
   opt = OptLayout.of(plan, tx)
+  if HOST_STEP in resources and schedule is not None:  # the host step runs the config's Adam
+    settings = host_adam_settings(plain_block(config.optimizer))
+    if settings is not None:
+      resources[HOST_STEP].configure(settings)
   return step_lib.StepParts(
       plan=plan, model=model, loss_fn=loss_fn, tx=tx, opt=opt, schedule=schedule, scaler=scaler,
       tiers=tiers, resources=resources,

@@ -50,7 +50,7 @@ import optax
 from jax import lax
 
 from jzero.comm import collectives
-from jzero.comm.zero_param import ZeroParam, one_pass
+from jzero.comm.zero_param import SlotTarget, ZeroParam, one_pass
 from jzero.errors import JZeroWarning
 from jzero.modeling.layer_scan import LayerPolicy, engine_context
 from jzero.modeling.model_adapter import ModelAdapter
@@ -178,21 +178,25 @@ def bind(parts: StepParts, targets: PyTree, params: PyTree, secondary: PyTree,
   if secondary is None:
     secondary = plan.map(lambda _: None)
 
-  def leaf_param(leaf: LeafPlan, target: jax.Array, p: jax.Array, sec: jax.Array | None):
+  def leaf_param(leaf: LeafPlan, target: Any, p: jax.Array, sec: jax.Array | None):
     if not (leaf.grad_partitioned or leaf.param_partitioned):
       return target
     size = leaf.shape[leaf.shard_dim]
     comm = plan.comm(leaf)
+    if isinstance(target, SlotTarget):  # a tier takes the gradient elsewhere (host memory)
+      extra = target.zero_param_args(p if leaf.param_partitioned else None)
+      target = extra.pop("partition")
+    else:
+      extra = {}
     if leaf.param_partitioned:
-      extra = {}  # where a tier's partition comes from when gather() runs (jzero.tiers)
-      for tier in parts.tiers:
+      for tier in parts.tiers:  # where a tier's partition comes from when gather() runs
         extra.update(tier.gather_inputs(plan, parts.resources.get(tier.name), leaf, p) or {})
       zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, plan.comm_dtype,
                      secondary=sec, comm=comm, path=leaf.path, **extra)
       keep = leaf.stacked or leaf.unit is not None
     else:
       zp = ZeroParam(target, leaf.shard_dim, size, axes.zero_axes, full=p,
-                     scatter=plan.reduce_scatter, comm=comm, path=leaf.path)
+                     scatter=plan.reduce_scatter, comm=comm, path=leaf.path, **extra)
       keep = leaf.stacked
     return zp if keep else zp.gather()
 
@@ -212,8 +216,8 @@ def _reduce_micro(plan: Plan, leaf: LeafPlan, g: jax.Array, accumulate: bool) ->
   communication dtype and only its reduced partition is upcast (:func:`_reduce_final`).
   """
   axes = plan.mesh
-  if g is None:  # a frozen leaf: no gradient
-    return None
+  if g is None or isinstance(g, SlotTarget):  # frozen: none; a tier's slot: reduced already
+    return g
   if leaf.grad_partitioned:
     g = g.astype(plan.comm_dtype)
     g = lax.psum(g, axes.replica_axes) if axes.replica_axes else g
@@ -224,8 +228,8 @@ def _reduce_micro(plan: Plan, leaf: LeafPlan, g: jax.Array, accumulate: bool) ->
 def _reduce_final(plan: Plan, leaf: LeafPlan, g: jax.Array) -> jax.Array:
   """Accumulated gradient -> fp32 gradient in the state layout, summed over devices."""
   axes = plan.mesh
-  if g is None:  # a frozen leaf: no gradient
-    return None
+  if g is None or isinstance(g, SlotTarget):  # frozen: none; a tier's slot: reduced already
+    return g
   if leaf.grad_partitioned:
     return g.astype(jnp.float32)
   g = g.astype(plan.comm_dtype)

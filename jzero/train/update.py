@@ -20,6 +20,7 @@ The update names no tier: the chain is composed by :func:`jzero.tiers.registry.u
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jzero.comm.zero_param import SlotTarget
 from jzero.train import aux_metrics
 from jzero.train.precision import has_overflow
 from jzero.train.state import TrainState
@@ -55,9 +57,16 @@ def reduce_grads(parts: StepParts, state: TrainState,
   axes = plan.mesh
   scale = state.loss_scale.scale
   checks = settings.checks_overflow
+  # a tier's slot (SlotTarget: the gradient in host memory) brings its sum of squares, unscaled
+  # here; its gradient is unscaled where it is updated
+  slots = lambda g: isinstance(g, SlotTarget)  # noqa: E731
+  on_device = [g for g in jax.tree.leaves(grads, is_leaf=slots) if not slots(g)]
   if checks:
-    overflow = lax.psum(has_overflow(grads).astype(jnp.int32), axes.zero_axes) > 0
-  grads = jax.tree.map(lambda g: g / scale, grads)
+    norms = [g.norm for g in jax.tree.leaves(grads, is_leaf=slots) if slots(g)]
+    found = has_overflow(on_device) | has_overflow(norms)
+    overflow = lax.psum(found.astype(jnp.int32), axes.zero_axes) > 0
+  grads = jax.tree.map(lambda g: dataclasses.replace(g, norm=g.norm / scale ** 2) if slots(g)
+                       else g / scale, grads, is_leaf=slots)
   grad_norm = global_norm(parts, grads)
   if settings.precision == "fp32" and (delayed is None or delayed.checks_finite(state.delayed)):
     overflow = jnp.logical_not(jnp.isfinite(grad_norm))  # a NaN or inf anywhere: norm not finite
@@ -125,8 +134,14 @@ def global_norm(parts: StepParts, grads: PyTree) -> jax.Array:
   """L2 norm of the full gradient, from partitions: psum of the partitioned partial sums."""
   plan = parts.plan
   zero = jnp.zeros((), jnp.float32)
-  sums = plan.map(lambda l, g: (zero if g is None else jnp.sum(jnp.square(g)),
-                                l.state_partitioned), grads)
+
+  def squares(g):
+    if g is None:  # a frozen leaf
+      return zero
+    if isinstance(g, SlotTarget):  # a tier's slot: the sum of squares of its partition
+      return jnp.sum(g.norm)
+    return jnp.sum(jnp.square(g))
+  sums = plan.map(lambda l, g: (squares(g), l.state_partitioned), grads)
   flat = jax.tree.leaves(sums, is_leaf=lambda x: isinstance(x, tuple))
   partitioned = sum((s for s, split in flat if split), jnp.zeros((), jnp.float32))
   replicated = sum((s for s, split in flat if not split), jnp.zeros((), jnp.float32))

@@ -1,0 +1,239 @@
+"""ZeRO-Offload's optimizer step on the host, as DeepSpeed schedules it: gradients leave the device
+as the backward produces them, Adam runs on the host's cores outside the step, the new 16-bit
+parameters go back (``offload_optimizer: {"device": "cpu", "update": "cpu_adam"}``, what ``device:
+cpu`` does for the config's Adam / AdamW where it can; :func:`jzero.tiers.host_optimizer.settings_from_config`).
+
+**Where things live.** The chosen leaves' fp32 master and Adam moments live in host memory as numpy
+arrays, one partition per device, in the tier's :class:`~jzero.tiers.host_store.HostStore` (the
+train state holds 0-byte placeholders for them, as for the NVMe tier). The device keeps the
+compute params -- replicated at stages 1/2, partitioned at stage 3 -- and no fp32 state.
+
+**The backward** (stages 2 and 3). What the step differentiates for a stacked such leaf (the
+layers, most of a model) is a :class:`HostSlot`: a zero gradient slot *in host memory* and a norm
+token. The leaf's
+:class:`~jzero.comm.zero_param.ZeroParam` reads its device value through :func:`into_host`, whose
+backward sends the reduced gradient partition the gather's (or the attach's) backward produced to
+host memory and hands the token the partition's sum of squares, taken on the device before the
+copy. The slot and token are sliced per layer by the layer scan, which gathers each layer once,
+so each layer's gradient partition is copied out as soon as its reduce-scatter is done and the
+device never holds the layers' whole gradient partition. A leaf outside the stack (an embedding a
+model may use twice: its gradient is the sum of both uses', and so is its norm) keeps the device
+path and is sent to host memory at the end of the backward. Stage 1 reduces the full local
+gradient at the end, as DeepSpeed's stage 1 does, and only then sends the partitions.
+
+**The update.** The step's global norm and its finiteness include the host leaves (from the
+tokens); :class:`HostStepUpdate`, the outermost link of the update chain (``wraps = "step"``),
+hands their gradients (in host memory), the loss scale, the clipping factor and whether the step
+is skipped out of the jit and leaves their placeholders as they are. After the jit the store runs
+:class:`jzero.tiers.host_adam.HostAdam` over the partitions (unscaled and clipped as the device
+path does, with the step's learning rate) and uploads the new compute params (stage 1/2: the
+partitions, then one all-gather).
+
+**Limits, refused with a message.** One micro-batch per step (gradient accumulation sums the
+micro-batches' gradients on the device: ``update: stream`` does that), a mesh whose data-parallel
+axes are all ZeRO axes (no replicas of a partition), the config's Adam or AdamW (a client optax
+transformation or another optimizer keeps the ``stream`` / ``host`` modes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jzero.comm.zero_param import SlotTarget
+from jzero.errors import ConfigError
+from jzero.sharding.opt_layout import OptLayout
+from jzero.tiers import host_store
+from jzero.tiers.base import Tier, Update
+from jzero.tiers.host_optimizer import to_host
+from jzero.tiers.updates import placeholder_shape
+
+__all__ = ["HOST_STEP", "INTO_HOST", "HostSlot", "HostStepTier", "HostStepUpdate", "into_host"]
+
+PyTree = Any
+
+#: The tier's name in a plan's ``LeafPlan.state_tier``.
+HOST_STEP = "host_step"
+
+
+@jax.custom_vjp
+def into_host(slot: jax.Array, norm: jax.Array, value: jax.Array) -> jax.Array:
+  """``value`` (on the device) for the forward pass; its gradient, in the backward, goes to
+  ``slot``'s memory (host memory) and its sum of squares to ``norm``."""
+  del slot, norm
+  return value
+
+
+def _into_host_fwd(slot, norm, value):
+  return value, jnp.zeros((0,), slot.dtype)  # the residual: the slot's dtype
+
+
+def _into_host_bwd(dtype_of, ct):
+  return (to_host(ct.astype(dtype_of.dtype)), jnp.sum(jnp.square(ct.astype(jnp.float32))), None)
+
+
+into_host.defvjp(_into_host_fwd, _into_host_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _IntoHost:
+  """The :class:`~jzero.comm.zero_param.PartitionSource` of a leaf whose gradient goes to host
+  memory: ``stored`` is ``(value or None, norm token)``; a missing value (a replicated
+  parameter's gradient slot) is zeros of the slot's shape."""
+
+  def fetch(self, slot: jax.Array, stored: Any) -> jax.Array:
+    value, norm = stored
+    if value is None:
+      value = jnp.zeros(slot.shape, slot.dtype)
+    return into_host(slot, norm, value)
+
+
+INTO_HOST = _IntoHost()
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HostSlot(SlotTarget):
+  """What the step differentiates for a host-step leaf (module docstring): ``grad``, a zero slot
+  of the leaf's gradient partition in host memory (its gradient is the reduced partition), and
+  ``norm`` (one per layer of a stacked leaf), whose gradient is that partition's sum of squares."""
+
+  grad: jax.Array
+  norm: jax.Array
+
+  def zero_param_args(self, value: jax.Array | None) -> dict:
+    return {"partition": self.grad, "stored": (value, self.norm), "source": INTO_HOST}
+
+
+class HostStepTier(Tier):
+  """The optimizer step on the host (module docstring); its resource is the
+  :class:`~jzero.tiers.host_store.HostStore`."""
+
+  name = HOST_STEP
+  memory = "host"
+  wraps = "step"
+  #: Chosen by ``offload_optimizer.update: cpu_adam`` of ``device: cpu`` (the host tier answers
+  #: the value first; this one names it for the estimator and the memory report).
+  answers = (("offload_optimizer", "cpu"),)
+
+  @classmethod
+  def uses(cls, plan: Any) -> bool:
+    return any(l.state_tier == HOST_STEP for l in plan.leaf_list())
+
+  @classmethod
+  def holds_state(cls, plan: Any, leaf: Any) -> bool:
+    return leaf.state_tier == HOST_STEP
+
+  @classmethod
+  def open(cls, plan: Any, config: Any, tx: optax.GradientTransformation) -> Any:
+    """The store; the train layer hands it the optimizer's settings
+    (:meth:`~jzero.tiers.host_store.HostStore.configure`) before the update chain is made."""
+    return host_store.HostStore(plan, OptLayout.of(plan, tx))
+
+  @classmethod
+  def grad_target(cls, plan: Any, leaf: Any, p: jax.Array) -> jax.Array | None:
+    """A stacked leaf's :class:`HostSlot`: the layer scan gathers each layer once, so each
+    layer's reduced partition is its whole gradient when it leaves. Another leaf -- an
+    embedding a model may call twice, whose gradient is the sum of both calls' -- keeps the
+    device path and leaves at the end of the backward (the device holds those few partitions)."""
+    if leaf.state_tier != HOST_STEP or not leaf.stacked or not (
+        leaf.grad_partitioned or leaf.param_partitioned):
+      return None
+    shape = list(leaf.padded_shape)
+    shape[leaf.shard_dim] //= plan.mesh.zero_size
+    norm = jnp.zeros((leaf.shape[0],), jnp.float32)
+    return HostSlot(grad=to_host(jnp.zeros(shape, plan.comm_dtype)), norm=norm)
+
+  @classmethod
+  def update(cls, plan: Any, config: Any, tx: optax.GradientTransformation, resource: Any,
+             inner: Update, *, elementwise: bool) -> Update:
+    if config.gradient_accumulation_steps != 1:
+      raise ConfigError(
+          f"offload_optimizer.update: cpu_adam with gradient_accumulation_steps="
+          f"{config.gradient_accumulation_steps}: the host step takes one micro-batch's gradient "
+          f"per step, as it leaves the device. Use update: stream (which accumulates on the "
+          f"device), or one micro-batch per step.")
+    if plan.mesh.replica_axes:
+      raise ConfigError(
+          f"offload_optimizer.update: cpu_adam with the mesh's replica axes "
+          f"{plan.mesh.replica_axes}: every device must hold its own partition of the optimizer "
+          f"state. Use a mesh whose data-parallel axes are all ZeRO axes, or update: stream.")
+    if resource.adam is None or not elementwise:
+      raise ConfigError(
+          "offload_optimizer.update: cpu_adam runs DeepSpeed's CPU Adam: it needs the config's "
+          "optimizer block to be Adam or AdamW (not a client optax transformation, Lion or SGD). "
+          "Use update: stream or host for those.")
+    return HostStepUpdate(inner, plan, resource)
+
+  # -- outside a step ------------------------------------------------------------------------
+  @classmethod
+  def write_initial(cls, plan: Any, resource: Any, masters: dict[str, jax.Array]) -> None:
+    resource.write_initial(masters)
+
+  @classmethod
+  def full_state(cls, plan: Any, resource: Any, state: Any) -> Any:
+    return resource.full_state(state)
+
+  @classmethod
+  def absorb(cls, plan: Any, resource: Any, state: Any) -> Any:
+    return resource.absorb(state)
+
+  @classmethod
+  def measured_bytes(cls, plan: Any, resource: Any) -> dict[str, dict[str, int]]:
+    return {category: {"unpinned_host": nbytes}
+            for category, nbytes in resource.bytes_per_device().items() if nbytes}
+
+  @classmethod
+  def held_bytes(cls, plan: Any, resource: Any) -> dict[str, int]:
+    return resource.logical_bytes()
+
+
+class HostStepUpdate(Update):
+  """The host step's link of the update chain (module docstring): inside the jit it hands the
+  host leaves' gradients out (stage 1: sent to host memory here) with the loss scale, the clipping
+  factor and the skip flag, and gives the links below placeholders for them; after the jit the
+  store updates them and uploads their new params."""
+
+  def __init__(self, inner: Update, plan: Any, store: Any):
+    super().__init__(inner)
+    self.plan, self.store = plan, store
+    self.leaves = frozenset(l.path for l in plan.leaf_list() if l.state_tier == HOST_STEP)
+
+  @property
+  def output_specs(self) -> dict:
+    plan = self.plan
+    grads = {l.path: plan.state_spec(l) for l in plan.leaf_list() if l.path in self.leaves}
+    return {**self.inner.output_specs,
+            HOST_STEP: {"grads": grads, "factor": P(), "scale": P(), "skip": P()}}
+
+  @property
+  def output_kinds(self) -> dict:
+    grads = {path: "pinned_host" for path in self.leaves}
+    return {**self.inner.output_kinds,
+            HOST_STEP: {"grads": grads, "factor": None, "scale": None, "skip": None}}
+
+  def update(self, grads: PyTree, state: Any, skip: Any = None,
+             factor: jax.Array | None = None) -> tuple[Any, dict]:
+    plan = self.plan
+    mine = lambda l: l.path in self.leaves  # noqa: E731
+    handed = {l.path: (g.grad if isinstance(g, HostSlot) else to_host(g))
+              for l, g in zip(plan.leaf_list(), plan.flat(grads)) if mine(l)}
+    # the links below see 0-byte placeholders for them (only the shard dimension is split, and
+    # it has size 0: the local shape is the global one)
+    inner_grads = plan.map(lambda l, g: jnp.zeros(placeholder_shape(l), jnp.float32) if mine(l)
+                           else g, grads)
+    new, outputs = self.inner.update(inner_grads, state, skip, factor)
+    flag = jnp.zeros((), bool) if skip is None or skip is False else jnp.asarray(skip)
+    return new, {**outputs, HOST_STEP: {
+        "grads": handed, "factor": jnp.ones((), jnp.float32) if factor is None else factor,
+        "scale": state.loss_scale.scale, "skip": flag}}
+
+  def after(self, state: Any, metrics: dict, outputs: dict) -> Any:
+    state = self.inner.after(state, metrics, outputs)
+    return self.store.update(state, metrics, outputs[HOST_STEP])
+
