@@ -38,6 +38,8 @@ transformation or another optimizer keeps the ``stream`` / ``host`` modes).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import logging
 from typing import Any
 
 import jax
@@ -50,15 +52,51 @@ from jzero.errors import ConfigError
 from jzero.sharding.opt_layout import OptLayout
 from jzero.tiers import host_store
 from jzero.tiers.base import Tier, Update
-from jzero.tiers.host_optimizer import to_host
+from jzero.tiers.delayed import Variant
+from jzero.tiers.host_optimizer import DEFAULT_UPDATE, to_host
 from jzero.tiers.updates import placeholder_shape
 
-__all__ = ["HOST_STEP", "INTO_HOST", "HostSlot", "HostStepTier", "HostStepUpdate", "into_host"]
+__all__ = ["HOST_STEP", "INTO_HOST", "HostSlot", "HostStepTier", "HostStepUpdate", "into_host",
+           "with_default_update"]
 
 PyTree = Any
 
 #: The tier's name in a plan's ``LeafPlan.state_tier``.
 HOST_STEP = "host_step"
+
+logger = logging.getLogger("jzero")
+
+
+def with_default_update(config: Any, *, client_optimizer: bool, replica_axes: tuple) -> Any:
+  """``config`` (resolved) with ``offload_optimizer.update`` chosen where the config leaves it
+  unset and ``device`` is cpu: "cpu_adam" -- DeepSpeed's CPU Adam schedule -- for the config's
+  Adam or AdamW at one micro-batch per step on a mesh without replicas, with numba installed
+  (the fast host kernel); "stream" otherwise (:data:`jzero.tiers.host_optimizer.DEFAULT_UPDATE`).
+  The choice is logged."""
+  zero = config.zero_optimization
+  block = zero.offload_optimizer
+  if block is None or block.device != "cpu" or block.update is not None:
+    return config
+  kind = str(getattr(config.optimizer, "type", "")).lower()
+  reasons = [why for why, bad in (
+      ("a client optax optimizer", client_optimizer),
+      (f"optimizer {config.optimizer.type if config.optimizer else None}",
+       kind not in ("adam", "adamw")),
+      (f"gradient_accumulation_steps {config.gradient_accumulation_steps}",
+       config.gradient_accumulation_steps != 1),
+      ("a mesh with replica axes", bool(replica_axes)),
+      ("numba not installed (the host-adam extra)", importlib.util.find_spec("numba") is None),
+  ) if bad]
+  update = DEFAULT_UPDATE if reasons else "cpu_adam"
+  logger.info(
+      f"offload_optimizer.update: {update}" + (
+          f" ({', '.join(reasons)}: the host's Adam step needs the config's Adam / AdamW, one "
+          f"micro-batch per step, no replicas and numba)" if reasons else
+          " (DeepSpeed's CPU Adam: gradients to host memory as the backward makes them, Adam on "
+          "the host's cores)"))
+  block = block.model_copy(update={"update": update})
+  return config.model_copy(update={"zero_optimization": zero.model_copy(
+      update={"offload_optimizer": block})})
 
 
 @jax.custom_vjp
@@ -235,5 +273,8 @@ class HostStepUpdate(Update):
 
   def after(self, state: Any, metrics: dict, outputs: dict) -> Any:
     state = self.inner.after(state, metrics, outputs)
+    carried = getattr(state, "delayed", None)
+    if carried is not None and carried.variant != Variant.WARMUP:
+      return self.store.update_delayed(state, metrics, outputs[HOST_STEP])
     return self.store.update(state, metrics, outputs[HOST_STEP])
 

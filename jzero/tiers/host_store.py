@@ -12,7 +12,7 @@ full state for checkpoints).
 partitions (in host memory, the communication dtype) are unscaled and clipped into fp32 buffers
 (``g / scale * factor``, the device path's two roundings), and one
 :class:`~jzero.tiers.host_adam.HostAdam` call updates every partition in place over the cores with
-the step's learning rate (``metrics["lr"]``). The new compute params are uploaded: at stage 3 the
+the schedule's learning rate for the updates applied so far (the device path's optax count). The new compute params are uploaded: at stage 3 the
 partitions are the params; at stages 1/2 one jitted all-gather
 (:func:`jzero.comm.layouts.compute_param`) makes the replicated params from them.
 
@@ -24,6 +24,7 @@ exactly.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from typing import Any
 
@@ -64,11 +65,18 @@ class HostStore:
           raise ValueError(f"the host step keeps Adam's moments; {leaf.path} is not one")
         self.roles[i] = (leaf.twin.path, role)
     self._gather = None
+    self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+    self._running: concurrent.futures.Future | None = None  # the delayed update's
+    self._carried: dict | None = None  # the gradient it applies
+    self._schedule: Any = None
 
-  def configure(self, settings: HostAdamSettings) -> None:
-    """The optimizer's settings (the config's Adam / AdamW block), once."""
+  def configure(self, settings: HostAdamSettings, schedule: Any) -> None:
+    """The optimizer's settings (the config's Adam / AdamW block) and its learning-rate
+    schedule (``count -> lr``: the k-th update, k = 0, 1, ..., uses ``schedule(k)``, as the
+    device path's optax count does)."""
     if self.adam is None or self.adam.settings != settings:
       self.adam = HostAdam(settings)
+    self._schedule = jax.jit(schedule)
 
   # -- the partitions ------------------------------------------------------------------------
   def _index(self, leaf: Any) -> dict[Any, tuple]:
@@ -111,12 +119,44 @@ class HostStore:
     """After a jitted step: the host leaves updated from ``handed`` (their gradients in host
     memory, ``factor``, ``scale``, ``skip``) with the step's learning rate, and ``state``'s
     params of them replaced by the new ones (module docstring)."""
-    if bool(np.asarray(handed["skip"])):
+    self.wait()
+    if not self._apply(metrics, handed):
       return state
-    self.count += 1
+    return state._replace(params=self._upload(state.params))
+
+  def update_delayed(self, state: Any, metrics: dict, handed: dict) -> Any:
+    """The delayed parameter update (:mod:`jzero.tiers.delayed`) on the host: ``state``'s params
+    replaced by those of the update running since the previous step (if one was), then this
+    step's gradient's update started on a thread of its own, to run while the device computes
+    the next step (which uses the params returned here: one update late, as the delayed update's
+    math says). :meth:`wait` ends it."""
+    if self._running is not None:
+      applied = self._running.result()
+      self._running = None
+      if applied:
+        state = state._replace(params=jax.block_until_ready(self._upload(state.params)))
+    if self._thread is None:
+      self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jzero-host-step")
+    self._carried = handed
+    self._running = self._thread.submit(self._apply, metrics, handed)
+    return state
+
+  def wait(self) -> bool:
+    """Waits for a delayed update still running (its params are uploaded by the next
+    :meth:`update_delayed`); whether it applied an update."""
+    if self._running is None:
+      return False
+    return self._running.result()
+
+  def _apply(self, metrics: dict, handed: dict) -> bool:
+    """The numpy side of one update (module docstring), with the learning rate of the updates
+    applied before it: False for a skipped step."""
+    del metrics
+    if bool(np.asarray(handed["skip"])):
+      return False
     scale = np.float32(np.asarray(handed["scale"]))
     factor = np.float32(np.asarray(handed["factor"]))
-    lr = float(np.asarray(metrics["lr"]))
+    lr = float(np.asarray(self._schedule(np.int32(self.count))))
     ps, ms, vs, gs, outs = [], [], [], [], []
     for leaf in self.leaves:
       grad = handed["grads"][leaf.path]
@@ -130,9 +170,10 @@ class HostStore:
         vs.append(buffers["v"])
         gs.append(g)
         outs.append(buffers.get("out"))
+    self.count += 1
     self.adam.step(ps, ms, vs, gs, self.count, lr,
                    out_params=outs if self.plan.has_master else None)
-    return state._replace(params=self._upload(state.params))
+    return True
 
   def _partitions(self, leaf: Any, name: str, dtype: Any, kind: str | None = None) -> jax.Array:
     """The store's ``name`` buffers of ``leaf`` as one state-layout array (``kind``: its memory
@@ -141,7 +182,8 @@ class HostStore:
     sharding = plan.sharding(plan.state_spec(leaf), kind)
     shape = plan.state_shape(leaf)
     per_device = self.arrays[leaf.path]
-    arrays = [jax.device_put(np.asarray(per_device[d][name], dtype), d)
+    # a copy of each buffer (may_alias=False): the store updates its buffers in place
+    arrays = [jax.device_put(np.asarray(per_device[d][name], dtype), d, may_alias=False)
               for d in sharding.addressable_devices_indices_map(shape)]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 

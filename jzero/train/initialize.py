@@ -27,7 +27,7 @@ from jzero.runtime.data import DataLoader
 from jzero.runtime import logs
 from jzero.runtime.distributed import init_distributed
 from jzero.sharding.mesh import MeshSpec, ZeroMesh
-from jzero.tiers import delayed, nvme_settings, registry
+from jzero.tiers import delayed, host_step, nvme_settings, registry
 from jzero.train.engine import Engine
 from jzero.train.monitor import Monitor, check_packages
 from jzero.modeling.model_adapter import NnxModel, as_model
@@ -141,6 +141,8 @@ def initialize(model: Any = None, loss_fn: Callable[..., Any] | None = None,
   cfg = given.resolve(dp_world_size=zmesh.dp_size, hidden_size=hidden_size or adapter.hidden_size,
                     total_num_steps=total_num_steps, auto_values=auto_values)
   zmesh, zeropp = zpp.resolve(cfg.zero_optimization, zmesh, default_mesh=mesh is None)
+  cfg = host_step.with_default_update(cfg, client_optimizer=optimizer is not None,
+                                      replica_axes=zmesh.replica_axes)
   if delayed.enabled(cfg.zero_optimization) and cfg.precision == "fp32":
     warnings.warn(
         "offload_optimizer.delayed_update in fp32: a step whose gradient is not finite (NaN / "

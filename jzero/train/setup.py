@@ -120,7 +120,7 @@ def step_parts(plan: Plan, config: Config, model: ModelAdapter, loss_fn: Any,
   if HOST_STEP in resources and schedule is not None:  # the host step runs the config's Adam
     settings = host_adam_settings(plain_block(config.optimizer))
     if settings is not None:
-      resources[HOST_STEP].configure(settings)
+      resources[HOST_STEP].configure(settings, schedule)
   return step_lib.StepParts(
       plan=plan, model=model, loss_fn=loss_fn, tx=tx, opt=opt, schedule=schedule, scaler=scaler,
       tiers=tiers, resources=resources,
