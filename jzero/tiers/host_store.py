@@ -67,7 +67,6 @@ class HostStore:
     self._gather = None
     self._thread: concurrent.futures.ThreadPoolExecutor | None = None
     self._running: concurrent.futures.Future | None = None  # the delayed update's
-    self._carried: dict | None = None  # the gradient it applies
     self._schedule: Any = None
 
   def configure(self, settings: HostAdamSettings, schedule: Any) -> None:
@@ -137,7 +136,6 @@ class HostStore:
         state = state._replace(params=jax.block_until_ready(self._upload(state.params)))
     if self._thread is None:
       self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jzero-host-step")
-    self._carried = handed
     self._running = self._thread.submit(self._apply, metrics, handed)
     return state
 
@@ -215,10 +213,16 @@ class HostStore:
   # -- outside a step ------------------------------------------------------------------------
   def full_state(self, state: Any) -> Any:
     """``state`` with the host leaves' master (mixed precision) and Adam moments and counts read
-    from the store, laid out by the plan (what checkpoints save)."""
+    from the store, laid out by the plan (what checkpoints save); a delayed update running is
+    waited for and saved applied."""
     plan, opt = self.plan, self.opt
     if not self.arrays:
       return state
+    if self._running is not None and self._running.result():
+      # a delayed update's step still to be uploaded (the live run uploads it after its next
+      # step): the checkpoint holds it applied, params and master agreeing. A run resumed from it
+      # computes its first gradient at these params, one update later than the live run does.
+      state = state._replace(params=self._upload(state.params))
     kind = plan.memory_kind()
     master = state.master
     if plan.has_master:

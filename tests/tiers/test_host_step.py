@@ -1,0 +1,147 @@
+"""ZeRO-Offload's CPU Adam schedule (jzero.tiers.host_step, ``offload_optimizer.update: cpu_adam``):
+gradients leave the device as the backward produces them, Adam runs on the host after the step.
+
+Exactness against the same stage without offload (fp32: SAME_MATH; bf16: the master within one
+bf16 rounding's worth), the delayed update one step late (equal to the streamed update's delayed
+run), where the state lives (the store's numpy buffers, 0-byte placeholders in the train state,
+the gradients handed out in host memory), checkpoints across tiers, the default choice of the
+update and its refusals. Small model, 3 steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jzero.errors import ConfigError
+from jzero.tiers.host_step import HOST_STEP
+from zero_testing import SAME_MATH, SMALL, batches, ds_config, make_engine, max_relative_diff
+
+N = 8
+STEPS = 3
+CPU_ADAM = {"device": "cpu", "update": "cpu_adam"}
+
+
+@functools.lru_cache(maxsize=None)
+def _data():
+  return tuple(batches(SMALL.seq_len, N, STEPS))
+
+
+def _train(engine, state=None, data=None):
+  """(final state, logical params after each step, losses)."""
+  state = engine.init(jax.random.key(0)) if state is None else state
+  params, losses = [], []
+  for batch in _data() if data is None else data:
+    state, metrics = engine.train_step(state, engine.shard_batch(batch))
+    losses.append(float(metrics["loss"]))
+    params.append(jax.tree.map(np.asarray, engine.logical_params(state)))
+  return state, params, np.array(losses)
+
+
+@functools.lru_cache(maxsize=None)
+def _baseline(stage: int, precision: str = "fp32", **offload_optimizer):
+  zero = {"offload_optimizer": offload_optimizer} if offload_optimizer else {}
+  _, params, losses = _train(make_engine(ds_config(stage, precision=precision, **zero)))
+  return params, losses
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp32_cpu_adam_equals_no_offload(stage):
+  """Every step's parameters and losses equal the same stage without offload (fp32, SAME_MATH);
+  the train state holds no optimizer state or master of its own (0-byte placeholders: the host
+  store's numpy buffers hold them, as the memory report says) and the step hands the gradient
+  partitions out in host memory."""
+  engine = make_engine(ds_config(stage, offload_optimizer=CPU_ADAM))
+  state, params, losses = _train(engine)
+  ref_params, ref_losses = _baseline(stage)
+  for got, want in zip(params, ref_params):
+    assert max_relative_diff(got, want) <= SAME_MATH
+  assert np.max(np.abs(losses - ref_losses) / ref_losses) <= SAME_MATH
+  assert all(x.size == 0 for x in jax.tree.leaves(state.opt_state) if x.ndim)
+  numel = sum(l.numel for l in engine.plan.leaf_list())
+  report = engine.memory_report(state)
+  moments = report.measured["optimizer"]
+  assert moments.get("device", 0) < 64  # the step counts only
+  assert moments["unpinned_host"] >= 8 * numel / N  # m and v: 4 bytes each, partitioned
+  batch = engine.shard_batch(_data()[0])
+  out_kinds = engine.jitted_step(batch).lower(state, batch).compile().output_shardings
+  handed = [s.memory_kind for s in jax.tree.leaves(out_kinds[-1][HOST_STEP]["grads"])]
+  assert handed and set(handed) == {"pinned_host"}
+
+
+def test_bf16_cpu_adam_is_the_step_without_offload():
+  """bf16, stages 2 and 3: the host's Adam updates the same fp32 master as the device's (the host
+  kernel rounds as XLA:CPU does), so the runs agree to within a bf16 rounding of a step's update."""
+  for stage in (2, 3):
+    _, params, losses = _train(make_engine(ds_config(stage, precision="bf16",
+                                                     offload_optimizer=CPU_ADAM)))
+    ref_params, ref_losses = _baseline(stage, "bf16")
+    assert max_relative_diff(params[-1], ref_params[-1]) <= 1e-5
+    assert np.max(np.abs(losses - ref_losses) / ref_losses) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_delayed_update_on_the_host_is_one_step_late(stage):
+  """delayed_update with cpu_adam: the host's Adam for step t's gradient runs on a thread while the
+  device computes step t+1, whose params it updates after; every step's params equal the streamed
+  update's delayed run (its math: step t applies g_{t-1}; tests/tiers/test_delayed_update.py)."""
+  cfg = lambda update: ds_config(stage, offload_optimizer={  # noqa: E731
+      "device": "cpu", "update": update, "delayed_update": True})
+  _, host, host_losses = _train(make_engine(cfg("cpu_adam")))
+  _, stream, stream_losses = _train(make_engine(cfg("stream")))
+  for got, want in zip(host, stream):
+    assert max_relative_diff(got, want) <= SAME_MATH
+  assert np.max(np.abs(host_losses - stream_losses) / stream_losses) <= SAME_MATH
+  assert max_relative_diff(host[1], host[0]) > 1e-4  # step 2 applied g_1
+
+
+def test_checkpoint_round_trips_across_tiers(tmp_path):
+  """Saved from the host store, restored into a plan without offload and back, exactly; the
+  resumed run continues as the uninterrupted one, bit for bit."""
+  engine = make_engine(ds_config(2, precision="bf16", offload_optimizer=CPU_ADAM))
+  data = _data()
+  state, _, _ = _train(engine, data=data[:1])
+  engine.save_checkpoint(state, tmp_path)
+  engine.wait_for_checkpoints()
+  _, straight, straight_losses = _train(engine, state, data[1:])
+
+  plain = make_engine(ds_config(2, precision="bf16"))
+  restored = plain.load_checkpoint(tmp_path)
+  plain.save_checkpoint(restored, tmp_path / "plain")
+  plain.wait_for_checkpoints()
+  back = make_engine(ds_config(2, precision="bf16", offload_optimizer=CPU_ADAM))
+  again = back.load_checkpoint(tmp_path / "plain")
+  _, resumed, resumed_losses = _train(back, again, data[1:])
+  for got, want in zip(resumed, straight):
+    assert max_relative_diff(got, want) == 0
+  np.testing.assert_array_equal(resumed_losses, straight_losses)
+
+
+@pytest.mark.parametrize("extra,client,chosen", [
+    ({}, False, "cpu_adam"),
+    ({"gas": 2}, False, "stream"),
+    ({}, True, "stream"),
+])
+def test_device_cpu_chooses_cpu_adam_where_it_can(extra, client, chosen, caplog):
+  """``offload_optimizer: {"device": "cpu"}`` without ``update``: DeepSpeed's CPU Adam schedule for
+  the config's AdamW at one micro-batch per step; the streamed update otherwise; logged."""
+  optimizer = optax.adamw(1e-3) if client else None
+  with caplog.at_level(logging.INFO, logger="jzero"):
+    engine = make_engine(ds_config(2, offload_optimizer={"device": "cpu"}, **extra),
+                         optimizer=optimizer)
+  assert engine.config.zero_optimization.offload_optimizer.update == chosen
+  assert f"offload_optimizer.update: {chosen}" in caplog.text
+
+
+@pytest.mark.parametrize("extra,kwargs,match", [
+    ({"gas": 2}, {}, "gradient_accumulation_steps=2"),
+    ({}, {"optimizer": optax.sgd(1e-2)}, "Adam or AdamW"),
+])
+def test_cpu_adam_refuses_what_it_cannot_run(extra, kwargs, match):
+  with pytest.raises(ConfigError, match=match):
+    make_engine(ds_config(2, offload_optimizer=CPU_ADAM, **extra), **kwargs)
