@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import BaseModel
 
+from jzero.config.blocks import CPU_ADAM
 from jzero.config.messages import report, show, warn
 from jzero.errors import NotSupportedError
 
@@ -141,6 +142,11 @@ SUPPORT_TABLE: tuple[_Rule, ...] = (
           when=_not_nvme),
     _Rule("zero_optimization.offload_optimizer.pipeline_write", NO_EFFECT, _NVME_ONLY,
           when=_not_nvme),
+    # the host-Adam update's config value and its memory model (jzero.analysis.update_memory,
+    # jzero plan's candidates) come before its engine: this row goes when the engine runs it
+    _Rule("zero_optimization.offload_optimizer.update", REFUSED,
+          "the step that streams the gradients to the host and runs Adam there is not in this "
+          "build yet; use update: stream or host", lambda update: update == CPU_ADAM),
     _Rule("zero_optimization.offload_optimizer.fast_init", NO_EFFECT,
           "jzero creates the optimizer state directly in its tier; there is no slow init"),
     _Rule("zero_optimization.offload_optimizer.cpuadam_cores_perc", NO_EFFECT,
