@@ -72,13 +72,15 @@ def _optimizer_offloads() -> list[tuple[str | None, float, str | None]]:
   return out
 
 
-def _zeropp_choices() -> list[tuple[str, ...]]:
-  """ZeRO++'s combinations: none, hpZ, then qwZ by each planned weight strategy with qgZ, alone
-  and with hpZ."""
+def _zeropp_choices(devices_per_node: int) -> list[tuple[str, ...]]:
+  """ZeRO++'s combinations: none, hpZ (its secondary partition is a node's devices: with two or
+  more per node), then qwZ by each planned weight strategy with qgZ, alone and with hpZ."""
   default = next(iter(quantization.WEIGHTS))
   qwz = [QWZ if name == default else f"{QWZ}-{name}"
          for name, s in quantization.WEIGHTS.items() if s.planned]
-  return ([(), ("hpz",)] + [(q, "qgz") for q in qwz] + [("hpz", q, "qgz") for q in qwz])
+  hpz = devices_per_node >= 2
+  return ([()] + [("hpz",)] * hpz + [(q, "qgz") for q in qwz]
+          + [("hpz", q, "qgz") for q in qwz if hpz])
 
 
 def _zero_infinity_1t() -> Any:
@@ -253,7 +255,7 @@ def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...
     opts = [(o, r, u) for o, r, u in _optimizer_offloads()
             if o is None or (stage and allowed(o) and (r == 1 or stage == 3))]
     params = [None] + [t for t in registry.devices("offload_param") if stage == 3 and allowed(t)]
-    zeropp = _zeropp_choices() if nodes > 1 and stage == 3 else [()]
+    zeropp = _zeropp_choices(devices // nodes) if nodes > 1 and stage == 3 else [()]
     for (opt, ratio, update), param, plus, ckpt, mb in itertools.product(
         opts, params, zeropp, checkpointing, micro_batches):
       if plus and param:  # ZeRO++ gathers device-resident partitions
