@@ -126,12 +126,7 @@ def why_chosen(plan: Any) -> str:
               f"usable). Raise --time-budget.")
     head = (f"Nothing fits: every candidate is pruned or over memory ({usable} usable per "
             f"device), each with its numbers in the table and the line per stage above.")
-    helps = plan.remedies or ()
-    if not helps:
-      return (f"{head} By the same arithmetic, no more host memory or NVMe, no batch of one "
-              f"sequence per device and no more nodes (up to 64 times) would make one fit.")
-    return (f"{head} By the same arithmetic, a candidate would fit with "
-            + "; or ".join(helps) + ".")
+    return f"{head} {plan.what_would_help}"
   if second is None:
     return (f"{best.name} is the only candidate that fits: {format_bytes(best.device_bytes)} of "
             f"{usable} usable per device; predicted {best.prediction.seconds:.4g} s.")

@@ -47,7 +47,7 @@ from jzero.planning.cost import (DEFAULT_MEM_FRACTION, Hardware, Prediction, Res
                                  gpu_hardware, predict, tpu_hardware)
 
 __all__ = ["Row", "Plan", "SearchLog", "plan_for", "DEFAULT_MARGIN", "DEFAULT_COMPILE_TOP",
-           "DEFAULT_TIME_BUDGET", "MODEL", "remedies"]
+           "DEFAULT_TIME_BUDGET", "MODEL", "MORE_NODES", "remedies"]
 
 DEFAULT_MARGIN = 0.05  # share of the usable memory (device, host, NVMe) a plan leaves free
 DEFAULT_COMPILE_TOP = 1  # candidates compiled at least, least predicted time first
@@ -55,6 +55,7 @@ DEFAULT_TIME_BUDGET = 600.0  # seconds of compiling a search may spend
 # where a streamed-gradient candidate's device bytes come from on a target whose compile cannot
 # place host memory (its twin compiled for FLOPs and collectives)
 MODEL = "model (cpu_adam)"
+MORE_NODES = 64  # when nothing fits, remedies tries up to this many times the nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +154,15 @@ class Plan:
   @property
   def chosen(self) -> Row | None:
     return self.ranked[0] if self.ranked else None
+
+  @property
+  def what_would_help(self) -> str:
+    """When nothing fits: the :attr:`remedies` as a sentence, or that none was found."""
+    if not self.remedies:
+      return (f"By the same arithmetic, no more host memory or NVMe, no batch of one sequence "
+              f"per device and no more nodes (up to {MORE_NODES} times as many) would make one "
+              f"fit.")
+    return "By the same arithmetic, a candidate would fit with " + "; or ".join(self.remedies) + "."
 
   @property
   def runner_up(self) -> Row | None:
@@ -357,21 +367,20 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
   if not any(r.status in ("fits", "not compiled") for r in rows):
     narrow = dict(stages=stages, micro_batches=micro_batches, offload_tiers=offload_tiers,
                   checkpointing=checkpointing)
-    helps = remedies(job, hardware, margin, leaves, act_bytes, **narrow)
+    helps = remedies(job, hardware, margin, leaves, act_bytes,
+                     nodes="slices" if target.startswith("tpu:") else "nodes", **narrow)
   return Plan(job=job, hardware=hardware, target=target, margin=margin, rows=rows, search=log,
               remedies=helps)
 
 
-_MORE_NODES = 64  # remedies tries up to this many times the nodes
-
-
 def remedies(job: Job, hw: Hardware, margin: float, leaves: list, act_bytes: int,
-             **narrow: Any) -> tuple[str, ...]:
+             nodes: str = "nodes", **narrow: Any) -> tuple[str, ...]:
   """What would make a candidate of ``job`` fit where none does, each checked by the same
   arithmetic the search prices with (the plan's closing hint says these and nothing else): more
   host memory or NVMe per node (the least that lets a candidate whose device bytes fit), both,
-  more nodes of this kind (up to :data:`_MORE_NODES` times; the sequences per device kept), or a
-  global batch of one sequence per device. ``narrow``: :func:`candidates`' filters."""
+  more nodes of this kind (up to :data:`MORE_NODES` times; the sequences per device kept), or a
+  global batch of one sequence per device. ``nodes``: what a node is called ("slices" for a TPU
+  target, whose flag is ``--slices``); ``narrow``: :func:`candidates`' filters."""
   from jzero.analysis.tables import format_bytes as fb  # noqa: PLC0415
 
   def price(j: Job, h: Hardware) -> list[tuple[Candidate, Estimated]]:
@@ -408,14 +417,15 @@ def remedies(job: Job, hw: Hardware, margin: float, leaves: list, act_bytes: int
     if small:
       out.append(f"a global batch of {hw.devices}, one sequence per device (--global-batch): "
                  f"{small[0].name}")
-  per_device, nodes = job.global_batch // hw.devices, hw.nodes * 2
-  while nodes <= hw.nodes * _MORE_NODES:
-    more = dataclasses.replace(hw, nodes=nodes)
+  per_device, count = job.global_batch // hw.devices, hw.nodes * 2
+  while count <= hw.nodes * MORE_NODES:
+    more = dataclasses.replace(hw, nodes=count)
     fits = fitting(dataclasses.replace(job, global_batch=per_device * more.devices), more)
     if fits:
-      out.append(f"{nodes} nodes of this kind ({more.devices} devices, --nodes): {fits[0].name}")
+      out.append(f"{count} {nodes} of this kind ({more.devices} devices, --{nodes}): "
+                 f"{fits[0].name}")
       break
-    nodes *= 2
+    count *= 2
   return tuple(out)
 
 
@@ -493,8 +503,12 @@ class CompileFailure:
 
 
 def _first_line(err: BaseException) -> str:
-  text = str(err).strip().splitlines()
+  """The error's first line (with the next one when the first only introduces it), at most 160
+  characters."""
+  text = [line.strip() for line in str(err).strip().splitlines()]
   line = text[0] if text else type(err).__name__
+  if line.endswith(":") and len(text) > 1:
+    line = f"{line} {text[1]}"
   return line if len(line) <= 160 else line[:157] + "..."
 
 
