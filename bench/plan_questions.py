@@ -3,11 +3,14 @@
   python bench/plan_questions.py [--compile-top 6] [--only 13b] [--cache-dir DIR] [--out bench/out]
 
 1. 7B on 8 x H100 (the ZeRO paper's first table: why DDP does not fit);
-2. 13B on 8 x A100-40GB (the ZeRO write-ups' own example);
-3. 10B on one RTX 3090 with 128 GB of host memory, without and with an NVMe drive
-   (ZeRO-Offload's "10B on one GPU", ZeRO-Infinity);
+2. 13B on 8 x A100-40GB (the ZeRO write-ups' own example), and with ZeRO-2 only;
+3. 10B on one RTX 3090 with 256 GB of host memory, and with 128 GB without and with an NVMe
+   drive (ZeRO-Offload's "10B on one GPU", ZeRO-Infinity);
 4. 70B on 64 x H100 in 8 nodes (ZeRO++: hpZ's partition is a node, 8 GPUs);
-5. 1T on 2 x 8 A100 with 1.5 TB of host memory per node (ZeRO-Infinity: NVMe).
+5. 1T on 2 x 8 A100 with 1.5 TB of host memory and 28 TB of NVMe per node (ZeRO-Infinity).
+
+For each chosen configuration ``jzero estimate`` is run as the plan's closing line says, and its
+step's peak per device and host bytes per node are set beside the plan's.
 
 Each question is planned with ``jzero plan``'s defaults (``--compile-top 1``: compile in order of
 predicted time until a candidate is proven to fit by its compile) and a cold compile cache (a
@@ -24,9 +27,12 @@ Writes ``plan_questions.md`` (the tables docs/planning.md shows, with the comman
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import io
 import json
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -37,14 +43,19 @@ from pathlib import Path
 QUESTIONS = {
     "7b": ("7B on 8 x H100", dict(model=7e9, gpu="h100", devices=8)),
     "13b": ("13B on 8 x A100-40GB", dict(model=13e9, gpu="a100-40gb", devices=8)),
+    "13b-zero2": ("13B with ZeRO-2 on 8 x A100-40GB",
+                  dict(model=13e9, gpu="a100-40gb", devices=8, stages=(2,))),
+    "10b": ("10B on one RTX 3090, 256 GB host memory",
+            dict(model=10e9, gpu="rtx3090", devices=1, host_memory=256e9)),
     "10b-host": ("10B on one RTX 3090, 128 GB host memory, no NVMe",
                  dict(model=10e9, gpu="rtx3090", devices=1, host_memory=128e9,
                       offload_tiers=("cpu",))),
     "10b-nvme": ("10B on one RTX 3090, 128 GB host memory and a 2 TB NVMe drive",
                  dict(model=10e9, gpu="rtx3090", devices=1, host_memory=128e9)),
     "70b": ("70B on 64 x H100 (8 nodes)", dict(model=70e9, gpu="h100", devices=8, nodes=8)),
-    "1t": ("1T on 2 x 8 A100, 1.5 TB host memory per node",
-           dict(model=1e12, gpu="a100", devices=8, nodes=2, host_memory=1.5e12)),
+    "1t": ("1T on 2 x 8 A100, 1.5 TB host memory and 28 TB NVMe per node",
+           dict(model=1e12, gpu="a100", devices=8, nodes=2, host_memory=1.5e12,
+                nvme_bytes=28e12)),
 }
 ESTIMATOR_TABLES = ("7b", "13b", "70b")
 
@@ -60,8 +71,12 @@ def _flags(kwargs: dict) -> str:
     flags.append(f"--nodes {kwargs['nodes']}")
   if "host_memory" in kwargs:
     flags.append(f"--host-memory {kwargs['host_memory'] / 1e9:g}GB")
+  if "nvme_bytes" in kwargs:
+    flags.append(f"--nvme {kwargs['nvme_bytes'] / 1e12:g}TB")
   if kwargs.get("offload_tiers") == ("cpu",):
     flags.append("--nvme 0")
+  if "stages" in kwargs:
+    flags.append("--stages " + ",".join(map(str, kwargs["stages"])))
   return "jzero plan " + " ".join(flags)
 
 
@@ -87,11 +102,40 @@ def answer(name: str, kwargs: dict, cache: str, compile_top: int) -> dict:
            "compiled_peak": r.compiled.peak, "ratio": r.estimate_ratio,
            "predicted_s": r.prediction.seconds}
           for r in plan.rows if r.compiled is not None]
-  return {"seconds": seconds, "chosen": plan.chosen.name if plan.chosen else None,
-          "chosen_bytes": plan.chosen.device_bytes if plan.chosen else None,
+  chosen = plan.chosen
+  return {"seconds": seconds, "chosen": chosen.name if chosen else None,
+          "chosen_bytes": chosen.device_bytes if chosen else None,
+          "chosen_from": chosen.device_from if chosen else None,
+          "chosen_host": chosen.host_bytes if chosen else None,
           "budget": budget_line(plan), "search": search_line(plan), "stages": stage_lines(plan),
           "why": plan.to_json()["why"], "compiled": rows,
-          "config": plan.deepspeed_config() if plan.chosen else None}
+          "config": plan.deepspeed_config() if chosen else None,
+          **(estimator_says(plan) if chosen else {})}
+
+
+def estimator_says(plan: object) -> dict:
+  """``jzero estimate`` run as the plan's closing line says: its step's peak per device and host
+  bytes per node for the chosen configuration, beside the plan's."""
+  from jzero import cli  # noqa: PLC0415
+  from jzero.planning.plan_report import estimate_command  # noqa: PLC0415
+
+  command = estimate_command(plan)
+  if command is None:
+    return {}
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    cli.main(shlex.split(command)[1:])
+  line = next(line for line in out.getvalue().splitlines()
+              if line.startswith(f"  {_estimate_name(plan)}: ") and "/node" in line)
+  device = float(line.split(": ", 1)[1].split(" GB", 1)[0].replace(",", "")) * 1e9
+  host = float(line.rsplit("host ", 1)[1].split(" GB", 1)[0].replace(",", "")) * 1e9
+  return {"estimate_command": command, "estimate_device": device, "estimate_host": host}
+
+
+def _estimate_name(plan: object) -> str:
+  from jzero.planning.candidates import estimated  # noqa: PLC0415
+
+  return estimated(plan.chosen.candidate, plan.job, plan.hardware).estimate.name
 
 
 def main() -> int:
@@ -127,13 +171,27 @@ def main() -> int:
   lines = [head, "", *markdown_table(
       ("question", "command", "chosen", "device bytes", "search", "time"),
       [(r["title"], f"`{r['command']}`", r["chosen"] or "none",
-        _gb(r["chosen_bytes"]) + " GB" if r["chosen"] else "-",
+        _gb(r["chosen_bytes"]) + f" GB ({r['chosen_from']})" if r["chosen"] else "-",
         r["search"].split(";")[0].removeprefix("search: "), f"{r['seconds']:.0f} s")
        for r in (results[name] for name in names)])]
+  agreed = [results[name] for name in names if "estimate_device" in results[name]]
+  if agreed:
+    lines += ["", "`jzero estimate` for each chosen configuration (the command the plan prints), "
+                  "beside `jzero plan`:", "", *markdown_table(
+                  ("question", "plan device GB", "estimate device GB", "plan / estimate",
+                   "plan host GB/node", "estimate host GB/node", "plan / estimate"),
+                  [(r["title"], _gb(r["chosen_bytes"]), _gb(r["estimate_device"]),
+                    f"{r['chosen_bytes'] / r['estimate_device']:.3f}", _gb(r["chosen_host"]),
+                    _gb(r["estimate_host"]), f"{r['chosen_host'] / r['estimate_host']:.3f}")
+                   for r in agreed])]
   for name in names:
     r = results[name]
     lines += ["", f"**{r['title']}** (`{r['command']}`)", "", "```", r["budget"], r["search"],
               *[s.strip() for s in r["stages"]], f"chosen: {r['chosen'] or 'none'}", "```"]
+    if not r["chosen"]:
+      lines += ["", r["why"]]
+    if "estimate_command" in r:
+      lines += ["", f"`{r['estimate_command']}`"]
   errors = []
   for name in [n for n in ESTIMATOR_TABLES if n in names]:
     r = results[name].get("more", results[name])
@@ -141,7 +199,8 @@ def main() -> int:
                   f"candidate; GB per device):", "", *markdown_table(
                   ("candidate", "status", "estimate", "compiled", "from", "estimate / compiled"),
                   [(row["name"], row["status"], _gb(row["estimate"]), _gb(row["compiled"]),
-                    row["from"], f"{row['ratio']:.3f}") for row in r["compiled"]])]
+                    row["from"], "-" if row["ratio"] is None else f"{row['ratio']:.3f}")
+                   for row in r["compiled"]])]
     errors += [abs(row["ratio"] - 1) for row in r["compiled"] if row["from"] == "compiled"]
   if errors:
     lines += ["", f"Estimator over the 7B, 13B and 70B tables ({len(errors)} compiled peaks): "

@@ -88,14 +88,16 @@ from typing import Any, NamedTuple, Sequence
 
 import jax
 
+from jzero.analysis import update_memory
 from jzero.analysis.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
-from jzero.config.blocks import DTYPES
+from jzero.config.blocks import CPU_ADAM, DTYPES
 from jzero.errors import ConfigError
 from jzero.sharding.plan import path_str
 from jzero.tiers import registry
 
 __all__ = [
     "PRECISION_BYTES", "CATEGORIES", "DEFAULT_PERSISTENCE_THRESHOLD", "DEEPSPEED_HOST_BUFFER",
+    "DEFAULT_SUB_GROUP",
     "ParamShape", "param_shapes", "persistent_numel", "largest_gathered_numel", "Numbers",
     "columns",
     "transformer_layer_numel", "Estimate", "estimate",
@@ -107,6 +109,7 @@ PRECISION_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 CATEGORIES = ("params", "grads", "optimizer")
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold
 DEEPSPEED_HOST_BUFFER = 1.5  # DeepSpeed's estimators' additional_buffer_factor (host bytes)
+DEFAULT_SUB_GROUP = 1_000_000_000  # DeepSpeed's sub_group_size: the NVMe store's update groups
 
 
 # -- model shapes ----------------------------------------------------------------------------------
@@ -205,6 +208,14 @@ class Numbers:
     partition_elements: (Ψ - Ψr)/N.
     param_cache: elements of the partition a tier may keep in host memory (``max_in_cpu``).
     param_buffers: host staging buffer elements every partition passes through.
+    grad_bytes: g.
+    optimizer_bytes: K.
+    state_elements: elements of the gradient / optimizer-state partition (Ψ/N, padding
+      included, frozen leaves not).
+    gradient_accumulation: micro-batches per step.
+    in_flight_elements: gradient elements a streamed backward holds on the device
+      (:func:`jzero.analysis.update_memory.in_flight_elements`).
+    sub_group_elements: ``sub_group_size``, the NVMe store's elements per update group.
   """
 
   stage: int
@@ -217,6 +228,12 @@ class Numbers:
   partition_elements: float
   param_cache: float = 0.0
   param_buffers: float = 0.0
+  grad_bytes: int = 2
+  optimizer_bytes: float = 12.0
+  state_elements: float = 0.0
+  gradient_accumulation: int = 1
+  in_flight_elements: float = 0.0
+  sub_group_elements: float = DEFAULT_SUB_GROUP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +258,12 @@ class Estimate:
       gathered at the start; DeepSpeed's estimator counts the largest layer the same way). 0:
       not estimated.
     hpz: ZeRO++ hpZ's secondary group size (1: off); its copy is ``bytes["device"]["secondary"]``.
+    update: the optimizer offload's update (:mod:`jzero.analysis.update_memory`: "stream",
+      "host", "store", "cpu_adam", ...; None without optimizer offload).
+    offload_ratio: the fraction of the optimizer state offloaded.
+    gradient_accumulation: micro-batches per step.
+    largest_leaf: elements of the largest parameter leaf (0: a parameter count was given).
+    sub_group: the NVMe store's elements per update group (``sub_group_size``).
   """
 
   stage: int
@@ -255,6 +278,11 @@ class Estimate:
   activations: float = 0.0
   gathered: float = 0.0
   hpz: int = 1
+  update: str | None = None
+  offload_ratio: float = 1.0
+  gradient_accumulation: int = 1
+  largest_leaf: float = 0.0
+  sub_group: float = DEFAULT_SUB_GROUP
 
   @property
   def secondary(self) -> float:
@@ -267,8 +295,11 @@ class Estimate:
     name = "DDP (stage 0)" if self.stage == 0 else f"ZeRO-{self.stage}"
     if self.hpz > 1:
       name += f" + hpZ({self.hpz})"
+    optimizer = self.offload_optimizer
+    if optimizer and self.update == CPU_ADAM:
+      optimizer += f" ({CPU_ADAM})"
     moved = [f"{what}->{where}" for what, where in
-             (("optimizer", self.offload_optimizer), ("params", self.offload_param)) if where]
+             (("optimizer", optimizer), ("params", self.offload_param)) if where]
     return f"{name} + {', '.join(moved)}" if moved else name
 
   def tier_total(self, tier: str) -> float:
@@ -333,7 +364,9 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
              gathered: tuple[int, int] = (0, 0), prefetch: bool = False,
              hpz_partition_size: int = 1, delayed_update: bool = False,
              param_buffer_elements: float = 0.0, param_cache_elements: float = 0.0,
-             trainable: float | None = None, replicated_optimizer: float = 0.0) -> Estimate:
+             trainable: float | None = None, replicated_optimizer: float = 0.0,
+             offload_update: str | None = None, gradient_accumulation: int = 1,
+             sub_group_size: float = DEFAULT_SUB_GROUP) -> Estimate:
   """Per-device bytes of one ZeRO configuration (formulas and offload rules: module docstring).
 
   Args:
@@ -362,7 +395,8 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
       partitioned params, p(Ψ - Ψr)/s per device.
     delayed_update: ZeRO-Offload's delayed parameter update (:mod:`jzero.tiers.delayed`): the step
       carries its fp32 gradient partition to the next step, 4Ψ/N on the device
-      (``bytes["device"]["delayed_grads"]``); needs ``offload_optimizer``.
+      (``bytes["device"]["delayed_grads"]``; with ``"cpu_adam"`` the optimizer's tier holds the
+      carried partition, :mod:`jzero.analysis.update_memory`); needs ``offload_optimizer``.
     param_buffer_elements: ``offload_param: "nvme"``: the host staging buffers every partition
       passes through on its way NVMe -> host -> device (DeepSpeed's ``buffer_count`` x
       ``buffer_size`` elements), counted in host params.
@@ -374,6 +408,13 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
     replicated_optimizer: bytes of optimizer state every device holds whole (a client
       transformation's small statistics, :meth:`jzero.sharding.opt_layout.OptLayout.bytes_per_device`),
       beside the K bytes per trainable parameter that are partitioned.
+    offload_update: the optimizer offload's update (``offload_optimizer.update``, or "store" for
+      the NVMe store's own); None: the engine's default for ``offload_optimizer``
+      (:func:`jzero.analysis.update_memory.default_update`). Where the gradients, the update's
+      buffers and the new params live follows it (:mod:`jzero.analysis.update_memory`).
+    gradient_accumulation: micro-batches per step (with ``"cpu_adam"`` the host sums them in
+      fp32).
+    sub_group_size: the NVMe store's elements per update group.
 
   Raises:
     ConfigError: an offload setting the stage does not have, or hpZ outside stage 3.
@@ -387,9 +428,13 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
   if hpz > 1 and stage != 3:
     raise ConfigError(f"hpz_partition_size={hpz} needs ZeRO stage 3 (ZeRO++), got stage {stage}.")
   n, g, k = devices * nodes, param_bytes if grad_bytes is None else grad_bytes, optimizer_bytes
+  update = offload_update if offload_update else update_memory.default_update(offload_optimizer)
+  if update and not offload_optimizer:
+    raise ConfigError(f"offload_update={update!r} needs offload_optimizer.")
   if isinstance(params, (int, float)):
-    psi, persistent = int(params), 0
+    psi, persistent, largest = int(params), 0, 0
     local = held = psi if trainable is None else trainable
+    layer, others = gathered[0], 0  # the layer, when given; nothing outside it
   else:
     psi = sum(math.prod(leaf.shape) for leaf in params)
     persistent = (persistent_numel(params, persistence_threshold, model_persistence_threshold)
@@ -397,6 +442,9 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
     trained = [leaf for leaf in params if not getattr(leaf, "frozen", False)]
     local = sum(math.prod(leaf.shape) for leaf in trained)
     held = sum(_state_numel(leaf, stage) for leaf in trained)
+    largest = max((math.prod(leaf.shape) for leaf in params), default=0)
+    layer = sum(math.prod(l.shape) // l.shape[0] for l in trained if _stacked(l))
+    others = sum(math.prod(l.shape) for l in trained if not _stacked(l))
   tiers = {tier: dict.fromkeys(CATEGORIES, 0.0) for tier in columns()}
   device = tiers["device"]
   device["params"] = (param_bytes * (psi - persistent) / n + param_bytes * persistent
@@ -408,7 +456,10 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
                     grads_local=g * local, param_partition=param_bytes * ((psi - persistent) / n),
                     persistent=float(param_bytes * persistent), param_bytes=param_bytes,
                     partition_elements=(psi - persistent) / n, param_cache=param_cache_elements,
-                    param_buffers=param_buffer_elements)
+                    param_buffers=param_buffer_elements, grad_bytes=g, optimizer_bytes=k,
+                    state_elements=held / n, gradient_accumulation=gradient_accumulation,
+                    in_flight_elements=update_memory.in_flight_elements(layer, others, n),
+                    sub_group_elements=sub_group_size)
   # each offload by the rule of the tier its value selects (jzero.tiers.registry)
   if offload_optimizer:
     registry.answering("offload_optimizer", offload_optimizer).estimate(
@@ -416,19 +467,31 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
   if offload_param:
     registry.answering("offload_param", offload_param).estimate("offload_param", 1.0, numbers,
                                                                 tiers)
+  if delayed_update and not offload_optimizer:
+    raise ConfigError("delayed_update needs offload_optimizer (ZeRO-Offload's delayed "
+                      "parameter update hides the host optimizer step).")
+  if offload_optimizer:  # where the update keeps the gradients, its buffers, the new params
+    tier = registry.answering("offload_optimizer", offload_optimizer)
+    update_memory.place_update(update, numbers, tiers, column=tier.memory or "host",
+                               share=offload_ratio, delayed_update=delayed_update,
+                               params_on_nvme=offload_param == "nvme")
   if hpz > 1:
     device["secondary"] = param_bytes * (psi - persistent) / hpz
-  if delayed_update:
-    if not offload_optimizer:
-      raise ConfigError("delayed_update needs offload_optimizer (ZeRO-Offload's delayed "
-                        "parameter update hides the host optimizer step).")
+  if delayed_update and not update_memory.streams_gradients(update):
     device["delayed_grads"] = 4 * psi / n
   return Estimate(stage=stage, offload_optimizer=offload_optimizer, offload_param=offload_param,
                   num_params=psi, persistent_params=persistent, devices=n,
                   devices_per_node=devices, param_bytes=param_bytes, bytes=tiers,
                   activations=activations, hpz=hpz,
                   gathered=(param_bytes * (gathered[0] * (1 + prefetch) + gathered[1])
-                            if stage == 3 else 0.0))
+                            if stage == 3 else 0.0), update=update,
+                  offload_ratio=offload_ratio if offload_optimizer else 0.0,
+                  gradient_accumulation=gradient_accumulation, largest_leaf=largest,
+                  sub_group=sub_group_size)
+
+
+def _stacked(leaf: Any) -> bool:
+  return bool(getattr(leaf, "stacked", False)) and len(leaf.shape) >= 1
 
 
 def _state_numel(leaf: Any, stage: int) -> int:
@@ -465,6 +528,18 @@ def activation_bytes(micro_batch: int, seq_len: int, hidden: int, layers: int, h
 
 _OFFLOAD_VARIANTS = ((2, "cpu", None), (3, "cpu", None), (3, "cpu", "cpu"), (3, "nvme", "cpu"),
                      (3, "nvme", "nvme"))
+
+
+def _offload_variants() -> list[tuple[int, str, str | None, str | None]]:
+  """(stage, offload_optimizer, offload_param, update) the recommendation tries, least offload
+  first: each of :data:`_OFFLOAD_VARIANTS` with the engine's default update, then with the
+  gradients streamed to the host where that is not the default."""
+  out = []
+  for stage, opt, param in _OFFLOAD_VARIANTS:
+    out.append((stage, opt, param, None))
+    if update_memory.default_update(opt) != CPU_ADAM:
+      out.append((stage, opt, param, CPU_ADAM))
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -509,7 +584,8 @@ def recommend(params: float | Sequence[ParamShape], budget: float, devices: int 
   ``budget * (1 - headroom)`` and, with ``host_budget``, its host bytes per node at most
   ``host_budget * (1 - headroom)``. Stages 0-3 are tried in order, then, from the least offload
   to the most: ZeRO-2 and ZeRO-3 with the optimizer on the host, ZeRO-3 with the params on the
-  host too, then the optimizer on NVMe, then both on NVMe. Like :func:`estimate` it counts model
+  host too, then the optimizer on NVMe, then both on NVMe -- each with the engine's default
+  update, then with the gradients streamed to the host (``"cpu_adam"``). Like :func:`estimate` it counts model
   states and activations only: leave room in ``headroom`` for the step's temporaries (the stage-3
   gathered layer, communication buffers).
 
@@ -522,10 +598,10 @@ def recommend(params: float | Sequence[ParamShape], budget: float, devices: int 
   """
   usable = budget * (1 - headroom)
   host_usable = math.inf if host_budget is None else host_budget * (1 - headroom)
-  candidates = [(s, None, None) for s in range(4)] + list(_OFFLOAD_VARIANTS)
-  for stage, opt, param in candidates:
+  candidates = [(s, None, None, None) for s in range(4)] + _offload_variants()
+  for stage, opt, param, update in candidates:
     est = estimate(params, stage, devices, nodes, offload_optimizer=opt, offload_param=param,
-                   **kwargs)
+                   offload_update=update, **kwargs)
     if est.device_total <= usable and est.host_per_node <= host_usable:
       return Recommendation(budget, headroom, est, None)
   zero3 = estimate(params, 3, devices, nodes, **kwargs)

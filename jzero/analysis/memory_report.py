@@ -263,9 +263,10 @@ def memory_report(plan: Plan, state: Any, resources: Resources, *, config: Any, 
                  hpz_partition_size=plan.zeropp.hpz,
                  delayed_update=getattr(state, "delayed", None) is not None,
                  replicated_optimizer=replicated)
-  # Offload: master + optimizer state are predicted over the tiers they live on. jzero's gradient
-  # buffer is a temporary of the step on the device; the estimator's host share of it (DeepSpeed
-  # copies the gradient partition to the host) is counted as the device's here.
+  # Offload: master + optimizer state are predicted over the tiers they live on, and the
+  # gradients where the engine's update keeps them (jzero.analysis.update_memory: on the device
+  # under the streamed update and the NVMe store's); the report's gradients are the plan's
+  # gradient buffer, summed over the tiers here.
   total = {c: sum(est.bytes[t][c] for t in est.bytes) for c in CATEGORIES}
   if reader is not None:  # the cache in fp32 (see above)
     total["params"] = est.bytes["device"]["params"] + 4 * cached

@@ -57,7 +57,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["StepMemory", "step_memory", "ATTENTION_COPIES",
+from jzero.analysis import update_memory
+
+__all__ = ["StepMemory", "step_memory", "step_peak", "ATTENTION_COPIES",
            "HIDDEN_TEMPORARIES", "MLP_TEMPORARIES", "LOGITS", "GATHERED_LAYERS",
            "SAVED_COPIES_STAGE3_ACCUMULATING"]
 
@@ -118,7 +120,9 @@ def step_memory(model: Any, *, state: float, grad_elements: float, micro_batch: 
                 gradient_accumulation: int, checkpointing: str, stage: int,
                 param_bytes: int, activation_bytes: int, update_elements: float,
                 hpz_secondary: float = 0.0, stream_elements: float = 0.0,
-                streamed_update: bool = False, quantized_gathers: bool = False) -> StepMemory:
+                streamed_update: bool = False, quantized_gathers: bool = False,
+                grads_in_flight: float | None = None, accumulated_elements: float | None = None,
+                upload: float = 0.0, store_group: float = 0.0) -> StepMemory:
   """The step's device bytes by part (module docstring).
 
   Args:
@@ -139,6 +143,13 @@ def step_memory(model: Any, *, state: float, grad_elements: float, micro_batch: 
     streamed_update: the optimizer state is streamed from the host (``offload_optimizer``).
     quantized_gathers: stage 3 gathers through ZeRO++'s qwZ (its own int8 gathers, not XLA's
       pipelined all-gathers, which keep the saved stacks twice under gradient accumulation).
+    grads_in_flight: bytes of gradient the backward holds when the gradients leave the device as
+      they are produced (``"cpu_adam"``, :mod:`jzero.analysis.update_memory`); None: the plan's
+      gradient layout, ``param_bytes`` x ``grad_elements``.
+    accumulated_elements: elements the device sums in fp32 over the micro-batches (None:
+      ``grad_elements``; 0 when the host sums them).
+    upload: bytes of new params uploaded beside the state after the step (``"cpu_adam"``).
+    store_group: bytes of the NVMe store's update group on the device (its master and moments).
   """
   m, b = model, micro_batch
   s, h, f = m.seq_len, m.d_model, m.mlp_width
@@ -159,10 +170,59 @@ def step_memory(model: Any, *, state: float, grad_elements: float, micro_batch: 
   # the fp32 gradient the update reads: converted from the compute dtype, or (gas > 1) the
   # accumulator itself -- reduced to its partition first in stage 1
   fp32_grad = 4 * update_elements if gradient_accumulation == 1 or stage == 1 else 0.0
-  update = max(fp32_grad, 2 * hpz_secondary)  # hpZ's new secondary comes after the update
+  # hpZ's new secondary comes after the update, the uploaded params after the host's
+  update = max(fp32_grad, 2 * hpz_secondary, upload) + store_group
   if streamed_update:
     update += 24 * stream_elements  # one leaf's master + moments in, and their new values out
+  accumulated = grad_elements if accumulated_elements is None else accumulated_elements
   return StepMemory(
-      state=state, grads=param_bytes * grad_elements,
-      accumulator=4 * grad_elements if gradient_accumulation > 1 else 0.0, saved=saved,
+      state=state, grads=param_bytes * grad_elements if grads_in_flight is None else grads_in_flight,
+      accumulator=4 * accumulated if gradient_accumulation > 1 else 0.0, saved=saved,
       working=working, gathered=gathered, update=update)
+
+
+def step_peak(e: Any, model: Any, *, micro_batch: int, checkpointing: str, activation_bytes: int,
+              quantized_gathers: bool = False) -> StepMemory:
+  """The step's device bytes for the configuration of an estimate
+  (:func:`jzero.analysis.estimate.estimate` of the model's leaves, with its update and gradient
+  accumulation): what ``jzero plan`` prices a candidate at and ``jzero estimate`` prints as the
+  step's peak -- the state the estimate leaves on the device, the gradients where its update
+  keeps them (:mod:`jzero.analysis.update_memory`), and the step's temporaries
+  (:func:`step_memory`).
+
+  Args:
+    e: the estimate (:class:`jzero.analysis.estimate.Estimate`).
+    model: the GPT's shape (``jzero.models.GPTConfig``).
+    micro_batch, checkpointing, activation_bytes, quantized_gathers: as :func:`step_memory`.
+  """
+  n, psi, stage, p = e.devices, e.num_params, e.stage, e.param_bytes
+  device = e.bytes["device"]
+  state = sum(v for kind, v in device.items() if kind != "grads")
+  grad_elements = psi / n if stage >= 2 else psi
+  share = e.offload_ratio
+  streams = update_memory.streams_gradients(e.update)
+  kept = 1 - share if streams else 1.0  # the share of the update that runs on the device
+  partition = (psi - e.persistent_params) / n if stage == 3 else psi / n
+  return step_memory(
+      model, state=state, grad_elements=grad_elements, micro_batch=micro_batch,
+      gradient_accumulation=e.gradient_accumulation, checkpointing=checkpointing, stage=stage,
+      param_bytes=p, activation_bytes=activation_bytes,
+      update_elements=kept * (psi / n if stage else psi), hpz_secondary=e.secondary,
+      stream_elements=e.largest_leaf / n if stage else e.largest_leaf,
+      streamed_update=e.update == update_memory.STREAM,
+      quantized_gathers=quantized_gathers,
+      grads_in_flight=device["grads"] if streams and stage >= 2 else None,
+      accumulated_elements=kept * grad_elements if streams and stage >= 2 else None,
+      upload=share * update_memory.upload_bytes(stage, p, partition, n, e.offload_param is None)
+      if streams else 0.0,
+      store_group=_store_group(e))
+
+
+def _store_group(e: Any) -> float:
+  """The NVMe store's update group on the device: its master and moments, K x min(sub_group,
+  Ψ/N) (0 under any other update)."""
+  if e.update != update_memory.STORE:
+    return 0.0
+  elements = e.offload_ratio * e.num_params / e.devices
+  per_element = e.bytes["nvme"].get("optimizer", 0.0) / elements if elements else 0.0
+  return per_element * min(e.sub_group, elements)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import re
+from typing import get_args
 
 from jzero.analysis import estimate as estimate_lib
 from jzero.analysis.estimate import (DEFAULT_PERSISTENCE_THRESHOLD, PRECISION_BYTES,
                                      activation_bytes, estimate, format_bytes, format_estimates,
                                      largest_gathered_numel, param_shapes, persistent_numel,
                                      recommend, transformer_layer_numel)
+from jzero.config.blocks import OffloadUpdate
 from jzero.errors import ConfigError
 from jzero.tiers import registry
 
@@ -68,6 +70,11 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
                       help="also show the stages with the optimizer state offloaded")
   parser.add_argument("--offload-param", choices=registry.devices("offload_param"), default=None,
                       help="also show ZeRO-3 with the params offloaded")
+  parser.add_argument("--offload-update", choices=(*get_args(OffloadUpdate), "store"),
+                      default=None,
+                      help="the optimizer offload's update (offload_optimizer.update; 'store': "
+                           "the NVMe store's own): where the gradients and the new params live "
+                           "(default: the engine's for the device)")
   nvme = parser.add_argument_group("parameters on NVMe (--offload-param nvme; DeepSpeed's "
                                    "offload_param keys and defaults)")
   nvme.add_argument("--buffer-count", type=int, default=5,
@@ -88,8 +95,17 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
   acts.add_argument("--hidden", "--d-model", dest="hidden", type=int, default=None)
   acts.add_argument("--layers", type=int, default=None)
   acts.add_argument("--heads", type=int, default=None)
+  acts.add_argument("--vocab-size", type=int, default=None,
+                    help="the embedded GPT's vocabulary, for the step's peak (default: 50257 "
+                         "with --params, as jzero plan's shapes; the default model's with --model)")
   acts.add_argument("--checkpoint-activations", action="store_true",
                     help="full activation checkpointing: keep each layer's input only")
+  acts.add_argument("--cpu-checkpointing", action="store_true",
+                    help="activation checkpointing with the layer inputs in host memory "
+                         "(DeepSpeed's cpu_checkpointing; the step's peak)")
+  acts.add_argument("--gradient-accumulation", type=int, default=1,
+                    help="micro-batches per step (default 1): the step's fp32 accumulator, or "
+                         "with the cpu_adam update the host's fp32 sum")
   parser.add_argument("--largest-layer", type=parse_count, default=None, metavar="N",
                       help="ZeRO-3's gathered working set: elements of the largest layer gathered "
                            "at once (DeepSpeed's largest_layer_params), twice for the prefetched "
@@ -105,19 +121,24 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _estimate_inputs(args: argparse.Namespace):
-  """(Ψ or leaf shapes, activation shape (s, h, L, a) or None, description of the model)."""
+  """(Ψ or leaf shapes, activation shape (s, h, L, a) or None, description of the model, the
+  embedded GPT's shape for the step's peak or None)."""
   if args.model:
     from jzero.modeling.model_adapter import as_model  # noqa: PLC0415 (only --model needs the model code)
     from jzero.models import GPT, GPTConfig  # noqa: PLC0415
 
     d = GPTConfig()
     cfg = GPTConfig(seq_len=args.seq_len or d.seq_len, d_model=args.hidden or d.d_model,
-                    n_layers=args.layers or d.n_layers, n_heads=args.heads or d.n_heads)
+                    n_layers=args.layers or d.n_layers, n_heads=args.heads or d.n_heads,
+                    vocab_size=args.vocab_size or d.vocab_size)
     adapter = as_model(lambda rngs: GPT(cfg, rngs=rngs))
     params = param_shapes(adapter.abstract_params(None, None), adapter.stacked_layers)
     shape = (cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads)
-    what = f"default GPT, {cfg.n_layers} layers x d {cfg.d_model}, seq {cfg.seq_len}"
+    what = (f"default GPT, {cfg.n_layers} layers x d {cfg.d_model}, seq {cfg.seq_len}, "
+            f"vocabulary {cfg.vocab_size}")
   else:
+    from jzero.models import GPTConfig  # noqa: PLC0415
+
     params, shape = args.params, (args.seq_len, args.hidden, args.layers, args.heads)
     what = "given count"
     missing = [f for f, v in zip(("--seq-len", "--hidden", "--layers", "--heads"), shape)
@@ -125,7 +146,10 @@ def _estimate_inputs(args: argparse.Namespace):
     if args.micro_batch and missing:
       raise ConfigError(f"--micro-batch estimates activations and needs the transformer's shape: "
                         f"give {' '.join(missing)} too (or use --model default).")
-  return params, (shape if args.micro_batch else None), what
+    cfg = None if missing else GPTConfig(seq_len=args.seq_len, d_model=args.hidden,
+                                         n_layers=args.layers, n_heads=args.heads,
+                                         vocab_size=args.vocab_size or 50257)
+  return params, (shape if args.micro_batch else None), what, (cfg if args.micro_batch else None)
 
 
 def _estimate_rows(args: argparse.Namespace) -> list[tuple[int, str | None, str | None]]:
@@ -162,19 +186,49 @@ def _print_deepspeed_host(rows: list) -> None:
         "size host memory with the larger figure.")
 
 
+def _print_step_peaks(rows: list, gpt: object, args: argparse.Namespace) -> None:
+  """Each row's compiled step's peak per device (:func:`jzero.analysis.step_memory.step_peak`:
+  the figure ``jzero plan`` prices a candidate at) and its host bytes per node with the layer
+  inputs ``--cpu-checkpointing`` keeps there."""
+  from jzero.analysis.step_memory import step_peak  # noqa: PLC0415
+  from jzero.models.gpt import residual_dtype  # noqa: PLC0415
+
+  ckpt = ("offload" if args.cpu_checkpointing else "block" if args.checkpoint_activations
+          else "none")
+  a = residual_dtype(gpt, estimate_lib.DTYPES[args.precision]).itemsize
+  inputs = (gpt.n_layers * args.micro_batch * gpt.seq_len * gpt.d_model * a
+            if ckpt == "offload" else 0.0)
+  print(f"the step's peak per device (the embedded GPT's compiled step by arithmetic, "
+        f"jzero/analysis/step_memory.py: what jzero plan prices; micro-batch {args.micro_batch} x "
+        f"{args.gradient_accumulation}, checkpointing {ckpt}, activations {a} B):")
+  for e in rows:
+    m = step_peak(e, gpt, micro_batch=args.micro_batch, checkpointing=ckpt, activation_bytes=a)
+    parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(m.parts().items(),
+                                                                   key=lambda kv: -kv[1]))
+    host = e.tier_total("host") + inputs
+    print(f"  {e.name}: {format_bytes(m.peak)} ({m.phase}: {parts}); host "
+          f"{format_bytes(host * e.devices_per_node)}/node")
+
+
 def run_estimate(args: argparse.Namespace) -> int:
   """``jzero estimate``: prints the per-device table and, with ``--budget``, which stage fits.
 
   Raises:
     ConfigError: flags that do not go together (the CLI prints it and exits with status 2).
   """
-  params, act_shape, what = _estimate_inputs(args)
+  params, act_shape, what, gpt = _estimate_inputs(args)
+  if args.gradient_accumulation < 1:
+    raise ConfigError(f"--gradient-accumulation {args.gradient_accumulation}: give 1 or more "
+                      f"micro-batches per step.")
+  if args.offload_update and not args.offload_optimizer:
+    raise ConfigError("--offload-update says how the offloaded optimizer state is updated: give "
+                      "--offload-optimizer cpu or nvme too.")
   p = PRECISION_BYTES[args.precision]
   k = args.optimizer_bytes
   if k is None:
     k = 8 if args.precision == "fp32" else 12
   acts = 0.0
-  if act_shape:
+  if act_shape and not args.cpu_checkpointing:  # cpu_checkpointing: the inputs on the host
     acts = activation_bytes(args.micro_batch, *act_shape, bytes_per_element=p,
                             checkpointing=args.checkpoint_activations)
   largest = args.largest_layer
@@ -185,11 +239,13 @@ def run_estimate(args: argparse.Namespace) -> int:
   common = dict(param_bytes=p, optimizer_bytes=k, persistence_threshold=args.persistence_threshold,
                 activations=acts, gathered=(largest or 0, 0), prefetch=True,
                 param_buffer_elements=args.buffer_count * args.buffer_size,
-                param_cache_elements=args.max_in_cpu)
+                param_cache_elements=args.max_in_cpu,
+                gradient_accumulation=args.gradient_accumulation)
   if args.hpz < 1 or (args.devices * args.nodes) % args.hpz:
     raise ConfigError(f"--hpz {args.hpz}: the hpZ group must divide the {args.devices * args.nodes} "
                       f"devices (usually --hpz {args.devices}, the devices per node).")
   rows = [estimate(params, s, args.devices, args.nodes, offload_optimizer=o, offload_param=q,
+                   offload_update=args.offload_update if o else None,
                    hpz_partition_size=args.hpz if s == 3 else 1, **common)
           for s, o, q in _estimate_rows(args)]
   first = rows[0]
@@ -202,8 +258,9 @@ def run_estimate(args: argparse.Namespace) -> int:
   if act_shape:
     s, h, layers, heads = act_shape
     print(f"  activations: micro-batch {args.micro_batch} x seq {s}, hidden {h}, {layers} layers, "
-          f"{heads} heads, checkpointing {'on' if args.checkpoint_activations else 'off'}: "
-          f"{format_bytes(acts)} per device")
+          f"{heads} heads, checkpointing "
+          f"{'to the host' if args.cpu_checkpointing else 'on' if args.checkpoint_activations else 'off'}"
+          f": {format_bytes(acts)} per device")
   if any(e.stage == 3 for e in rows):
     print(f"  ZeRO-3 gathers the largest layer ({largest:,} params) and prefetches the next: "
           f"{format_bytes(2 * p * largest)} per device, in the device total" if largest else
@@ -216,6 +273,8 @@ def run_estimate(args: argparse.Namespace) -> int:
   print("per device (host and NVMe: per process; GB = 1e9 bytes):")
   print(format_estimates(rows))
   _print_deepspeed_host(rows)
+  if gpt is not None:
+    _print_step_peaks(rows, gpt, args)
   if args.budget is not None:
     choice = recommend(params, args.budget, args.devices, args.nodes, headroom=args.headroom,
                        host_budget=args.host_budget, **common)

@@ -20,7 +20,8 @@ __all__ = ["Auto", "DType", "DTYPES", "Flag", "AutoFlag", "Size", "AutoSize", "A
            "OffloadParamConfig", "OffloadOptimizerConfig", "LeafModuleConfig", "ZeroConfig", "Fp16Config", "Bf16Config",
            "DataTypesConfig", "OptimizerConfig", "SchedulerConfig",
            "ActivationCheckpointingConfig", "AioConfig", "CheckpointConfig", "TensorBoardConfig",
-           "CsvMonitorConfig", "WandbConfig", "CometConfig", "TrackioConfig"]
+           "CsvMonitorConfig", "WandbConfig", "CometConfig", "TrackioConfig", "CPU_ADAM",
+           "OffloadUpdate"]
 
 Auto = Literal["auto"]
 DType = Literal["fp32", "fp16", "bf16"]
@@ -28,6 +29,15 @@ DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16),
           "fp16": np.dtype(np.float16)}
 """DeepSpeed's precision names ("fp32", "bf16", "fp16": config.precision, data_types,
 communication_data_type) -> dtypes."""
+
+CPU_ADAM = "cpu_adam"
+"""``zero_optimization.offload_optimizer.update: "cpu_adam"`` (jzero's key): ZeRO-Offload's
+schedule -- each layer's reduced gradient partition leaves the device in the backward pass, the
+optimizer step runs on the host's cores outside the jitted step, the new 16-bit params are
+uploaded. Its memory model: :mod:`jzero.analysis.update_memory`."""
+OffloadUpdate = Literal["stream", "host", "cpu_adam"]
+"""The values of ``offload_optimizer.update`` (:mod:`jzero.tiers.host_optimizer`'s modes and
+:data:`CPU_ADAM`)."""
 
 
 # --- scalar types: JSON numbers and booleans, checked the way a DeepSpeed user expects ---------
@@ -183,7 +193,7 @@ class OffloadOptimizerConfig(_Block):
   cpuadam_cores_perc: AutoFraction = 0.8
   # jzero's own key (not DeepSpeed's): how the host-resident state is updated
   # (jzero.tiers.host_optimizer).
-  update: Literal["stream", "host", "cpu_adam"] | None = None  # None: jzero.tiers.host_optimizer.DEFAULT_UPDATE
+  update: OffloadUpdate | None = None  # None: jzero.tiers.host_optimizer.DEFAULT_UPDATE
   # jzero's own key: ZeRO-Offload's one-step delayed parameter update (jzero.tiers.delayed).
   delayed_update: Flag = False
   # jzero's own key: plain steps before the delayed update starts (the paper's warm-up).

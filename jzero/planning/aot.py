@@ -234,19 +234,27 @@ def _state_bytes(engine: Any, state: Any) -> dict[str, int]:
   return out
 
 
-def _estimate(engine: Any, state: Any, gpt: Any) -> dict[str, float]:
-  """The estimator's per-device prediction for the same model, by kind (+ activations)."""
+def _bytes_per_param(engine: Any, state: Any) -> tuple[float, float]:
+  """Bytes per parameter of the state's fp32 master and of its optimizer state (K = their sum)."""
   import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
-  from jzero.analysis import estimate  # noqa: PLC0415
-
-  plan, zero = engine.plan, engine.config.zero_optimization
+  plan = engine.plan
   numel = sum(math.prod(plan.state_shape(l)) for l in plan.leaf_list())
   nbytes = lambda x: math.prod(x.shape) * np.dtype(x.dtype).itemsize  # noqa: E731
   master_k = sum(nbytes(x) for x in jax.tree.leaves(state.master)) / numel
   opt_k = sum(nbytes(x) for x in jax.tree.leaves(state.opt_state) if len(x.shape)) / numel
+  return master_k, opt_k
+
+
+def _estimate(engine: Any, state: Any, gpt: Any) -> dict[str, float]:
+  """The estimator's per-device prediction for the same model, by kind (+ activations)."""
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from jzero.analysis import estimate  # noqa: PLC0415
+
+  plan, zero = engine.plan, engine.config.zero_optimization
+  master_k, opt_k = _bytes_per_param(engine, state)
   itemsize = jnp.dtype(plan.compute_dtype).itemsize
   activations = 0.0
   checkpointing = engine.config.activation_checkpointing
@@ -272,32 +280,44 @@ def _estimate(engine: Any, state: Any, gpt: Any) -> dict[str, float]:
 
 
 def _step_estimate(engine: Any, state: Any, gpt: Any) -> float:
-  """The arithmetic's peak for this step (:func:`jzero.analysis.step_memory.step_memory`): the
-  plan's persistent state as this compile places it, the GPT's shapes; 0 for another model."""
+  """The arithmetic's peak for this step (:func:`jzero.analysis.step_memory.step_peak`, what
+  ``jzero plan`` states for the same config): the estimator's bytes for the plan's leaves with the
+  config's offload and update (K read from the state), the GPT's shapes; 0 for another model."""
   if gpt is None:
     return 0.0
   import jax.numpy as jnp  # noqa: PLC0415
 
-  from jzero.analysis.step_memory import step_memory  # noqa: PLC0415
+  from jzero.analysis.estimate import estimate  # noqa: PLC0415
+  from jzero.analysis.step_memory import step_peak  # noqa: PLC0415
   from jzero.models.gpt import residual_dtype  # noqa: PLC0415
 
   plan, cfg = engine.plan, engine.config
-  held = _state_bytes(engine, state)
-  numel = sum(l.numel for l in plan.leaf_list())
+  zero = cfg.zero_optimization
   n = engine.mesh.zero_size
+  k = sum(_bytes_per_param(engine, state))
+  def device(block: Any) -> str | None:
+    return None if block is None or block.device in ("none", "auto") else block.device
+  opt, param = device(zero.offload_optimizer), device(zero.offload_param)
+  ratio = zero.offload_optimizer.ratio if opt else 1.0
   checkpointing = cfg.activation_checkpointing
   mode = ("none" if checkpointing is None else
           "offload" if checkpointing.cpu_checkpointing else "block")
   compute = jnp.dtype(plan.compute_dtype)
-  return step_memory(
-      gpt, state=held["params"] + held["master"] + held["optimizer"] + held.get("secondary", 0),
-      grad_elements=numel / n if plan.stage >= 2 else numel,
-      micro_batch=cfg.train_micro_batch_size_per_gpu,
-      gradient_accumulation=cfg.gradient_accumulation_steps, checkpointing=mode,
-      stage=plan.stage, param_bytes=compute.itemsize,
-      activation_bytes=residual_dtype(gpt, compute).itemsize,
-      update_elements=numel / n if plan.stage else numel,
-      hpz_secondary=held.get("secondary", 0), quantized_gathers=plan.zeropp.quantized_weights).peak
+  e = estimate(plan.leaf_list(), plan.stage, n, param_bytes=compute.itemsize, optimizer_bytes=k,
+               offload_optimizer=opt, offload_param=param,
+               offload_ratio=1.0 if ratio == "auto" else float(ratio),
+               offload_update=zero.offload_optimizer.update if opt == "cpu" else None,
+               gradient_accumulation=cfg.gradient_accumulation_steps,
+               persistence_threshold=zero.param_persistence_threshold,
+               model_persistence_threshold=zero.model_persistence_threshold,
+               hpz_partition_size=plan.zeropp.hpz, sub_group_size=zero.sub_group_size,
+               delayed_update=bool(opt and zero.offload_optimizer.delayed_update),
+               param_buffer_elements=(zero.offload_param.buffer_count
+                                      * zero.offload_param.buffer_size if param == "nvme" else 0),
+               param_cache_elements=zero.offload_param.max_in_cpu if param == "nvme" else 0)
+  return step_peak(e, gpt, micro_batch=cfg.train_micro_batch_size_per_gpu, checkpointing=mode,
+                   activation_bytes=residual_dtype(gpt, compute).itemsize,
+                   quantized_gathers=plan.zeropp.quantized_weights is not None).peak
 
 
 def compile_for(config: Any, gpu: str = "h100", devices: int = 8, *, advise: bool = False,

@@ -33,6 +33,8 @@ import math
 from typing import Any
 
 from jzero.analysis import estimate as est
+from jzero.analysis import update_memory
+from jzero.config.blocks import CPU_ADAM
 from jzero.errors import ConfigError
 from jzero.planning.cost import Hardware, Resources
 from jzero.sharding import quantization
@@ -40,9 +42,13 @@ from jzero.tiers import registry
 
 __all__ = ["Job", "Candidate", "candidates", "estimated", "Estimated", "gpt_for_params",
            "param_buffer_size",
-           "CHECKPOINTING", "DEFAULT_NVME_PATH"]
+           "CHECKPOINTING", "DEFAULT_NVME_PATH", "STREAMED_UPDATE"]
 
 CHECKPOINTING = ("none", "block", "offload")  # activation checkpointing choices
+# The update of the candidates whose gradients leave the device in the backward pass and whose
+# Adam runs on the host (ZeRO-Offload's schedule, jzero.analysis.update_memory): written into
+# their config as offload_optimizer.update -- the one place the planner names it.
+STREAMED_UPDATE = CPU_ADAM
 DEFAULT_NVME_PATH = "/local_nvme"  # DeepSpeed's tutorials' nvme_path: change it to your drive
 QWZ = "qwz"  # a Candidate.zeropp part: qwZ by DeepSpeed's strategy; "qwz-<name>" by another
 _BUFFER_COUNT = 5  # offload_param.buffer_count, DeepSpeed's default
@@ -51,24 +57,33 @@ _BASE_CONFIG = {"gradient_clipping": 1.0, "steps_per_print": 10,
                                                           "weight_decay": 0.1}}}
 
 
-def _optimizer_offloads() -> list[tuple[str | None, float]]:
-  """(offload_optimizer device, ratio) choices: none, then each registered tier's value whole
-  and, for a tier that honours a ratio (:attr:`jzero.tiers.base.Tier.partial`), half."""
-  out: list[tuple[str | None, float]] = [(None, 1.0)]
+def _optimizer_offloads() -> list[tuple[str | None, float, str | None]]:
+  """(offload_optimizer device, ratio, update) choices: none, then each registered tier's value
+  whole and, for a tier that honours a ratio (:attr:`jzero.tiers.base.Tier.partial`), half, with
+  its own update; the host tier's with its update named (the engine's choice where the config
+  names none depends on the optimizer: :func:`jzero.tiers.host_step.with_default_update`): the
+  streamed update, and whole with the gradients streamed to the host (:data:`STREAMED_UPDATE`,
+  which runs with the host tier only)."""
+  out: list[tuple[str | None, float, str | None]] = [(None, 1.0, None)]
   for value in registry.devices("offload_optimizer"):
-    out.append((value, 1.0))
+    update = update_memory.STREAM if value == "cpu" else None
+    out.append((value, 1.0, update))
     if registry.answering("offload_optimizer", value).partial:
-      out.append((value, 0.5))
+      out.append((value, 0.5, update))
+    if value == "cpu":
+      out.append((value, 1.0, STREAMED_UPDATE))
   return out
 
 
-def _zeropp_choices() -> list[tuple[str, ...]]:
-  """ZeRO++'s combinations: none, hpZ, then qwZ by each planned weight strategy with qgZ, alone
-  and with hpZ."""
+def _zeropp_choices(devices_per_node: int) -> list[tuple[str, ...]]:
+  """ZeRO++'s combinations: none, hpZ (its secondary partition is a node's devices: with two or
+  more per node), then qwZ by each planned weight strategy with qgZ, alone and with hpZ."""
   default = next(iter(quantization.WEIGHTS))
   qwz = [QWZ if name == default else f"{QWZ}-{name}"
          for name, s in quantization.WEIGHTS.items() if s.planned]
-  return ([(), ("hpz",)] + [(q, "qgz") for q in qwz] + [("hpz", q, "qgz") for q in qwz])
+  hpz = devices_per_node >= 2
+  return ([()] + [("hpz",)] * hpz + [(q, "qgz") for q in qwz]
+          + [("hpz", q, "qgz") for q in qwz if hpz])
 
 
 def _zero_infinity_1t() -> Any:
@@ -137,6 +152,12 @@ class Candidate:
   offload_ratio: float = 1.0
   offload_param: str | None = None
   zeropp: tuple[str, ...] = ()
+  offload_update: str | None = None  # None: the engine's default for offload_optimizer
+
+  @property
+  def update(self) -> str | None:
+    """The optimizer offload's update (:mod:`jzero.analysis.update_memory`), None without one."""
+    return self.offload_update or update_memory.default_update(self.offload_optimizer)
 
   @property
   def quantized_weights(self) -> str | None:
@@ -149,13 +170,14 @@ class Candidate:
   @property
   def name(self) -> str:
     """'ZeRO-3 +hpZ+qwZ opt->cpu(0.5) param->nvme ckpt=block mb 2x4' (another qwZ strategy than
-    DeepSpeed's: '+qwZ(int4)')."""
+    DeepSpeed's: '+qwZ(int4)'; an update named in the config: 'opt->cpu[cpu_adam]')."""
     parts = ["DDP" if self.stage == 0 else f"ZeRO-{self.stage}"]
     parts += [f"+qwZ({p[len(QWZ) + 1:]})" if p.startswith(QWZ + "-")
               else f"+{p[:-1]}{p[-1].upper()}" for p in self.zeropp]
     if self.offload_optimizer:
       ratio = f"({self.offload_ratio:g})" if self.offload_ratio != 1 else ""
-      parts.append(f"opt->{self.offload_optimizer}{ratio}")
+      update = f"[{self.offload_update}]" if self.offload_update else ""
+      parts.append(f"opt->{self.offload_optimizer}{ratio}{update}")
     if self.offload_param:
       parts.append(f"param->{self.offload_param}")
     if self.checkpointing != "none":
@@ -177,6 +199,8 @@ class Candidate:
         zero["offload_optimizer"]["ratio"] = self.offload_ratio
       if self.offload_optimizer == "nvme":
         zero["offload_optimizer"]["nvme_path"] = nvme_path
+      if self.offload_update:  # jzero's key (DeepSpeed's config class has no such field)
+        zero["offload_optimizer"]["update"] = self.offload_update
     if self.offload_param:
       zero["offload_param"] = {"device": self.offload_param, "pin_memory": True}
       if self.offload_param == "nvme":
@@ -231,15 +255,17 @@ def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...
   for stage in stages:
     # a partial offload (ratio < 1) is stage 3's only, as in DeepSpeed (jzero's config refuses it)
     allowed = lambda value: offload_tiers is None or value in offload_tiers
-    opts = [(o, r) for o, r in _optimizer_offloads()
+    opts = [(o, r, u) for o, r, u in _optimizer_offloads()
             if o is None or (stage and allowed(o) and (r == 1 or stage == 3))]
     params = [None] + [t for t in registry.devices("offload_param") if stage == 3 and allowed(t)]
-    zeropp = _zeropp_choices() if nodes > 1 and stage == 3 else [()]
-    for (opt, ratio), param, plus, ckpt, mb in itertools.product(opts, params, zeropp,
-                                                                 checkpointing, micro_batches):
+    zeropp = _zeropp_choices(devices // nodes) if nodes > 1 and stage == 3 else [()]
+    for (opt, ratio, update), param, plus, ckpt, mb in itertools.product(
+        opts, params, zeropp, checkpointing, micro_batches):
       if plus and param:  # ZeRO++ gathers device-resident partitions
         continue
-      out.append(Candidate(stage, mb, per_device // mb, ckpt, opt, ratio, param, plus))
+      if update == STREAMED_UPDATE and (per_device // mb != 1 or plus):
+        continue  # the host's Adam takes one micro-batch's gradient, on a mesh of ZeRO axes only
+      out.append(Candidate(stage, mb, per_device // mb, ckpt, opt, ratio, param, plus, update))
   return out
 
 
@@ -257,6 +283,9 @@ class Estimated:
       twin holds more).
     offload_floor: per device, with offload: the update phase's bytes, which a twin's compile
       cannot show (the streamed update holds a leaf's state at a time); 0 without offload.
+    streams_gradients: the gradients leave the device in the backward pass (``"cpu_adam"``): no
+      device twin's compile shows its bytes, which come from ``memory`` where the target's
+      compile cannot place host memory (:func:`jzero.planning.compiled.compiles_offload`).
   """
 
   device_bytes: float
@@ -268,6 +297,7 @@ class Estimated:
   memory: Any = None
   offloaded_bytes: float = 0.0
   offload_floor: float = 0.0
+  streams_gradients: bool = False
 
 
 def _leaves(model: Any) -> list[est.ParamShape]:
@@ -289,35 +319,31 @@ def activation_bytes_of(model: Any, precision: str) -> int:
 def estimated(c: Candidate, job: Job, hw: Hardware, leaves: list | None = None,
               activation_bytes: int | None = None) -> Estimated:
   """Memory and resources of ``c`` by arithmetic (the module docstring): the device bytes of its
-  compiled step (:func:`jzero.analysis.step_memory.step_memory`), host and NVMe bytes per node,
+  compiled step (:func:`jzero.analysis.step_memory.step_peak`), host and NVMe bytes per node,
   and what a step moves. ``leaves`` (:func:`jzero.analysis.estimate.param_shapes` of the model)
   and ``activation_bytes`` (:func:`activation_bytes_of`) save working them out again."""
-  from jzero.analysis.step_memory import step_memory  # noqa: PLC0415
+  from jzero.analysis.step_memory import step_peak  # noqa: PLC0415
 
   m, p, k = job.model, job.param_bytes, job.optimizer_bytes
   leaves = leaves if leaves is not None else _leaves(m)
   a = activation_bytes if activation_bytes is not None else activation_bytes_of(m, job.precision)
   n, per_node = hw.devices, hw.devices_per_node
   hpz = per_node if "hpz" in c.zeropp else 1
-  common = dict(param_bytes=p, optimizer_bytes=k, hpz_partition_size=hpz)
+  gas = c.gradient_accumulation
+  common = dict(param_bytes=p, optimizer_bytes=k, hpz_partition_size=hpz,
+                gradient_accumulation=gas)
   e = est.estimate(leaves, c.stage, per_node, hw.nodes, offload_optimizer=c.offload_optimizer,
                    offload_param=c.offload_param, offload_ratio=c.offload_ratio,
+                   offload_update=c.offload_update,
                    param_buffer_elements=_BUFFER_COUNT * param_buffer_size(m, n),
                    param_cache_elements=1e9, **common)
   twin = est.estimate(leaves, c.stage, per_node, hw.nodes, **common)
   def on_device(x: est.Estimate) -> float:  # the state on the device (gradients: the step's)
     return sum(v for kind, v in x.bytes["device"].items() if kind != "grads")
-  psi = e.num_params
-  largest = max(math.prod(l.shape) for l in leaves)
-  memory = step_memory(
-      m, state=on_device(e), grad_elements=psi / n if c.stage >= 2 else psi,
-      micro_batch=c.micro_batch, gradient_accumulation=c.gradient_accumulation,
-      checkpointing=c.checkpointing, stage=c.stage, param_bytes=p, activation_bytes=a,
-      update_elements=psi / n if c.stage else psi, hpz_secondary=e.secondary,
-      stream_elements=largest / n if c.stage else largest,
-      streamed_update=c.offload_optimizer == "cpu",
-      quantized_gathers=c.quantized_weights is not None)
+  memory = step_peak(e, m, micro_batch=c.micro_batch, checkpointing=c.checkpointing,
+                     activation_bytes=a, quantized_gathers=c.quantized_weights is not None)
   offloaded = on_device(twin) - on_device(e)
+  streams = update_memory.streams_gradients(e.update)
   acts = m.n_layers * c.micro_batch * m.seq_len * m.d_model * a  # the layer inputs, every layer
   psi = e.num_params
   host_acts = acts if c.checkpointing == "offload" else 0.0
@@ -326,7 +352,6 @@ def estimated(c: Candidate, job: Job, hw: Hardware, leaves: list | None = None,
   flops = forward * (3 + (c.checkpointing != "none"))
   shard = psi / n if c.stage else psi
   r = c.offload_ratio if c.offload_optimizer else 0.0
-  gas = c.gradient_accumulation
   ring = (n - 1) / n
   if c.stage == 3:  # forward gather, backward gather, gradient reduce-scatter, per micro-batch
     weights = c.quantized_weights
@@ -345,23 +370,32 @@ def estimated(c: Candidate, job: Job, hw: Hardware, leaves: list | None = None,
       intra, inter = intra + nbytes / 2, inter + nbytes / 4
     else:
       inter += nbytes
-  pcie = r * shard * (p + p)  # gradient partition down, updated params up
+  update = shard * (2 * k + p + p)  # read + write master and moments, read grads, write params
+  nvme = 0.0
+  if streams:  # each micro-batch's partition down (stage 1: the reduced one), new params up
+    g = update_memory.host_gradient_bytes(p, gas)
+    sent = gas if c.stage >= 2 else 1
+    pcie = r * shard * (p * sent if c.stage >= 2 else g) + r * shard * p * (not c.offload_param)
+    if gas > 1 and c.stage >= 2:  # the host sums the micro-batches in fp32
+      update += shard * (g - p) + gas * shard * (p + 8)
+    if c.offload_optimizer == "nvme":  # the gradient the host Adam reads waits in the store
+      nvme += per_node * r * shard * (2 * g if gas == 1 else 8 * gas)
+  else:
+    pcie = r * shard * (p + p)  # gradient partition down, updated params up
   if c.offload_param:
     pcie += gas * 2 * p * (psi - e.persistent_params) / n  # each layer's partition, fwd and bwd
   pcie += 2 * host_acts * gas
-  update = shard * (2 * k + p + p)  # read + write master and moments, read grads, write params
-  nvme = 0.0
   if c.offload_optimizer == "nvme":
     nvme += per_node * r * shard * 2 * k
   if c.offload_param == "nvme":
-    nvme += per_node * e.tier_total("nvme") * gas * 2
+    nvme += per_node * e.bytes["nvme"]["params"] * gas * 2  # read in the forward and backward
   resources = Resources(
       flops=flops, memory_bytes=(1 - r) * update, intra_node_bytes=intra,
       inter_node_bytes=inter, overlap=1.0 if c.stage == 3 else 0.0, pcie_bytes=pcie,
       host_update_bytes=per_node * r * update, nvme_traffic=nvme, source="estimator")
-  # jzero keeps the gradients on the device under every offload: none of them on the host
-  host = (e.tier_total("host") - e.bytes["host"]["grads"]) * per_node + per_node * host_acts
+  host = e.tier_total("host") * per_node + per_node * host_acts
   return Estimated(device_bytes=memory.peak, host_bytes=host,
                    nvme_bytes=e.tier_total("nvme") * per_node, resources=resources, estimate=e,
                    host_update_share=r * update, memory=memory, offloaded_bytes=offloaded,
-                   offload_floor=memory.update_phase if offloaded else 0.0)
+                   offload_floor=memory.update_phase if offloaded else 0.0,
+                   streams_gradients=streams)

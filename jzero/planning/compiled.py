@@ -14,16 +14,21 @@ compute -- over the step and inside the gradient-accumulation loop
 target's memory fraction has (:func:`jzero.planning.aot.compile_once`), so the fraction is part of
 the cache key.
 
-Offload on a GPU target: XLA's compile-only GPU devices list no memory spaces, so a deviceless
-compile cannot place ``pinned_host`` arguments, and a candidate that offloads optimizer state or
-parameters is compiled as its *device twin* (the same step with that offload removed: the same
-collectives and FLOPs). Its device bytes are derived from the twin's compile
-(:func:`jzero.planning.search.plan_for`): the twin's peak less the state the offload keeps on the
-host, or the arithmetic's update phase if larger (the streamed update, which the twin does not
-run), and the plan's table labels them "twin - offload", never as the twin's peak.
-``cpu_checkpointing`` needs no twin: the compile keeps the layer inputs in host memory itself.
-Host and NVMe bytes and the PCIe / NVMe streams always come from the arithmetic
-(:mod:`jzero.planning.candidates`).
+Offload (:func:`program_config`): XLA's compile-only GPU devices list no memory spaces, so a
+deviceless compile cannot place ``pinned_host`` arguments, and on a GPU target a candidate that
+offloads optimizer state or parameters is compiled as its *device twin* (the same step with that
+offload removed: the same collectives and FLOPs). Its device bytes are derived from the twin's
+compile (:func:`jzero.planning.search.plan_for`): the twin's peak less the state the offload keeps
+on the host, or the arithmetic's update phase if larger (the streamed update, which the twin does
+not run), labelled "twin - offload", never as the twin's peak. A candidate whose gradients leave
+the device in the backward pass (``"cpu_adam"``) has no twin whose program holds what it holds:
+its device bytes are the memory model's (:func:`jzero.analysis.step_memory.step_peak`), labelled
+so, and the twin's compile gives its FLOPs and collectives. Compile-only TPU chips keep memory
+kinds (:func:`compiles_offload`): there a candidate with host-memory offload is compiled as it is
+and its device bytes are its compile's HBM peak; one with state on NVMe (a store a compile-only
+target does not open) is compiled as its twin. ``cpu_checkpointing`` needs no twin: the compile
+keeps the layer inputs in host memory itself. Host and NVMe bytes and the PCIe / NVMe streams
+always come from the arithmetic (:mod:`jzero.planning.candidates`).
 
 Compiles are cached as small JSON files keyed by the config, the target, the model's shape and
 the jax / jzero versions (``cache_dir``; default ``$JZERO_CACHE_DIR`` or
@@ -41,7 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Compiled", "compile_candidate", "device_twin", "default_cache_dir"]
+__all__ = ["Compiled", "compile_candidate", "device_twin", "default_cache_dir", "compiles_offload",
+           "program_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +79,24 @@ def device_twin(config: dict) -> dict:
   zero = {k: v for k, v in config["zero_optimization"].items()
           if k not in ("offload_optimizer", "offload_param")}
   return dict(config, zero_optimization=zero)
+
+
+def compiles_offload(target: str) -> bool:
+  """The target's compile places host-memory arguments: this process's CPU devices and
+  compile-only TPU chips do, XLA's compile-only GPUs do not (they list no memory spaces)."""
+  return target == "cpu" or target.startswith("tpu:")
+
+
+def program_config(config: dict, target: str) -> dict:
+  """The config whose step ``target`` compiles for ``config``: itself where the compile places
+  host memory (:func:`compiles_offload`) -- on a TPU target unless it keeps state on NVMe --,
+  else its :func:`device_twin`."""
+  if target == "cpu":
+    return config
+  zero = config["zero_optimization"]
+  on_nvme = any((zero.get(block) or {}).get("device") == "nvme"
+                for block in ("offload_optimizer", "offload_param"))
+  return config if compiles_offload(target) and not on_nvme else device_twin(config)
 
 
 def _key(config: dict, target: str, devices: int, nodes: int, model: Any,
@@ -150,10 +174,9 @@ def compile_candidate(config: dict, target: str, devices: int, nodes: int, model
                       cache_dir: Path | None = None, memory_fraction: float = 0.75) -> Compiled:
   """The compiled step of ``config`` on ``target`` ("cpu": this process's devices; else a
   ``--gpu`` name for :func:`jzero.planning.aot.compile_for`, scheduled for a run that may use
-  ``memory_fraction`` of the part's memory), from the cache when it is there. A GPU target
-  compiles the config's :func:`device_twin`."""
-  if target != "cpu":
-    config = device_twin(config)
+  ``memory_fraction`` of the part's memory), from the cache when it is there. The config
+  compiled is :func:`program_config`'s (a GPU target's: the device twin)."""
+  config = program_config(config, target)
   cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
   path = cache / f"{_key(config, target, devices, nodes, model, memory_fraction)}.json"
   if path.is_file():

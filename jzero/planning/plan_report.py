@@ -18,7 +18,7 @@ from jzero.analysis.tables import format_bytes, format_count, html_table, text_t
 from jzero.planning.cost import MEM_FRACTION_ENV, describe_constants
 
 __all__ = ["plan_rows", "format_plan", "html_plan", "plan_json", "why_chosen", "stage_lines",
-           "budget_line", "search_line", "HEADER"]
+           "budget_line", "search_line", "estimate_command", "HEADER"]
 
 HEADER = ["#", "candidate", "status", "device/dev", "est/compiled", "device from", "host/node",
           "NVMe/node", "intra-node/dev", "inter-node/dev", "PCIe/dev", "FLOPs/dev", "overlap",
@@ -124,9 +124,9 @@ def why_chosen(plan: Any) -> str:
               f"predicted to fit were not compiled, the fastest {untried[0].name} "
               f"({format_bytes(untried[0].device_bytes)} per device by estimate, of {usable} "
               f"usable). Raise --time-budget.")
-    return (f"Nothing fits: every candidate is pruned or over memory ({usable} usable per "
-            f"device), each with its numbers in the table and the line per stage above. More "
-            f"devices or nodes, host memory or NVMe, or a smaller batch would help.")
+    head = (f"Nothing fits: every candidate is pruned or over memory ({usable} usable per "
+            f"device), each with its numbers in the table and the line per stage above.")
+    return f"{head} {plan.what_would_help}"
   if second is None:
     return (f"{best.name} is the only candidate that fits: {format_bytes(best.device_bytes)} of "
             f"{usable} usable per device; predicted {best.prediction.seconds:.4g} s.")
@@ -189,7 +189,44 @@ def format_plan(plan: Any, limit: int | None = None) -> str:
   if len(shown) < len(rows):
     lines.append(f"  ... {len(rows) - len(shown)} more (--all shows them)")
   lines += ["", f"chosen: {plan.chosen.name if plan.chosen else 'none'}", why_chosen(plan)]
+  command = estimate_command(plan)
+  if command:
+    lines += [f"the same configuration by the estimator (its step's peak per device): {command}"]
   return "\n".join(lines)
+
+
+def estimate_command(plan: Any, row: Any = None) -> str | None:
+  """The ``jzero estimate`` command that prices ``row`` (default: the chosen one) with the same
+  memory model -- model states by tier, the step's peak per device, host bytes per node -- or
+  None where its flags cannot say the row (a GPT shape other than the default model's kind, a
+  qwZ candidate)."""
+  from jzero.planning.candidates import _BUFFER_COUNT, param_buffer_size  # noqa: PLC0415
+
+  row = row if row is not None else plan.chosen
+  m, job, hw = plan.job.model, plan.job, plan.hardware
+  plain = (m.mlp_dim is None and m.mlp_ratio == 4 and not m.gated_mlp and m.tie_embeddings
+           and not m.lora_rank)
+  if row is None or not plain or row.candidate.quantized_weights:
+    return None
+  c = row.candidate
+  flags = [f"--model default --layers {m.n_layers} --hidden {m.d_model} --heads {m.n_heads} "
+           f"--seq-len {m.seq_len} --vocab-size {m.vocab_size}",
+           f"--devices {hw.devices_per_node} --nodes {hw.nodes} --precision {job.precision} "
+           f"--stage {c.stage}"]
+  if c.offload_optimizer:
+    flags.append(f"--offload-optimizer {c.offload_optimizer}"
+                 + (f" --offload-update {c.offload_update}" if c.offload_update else ""))
+  if c.offload_param:
+    flags.append(f"--offload-param {c.offload_param}")
+    if c.offload_param == "nvme":
+      flags.append(f"--buffer-count {_BUFFER_COUNT} "
+                   f"--buffer-size {param_buffer_size(m, hw.devices)} --max-in-cpu 1000000000")
+  if "hpz" in c.zeropp:
+    flags.append(f"--hpz {hw.devices_per_node}")
+  flags.append(f"--micro-batch {c.micro_batch} --gradient-accumulation {c.gradient_accumulation}")
+  flags += {"block": ["--checkpoint-activations"], "offload": ["--cpu-checkpointing"]}.get(
+      c.checkpointing, [])
+  return "jzero estimate " + " ".join(flags)
 
 
 def html_plan(plan: Any) -> str:

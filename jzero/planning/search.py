@@ -39,19 +39,23 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from jzero.errors import ConfigError
+from jzero.errors import ConfigError, JZeroError
 from jzero.planning.candidates import (CHECKPOINTING, Candidate, Estimated, Job, _leaves,
                                        activation_bytes_of, candidates, estimated, gpt_for_params)
-from jzero.planning.compiled import Compiled, compile_candidate, device_twin
+from jzero.planning.compiled import Compiled, compile_candidate, program_config
 from jzero.planning.cost import (DEFAULT_MEM_FRACTION, Hardware, Prediction, Resources,
                                  gpu_hardware, predict, tpu_hardware)
 
 __all__ = ["Row", "Plan", "SearchLog", "plan_for", "DEFAULT_MARGIN", "DEFAULT_COMPILE_TOP",
-           "DEFAULT_TIME_BUDGET"]
+           "DEFAULT_TIME_BUDGET", "MODEL", "MORE_NODES", "remedies"]
 
 DEFAULT_MARGIN = 0.05  # share of the usable memory (device, host, NVMe) a plan leaves free
 DEFAULT_COMPILE_TOP = 1  # candidates compiled at least, least predicted time first
 DEFAULT_TIME_BUDGET = 600.0  # seconds of compiling a search may spend
+# where a streamed-gradient candidate's device bytes come from on a target whose compile cannot
+# place host memory (its twin compiled for FLOPs and collectives)
+MODEL = "model (cpu_adam)"
+MORE_NODES = 64  # when nothing fits, remedies tries up to this many times the nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +73,10 @@ class Row:
     device_from: where ``device_bytes`` comes from: "compiled" (the compiled step's peak),
       "twin - offload" (a GPU target's offload candidate: its device twin's compiled peak less the
       state its offload keeps on the host), "update phase (estimate)" (such a candidate whose
-      update phase, by arithmetic, holds more than that), or "estimate".
+      update phase, by arithmetic, holds more than that), :data:`MODEL` (a candidate whose
+      gradients leave the device in the backward pass, on a target whose compile cannot place
+      host memory: the memory model's bytes, its twin compiled for FLOPs and collectives), or
+      "estimate".
     host_bytes, nvme_bytes: per node (arithmetic).
     parts: the estimate's device bytes by part, of the phase its peak is in
       (:meth:`jzero.analysis.step_memory.StepMemory.parts`).
@@ -94,8 +101,9 @@ class Row:
 
   @property
   def estimate_ratio(self) -> float | None:
-    """Estimate over compiled device bytes (None: not compiled)."""
-    return self.estimate_bytes / self.device_bytes if self.compiled and self.device_bytes else None
+    """Estimate over compiled device bytes (None: not compiled, or device bytes from the model)."""
+    measured = self.compiled and self.device_from != MODEL
+    return self.estimate_bytes / self.device_bytes if measured and self.device_bytes else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +138,7 @@ class Plan:
   margin: float
   rows: list[Row]
   search: SearchLog | None = None
+  remedies: tuple[str, ...] | None = None  # when nothing fits: what would (:func:`remedies`)
 
   @property
   def usable(self) -> float:
@@ -145,6 +154,15 @@ class Plan:
   @property
   def chosen(self) -> Row | None:
     return self.ranked[0] if self.ranked else None
+
+  @property
+  def what_would_help(self) -> str:
+    """When nothing fits: the :attr:`remedies` as a sentence, or that none was found."""
+    if not self.remedies:
+      return (f"By the same arithmetic, no more host memory or NVMe, no batch of one sequence "
+              f"per device and no more nodes (up to {MORE_NODES} times as many) would make one "
+              f"fit.")
+    return "By the same arithmetic, a candidate would fit with " + "; or ".join(self.remedies) + "."
 
   @property
   def runner_up(self) -> Row | None:
@@ -225,14 +243,17 @@ def _with_compiled(e: Estimated, c: Compiled) -> Resources:
                              source="compiled")
 
 
-def _compiled_device(e: Estimated, c: Compiled, target: str) -> tuple[float, str]:
-  """(device bytes, how obtained) of a compiled candidate: the compiled peak; or on a GPU target,
-  for a candidate that offloads state (compiled as its device twin, which holds that state on
-  the device), the twin's compiled peak less the state its offload keeps on the host -- or the
-  arithmetic's update phase, if larger: the streamed update, which the twin does not run
-  (:class:`jzero.planning.candidates.Estimated`)."""
-  if target == "cpu" or not e.offloaded_bytes:
+def _compiled_device(e: Estimated, c: Compiled, as_is: bool) -> tuple[float, str]:
+  """(device bytes, how obtained) of a compiled candidate: the compiled peak where its own config
+  was compiled (``as_is``) or it offloads nothing; else (compiled as its device twin, which holds
+  the offloaded state on the device) for a candidate whose gradients leave the device in the
+  backward pass, the memory model's bytes (:data:`MODEL`); for another, the twin's compiled peak
+  less the state its offload keeps off the device -- or the arithmetic's update phase, if larger:
+  the streamed update, which the twin does not run (:class:`jzero.planning.candidates.Estimated`)."""
+  if as_is or not e.offloaded_bytes:
     return c.peak, "compiled"
+  if e.streams_gradients:
+    return e.device_bytes, MODEL
   twin = c.peak - e.offloaded_bytes
   return (twin, "twin - offload") if twin >= e.offload_floor else (e.offload_floor,
                                                                    "update phase (estimate)")
@@ -336,19 +357,88 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
     log = dataclasses.replace(log, stop="shortfall")
   compiling = compile and compile_top > 0
   rows = [_row(cand, e, problem, pred, compiled.get(_twin_key(cand, job, hardware, target)),
-               hardware, target, margin, compiling) for cand, e, problem, pred in priced]
+               job, hardware, target, margin, compiling) for cand, e, problem, pred in priced]
   order = {"fits": 0, "not compiled": 1, "too big": 2, "compile failed": 3, "pruned": 4}
   rows.sort(key=lambda r: (order[r.status], round(r.prediction.seconds, 9),
                            sum(r.prediction.terms.values()), r.device_bytes))
   untried = sum(r.status == "not compiled" for r in rows)
   log = dataclasses.replace(log, untried=untried)
-  return Plan(job=job, hardware=hardware, target=target, margin=margin, rows=rows, search=log)
+  helps = None
+  if not any(r.status in ("fits", "not compiled") for r in rows):
+    narrow = dict(stages=stages, micro_batches=micro_batches, offload_tiers=offload_tiers,
+                  checkpointing=checkpointing)
+    helps = remedies(job, hardware, margin, leaves, act_bytes,
+                     nodes="slices" if target.startswith("tpu:") else "nodes", **narrow)
+  return Plan(job=job, hardware=hardware, target=target, margin=margin, rows=rows, search=log,
+              remedies=helps)
+
+
+def remedies(job: Job, hw: Hardware, margin: float, leaves: list, act_bytes: int,
+             nodes: str = "nodes", **narrow: Any) -> tuple[str, ...]:
+  """What would make a candidate of ``job`` fit where none does, each checked by the same
+  arithmetic the search prices with (the plan's closing hint says these and nothing else): more
+  host memory or NVMe per node (the least that lets a candidate whose device bytes fit), both,
+  more nodes of this kind (up to :data:`MORE_NODES` times; the sequences per device kept), or a
+  global batch of one sequence per device. ``nodes``: what a node is called ("slices" for a TPU
+  target, whose flag is ``--slices``); ``narrow``: :func:`candidates`' filters."""
+  from jzero.analysis.tables import format_bytes as fb  # noqa: PLC0415
+
+  def price(j: Job, h: Hardware) -> list[tuple[Candidate, Estimated]]:
+    micro = narrow["micro_batches"]
+    if micro is not None and (j.global_batch // h.devices) % max(micro):
+      micro = None
+    return [(c, estimated(c, j, h, leaves, act_bytes))
+            for c in candidates(j, h.devices, h.nodes, **{**narrow, "micro_batches": micro})]
+
+  def fitting(j: Job, h: Hardware) -> list[Candidate]:
+    return [c for c, e in price(j, h)
+            if not _fit_problem(e.device_bytes, e.host_bytes, e.nvme_bytes, h, margin, "")]
+
+  usable = hw.usable_device_memory * (1 - margin)
+  host_cap, nvme_cap = (hw.host_memory.value * (1 - margin), hw.nvme_bytes.value * (1 - margin))
+  priced = price(job, hw)
+  on_device = [(c, e) for c, e in priced if e.device_bytes <= usable]
+  out = []
+  need = lambda nbytes: fb(nbytes / (1 - margin))  # noqa: E731 -- the budget before the margin
+  host_only = [(c, e) for c, e in on_device if e.nvme_bytes <= nvme_cap]
+  if host_only:
+    c, e = min(host_only, key=lambda ce: ce[1].host_bytes)
+    out.append(f"{need(e.host_bytes)} of host memory per node (--host-memory): {c.name}")
+  nvme_only = [(c, e) for c, e in on_device if e.host_bytes <= host_cap]
+  if nvme_only:
+    c, e = min(nvme_only, key=lambda ce: ce[1].nvme_bytes)
+    out.append(f"{need(e.nvme_bytes)} of NVMe per node (--nvme): {c.name}")
+  if on_device and not host_only and not nvme_only:
+    c, e = min(on_device, key=lambda ce: (ce[1].host_bytes, ce[1].nvme_bytes))
+    out.append(f"{need(e.host_bytes)} of host memory and {need(e.nvme_bytes)} of NVMe per node: "
+               f"{c.name}")
+  if job.global_batch > hw.devices:
+    small = fitting(dataclasses.replace(job, global_batch=hw.devices), hw)
+    if small:
+      out.append(f"a global batch of {hw.devices}, one sequence per device (--global-batch): "
+                 f"{small[0].name}")
+  per_device, count = job.global_batch // hw.devices, hw.nodes * 2
+  while count <= hw.nodes * MORE_NODES:
+    more = dataclasses.replace(hw, nodes=count)
+    fits = fitting(dataclasses.replace(job, global_batch=per_device * more.devices), more)
+    if fits:
+      out.append(f"{count} {nodes} of this kind ({more.devices} devices, --{nodes}): "
+                 f"{fits[0].name}")
+      break
+    count *= 2
+  return tuple(out)
 
 
 def _twin_key(cand: Candidate, job: Job, hw: Hardware, target: str) -> str:
   """Candidates with the same key compile to the same device program."""
   config = cand.deepspeed_config(job, hw.devices, devices_per_node=hw.devices_per_node)
-  return json.dumps(config if target == "cpu" else device_twin(config), sort_keys=True)
+  return json.dumps(program_config(config, target), sort_keys=True)
+
+
+def _as_is(cand: Candidate, job: Job, hw: Hardware, target: str) -> bool:
+  """The target compiles the candidate's own config, offload included (not its device twin)."""
+  config = cand.deepspeed_config(job, hw.devices, devices_per_node=hw.devices_per_node)
+  return program_config(config, target) is config
 
 
 def _compile_in_order(queue: list, job: Job, hw: Hardware, target: str, gpt: Any, margin: float,
@@ -382,12 +472,12 @@ def _compile_in_order(queue: list, job: Job, hw: Hardware, target: str, gpt: Any
                                           cache_dir=cache_dir,
                                           memory_fraction=hw.memory_fraction.value)
       except Exception as err:  # noqa: BLE001 -- XLA refusing one program ends no search
-        compiled[key] = CompileFailure(_first_line(err))
+        compiled[key] = CompileFailure(_first_line(err), isinstance(err, JZeroError))
     c = compiled[key]
     if isinstance(c, CompileFailure):
       say(f"  {cand.name}: compile failed ({c.error})")
       continue
-    device, how = _compiled_device(e, c, target)
+    device, how = _compiled_device(e, c, _as_is(cand, job, hw, target))
     fits = not _fit_problem(device, e.host_bytes, e.nvme_bytes, hw, margin, how)
     say(f"  {cand.name}: {format_bytes(device)} ({how}{', cached' if c.cached else ''}) -> "
         f"{'fits' if fits else 'too big'}")
@@ -401,23 +491,33 @@ def _compile_in_order(queue: list, job: Job, hw: Hardware, target: str, gpt: Any
 
 @dataclasses.dataclass(frozen=True)
 class CompileFailure:
-  """A candidate's device program XLA did not compile (its error's first line)."""
+  """A candidate's device program XLA did not compile, or jzero refused to build (its error's
+  first line)."""
 
   error: str
+  refused: bool = False  # jzero refused the config (a JZeroError), before XLA saw a program
+
+  @property
+  def reason(self) -> str:
+    return f"{'jzero refused its config' if self.refused else 'XLA did not compile it'}: {self.error}"
 
 
 def _first_line(err: BaseException) -> str:
-  text = str(err).strip().splitlines()
+  """The error's first line (with the next one when the first only introduces it), at most 160
+  characters."""
+  text = [line.strip() for line in str(err).strip().splitlines()]
   line = text[0] if text else type(err).__name__
+  if line.endswith(":") and len(text) > 1:
+    line = f"{line} {text[1]}"
   return line if len(line) <= 160 else line[:157] + "..."
 
 
 def _row(cand: Candidate, e: Estimated, problem: str, pred: Prediction,
-         c: Compiled | CompileFailure | None, hw: Hardware, target: str, margin: float,
+         c: Compiled | CompileFailure | None, job: Job, hw: Hardware, target: str, margin: float,
          compiling: bool) -> Row:
   """A candidate's row; without compiling, one predicted to fit "fits" by its estimate."""
   if isinstance(c, CompileFailure):
-    reason = "; ".join(filter(None, [problem, f"XLA did not compile it: {c.error}"]))
+    reason = "; ".join(filter(None, [problem, c.reason]))
     return Row(cand, "compile failed", reason, e.device_bytes, e.host_bytes,
                e.nvme_bytes, e.resources, pred, estimate_bytes=e.device_bytes,
                parts=e.memory.parts())
@@ -425,7 +525,7 @@ def _row(cand: Candidate, e: Estimated, problem: str, pred: Prediction,
     status = "pruned" if problem else ("not compiled" if compiling else "fits")
     return Row(cand, status, problem, e.device_bytes, e.host_bytes, e.nvme_bytes, e.resources,
                pred, estimate_bytes=e.device_bytes, parts=e.memory.parts())
-  device, how = _compiled_device(e, c, target)
+  device, how = _compiled_device(e, c, _as_is(cand, job, hw, target))
   problem = _fit_problem(device, e.host_bytes, e.nvme_bytes, hw, margin, how)
   resources = _with_compiled(e, c)
   return Row(cand, "too big" if problem else "fits", problem, device, e.host_bytes, e.nvme_bytes,

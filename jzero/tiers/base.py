@@ -181,8 +181,8 @@ class Tier:
     moves ``share`` of its category's bytes from ``tiers["device"]`` to the tier's column in
     ``tiers`` (tier column -> category -> bytes), in place. ``numbers``: the estimate's inputs
     (:class:`jzero.analysis.estimate.Numbers`). The default moves the block's category
-    ("optimizer" for ``offload_optimizer`` with the gradient partition the update reads, "params"
-    for ``offload_param``) whole into :attr:`memory`."""
+    ("optimizer" for ``offload_optimizer``, "params" for ``offload_param``) whole into
+    :attr:`memory`; where the gradients are is the update's (:mod:`jzero.analysis.update_memory`)."""
     move_offloaded(block, cls.memory, share, numbers, tiers)
 
   # -- run time --------------------------------------------------------------------------------
@@ -246,17 +246,13 @@ class Tier:
 
 def move_offloaded(block: str, column: str, share: float, numbers: Any, tiers: dict) -> None:
   """The plain offload rule (:meth:`Tier.estimate`): ``offload_optimizer`` moves ``share`` of the
-  optimizer state (and of the gradient partition its update reads, to the host: ZeRO-Offload's
-  copy) into ``column``; ``offload_param`` moves stage 3's partitioned params."""
+  optimizer state into ``column``; ``offload_param`` moves stage 3's partitioned params."""
   device = tiers["device"]
   tiers.setdefault(column, {})
   tiers.setdefault("host", {})
   if block == "offload_optimizer":
     tiers[column]["optimizer"] = tiers[column].get("optimizer", 0.0) + share * numbers.optimizer
     device["optimizer"] = (1 - share) * numbers.optimizer
-    tiers["host"]["grads"] = tiers["host"].get("grads", 0.0) + share * numbers.grad_partition
-    device["grads"] = (numbers.grads_local if numbers.stage == 1
-                       else (1 - share) * numbers.grad_partition)
   elif block == "offload_param":
     tiers[column]["params"] = tiers[column].get("params", 0.0) + numbers.param_partition
     device["params"] = numbers.persistent

@@ -66,32 +66,46 @@ def test_categories_follow_the_partitioning():
 
 
 # -- offload ---------------------------------------------------------------------------------------
-def test_optimizer_offload_moves_optimizer_and_gradient_partition_to_the_host():
-  zero2 = estimate(7e9, 2, 8, offload_optimizer="cpu")
-  assert zero2.bytes["device"] == {"params": 14 * GB, "grads": 0, "optimizer": 0}  # DeepSpeed: 2Ψ
-  assert zero2.bytes["host"] == {"params": 0, "grads": 1.75 * GB, "optimizer": 10.5 * GB}
-  assert zero2.tier_total("host") == 12.25 * GB and zero2.host_per_node == 98 * GB
+def test_optimizer_offload_moves_the_optimizer_state_and_the_update_places_the_gradients():
+  """The tier's rule moves the optimizer state; where the gradients are is the update's
+  (jzero/analysis/update_memory.py; tests/analysis/test_update_memory.py has every mode): the
+  streamed update, the host tier's default, keeps the gradient partition on the device."""
+  zero2 = estimate(7e9, 2, 8, offload_optimizer="cpu", offload_update="stream")
+  assert zero2.bytes["device"] == {"params": 14 * GB, "grads": 1.75 * GB, "optimizer": 0}
+  assert zero2.bytes["host"] == {"params": 0, "grads": 0, "optimizer": 10.5 * GB}
+  assert zero2.tier_total("host") == 10.5 * GB and zero2.host_per_node == 84 * GB
   assert zero2.tier_total("nvme") == 0
-  zero1 = estimate(7e9, 1, 8, offload_optimizer="cpu")  # the full local gradient stays
-  assert zero1.model_states == 28 * GB and zero1.tier_total("host") == 12.25 * GB
-  zero3 = estimate(7e9, 3, 8, offload_optimizer="nvme")
-  assert zero3.bytes["device"] == {"params": 1.75 * GB, "grads": 0, "optimizer": 0}
-  assert zero3.tier_total("host") == 1.75 * GB and zero3.tier_total("nvme") == 10.5 * GB
+  zero1 = estimate(7e9, 1, 8, offload_optimizer="cpu", offload_update="stream")
+  assert zero1.model_states == 28 * GB and zero1.tier_total("host") == 10.5 * GB
+  # ZeRO-Offload's schedule: the gradients leave the device (DeepSpeed's 2Ψ there), the host holds
+  # the arriving gradient partition and the new params beside the optimizer state
+  adam = estimate(7e9, 2, 8, offload_optimizer="cpu", offload_update="cpu_adam")
+  assert adam.bytes["device"] == {"params": 14 * GB, "grads": 0, "optimizer": 0}
+  assert adam.bytes["host"] == {"params": 1.75 * GB, "grads": 1.75 * GB, "optimizer": 10.5 * GB}
+  zero3 = estimate(7e9, 3, 8, offload_optimizer="nvme")  # the NVMe store's own update
+  assert zero3.update == "store"
+  assert zero3.bytes["device"] == {"params": 1.75 * GB, "grads": 1.75 * GB, "optimizer": 0}
+  # one update group (sub_group_size 1e9 > the 875M partition) passes through host memory
+  assert zero3.tier_total("host") == 10.5 * GB and zero3.tier_total("nvme") == 10.5 * GB
 
 
 def test_param_offload_leaves_only_persistent_params_on_the_device():
-  infinity = estimate(7e9, 3, 8, offload_optimizer="cpu", offload_param="nvme")
-  assert infinity.model_states == 0
+  infinity = estimate(7e9, 3, 8, offload_optimizer="cpu", offload_param="nvme",
+                      offload_update="cpu_adam")
+  assert infinity.model_states == 0  # a count alone: no layer whose gradient is in flight
+  # optimizer 10.5 + the gradient partition 1.75 (the new params go to the store)
   assert infinity.tier_total("host") == 12.25 * GB and infinity.tier_total("nvme") == 1.75 * GB
   leaves = [ParamShape((1000, 1000)), ParamShape((10,))]
-  persistent = estimate(leaves, 3, 8, offload_optimizer="cpu", offload_param="cpu")
+  persistent = estimate(leaves, 3, 8, offload_optimizer="cpu", offload_param="cpu",
+                        offload_update="stream")
   assert persistent.bytes["device"]["params"] == 2 * 10
   assert persistent.bytes["host"]["params"] == 2 * 1_000_000 / 8
-  # ZeRO-3 params + optimizer on the host, 2 nodes x 8: 16Ψ/nodes per node (DeepSpeed: 18Ψ/nodes
-  # x 1.5, which adds fp32 gradients and a buffer factor).
-  assert estimate(7e9, 3, 8, 2, offload_optimizer="cpu", offload_param="cpu").host_per_node == (
-      16 * 7e9 / 2)
-  assert infinity.name == "ZeRO-3 + optimizer->cpu, params->nvme"
+  # ZeRO-3 params + optimizer on the host, 2 nodes x 8, ZeRO-Offload's schedule: 18Ψ/nodes per
+  # node (params, the new params, the gradient, 12 of optimizer state), DeepSpeed's 18Ψ/nodes
+  # before its buffer factor of 1.5
+  assert estimate(7e9, 3, 8, 2, offload_optimizer="cpu", offload_param="cpu",
+                  offload_update="cpu_adam").host_per_node == 18 * 7e9 / 2
+  assert infinity.name == "ZeRO-3 + optimizer->cpu (cpu_adam), params->nvme"
 
 
 def test_params_on_nvme_keep_max_in_cpu_and_the_staging_buffers_on_the_host():
@@ -175,10 +189,14 @@ def test_recommend_smallest_stage_that_fits_with_headroom(budget, name):
 def test_recommend_headroom_and_host_budget():
   assert estimator.recommend(7e9, 15 * GB, 8, headroom=0).choice.name == "ZeRO-3"  # 14 GB
   assert estimator.recommend(7e9, 15 * GB, 8).choice.name == "ZeRO-3 + optimizer->cpu"  # 13.5 usable
-  # ZeRO-3 + optimizer->cpu needs 98 GB of host per node, params too 112 GB; the optimizer on NVMe
-  # with the params on the host leaves (2 + 2)Ψ/N x 8 = 28 GB there.
-  rec = estimator.recommend(7e9, 12 * GB, 8, host_budget=100 * GB)
-  assert rec.choice.name == "ZeRO-3 + optimizer->nvme, params->cpu"
+  # 10.8 GB usable: ZeRO-2 keeps its 14 GB of params; ZeRO-3 + optimizer->cpu (the streamed
+  # update, gradients on the device: 3.5 GB) needs 84 GB of host per node, the host Adam 112 GB
+  # (it holds the gradient and the new params there too); the optimizer on NVMe with the params
+  # on the host leaves (2 + 2)Ψ/N x 8 = 28 GB there and the update group (12 B x 875M) x 8
+  assert estimator.recommend(7e9, 12 * GB, 8, host_budget=100 * GB).choice.name == (
+      "ZeRO-3 + optimizer->cpu")
+  rec = estimator.recommend(7e9, 12 * GB, 8, host_budget=80 * GB)
+  assert rec.choice is None
 
 
 def test_recommend_when_nothing_fits():
@@ -272,8 +290,8 @@ def test_cli_classic_tables(capsys):
 
 
 def test_cli_offload_budget_and_model(capsys):
-  out = _run("--params 7B --offload-optimizer cpu --budget 12GB", capsys)
-  assert "ZeRO-2 + optimizer->cpu" in out and "12.25 GB" in out and "98.00 GB" in out
+  out = _run("--params 7B --offload-optimizer cpu --offload-update stream --budget 12GB", capsys)
+  assert "ZeRO-2 + optimizer->cpu" in out and "10.50 GB" in out and "84.00 GB" in out
   assert "DDP (stage 0)" in out and "ZeRO-1 + optimizer->cpu" in out
   assert "which stage? ZeRO-3 + optimizer->cpu fits" in out
   out = _run("--model default --stage 3 --precision fp32 --micro-batch 4", capsys)
@@ -296,10 +314,11 @@ def test_cli_zero3_with_both_offloads_counts_the_gathered_layer(capsys):
   assert "leaves out the gathered working set" in _run(f"--params 7e9 {both}", capsys)
   assert "largest layer (" in _run(f"--model default {both}", capsys)  # its layer scan's layer
   trillion = _run("--params 1e12 --devices 8 --nodes 2 --offload-optimizer cpu "
-                  "--offload-param nvme --hidden 25600 --stage 3", capsys)
+                  "--offload-update stream --offload-param nvme --hidden 25600 --stage 3", capsys)
   row = next(line for line in trillion.splitlines() if "params->nvme" in line)
-  # per process: optimizer 12 x 1e12/16 + gradients 2 x 1e12/16 + cache 2 x 1e9 + buffers 2 x 5e8
-  assert "878.00 GB" in row and "123.00 GB" in row and "31.46 GB" in row
+  # per process: optimizer 12 x 1e12/16 + cache 2 x 1e9 + buffers 2 x 5e8 on the host (the
+  # streamed update keeps the 125 GB gradient partition on the device)
+  assert "753.00 GB" in row and "123.00 GB" in row and "31.46 GB" in row and "125.00 GB" in row
 
 
 def test_cli_bad_flags(capsys):

@@ -18,7 +18,8 @@ import pytest
 from jzero.analysis.hlo import parameter_bytes
 from jzero.errors import ConfigError, JZeroError
 from jzero.models.gpt import preset
-from jzero.planning import aot, aot_report, tpu_specs
+from jzero.planning import aot, aot_report, plan_for, tpu_specs
+from jzero.planning.candidates import STREAMED_UPDATE
 from jzero.runtime import quiet_start
 
 needs_libtpu = pytest.mark.skipif(
@@ -81,6 +82,28 @@ def test_optimizer_offload_compiles_with_host_memory_kinds():
   assert host * 0.98 < r.host_argument < host * 1.05
   assert 0 <= r.state_arguments - r.persistent_state <= 64
   assert r.argument < r.persistent_state - host * 0.9
+
+
+@needs_libtpu
+def test_a_tpu_plan_compiles_host_offload_as_it_is(tmp_path):
+  """Compile-only TPU chips keep memory kinds, so `jzero plan` compiles an offload candidate's own
+  config there (no device twin) and its device bytes are its compile's HBM peak, the host-Adam
+  candidate's too."""
+  plan = plan_for(SMALL, gpu=None, tpu="v5e", topology="2x4", stages=(2,), offload_tiers=("cpu",),
+                  micro_batches=(2,), checkpointing=("none",), compile_top=10, cache_dir=tmp_path,
+                  global_batch=16)
+  rows = {(r.candidate.offload_optimizer, r.candidate.offload_update): r for r in plan.rows}
+  plain, stream, adam = rows[None, None], rows["cpu", "stream"], rows["cpu", STREAMED_UPDATE]
+  assert plan.search.compiled == 3  # three programs: no twin shared
+  assert stream.device_from == "compiled" and stream.device_bytes == stream.compiled.peak
+  # the streamed update brings a leaf's master and moments into HBM: more than without offload
+  assert stream.compiled.peak > plain.compiled.peak
+  assert abs(stream.estimate_ratio - 1) < 0.05
+  # the host Adam's step: the gradients leave HBM in the backward pass and the update is the
+  # host's, so its HBM peak is below both, and the planner's model states it within 10%
+  assert adam.device_from == "compiled" and adam.device_bytes == adam.compiled.peak
+  assert adam.compiled.peak < plain.compiled.peak < stream.compiled.peak
+  assert abs(adam.estimate_ratio - 1) < 0.10
 
 
 @needs_libtpu

@@ -1,11 +1,14 @@
 """`jzero plan` (jzero/planning/search.py): which candidates fit or are pruned, and why, for given
-GPU specs; the seed's questions by arithmetic (7B on 8 H100, 10B on one RTX 3090, 70B on 64 H100,
-1T on 16 A100) and by the search's compiles (13B on 8 A100-40GB, no flags); one budget; the cost
-model's formula; compiling candidates for the CPU target (cached) and for a GPU topology (device
-twin of an offload candidate); the time budget; written configs with DeepSpeed's field types,
-training under `jzero train`; bad input named by its flag. No wall times."""
+GPU specs; the seed's questions by arithmetic (7B on 8 H100; 10B on one RTX 3090, 13B with ZeRO-2
+on 8 A100-40GB and 1T on 16 A100 with Adam on the host, `jzero estimate` agreeing; 70B on 64 H100)
+and by the search's compiles (13B on 8 A100-40GB, no flags; the offload questions cold); the
+closing hint when nothing fits, each remedy checked; one budget; the cost model's formula;
+compiling candidates for the CPU target (cached) and for a GPU topology (device twin of an offload
+candidate); the time budget; written configs with DeepSpeed's field types, training under `jzero
+train`; bad input named by its flag. No wall times."""
 
 import json
+import shlex
 
 import pytest
 
@@ -13,12 +16,15 @@ from deepspeed_fields import problems
 from jzero import cli
 from jzero.analysis.tables import format_bytes
 from jzero.config import Config
-from jzero.errors import ConfigError
+from jzero.errors import ConfigError, NotSupportedError
 from jzero.models import GPTConfig
 from jzero.planning import plan_for
-from jzero.planning.candidates import Candidate, Job, candidates, estimated, gpt_for_params
+from jzero.planning.candidates import (STREAMED_UPDATE, Candidate, Job, candidates, estimated,
+                                       gpt_for_params)
 from jzero.planning.cost import Resources, cpu_hardware, gpu_hardware, predict
-from jzero.planning.plan_report import format_plan, search_line, stage_lines
+from jzero.planning.plan_report import (estimate_command, format_plan, search_line, stage_lines,
+                                        why_chosen)
+from jzero.planning.search import MODEL
 from zero_testing import needs_cuda_compiler
 
 TINY = GPTConfig(d_model=64, n_layers=2, n_heads=2, seq_len=32)
@@ -58,28 +64,105 @@ def test_7b_on_8_h100_stage_0_does_not_fit_and_the_summary_says_why_per_stage():
   assert ddp_line.strip() in format_plan(plan, limit=5)
 
 
-def test_offload_that_keeps_gradients_on_the_device_is_no_zero_infinity_the_plan_says_so():
-  """jzero keeps each device's gradient partition, and the fp32 gradient its update reads, on the
-  device under every offload (DeepSpeed streams them to the host): 1T on 16 A100s and 10B on one
-  RTX 3090 do not fit, and the summary says by how much and which parts."""
-  plan = plan_for(1e12, gpu="a100", devices=8, nodes=2, host_memory=1.5e12, compile=False)
-  assert plan.job.model.n_layers == 128 and plan.job.model.d_model == 25600  # ZeRO-Infinity's 1T
-  assert plan.chosen is None and all(r.reason for r in plan.rows)
-  zero3 = min(_rows(plan, stage=3), key=lambda r: r.device_bytes)
-  assert zero3.candidate.offload_param and zero3.candidate.offload_optimizer == "nvme"
-  psi = plan.job.model.num_params()
-  assert zero3.parts["gradients"] == pytest.approx(2 * psi / 16, rel=1e-3)  # bf16, per device
-  assert zero3.parts["update"] == pytest.approx(4 * psi / 16, rel=1e-3)  # the fp32 gradient
+def _estimate_says(plan, capsys):
+  """The device and host-per-node figures ``jzero estimate`` prints for the plan's chosen
+  candidate, run as the plan's closing line says (plan_report.estimate_command)."""
+  command = estimate_command(plan)
+  assert command and command in format_plan(plan)
+  capsys.readouterr()
+  assert cli.main(shlex.split(command)[1:]) == 0
+  out = capsys.readouterr().out
+  line, = [line for line in out.splitlines()
+           if line.startswith("  ZeRO") and "host" in line and "(cpu_adam)" in line]
+  device = line.split(": ", 1)[1].split(" (", 1)[0]
+  host = line.rsplit("host ", 1)[1].removesuffix("/node")
+  return device, host
+
+
+def test_the_seeds_offload_questions_fit_with_the_gradients_streamed_to_the_host(capsys):
+  """Issue 46's questions by arithmetic: 10B on one RTX 3090 with 256 GB of host memory, 13B
+  with ZeRO-2 on 8 A100-40GB, 1T on 2 x 8 A100-80GB with 1.5 TB of host memory and 28 TB of NVMe
+  per node each fit once the gradients leave the device in the backward pass and Adam runs on the
+  host ("cpu_adam"); `jzero estimate` prices the chosen configuration at the same bytes."""
+  ten = plan_for(10e9, gpu="rtx3090", devices=1, host_memory=256e9, compile=False)
+  c = ten.chosen.candidate
+  assert (c.stage, c.offload_optimizer, c.offload_update, c.offload_param) == (
+      3, "cpu", STREAMED_UPDATE, "cpu")
+  psi = ten.job.model.num_params()
+  assert ten.chosen.device_bytes <= ten.usable
+  # per node: params, new params, the arriving bf16 gradient, master and moments (18Ψ), and
+  # the layer inputs cpu_checkpointing keeps there
+  acts = 28 * c.micro_batch * 2048 * 5504 * 4 if c.checkpointing == "offload" else 0
+  assert ten.chosen.host_bytes == pytest.approx(18 * psi + acts, rel=1e-3)
+  # ZeRO-2 keeps the 10B's bf16 params (20.94 GB) and a layer's working set: over 21.52 GB
+  zero2 = min(_rows(ten, stage=2), key=lambda r: r.device_bytes)
+  assert zero2.status == "pruned" and zero2.parts["state"] == pytest.approx(2 * psi, rel=1e-3)
+  thirteen = plan_for(13e9, gpu="a100-40gb", devices=8, stages=(2,), compile=False)
+  c = thirteen.chosen.candidate
+  assert (c.stage, c.offload_update) == (2, STREAMED_UPDATE)
+  # the streamed update keeps the gradient partition and its fp32 update on the device: too big
+  stream = [r for r in thirteen.rows if r.candidate.offload_optimizer == "cpu"
+            and r.candidate.offload_update == "stream"]
+  assert stream and all(r.status == "pruned" for r in stream)
+  trillion = plan_for(1e12, gpu="a100", devices=8, nodes=2, host_memory=1.5e12, nvme_bytes=28e12,
+                      compile=False)
+  c = trillion.chosen.candidate
+  assert (c.stage, c.offload_optimizer, c.offload_update, c.offload_param) == (
+      3, "nvme", STREAMED_UPDATE, "nvme")
   # the optimizer in host memory needs 12 B x 1e12 / 2 nodes = 6 TB per node: more than 1.5 TB
-  host_opt = _rows(plan, offload_optimizer="cpu", offload_ratio=1.0, offload_param="nvme")
+  host_opt = _rows(trillion, offload_optimizer="cpu", offload_ratio=1.0, offload_param="nvme")
   assert host_opt and all("host" in r.reason and r.host_bytes > 6e12 for r in host_opt)
-  with pytest.raises(ConfigError, match="no candidate fits"):
-    plan.deepspeed_config()
-  one = plan_for(10e9, gpu="rtx3090", devices=1, host_memory=128e9, compile=False)
+  for plan in (ten, thirteen, trillion):
+    assert problems(plan.deepspeed_config()) == [
+        "zero_optimization.offload_optimizer.update: not a field of DeepSpeed's config"]
+    device, host = _estimate_says(plan, capsys)
+    assert (device, host) == (format_bytes(plan.chosen.device_bytes),
+                              format_bytes(plan.chosen.host_bytes))
+
+
+@needs_cuda_compiler
+def test_10b_on_one_rtx_3090_is_planned_cold_with_adam_on_the_host(tmp_path):
+  """`jzero plan --params 10e9 --gpu rtx3090 --devices 1 --host-memory 256GB` with a cold
+  cache: the first compile (its device twin: FLOPs and collectives, ~30 s) ends the search at a
+  candidate whose bytes come from the memory model, which no compile-only GPU can place."""
+  plan = plan_for(10e9, gpu="rtx3090", devices=1, host_memory=256e9, cache_dir=tmp_path)
+  chosen = plan.chosen
+  assert chosen.status == "fits" and chosen.compiled is not None and not chosen.compiled.cached
+  assert chosen.device_from == MODEL and chosen.candidate.offload_update == STREAMED_UPDATE
+  assert plan.search.stop == "proven" and plan.search.compiled == 1
+  assert chosen.device_bytes == estimated(chosen.candidate, plan.job, plan.hardware).device_bytes
+  assert chosen.resources.source == "compiled"
+
+
+def test_nothing_fits_and_the_hint_names_only_what_would_help():
+  """10B on one RTX 3090 with 128 GB of host memory and no NVMe: nothing fits (the host Adam's
+  18Ψ is 188 GB), and each remedy the closing paragraph names makes a candidate fit when given."""
+  one = plan_for(10e9, gpu="rtx3090", devices=1, host_memory=128e9, nvme_bytes=0.0, compile=False)
   assert "GeForce RTX 3090" in one.hardware.name and one.chosen is None
-  line = stage_lines(one)[-1]
-  assert line.strip().startswith("ZeRO-3: does not fit") and "gradients" in line
   assert all(format_bytes(one.usable) in r.reason for r in one.rows if "device" in r.reason)
+  with pytest.raises(ConfigError, match="no candidate fits"):
+    one.deepspeed_config()
+  text = why_chosen(one)
+  assert one.remedies and all(remedy in text for remedy in one.remedies)
+  host, = [r for r in one.remedies if "host memory per node" in r]
+  nvme, = [r for r in one.remedies if "NVMe per node" in r]
+  nodes, = [r for r in one.remedies if "nodes of this kind" in r]
+  given = dict(host_memory=128e9, nvme_bytes=0.0)
+  for remedy, change in ((host, "host_memory"), (nvme, "nvme_bytes")):
+    amount = float(remedy.split(" GB")[0].replace(",", "")) * 1e9
+    fits = plan_for(10e9, gpu="rtx3090", devices=1, compile=False, **{**given, change: amount})
+    assert fits.chosen is not None and fits.chosen.name == remedy.split(": ")[-1]
+    short = plan_for(10e9, gpu="rtx3090", devices=1, compile=False,
+                     **{**given, change: amount * 0.99})
+    assert short.chosen is None  # the least that helps
+  count = int(nodes.split(" nodes")[0])
+  assert plan_for(10e9, gpu="rtx3090", devices=1, nodes=count, compile=False, global_batch=4 * count,
+                  **given).chosen is not None
+  # a plan no remedy helps says so instead of guessing
+  tiny = plan_for(10e9, gpu="rtx3090", devices=1, host_memory=1e9, nvme_bytes=0.0,
+                  stages=(0,), compile=False)
+  assert tiny.chosen is None and tiny.remedies == ()
+  assert "no more host memory or NVMe" in why_chosen(tiny)
 
 
 def test_cost_model_terms_overlap_and_bound():
@@ -106,9 +189,20 @@ def test_candidates_cover_the_issue_and_zeropp_only_across_nodes():
   # a partial offload is stage 3's only (DeepSpeed's rule, which jzero's config enforces)
   assert {(c.offload_optimizer, c.offload_ratio) for c in one if c.stage in (1, 2)} == {
       (None, 1.0), ("cpu", 1.0), ("nvme", 1.0)}
+  # ZeRO-Offload's schedule (gradients off the device in the backward pass, Adam on the host) on
+  # the host tier, whole, in stages 1-3, at one micro-batch per step (what the engine runs); the
+  # host tier's other candidates name the streamed update
+  assert {(c.stage, c.offload_optimizer, c.offload_ratio, c.gradient_accumulation) for c in one
+          if c.offload_update == STREAMED_UPDATE} == {(s, "cpu", 1.0, 1) for s in (1, 2, 3)}
+  assert {c.offload_update for c in one if c.offload_optimizer == "cpu"} == {
+      "stream", STREAMED_UPDATE}
   assert not any(c.offload_param for c in one if c.stage != 3)
   for c in one:  # every candidate is a config jzero takes
-    Config.load(c.deepspeed_config(job, 8)).check_supported()
+    config = Config.load(c.deepspeed_config(job, 8))
+    if c.offload_update == STREAMED_UPDATE:
+      assert config.zero_optimization.offload_optimizer.update == STREAMED_UPDATE
+      assert "[cpu_adam]" in c.name
+    config.check_supported()
   two = candidates(job, 16, nodes=2, micro_batches=(2,))
   assert {c.zeropp for c in two if c.stage == 3} >= {("hpz",), ("qwz", "qgz")}
   hpz = Candidate(3, 2, 1, "offload", "cpu", 0.5, None, ("hpz", "qwz"))
@@ -173,9 +267,16 @@ def test_gpu_target_compiles_the_device_twin_of_an_offload_candidate(tmp_path):
                   cache_dir=tmp_path, global_batch=32)
   plain, = _rows(plan, checkpointing="none", offload_optimizer=None, offload_param=None)
   offload, = _rows(plan, checkpointing="none", offload_optimizer="cpu", offload_ratio=1.0,
-                   offload_param=None)
+                   offload_param=None, offload_update=None)
+  adam, = _rows(plan, checkpointing="none", offload_optimizer="cpu", offload_param=None,
+                offload_update=STREAMED_UPDATE)
   assert plain.compiled and offload.compiled is plain.compiled  # one compile: the same twin
+  assert adam.compiled is plain.compiled
   assert plan.search.compiled == 1 and plain.device_from == "compiled"
+  # gradients streamed to the host: no twin holds what it holds, its bytes are the model's
+  assert adam.device_from == MODEL and adam.estimate_ratio is None
+  assert adam.device_bytes == estimated(adam.candidate, plan.job, plan.hardware).device_bytes
+  assert adam.resources.source == "compiled" and adam.resources.flops == plain.resources.flops
   # never the twin's peak: the twin's less the optimizer state the offload keeps on the host,
   # or the streamed update's bytes by arithmetic if larger, and labelled so
   e = estimated(offload.candidate, plan.job, plan.hardware)
@@ -213,9 +314,10 @@ def test_13b_on_8_a100_40gb_chooses_a_fitting_candidate_without_any_flag(tmp_pat
   # "too big" only by a compile; candidates predicted to fit stay listed, untried
   assert all(r.compiled and r.reason for r in plan.rows if r.status == "too big")
   assert plan.search.untried == sum(r.status == "not compiled" for r in plan.rows) > 0
-  # every compiled row shows estimate / compiled, within the estimator's 20%
+  # every compiled row shows estimate / compiled, within the estimator's 20% (a row whose
+  # gradients leave the device takes the model's bytes, never a compiled figure)
   for r in plan.rows:
-    if r.compiled is not None:
+    if r.compiled is not None and r.device_from != MODEL:
       assert r.estimate_ratio is not None and abs(r.estimate_ratio - 1) < 0.2, r.name
   text = str(plan)
   assert "proven to fit" in text and "est/compiled" in text and chosen.name in text
@@ -230,7 +332,10 @@ def test_written_configs_have_deepspeeds_field_types_and_load_in_jzero():
     plan = plan_for(params, gpu=gpu, devices=8, nodes=nodes, compile=False)
     for r in plan.rows:
       config = r.candidate.deepspeed_config(plan.job, 8 * nodes, devices_per_node=8)
-      assert problems(config) == [], (r.name, problems(config))
+      # jzero's own offload_optimizer.update is the one key DeepSpeed's config class lacks
+      jzeros = (["zero_optimization.offload_optimizer.update: not a field of DeepSpeed's config"]
+                if r.candidate.offload_update else [])
+      assert problems(config) == jzeros, (r.name, problems(config))
       if "hpz" in r.candidate.zeropp:
         assert config["zero_optimization"]["zero_hpz_partition_size"] == 8
     hpz = [r for r in plan.rows if r.candidate.zeropp == ("hpz",)]
