@@ -29,7 +29,8 @@ is skipped out of the jit and leaves their placeholders as they are. After the j
 path does, with the step's learning rate) and uploads the new compute params (stage 1/2: the
 partitions, then one all-gather).
 
-**Limits, refused with a message.** One micro-batch per step (gradient accumulation sums the
+**Limits, refused at initialize with a message** (:func:`choose_update`, which also picks
+``cpu_adam`` for ``device: cpu`` where the config names no update). One micro-batch per step (gradient accumulation sums the
 micro-batches' gradients on the device: ``update: stream`` does that), a mesh whose data-parallel
 axes are all ZeRO axes (no replicas of a partition), the config's Adam or AdamW (a client optax
 transformation or another optimizer keeps the ``stream`` / ``host`` modes).
@@ -48,6 +49,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jzero.comm.zero_param import SlotTarget
+from jzero.config.blocks import CPU_ADAM
 from jzero.errors import ConfigError
 from jzero.sharding.opt_layout import OptLayout
 from jzero.tiers import host_store
@@ -57,7 +59,7 @@ from jzero.tiers.host_optimizer import DEFAULT_UPDATE, to_host
 from jzero.tiers.updates import placeholder_shape
 
 __all__ = ["HOST_STEP", "INTO_HOST", "HostSlot", "HostStepTier", "HostStepUpdate", "into_host",
-           "with_default_update"]
+           "choose_update"]
 
 PyTree = Any
 
@@ -67,33 +69,41 @@ HOST_STEP = "host_step"
 logger = logging.getLogger("jzero")
 
 
-def with_default_update(config: Any, *, client_optimizer: bool, replica_axes: tuple) -> Any:
-  """``config`` (resolved) with ``offload_optimizer.update`` chosen where the config leaves it
-  unset and ``device`` is cpu: "cpu_adam" -- DeepSpeed's CPU Adam schedule -- for the config's
-  Adam or AdamW at one micro-batch per step on a mesh without replicas, with numba installed
-  (the fast host kernel); "stream" otherwise (:data:`jzero.tiers.host_optimizer.DEFAULT_UPDATE`).
-  The choice is logged."""
+def choose_update(config: Any, *, client_optimizer: bool, replica_axes: tuple) -> Any:
+  """``config`` (resolved) with ``offload_optimizer.update`` decided for ``device: cpu``: where
+  the config leaves it unset, "cpu_adam" -- DeepSpeed's CPU Adam schedule -- if the host step can
+  run it (the config's Adam or AdamW, one micro-batch per step, a mesh without replicas, numba
+  installed: the fast host kernel), else "stream"
+  (:data:`jzero.tiers.host_optimizer.DEFAULT_UPDATE`), the choice logged; a "cpu_adam" the config
+  names where it cannot run is refused, naming each reason. Before any device work."""
   zero = config.zero_optimization
   block = zero.offload_optimizer
-  if block is None or block.device != "cpu" or block.update is not None:
+  if block is None or block.device != "cpu" or block.update not in (None, CPU_ADAM):
     return config
   kind = str(getattr(config.optimizer, "type", "")).lower()
+  gas = config.gradient_accumulation_steps
   reasons = [why for why, bad in (
-      ("a client optax optimizer", client_optimizer),
-      (f"optimizer {config.optimizer.type if config.optimizer else None}",
-       kind not in ("adam", "adamw")),
-      (f"gradient_accumulation_steps {config.gradient_accumulation_steps}",
-       config.gradient_accumulation_steps != 1),
-      ("a mesh with replica axes", bool(replica_axes)),
-      ("numba not installed (the host-adam extra)", importlib.util.find_spec("numba") is None),
+      ("a client optax optimizer (it needs the config's Adam or AdamW block)", client_optimizer),
+      (f"optimizer {config.optimizer.type if config.optimizer else None} (it runs Adam or AdamW)",
+       not client_optimizer and kind not in ("adam", "adamw")),
+      (f"gradient_accumulation_steps={gas} (it takes one micro-batch's gradient per step, as it "
+       f"leaves the device; the streamed update accumulates on the device)", gas != 1),
+      (f"the mesh's replica axes {replica_axes} (every device must hold its own partition of the "
+       f"optimizer state)", bool(replica_axes)),
   ) if bad]
-  update = DEFAULT_UPDATE if reasons else "cpu_adam"
-  logger.info(
-      f"offload_optimizer.update: {update}" + (
-          f" ({', '.join(reasons)}: the host's Adam step needs the config's Adam / AdamW, one "
-          f"micro-batch per step, no replicas and numba)" if reasons else
-          " (DeepSpeed's CPU Adam: gradients to host memory as the backward makes them, Adam on "
-          "the host's cores)"))
+  if block.update == CPU_ADAM:
+    if reasons:
+      raise ConfigError(
+          "zero_optimization.offload_optimizer.update: cpu_adam (Adam on the host's cores) cannot "
+          f"run with {'; '.join(reasons)}. Use update: stream, or change what is named.")
+    return config
+  if importlib.util.find_spec("numba") is None:
+    reasons.append("numba not installed (pip install 'jzero[host-adam]')")
+  update = DEFAULT_UPDATE if reasons else CPU_ADAM
+  logger.info(f"offload_optimizer.update: {update} " + (
+      f"(the host's Adam step does not run with {'; '.join(reasons)})" if reasons else
+      "(DeepSpeed's CPU Adam: gradients to host memory as the backward makes them, Adam on the "
+      "host's cores)"))
   block = block.model_copy(update={"update": update})
   return config.model_copy(update={"zero_optimization": zero.model_copy(
       update={"offload_optimizer": block})})
@@ -190,22 +200,11 @@ class HostStepTier(Tier):
   @classmethod
   def update(cls, plan: Any, config: Any, tx: optax.GradientTransformation, resource: Any,
              inner: Update, *, elementwise: bool) -> Update:
-    if config.gradient_accumulation_steps != 1:
-      raise ConfigError(
-          f"offload_optimizer.update: cpu_adam with gradient_accumulation_steps="
-          f"{config.gradient_accumulation_steps}: the host step takes one micro-batch's gradient "
-          f"per step, as it leaves the device. Use update: stream (which accumulates on the "
-          f"device), or one micro-batch per step.")
-    if plan.mesh.replica_axes:
-      raise ConfigError(
-          f"offload_optimizer.update: cpu_adam with the mesh's replica axes "
-          f"{plan.mesh.replica_axes}: every device must hold its own partition of the optimizer "
-          f"state. Use a mesh whose data-parallel axes are all ZeRO axes, or update: stream.")
+    """(:func:`choose_update` refused what the host step cannot run, at initialize.)"""
     if resource.adam is None or not elementwise:
       raise ConfigError(
           "offload_optimizer.update: cpu_adam runs DeepSpeed's CPU Adam: it needs the config's "
-          "optimizer block to be Adam or AdamW (not a client optax transformation, Lion or SGD). "
-          "Use update: stream or host for those.")
+          "optimizer block to be Adam or AdamW. Use update: stream or host for another.")
     return HostStepUpdate(inner, plan, resource)
 
   # -- outside a step ------------------------------------------------------------------------
