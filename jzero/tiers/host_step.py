@@ -1,7 +1,7 @@
 """ZeRO-Offload's optimizer step on the host, as DeepSpeed schedules it: gradients leave the device
 as the backward produces them, Adam runs on the host's cores outside the step, the new 16-bit
-parameters go back (``offload_optimizer: {"device": "cpu", "update": "cpu_adam"}``, what ``device:
-cpu`` does for the config's Adam / AdamW where it can; :func:`jzero.tiers.host_optimizer.settings_from_config`).
+parameters go back (``offload_optimizer: {"device": "cpu", "update": "cpu_adam"}``; the tier is
+chosen by :func:`jzero.tiers.host_optimizer.settings_from_config`).
 
 **Where things live.** The chosen leaves' fp32 master and Adam moments live in host memory as numpy
 arrays, one partition per device, in the tier's :class:`~jzero.tiers.host_store.HostStore` (the
@@ -29,8 +29,8 @@ is skipped out of the jit and leaves their placeholders as they are. After the j
 path does, with the step's learning rate) and uploads the new compute params (stage 1/2: the
 partitions, then one all-gather).
 
-**Limits, refused at initialize with a message** (:func:`choose_update`, which also picks
-``cpu_adam`` for ``device: cpu`` where the config names no update). One micro-batch per step (gradient accumulation sums the
+**Limits, refused at initialize with a message** (:func:`check_update`). One micro-batch per
+step (gradient accumulation sums the
 micro-batches' gradients on the device: ``update: stream`` does that), a mesh whose data-parallel
 axes are all ZeRO axes (no replicas of a partition), the config's Adam or AdamW (a client optax
 transformation or another optimizer keeps the ``stream`` / ``host`` modes).
@@ -39,8 +39,6 @@ transformation or another optimizer keeps the ``stream`` / ``host`` modes).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import logging
 from typing import Any
 
 import jax
@@ -55,31 +53,27 @@ from jzero.sharding.opt_layout import OptLayout
 from jzero.tiers import host_store
 from jzero.tiers.base import Tier, Update
 from jzero.tiers.delayed import Variant
-from jzero.tiers.host_optimizer import DEFAULT_UPDATE, to_host
+from jzero.tiers.host_optimizer import to_host
 from jzero.tiers.updates import placeholder_shape
 
 __all__ = ["HOST_STEP", "INTO_HOST", "HostSlot", "HostStepTier", "HostStepUpdate", "into_host",
-           "choose_update"]
+           "check_update"]
 
 PyTree = Any
 
 #: The tier's name in a plan's ``LeafPlan.state_tier``.
 HOST_STEP = "host_step"
 
-logger = logging.getLogger("jzero")
 
-
-def choose_update(config: Any, *, client_optimizer: bool, replica_axes: tuple) -> Any:
-  """``config`` (resolved) with ``offload_optimizer.update`` decided for ``device: cpu``: where
-  the config leaves it unset, "cpu_adam" -- DeepSpeed's CPU Adam schedule -- if the host step can
-  run it (the config's Adam or AdamW, one micro-batch per step, a mesh without replicas, numba
-  installed: the fast host kernel), else "stream"
-  (:data:`jzero.tiers.host_optimizer.DEFAULT_UPDATE`), the choice logged; a "cpu_adam" the config
-  names where it cannot run is refused, naming each reason. Before any device work."""
-  zero = config.zero_optimization
-  block = zero.offload_optimizer
-  if block is None or block.device != "cpu" or block.update not in (None, CPU_ADAM):
-    return config
+def check_update(config: Any, *, client_optimizer: bool, replica_axes: tuple) -> None:
+  """A config that names ``offload_optimizer.update: cpu_adam`` where the host step cannot run it
+  -- it needs the config's Adam or AdamW, one micro-batch per step and a mesh without replicas --
+  is refused, naming each reason. Before any device work. (``device: cpu`` without an update
+  keeps :data:`jzero.tiers.host_optimizer.DEFAULT_UPDATE`: docs/offload.md says when that
+  changes.)"""
+  block = config.zero_optimization.offload_optimizer
+  if block is None or block.update != CPU_ADAM:
+    return
   kind = str(getattr(config.optimizer, "type", "")).lower()
   gas = config.gradient_accumulation_steps
   reasons = [why for why, bad in (
@@ -91,22 +85,10 @@ def choose_update(config: Any, *, client_optimizer: bool, replica_axes: tuple) -
       (f"the mesh's replica axes {replica_axes} (every device must hold its own partition of the "
        f"optimizer state)", bool(replica_axes)),
   ) if bad]
-  if block.update == CPU_ADAM:
-    if reasons:
-      raise ConfigError(
-          "zero_optimization.offload_optimizer.update: cpu_adam (Adam on the host's cores) cannot "
-          f"run with {'; '.join(reasons)}. Use update: stream, or change what is named.")
-    return config
-  if importlib.util.find_spec("numba") is None:
-    reasons.append("numba not installed (pip install 'jzero[host-adam]')")
-  update = DEFAULT_UPDATE if reasons else CPU_ADAM
-  logger.info(f"offload_optimizer.update: {update} " + (
-      f"(the host's Adam step does not run with {'; '.join(reasons)})" if reasons else
-      "(DeepSpeed's CPU Adam: gradients to host memory as the backward makes them, Adam on the "
-      "host's cores)"))
-  block = block.model_copy(update={"update": update})
-  return config.model_copy(update={"zero_optimization": zero.model_copy(
-      update={"offload_optimizer": block})})
+  if reasons:
+    raise ConfigError(
+        "zero_optimization.offload_optimizer.update: cpu_adam (Adam on the host's cores) cannot "
+        f"run with {'; '.join(reasons)}. Use update: stream, or change what is named.")
 
 
 @jax.custom_vjp
@@ -188,8 +170,11 @@ class HostStepTier(Tier):
     """A stacked leaf's :class:`HostSlot`: the layer scan gathers each layer once, so each
     layer's reduced partition is its whole gradient when it leaves. Another leaf -- an
     embedding a model may call twice, whose gradient is the sum of both calls' -- keeps the
-    device path and leaves at the end of the backward (the device holds those few partitions)."""
-    if leaf.state_tier != HOST_STEP or not leaf.stacked or not (
+    device path and leaves at the end of the backward (the device holds those few partitions).
+    So does a stacked vector (a bias or a norm's scale, [layers, d]: small), whose per-layer
+    writes into host memory would slice the second-minor dimension, which TPU's compiler cannot
+    copy a row at a time (libtpu aborts: "Sublane slicing size not multiple of update chunk")."""
+    if leaf.state_tier != HOST_STEP or not leaf.stacked or len(leaf.shape) < 3 or not (
         leaf.grad_partitioned or leaf.param_partitioned):
       return None
     shape = list(leaf.padded_shape)
@@ -200,7 +185,7 @@ class HostStepTier(Tier):
   @classmethod
   def update(cls, plan: Any, config: Any, tx: optax.GradientTransformation, resource: Any,
              inner: Update, *, elementwise: bool) -> Update:
-    """(:func:`choose_update` refused what the host step cannot run, at initialize.)"""
+    """(:func:`check_update` refused what the host step cannot run, at initialize.)"""
     if resource.adam is None or not elementwise:
       raise ConfigError(
           "offload_optimizer.update: cpu_adam runs DeepSpeed's CPU Adam: it needs the config's "
