@@ -60,17 +60,14 @@ _BASE_CONFIG = {"gradient_clipping": 1.0, "steps_per_print": 10,
 def _optimizer_offloads() -> list[tuple[str | None, float, str | None]]:
   """(offload_optimizer device, ratio, update) choices: none, then each registered tier's value
   whole and, for a tier that honours a ratio (:attr:`jzero.tiers.base.Tier.partial`), half, with
-  its own update; the host tier's with its update named (the engine's choice where the config
-  names none depends on the optimizer: :func:`jzero.tiers.host_step.with_default_update`): the
-  streamed update, and whole with the gradients streamed to the host (:data:`STREAMED_UPDATE`,
-  which runs with the host tier only)."""
+  the engine's default update; and the host tier whole with the gradients streamed to the host
+  (:data:`STREAMED_UPDATE`, which the engine runs with the host tier only)."""
   out: list[tuple[str | None, float, str | None]] = [(None, 1.0, None)]
   for value in registry.devices("offload_optimizer"):
-    update = update_memory.STREAM if value == "cpu" else None
-    out.append((value, 1.0, update))
+    out.append((value, 1.0, None))
     if registry.answering("offload_optimizer", value).partial:
-      out.append((value, 0.5, update))
-    if value == "cpu":
+      out.append((value, 0.5, None))
+    if value == "cpu" and update_memory.default_update(value) != STREAMED_UPDATE:
       out.append((value, 1.0, STREAMED_UPDATE))
   return out
 
@@ -263,8 +260,9 @@ def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...
         opts, params, zeropp, checkpointing, micro_batches):
       if plus and param:  # ZeRO++ gathers device-resident partitions
         continue
-      if update == STREAMED_UPDATE and (per_device // mb != 1 or plus):
-        continue  # the host's Adam takes one micro-batch's gradient, on a mesh of ZeRO axes only
+      if update == STREAMED_UPDATE and (per_device // mb != 1 or plus or param == "nvme"):
+        continue  # what the engine's host Adam runs: one micro-batch's gradient per step, a mesh
+        # of ZeRO axes only, params on the device or in host memory
       out.append(Candidate(stage, mb, per_device // mb, ckpt, opt, ratio, param, plus, update))
   return out
 

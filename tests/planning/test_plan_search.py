@@ -80,10 +80,12 @@ def _estimate_says(plan, capsys):
 
 
 def test_the_seeds_offload_questions_fit_with_the_gradients_streamed_to_the_host(capsys):
-  """Issue 46's questions by arithmetic: 10B on one RTX 3090 with 256 GB of host memory, 13B
-  with ZeRO-2 on 8 A100-40GB, 1T on 2 x 8 A100-80GB with 1.5 TB of host memory and 28 TB of NVMe
-  per node each fit once the gradients leave the device in the backward pass and Adam runs on the
-  host ("cpu_adam"); `jzero estimate` prices the chosen configuration at the same bytes."""
+  """Issue 46's questions by arithmetic: 10B on one RTX 3090 with 256 GB of host memory and 13B
+  with ZeRO-2 on 8 A100-40GB (one sequence per device) fit once the gradients leave the device in the backward pass and
+  Adam runs on the host ("cpu_adam"); `jzero estimate` prices the chosen configuration at the same
+  bytes. 1T on 2 x 8 A100-80GB with 1.5 TB of host memory and 28 TB of NVMe per node needs the
+  host Adam with the optimizer state on NVMe, which the engine does not run yet: the planner does
+  not offer it, and nothing fits."""
   ten = plan_for(10e9, gpu="rtx3090", devices=1, host_memory=256e9, compile=False)
   c = ten.chosen.candidate
   assert (c.stage, c.offload_optimizer, c.offload_update, c.offload_param) == (
@@ -97,22 +99,27 @@ def test_the_seeds_offload_questions_fit_with_the_gradients_streamed_to_the_host
   # ZeRO-2 keeps the 10B's bf16 params (20.94 GB) and a layer's working set: over 21.52 GB
   zero2 = min(_rows(ten, stage=2), key=lambda r: r.device_bytes)
   assert zero2.status == "pruned" and zero2.parts["state"] == pytest.approx(2 * psi, rel=1e-3)
-  thirteen = plan_for(13e9, gpu="a100-40gb", devices=8, stages=(2,), compile=False)
+  # the engine's host Adam takes one micro-batch per step: at the default global batch (4
+  # sequences per device) its one-micro-batch candidate's activations are over memory, so the
+  # question fits at one sequence per device (issue 46: accumulation on the host comes next)
+  assert plan_for(13e9, gpu="a100-40gb", devices=8, stages=(2,), compile=False).chosen is None
+  thirteen = plan_for(13e9, gpu="a100-40gb", devices=8, stages=(2,), compile=False,
+                      global_batch=8)
   c = thirteen.chosen.candidate
-  assert (c.stage, c.offload_update) == (2, STREAMED_UPDATE)
+  assert (c.stage, c.offload_update, c.micro_batch, c.gradient_accumulation) == (
+      2, STREAMED_UPDATE, 1, 1)
   # the streamed update keeps the gradient partition and its fp32 update on the device: too big
   stream = [r for r in thirteen.rows if r.candidate.offload_optimizer == "cpu"
-            and r.candidate.offload_update == "stream"]
+            and r.candidate.offload_update is None]
   assert stream and all(r.status == "pruned" for r in stream)
   trillion = plan_for(1e12, gpu="a100", devices=8, nodes=2, host_memory=1.5e12, nvme_bytes=28e12,
                       compile=False)
-  c = trillion.chosen.candidate
-  assert (c.stage, c.offload_optimizer, c.offload_update, c.offload_param) == (
-      3, "nvme", STREAMED_UPDATE, "nvme")
+  assert trillion.chosen is None
+  assert not _rows(trillion, offload_optimizer="nvme", offload_update=STREAMED_UPDATE)
   # the optimizer in host memory needs 12 B x 1e12 / 2 nodes = 6 TB per node: more than 1.5 TB
   host_opt = _rows(trillion, offload_optimizer="cpu", offload_ratio=1.0, offload_param="nvme")
   assert host_opt and all("host" in r.reason and r.host_bytes > 6e12 for r in host_opt)
-  for plan in (ten, thirteen, trillion):
+  for plan in (ten, thirteen):
     assert problems(plan.deepspeed_config()) == [
         "zero_optimization.offload_optimizer.update: not a field of DeepSpeed's config"]
     device, host = _estimate_says(plan, capsys)
@@ -145,10 +152,11 @@ def test_nothing_fits_and_the_hint_names_only_what_would_help():
   text = why_chosen(one)
   assert one.remedies and all(remedy in text for remedy in one.remedies)
   host, = [r for r in one.remedies if "host memory per node" in r]
-  nvme, = [r for r in one.remedies if "NVMe per node" in r]
+  # (NVMe helps only the host Adam with its state on NVMe, which the engine does not run yet)
+  assert not [r for r in one.remedies if "NVMe per node" in r]
   nodes, = [r for r in one.remedies if "nodes of this kind" in r]
   given = dict(host_memory=128e9, nvme_bytes=0.0)
-  for remedy, change in ((host, "host_memory"), (nvme, "nvme_bytes")):
+  for remedy, change in ((host, "host_memory"),):
     amount = float(remedy.split(" GB")[0].replace(",", "")) * 1e9
     fits = plan_for(10e9, gpu="rtx3090", devices=1, compile=False, **{**given, change: amount})
     assert fits.chosen is not None and fits.chosen.name == remedy.split(": ")[-1]
@@ -195,7 +203,7 @@ def test_candidates_cover_the_issue_and_zeropp_only_across_nodes():
   assert {(c.stage, c.offload_optimizer, c.offload_ratio, c.gradient_accumulation) for c in one
           if c.offload_update == STREAMED_UPDATE} == {(s, "cpu", 1.0, 1) for s in (1, 2, 3)}
   assert {c.offload_update for c in one if c.offload_optimizer == "cpu"} == {
-      "stream", STREAMED_UPDATE}
+      None, STREAMED_UPDATE}
   assert not any(c.offload_param for c in one if c.stage != 3)
   for c in one:  # every candidate is a config jzero takes
     config = Config.load(c.deepspeed_config(job, 8))
@@ -321,7 +329,10 @@ def test_13b_on_8_a100_40gb_chooses_a_fitting_candidate_without_any_flag(tmp_pat
       assert r.estimate_ratio is not None and abs(r.estimate_ratio - 1) < 0.2, r.name
   text = str(plan)
   assert "proven to fit" in text and "est/compiled" in text and chosen.name in text
-  assert problems(plan.deepspeed_config()) == []
+  # jzero's own offload_optimizer.update is the one key DeepSpeed's config class lacks
+  assert problems(plan.deepspeed_config()) == (
+      ["zero_optimization.offload_optimizer.update: not a field of DeepSpeed's config"]
+      if chosen.candidate.offload_update else [])
 
 
 def test_written_configs_have_deepspeeds_field_types_and_load_in_jzero():
