@@ -113,8 +113,8 @@ def _advise(compile_once: Callable[..., AotReport], target: Any, data: dict[str,
   the step with the prefetch the other way, when it was compiled already."""
   if report.stage != 3 or not report.xla_options.get("xla_gpu_enable_latency_hiding_scheduler"):
     return []
-  whats = [(f"a larger memory pool (XLA_PYTHON_CLIENT_MEM_FRACTION on the GPU, --mem-fraction "
-            f"here): the scheduler's limit lifted",
+  whats = [("a larger memory pool (XLA_PYTHON_CLIENT_MEM_FRACTION on the GPU, --mem-fraction "
+            "here): the scheduler's limit lifted",
             f"the latency-hiding scheduler plans within {format_bytes(report.scheduler_limit)}; "
             f"over it, it runs collectives synchronously",
             lambda: compile_once(target, data, slop=LIFTED_SLOP))]

@@ -393,7 +393,6 @@ class HostUpdate(DeviceUpdate):
 
   def apply(self, grads: PyTree, opt_state: PyTree, master: PyTree,
             keep: jax.Array | None) -> tuple[PyTree, PyTree, PyTree]:
-    plan = self.plan
     master_on_host = self.master_on_host
     if self.opt.view is View.WHOLE:
       return self._apply_whole(grads, opt_state, master, keep)

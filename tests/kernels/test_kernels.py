@@ -15,7 +15,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jzero import kernels
 from jzero.errors import ConfigError
-from jzero.kernels import pallas as kpallas
 from jzero.kernels import reference as kref
 
 TRITON_CALL = "__gpu$xla.gpu.triton"

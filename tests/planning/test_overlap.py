@@ -174,7 +174,6 @@ def test_compile_options_carry_the_pool_limit_and_the_prefetch_cap(monkeypatch):
   """overlap_comm: the scheduler's limit at the whole pool (unless XLA_FLAGS names it); stage 3's
   prefetch when stage3_max_live_parameters holds two layers ("auto": always), not otherwise; a
   layer larger than the cap is said."""
-  import jax
 
   from jzero.train.initialize import initialize
   from jzero.models import GPT, lm_loss

@@ -16,7 +16,7 @@ from deepspeed_fields import problems
 from jzero import cli
 from jzero.analysis.tables import format_bytes
 from jzero.config import Config
-from jzero.errors import ConfigError, NotSupportedError
+from jzero.errors import ConfigError
 from jzero.models import GPTConfig
 from jzero.planning import plan_for
 from jzero.planning.candidates import (STREAMED_UPDATE, Candidate, Job, candidates, estimated,
