@@ -21,9 +21,10 @@ from jzero.runtime.distributed import init_distributed  # noqa: E402
 from jzero.train.engine import Engine  # noqa: E402
 from jzero.train.state import TrainState  # noqa: E402
 from jzero.train.aux_metrics import Max, Mean, Min, Sum  # noqa: E402
-from jzero.train.initialize import initialize  # noqa: E402
+from jzero.train.initialize import add_config_arguments, initialize  # noqa: E402
 from jzero.errors import (CheckpointError, ConfigError, DataError, JZeroError,  # noqa: E402
-                          JZeroWarning, MeshError, NotSupportedError, Preempted)
+                          JZeroWarning, MeshError, NotSupportedError, Preempted,
+                          StepNotCommitted)
 from jzero.modeling.layer_scan import gather, linen_scan_layers, remat, scan_layers  # noqa: E402
 from jzero.sharding.mesh import MeshSpec, ZeroMesh, simulate_cpu_devices  # noqa: E402
 from jzero.sharding.plan import Plan  # noqa: E402
@@ -35,8 +36,9 @@ from jzero.version import __version__  # noqa: E402,F401  (jzero.__version__)
 _logging.getLogger("jzero").addHandler(_logging.NullHandler())
 
 __all__ = [
-    "Config", "Engine", "TrainState", "initialize", "init_distributed", "gather", "remat", "scan_layers",
+    "Config", "Engine", "TrainState", "initialize", "add_config_arguments", "init_distributed",
+    "gather", "remat", "scan_layers",
     "linen_scan_layers", "MeshSpec", "ZeroMesh", "simulate_cpu_devices", "Plan", "make_plan",
     "JZeroError", "ConfigError", "NotSupportedError", "MeshError", "DataError", "CheckpointError",
-    "Preempted", "JZeroWarning", "Mean", "Sum", "Max", "Min",
+    "Preempted", "StepNotCommitted", "JZeroWarning", "Mean", "Sum", "Max", "Min",
 ]

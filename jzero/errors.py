@@ -7,10 +7,12 @@ work starts, so a user never sees a traceback from inside JAX for a mistake in t
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 __all__ = ["JZeroError", "ConfigError", "NotSupportedError", "MeshError", "CheckpointError",
-           "DataError", "Preempted", "JZeroWarning", "refuse_deepspeed_call"]
+           "DataError", "Preempted", "StepNotCommitted", "JZeroWarning", "refuse_deepspeed_call",
+           "describe_io_error"]
 
 
 class JZeroError(Exception):
@@ -48,6 +50,25 @@ class Preempted(JZeroError):
     self.step, self.directory = step, directory
 
 
+class StepNotCommitted(JZeroError):
+  """A step was computed but a tier could not write its share of it (the NVMe store's disk full,
+  an I/O error). Nothing committed is lost: the tier still holds the previous step, ``committed``
+  (``path``: where), and this error holds the computed step. Fix the cause (free space) and call
+  :meth:`finish`, which writes the step and returns ``(state, metrics)`` as ``train_step`` would
+  have -- or raises this error again if the write fails again. The state given to ``train_step``
+  was donated to the step; the one :meth:`finish` returns is the one to train on."""
+
+  def __init__(self, message: str, *, step: int, committed: int | None, path: str,
+               finish: Callable[[], tuple[Any, dict]]):
+    super().__init__(message)
+    self.step, self.committed, self.path = step, committed, path
+    self._finish = finish
+
+  def finish(self) -> tuple[Any, dict]:
+    """Writes the step (after the cause is fixed) and returns ``(state, metrics)``."""
+    return self._finish()
+
+
 class JZeroWarning(UserWarning):
   """A setting jzero accepts but handles differently from DeepSpeed (the message says how)."""
 
@@ -65,3 +86,26 @@ def refuse_deepspeed_call(call: str) -> Callable[..., Any]:
   def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
     raise JZeroError(_TRAIN_STEP_HINT.format(call=call))
   return refuse
+
+
+# the codes tensorstore puts first in its ValueError's message for a failed file operation
+_IO_CODES = ("RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "DATA_LOSS", "UNKNOWN", "INTERNAL",
+             "UNAVAILABLE", "FAILED_PRECONDITION", "NOT_FOUND", "ABORTED", "DEADLINE_EXCEEDED")
+
+
+def describe_io_error(error: BaseException) -> str | None:
+  """The cause, in a line, when ``error`` is a file operation's failure (an OSError, or
+  tensorstore's ValueError with an error code: a full disk, an I/O error, a file that vanished);
+  None for anything else (a bug is not reported as a disk's fault)."""
+  if isinstance(error, OSError):
+    where = f" ({error.filename})" if error.filename else ""
+    return f"{error.strerror or error}{where}"
+  text = str(error)
+  if isinstance(error, ValueError) and text.startswith(_IO_CODES):
+    reason = re.search(r"(No space left on device|Read-only file system|Input/output error|"
+                       r"Permission denied|Disk quota exceeded|No such file or directory)", text)
+    path = re.search(r'"([^"]+)"', text)
+    if reason:
+      return f"{reason[1]}" + (f" ({path[1]})" if path else "")
+    return text.splitlines()[0][:300]
+  return None

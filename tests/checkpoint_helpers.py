@@ -9,6 +9,9 @@
   (Orbax leaves its failed reads' coroutines to the garbage collector: kept out of the test run).
 * ``convert DIR OUT``: consolidate ``DIR`` into the safetensors file ``OUT`` and print the peak host
   memory it took (JSON): anonymous resident memory sampled while it runs, and tracemalloc's peak.
+* ``race DIR GO``: a fresh SMALL state, ``ready`` printed; once the file ``GO`` exists, save
+  steps 1-3 into ``DIR`` (its pid in each checkpoint's client state) and print ``saved``, or the
+  CheckpointError that refuses it (exit status 3): two of them race for one directory.
 """
 
 from __future__ import annotations
@@ -114,6 +117,24 @@ def _load(directory: str) -> None:
     print(f"CheckpointError: {e}")
 
 
+def _race(directory: str, go: str) -> None:
+  import os
+  from pathlib import Path
+  engine = make_engine(2)
+  state = engine.init(jax.random.key(0))
+  print("ready", flush=True)
+  while not Path(go).exists():
+    time.sleep(0.01)
+  try:
+    for step in (1, 2, 3):
+      engine.save_checkpoint(state, directory, step, client_state={"pid": os.getpid()})
+    engine.wait_for_checkpoints()
+  except jzero.CheckpointError as e:
+    print(f"CheckpointError: {e}", flush=True)
+    raise SystemExit(3)
+  print("saved", flush=True)
+
+
 def _status_kib(field: str) -> int:
   with open("/proc/self/status") as f:
     return int(next(line for line in f if line.startswith(field + ":")).split()[1])
@@ -163,5 +184,7 @@ if __name__ == "__main__":
     _load(*args)
   elif command == "convert":
     _convert(*args)
+  elif command == "race":
+    _race(*args)
   else:
     raise SystemExit(f"unknown command {command!r}")

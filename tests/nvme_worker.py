@@ -1,12 +1,13 @@
 """A tiny model for the NVMe-tier tests, and a script run as a subprocess by
 tests/tiers/test_nvme.py.
 
-``python tests/nvme_worker.py NVME_PATH OUT.npz [optimizer|params|infinity]``: train 2 steps with
-the optimizer state on the NVMe tier (stage 2; ``params``: stage 3 with the params there too;
-``infinity``: stage 3, the params' copies there and their state in host memory), save what the
+``python tests/nvme_worker.py NVME_PATH OUT.npz [optimizer|params|infinity] [kill|full]``: train 2
+steps with the optimizer state on the NVMe tier (stage 2; ``params``: stage 3 with the params there
+too; ``infinity``: stage 3, the params' copies there and their state in host memory), save what the
 store has committed (``jzero.tiers.nvme_state.open_committed``) to ``OUT.npz``, print
 the store directory as JSON, then SIGKILL this process from inside the third step's writes (after
-two of its three groups have landed): the store must still hold step 2.
+two of its three groups have landed) -- or, with ``full``, let those writes fail as on a full disk
+and end with the StepNotCommitted the step raises: the store must still hold step 2.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def config(stage: int, nvme_path=None, precision: str = "fp32", **offload) -> di
   return cfg
 
 
-def main(nvme_path: str, out: str, tier: str = "optimizer") -> None:
+def main(nvme_path: str, out: str, tier: str = "optimizer", fault: str = "kill") -> None:
   import jax
   import jzero
   from jzero.tiers import nvme_state
@@ -88,6 +89,10 @@ def main(nvme_path: str, out: str, tier: str = "optimizer") -> None:
   np.savez(out, **arrays)
   print(json.dumps({"directory": str(store.directory), "step": step,
                     "groups": len(store.groups)}), flush=True)
+  if fault == "full":
+    import fault_injection
+    with fault_injection.failing_store_writes(store, after=1):
+      engine.train_step(state, engine.shard_batch(batch(2)))  # raises StepNotCommitted
   write, calls = store._write, [0]
 
   def dying_write(slot, group, rows):

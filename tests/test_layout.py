@@ -207,7 +207,8 @@ def test_the_step_the_engine_and_checkpoints_name_no_tier():
   allowed = {"jzero.tiers", "jzero.tiers.base", "jzero.tiers.registry", "jzero.tiers.delayed"}
   checkpoint = [n for n in graph if n.startswith("jzero.checkpoint")]
   assert len(checkpoint) >= 5
-  for name in ("jzero.train.step", "jzero.train.engine", "jzero.train.state", *checkpoint):
+  for name in ("jzero.train.step", "jzero.train.programs", "jzero.train.engine", "jzero.train.state",
+               *checkpoint):
     tiers = {t for t in graph[name] if t.startswith("jzero.tiers")}
     assert tiers <= allowed, (name, tiers - allowed)
 

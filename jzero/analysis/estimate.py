@@ -59,12 +59,17 @@ How this relates to DeepSpeed's estimators (``estimate_zero2_model_states_mem_ne
   2Ψ + 14Ψ/N and 16Ψ/N + 2Ψr(1 - 1/N).
 * GPU with offload: DeepSpeed's ZeRO-2 2Ψ, ZeRO-3 4·L + 2Ψ/N (optimizer) and 4·L (params too)
   are jzero's pΨ, p(Ψ - Ψr)/N + pΨr and pΨr without the 4·L.
-* CPU: DeepSpeed gives bytes per node, times an ``additional_buffer_factor`` of 1.5. ZeRO-2
+* CPU: DeepSpeed gives bytes per node, times an ``additional_buffer_factor`` of 1.5
+  (:attr:`Estimate.deepspeed_host_per_node`, which ``jzero estimate`` prints beside jzero's). ZeRO-2
   offload: Ψ·max(4·N, 16)·1.5, i.e. the whole optimizer state plus fp32 gradients (16Ψ) on every
   node, or each process's fp32 copy of the model at load time (4Ψ per process). ZeRO-3:
   16Ψ/nodes·1.5 (optimizer) and 18Ψ/nodes·1.5 (params too). jzero creates the state directly in
   its placement, so per node it counts devices_per_node x the per-process bytes:
-  (2 + 12)Ψ/nodes and (2 + 2 + 12)Ψ/nodes, with no buffer factor.
+  (2 + 12)Ψ/nodes and (2 + 2 + 12)Ψ/nodes, with no buffer factor. That is the state alone:
+  a script that builds the model before ``initialize`` (an ``nnx.Module`` instance, as a
+  DeepSpeed script builds its torch module) holds its fp32 copy, 4Ψ per process, until the state
+  is placed, and the host allocator needs headroom; DeepSpeed's figure counts both, so size host
+  memory with the larger of the two.
 
 The measured side -- what a live engine holds next to this prediction -- is
 :mod:`jzero.analysis.memory_report`.
@@ -90,7 +95,7 @@ from jzero.sharding.plan import path_str
 from jzero.tiers import registry
 
 __all__ = [
-    "PRECISION_BYTES", "CATEGORIES", "DEFAULT_PERSISTENCE_THRESHOLD",
+    "PRECISION_BYTES", "CATEGORIES", "DEFAULT_PERSISTENCE_THRESHOLD", "DEEPSPEED_HOST_BUFFER",
     "ParamShape", "param_shapes", "persistent_numel", "largest_gathered_numel", "Numbers",
     "columns",
     "transformer_layer_numel", "Estimate", "estimate",
@@ -101,6 +106,7 @@ __all__ = [
 PRECISION_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 CATEGORIES = ("params", "grads", "optimizer")
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold
+DEEPSPEED_HOST_BUFFER = 1.5  # DeepSpeed's estimators' additional_buffer_factor (host bytes)
 
 
 # -- model shapes ----------------------------------------------------------------------------------
@@ -283,6 +289,25 @@ class Estimate:
   @property
   def host_per_node(self) -> float:
     return self.tier_total("host") * self.devices_per_node
+
+  @property
+  def deepspeed_host_per_node(self) -> float | None:
+    """Host bytes per node as DeepSpeed's estimator counts them for this configuration (None
+    where it has no rule: the NVMe tiers, another tier): its ``additional_buffer_factor`` of
+    1.5 over the larger of the offloaded state (ZeRO-2: the whole 16Ψ on every node; ZeRO-3:
+    16Ψ or 18Ψ per node's share) and the fp32 model each process loads before partitioning (4Ψ
+    per process; ``zero_init=False``, a model built before ``initialize``)."""
+    psi, n = self.num_params, self.devices_per_node
+    nodes = max(1, self.devices // n)
+    if {self.offload_optimizer, self.offload_param} - {None, "cpu"}:
+      return None
+    if self.offload_optimizer is None:
+      need = 4 * n
+    elif self.stage < 3:
+      need = max(4 * self.devices, 16)  # estimate_zero2_model_states_mem_needs
+    else:
+      need = max(4 * n, (18 if self.offload_param else 16) / nodes)
+    return psi * need * DEEPSPEED_HOST_BUFFER
 
 
 def offload_problem(stage: int, offload_optimizer: str | None,

@@ -5,7 +5,9 @@ One module per phase:
 * :mod:`jzero.checkpoint.layout` -- the directory on disk: tags, ``latest``, the file list with
   sizes and checksums that every reader verifies, the JSON description.
 * :mod:`jzero.checkpoint.save` -- :class:`Checkpointer`: the complete train state as it lies on the
-  devices, written asynchronously by Orbax, committed atomically, never lost at program exit.
+  devices, written asynchronously by Orbax, committed atomically, never lost at program exit;
+  :mod:`jzero.checkpoint.claim` -- one writer per directory (a lock naming its holder), the
+  directory checked writable before each save.
 * :mod:`jzero.checkpoint.restore` -- :func:`load_checkpoint` into any stage, device count, mesh or
   precision, each device reading only its own shard.
 * :mod:`jzero.checkpoint.weights` -- DeepSpeed's ``zero_to_fp32`` (:func:`consolidate`) and
@@ -38,12 +40,13 @@ from jzero.checkpoint.layout import (CHECKSUM, FILES_FILE, LATEST_FILE, META_FIL
                                      all_tags, incomplete_tags, is_complete, latest_step,
                                      latest_tag, read_metadata, resume_tag)
 from jzero.checkpoint.restore import load_checkpoint
-from jzero.checkpoint.save import Checkpointer, save_checkpoint, wait_until_finished
+from jzero.checkpoint.save import Checkpointer, save_checkpoint, wait_until_finished, writer
 from jzero.checkpoint.weights import (ConsolidateReport, consolidate, load_model_state,
                                       load_weights, read_weights)
 
 __all__ = [
-    "Checkpointer", "save_checkpoint", "load_checkpoint", "wait_until_finished", "latest_tag",
+    "Checkpointer", "save_checkpoint", "writer", "load_checkpoint", "wait_until_finished",
+    "latest_tag",
     "latest_step", "resume_tag", "all_tags", "incomplete_tags", "is_complete", "read_metadata", "consolidate", "ConsolidateReport",
     "load_weights", "load_model_state", "read_weights", "describe", "CHECKSUM", "FILES_FILE",
     "LATEST_FILE", "META_FILE", "WEIGHTS16", "DeepSpeedCheckpoint", "read_deepspeed",

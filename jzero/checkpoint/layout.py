@@ -26,6 +26,15 @@ tag replaces it (renamed away, deleted, then Orbax writes the new one through it
 directory); a complete checkpoint is never overwritten. With several processes only the primary
 writes, renames or deletes.
 
+**Names.** A tag is a directory name (:func:`check_tag`): no '/' or '\\', at most
+:data:`MAX_TAG_BYTES` bytes. The checkpoint directory may be any path the file system takes --
+spaces, unicode -- except one holding a backslash, which Orbax and tensorstore read as a separator
+(the arrays would land in another directory): :func:`check_path` refuses it before anything is
+written or read. A checkpoint records its tag; asked for by a tag (or by ``latest``), a directory
+whose name is not that tag (renamed, or another checkpoint copied under it) is refused, as is a
+``latest`` that names a tag which is not there -- no other checkpoint is restored in its place. A
+checkpoint's own directory passed as such (a copy named ``best``) restores.
+
 **Integrity.** After Orbax commits a checkpoint, jzero reads every file of it back once and
 records its size and an XXH3-128 checksum in ``jzero_files.json`` (written atomically), and only
 then moves ``latest``. :func:`open_checkpoint` -- used by every reader: restore, convert, inspect
@@ -56,7 +65,7 @@ from jzero.sharding.opt_layout import OptLayout
 from jzero.sharding.plan import LeafPlan, Plan, flatten_paths, path_str
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "META_FILE", "FILES_FILE", "LATEST_FILE", "WEIGHTS16",
-           "DELETING", "ORBAX_TMP", "CHECKSUM", "nest", "module_names", "leaf_names",
+           "DELETING", "ORBAX_TMP", "CHECKSUM", "MAX_TAG_BYTES", "check_path", "nest", "module_names", "leaf_names",
            "opt_leaves", "array_leaves", "array_handler", "check_tag", "is_complete", "latest_tag",
            "all_tags", "incomplete_tags", "resume_tag", "latest_step", "checkpoint_dir",
            "write_atomic", "record_files", "recorded_files", "verify_files", "read_metadata", "optimizer_name",
@@ -72,6 +81,8 @@ WEIGHTS16 = "weights16"
 DELETING = ".jzero-deleting"
 ORBAX_TMP = ".orbax-checkpoint-tmp"
 CHECKSUM = "xxh3_128"
+#: the longest tag (bytes): a file name's 255 less the suffixes of a save's temporary directory
+MAX_TAG_BYTES = 200
 _READ_CHUNK_BYTES = 1 << 20
 _REPLICA_PARALLEL_MIN_BYTES = 1 << 20
 
@@ -140,16 +151,34 @@ def array_handler() -> ocp.PyTreeCheckpointHandler:
 # --- tags and directories ------------------------------------------------------------------------
 
 
+def check_path(directory: str | os.PathLike) -> Path:
+  """``directory`` as an absolute path Orbax and tensorstore read as written (module docstring,
+  *Names*): a backslash is refused."""
+  path = Path(directory).absolute()
+  if "\\" in str(path):
+    raise CheckpointError(
+        f"checkpoint directory {str(path)!r} holds a backslash, which Orbax and tensorstore read "
+        f"as a path separator: the arrays would be written to {str(path).replace(chr(92), '/')!r} "
+        f"instead. Choose a directory name without '\\'.")
+  return path
+
+
 def check_tag(tag: Any) -> str:
-  """A checkpoint tag names a directory: a non-empty string without '/' (DeepSpeed's ``tag``)."""
+  """A checkpoint tag names a directory: a non-empty string without '/' or '\\', at most
+  :data:`MAX_TAG_BYTES` long (DeepSpeed's ``tag``)."""
   if isinstance(tag, bool) or not isinstance(tag, (str, int)) or (isinstance(tag, int) and tag < 0):
     raise CheckpointError(f"a checkpoint tag is a directory name (a string, or a non-negative step "
                           f"number); got {tag!r}.")
   tag = str(tag)
-  if (not tag or tag in (".", "..", LATEST_FILE) or "/" in tag or os.sep in tag
+  if (not tag or tag in (".", "..", LATEST_FILE) or "/" in tag or os.sep in tag or "\\" in tag
       or tag.startswith(".") or ORBAX_TMP in tag or tag.endswith(DELETING)):
     raise CheckpointError(f"checkpoint tag {tag!r} cannot name a checkpoint directory: use letters, "
                           f"digits, '_', '-' or '.' (not first), e.g. 'epoch_3' or '1200'.")
+  if len(tag.encode()) > MAX_TAG_BYTES:
+    raise CheckpointError(f"checkpoint tag {tag[:40]!r}... is {len(tag.encode())} bytes long; a tag "
+                          f"names a directory, and with the suffix Orbax adds while it writes "
+                          f"({ORBAX_TMP!r}) it must fit a file name's 255 bytes: use at most "
+                          f"{MAX_TAG_BYTES} bytes.")
   return tag
 
 
@@ -225,9 +254,18 @@ def resume_tag(directory: str | os.PathLike) -> str | None:
     warnings.warn(f"{root}: skipping incomplete checkpoint(s) {incomplete} (their save was cut "
                   f"off after Orbax's commit, before jzero recorded the files); the next save "
                   f"under such a tag replaces it.", JZeroWarning, stacklevel=3)
-  candidates = [t for t in all_tags(root)
-                if t == named or _recorded(root / t, "save_latest", False) is True]
-  if named is not None and named not in candidates and (root / named).exists():
+  complete = all_tags(root)
+  if named is not None and not (root / named).exists():
+    raise CheckpointError(f"{root / LATEST_FILE} names checkpoint {named!r}, which is not in "
+                          f"{root} (deleted or moved since it was saved); jzero does not guess "
+                          f"another. Restore one by its tag (complete: {complete}), or write the "
+                          f"tag to restore into {root / LATEST_FILE}.")
+  if named in complete:
+    _holding_its_tag(root / named)
+  candidates = [t for t in complete  # (a copy under another name is no candidate)
+                if (t == named or _recorded(root / t, "save_latest", False) is True)
+                and str(_recorded(root / t, "tag", t)) == t]
+  if named is not None and named not in candidates:
     warnings.warn(f"{root / LATEST_FILE} names {named!r}, which is not a complete checkpoint; "
                   f"restoring the newest complete one instead.", JZeroWarning, stacklevel=3)
   return candidates[-1] if candidates else None
@@ -242,7 +280,10 @@ def latest_step(directory: str | os.PathLike) -> int | None:
 def checkpoint_dir(directory: str | os.PathLike, tag: str | int | None = None) -> Path:
   """The absolute directory of checkpoint ``tag`` (default: ``latest``); ``directory`` may be a
   checkpoint's own directory. Relative paths are taken from the current directory."""
-  root = Path(directory).absolute()
+  root = check_path(directory)
+  if root.exists() and not root.is_dir():
+    raise CheckpointError(f"checkpoint directory {str(directory)!r} is a file, not a checkpoint "
+                          f"directory.")
   if not root.is_dir():
     raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist.")
   if _is_checkpoint(root):
@@ -259,7 +300,7 @@ def checkpoint_dir(directory: str | os.PathLike, tag: str | int | None = None) -
       hint = (f"complete checkpoints present: {tags}; pass one explicitly" if tags else
               "it holds no complete checkpoint")
       raise CheckpointError(f"{root} has no '{LATEST_FILE}' file ({hint}).")
-    return root / tag
+    return _holding_its_tag(root / tag)
   tag = check_tag(tag)
   path = root / tag
   if not path.is_dir():
@@ -272,6 +313,20 @@ def checkpoint_dir(directory: str | os.PathLike, tag: str | int | None = None) -
                           f"Orbax's commit and before jzero recorded its files ({FILES_FILE}), so "
                           f"it cannot be trusted. Restore a complete one ({all_tags(root)}); the "
                           f"next save under {tag!r} replaces it.")
+  return _holding_its_tag(path)
+
+
+def _holding_its_tag(path: Path) -> Path:
+  """``path``, a checkpoint asked for by its tag, if it holds the checkpoint saved under that tag;
+  else (renamed, or another copied under its name) a CheckpointError naming both. A checkpoint's
+  own directory passed as such (a copy named ``best``) is not asked for by a tag."""
+  saved = _recorded(path, "tag", None)  # (format 1 recorded none)
+  if saved is not None and str(saved) != path.name:
+    raise CheckpointError(
+        f"{path} holds checkpoint {saved!r} (step {_recorded(path, 'step', '?')}), saved under "
+        f"that tag and renamed or copied to {path.name!r} since: restoring it as {path.name!r} "
+        f"would resume from the wrong step. Rename the directory back to {saved!r}, or pass the "
+        f"directory itself ({path}).")
   return path
 
 

@@ -17,6 +17,14 @@ waited for when the main thread ends -- before Python shuts down the thread pool
 with -- so such a script still leaves a finalized checkpoint. If a save fails then, the process
 prints one line naming the checkpoint and exits with status 1.
 
+**Faults.** A :class:`Checkpointer` claims its directory first (:mod:`jzero.checkpoint.claim`: one
+writer per directory, a second run refused naming the first) and checks before each save that the
+directory can be written, so a read-only or full disk is one error before Orbax starts. A save that
+fails later -- the disk fills while Orbax writes -- is one :class:`~jzero.errors.CheckpointError`
+naming the cause and the checkpoints kept: Orbax's writer threads are waited for and what the save
+left (its temporary directory, a committed one without its file list) is removed; Orbax's own
+error records about the directory are dropped (:class:`_OrbaxFailureLine`).
+
 **Retention** (``keep``). After ``latest`` has moved, the newest ``keep`` complete checkpoints up to
 the one just saved stay -- counting those of earlier runs in the directory, so a resumed job keeps
 the newest ``keep`` overall -- and older ones are deleted; a checkpoint newer than the one just
@@ -44,10 +52,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import shutil
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -58,16 +68,17 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jzero.checkpoint import claim as claim_lib
 from jzero.checkpoint import layout
 from jzero.checkpoint.layout import (DELETING, FILES_FILE, FORMAT, FORMAT_VERSION, LATEST_FILE,
                                      META_FILE, ORBAX_TMP, WEIGHTS16)
-from jzero.errors import CheckpointError, JZeroError, JZeroWarning
+from jzero.errors import CheckpointError, JZeroError, JZeroWarning, describe_io_error
 from jzero.sharding.plan import LeafPlan, Plan, flatten_paths
 from jzero.tiers import registry
 from jzero.tiers.base import Resources
 from jzero.version import __version__
 
-__all__ = ["Checkpointer", "save_checkpoint", "wait_until_finished", "weights_json"]
+__all__ = ["Checkpointer", "save_checkpoint", "writer", "wait_until_finished", "weights_json"]
 
 
 # --- the JSON document ---------------------------------------------------------------------------
@@ -183,12 +194,20 @@ class Checkpointer:
   def __init__(self, directory: str | os.PathLike, *, keep: int | None = None):
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
       raise CheckpointError(f"keep must be a positive number of checkpoints or None, got {keep!r}.")
-    self.directory = Path(directory).absolute()
+    self.directory = layout.check_path(directory)
     self.keep = keep
     self._primary = jax.process_index() == 0
-    if self._primary and self.directory.is_dir():
+    error = None
+    if self._primary:  # created, checked and locked before anything in it is touched
+      try:
+        claim_lib.claim(self.directory)
+      except CheckpointError as e:
+        error = e
+    _agree(error, f"claiming {self.directory}")
+    if self._primary:
       for leftover in [*self.directory.glob(f"*{DELETING}"), *self.directory.glob(f"*{ORBAX_TMP}*")]:
         shutil.rmtree(leftover, ignore_errors=True)
+    _quiet_orbax_failures()
     self._orbax = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler(
         state=layout.array_handler(), meta=ocp.JsonCheckpointHandler(filename=META_FILE),
         **{WEIGHTS16: layout.array_handler()}))
@@ -218,8 +237,6 @@ class Checkpointer:
     """
     self.wait_until_finished()
     tag = layout.check_tag(int(state.step) if tag is None else tag)
-    if self._primary:
-      self.directory.mkdir(parents=True, exist_ok=True)
     self._clear_slot(tag)
     try:
       json.dumps(client_state)
@@ -238,7 +255,11 @@ class Checkpointer:
       items[WEIGHTS16] = ocp.args.PyTreeSave(
           layout.nest(weights), custom_metadata={"jzero": weights_json(
               {k: (v.shape, v.dtype) for k, v in weights.items()}, int(state.step), "save")})
-    self._orbax.save(self.directory / tag, args=ocp.args.Composite(**items))
+    try:
+      self._orbax.save(self.directory / tag, args=ocp.args.Composite(**items))
+    except Exception as e:  # pylint: disable=broad-except  (said in one message, as below)
+      self._discard(tag)
+      raise self._failed(tag, e) from None
     self._pending = tag
     self._finalizer = threading.Thread(target=self._finalize, args=(tag, save_latest),
                                        name=f"jzero-checkpoint-{tag}")
@@ -246,21 +267,26 @@ class Checkpointer:
     return tag
 
   def _clear_slot(self, tag: str) -> None:
-    """Refuses a tag that names a complete checkpoint; removes an incomplete one (renamed away
-    first, so a removal cut short never looks like a checkpoint). Only the primary removes; every
-    process then waits for it."""
+    """Refuses a tag that names a complete checkpoint; checks that the directory can be written
+    (:func:`jzero.checkpoint.claim.check_writable`: a read-only or full disk is one error before
+    Orbax starts); removes an incomplete checkpoint under the tag (renamed away first, so a
+    removal cut short never looks like a checkpoint). Only the primary writes; every process then
+    learns whether it could."""
     path = self.directory / tag
     if layout.is_complete(path):
       raise CheckpointError(f"{path} already exists; checkpoints are never overwritten. Save under "
                             f"another tag or remove it first.")
-    if self._primary and path.exists():
-      warnings.warn(f"{path} is an incomplete checkpoint (a save cut off before jzero recorded its "
-                    f"files); replacing it.", JZeroWarning, stacklevel=3)
-      doomed = self.directory / (tag + DELETING)
-      os.rename(path, doomed)
-      shutil.rmtree(doomed)
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices(f"jzero-checkpoint-slot-{tag}")
+    error = None
+    if self._primary:
+      try:
+        claim_lib.check_writable(self.directory)
+        if path.exists():
+          warnings.warn(f"{path} is an incomplete checkpoint (a save cut off before jzero recorded "
+                        f"its files); replacing it.", JZeroWarning, stacklevel=3)
+          _remove(path)
+      except CheckpointError as e:
+        error = e
+    _agree(error, f"saving checkpoint {tag!r} in {self.directory}")
 
   def _weights16(self, plan: Plan, state: Any, dtype: np.dtype) -> dict[str, jax.Array]:
     """The logical weights in ``dtype`` by the module's names (:func:`layout.module_names`), each
@@ -276,7 +302,10 @@ class Checkpointer:
     return {names[path]: x for path, x in flatten_paths(cached[1](truth)).items()}
 
   def _finalize(self, tag: str, save_latest: bool) -> None:
-    """Background: wait for Orbax's commit, then record the files, move ``latest``, prune."""
+    """Background: wait for Orbax's commit, then record the files, move ``latest``, prune. A save
+    that fails before it is complete leaves nothing: its temporary directory, or its committed
+    directory without a file list, is removed (the primary's; the previous checkpoints are not
+    touched)."""
     try:
       self._orbax.wait_until_finished()
       if self._primary:
@@ -286,6 +315,29 @@ class Checkpointer:
         self._prune(tag)
     except BaseException as e:  # re-raised by wait_until_finished in the caller's thread
       self._failure = (tag, e)
+      self._discard(tag)
+
+  def _discard(self, tag: str) -> None:
+    """What a failed save of ``tag`` left -- Orbax's temporary directory, or a committed directory
+    without its file list -- removed by the primary, once Orbax's writers have stopped."""
+    if not self._primary:
+      return
+    try:
+      _wait_for_orbax_threads()
+      for left in self.directory.glob(f"{tag}{ORBAX_TMP}*"):
+        shutil.rmtree(left, ignore_errors=True)
+      if (self.directory / tag).is_dir() and not layout.is_complete(self.directory / tag):
+        _remove(self.directory / tag)
+    except OSError:  # what cannot be removed stays; the next Checkpointer removes it
+      pass
+
+  def _failed(self, tag: str, error: BaseException) -> CheckpointError:
+    """The one message of a failed save: its cause, what was kept, the checkpoints intact."""
+    kept = ("it is complete, but 'latest' could not be moved to it" if layout.is_complete(
+        self.directory / tag) else "nothing of it was kept")
+    return CheckpointError(f"saving checkpoint {tag!r} to {self.directory} failed: "
+                           f"{_cause(error)}; {kept}. The checkpoints saved before are intact: "
+                           f"{layout.all_tags(self.directory)}.")
 
   def _prune(self, newest: str) -> None:
     """Deletes the checkpoints older than the newest ``keep`` (module docstring, *Retention*).
@@ -306,9 +358,7 @@ class Checkpointer:
     named = layout.latest_tag(self.directory)
     for tag, kept in zip(candidates, preserve):
       if not kept and tag != named:
-        doomed = self.directory / (tag + DELETING)
-        os.rename(self.directory / tag, doomed)
-        shutil.rmtree(doomed)
+        _remove(self.directory / tag)
 
   def wait_until_finished(self, *, sync_processes: bool = True) -> None:
     """Blocks until the last save is committed and ``latest`` names it; raises if it failed.
@@ -325,23 +375,93 @@ class Checkpointer:
     if self._failure is not None:
       tag, error = self._failure
       self._failure = None
-      raise CheckpointError(f"saving checkpoint {tag!r} to {self.directory} failed: "
-                            f"{type(error).__name__}: {error}") from error
+      raise self._failed(tag, error) from None
 
   def close(self) -> None:
-    """Waits for the last save and releases Orbax's resources."""
+    """Waits for the last save and releases Orbax's resources and the directory's claim."""
     try:
       self.wait_until_finished()
     finally:
       self._orbax.close()
-      _CHECKPOINTERS.pop(self.directory, None)
+      if _CHECKPOINTERS.get(self.directory) is self:
+        del _CHECKPOINTERS[self.directory]
+      if self._primary:
+        claim_lib.release(self.directory)
+
+
+def _remove(path: Path) -> None:
+  """A directory removed, renamed away first (a removal cut short never looks like a
+  checkpoint)."""
+  doomed = path.with_name(path.name + DELETING)
+  os.rename(path, doomed)
+  shutil.rmtree(doomed)
+
+
+def _agree(error: CheckpointError | None, what: str) -> None:
+  """Raises ``error`` (the primary's) in every process: with several processes the primary's
+  outcome is broadcast, so no process waits for a save the primary refused."""
+  if jax.process_count() > 1:
+    failed = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+    if failed and error is None:
+      raise CheckpointError(f"{what} failed in process 0 (the primary, which writes the "
+                            f"checkpoint's directory); its log says why.")
+  if error is not None:
+    raise error
+
+
+def _cause(error: BaseException) -> str:
+  """The innermost cause of a failed save, in a line (a disk's error as
+  :func:`jzero.errors.describe_io_error` says it)."""
+  while error.__cause__ is not None or error.__context__ is not None:
+    error = error.__cause__ or error.__context__
+  return describe_io_error(error) or (
+      f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+
+
+def _wait_for_orbax_threads(timeout_s: float = 60.0) -> None:
+  """After a failed save: waits (at most ``timeout_s``) for Orbax's writer threads still running
+  -- its commit raises at the first failed write while the others go on, and tensorstore creates
+  the directories a late write needs -- so that what the save left can be removed for good."""
+  deadline = time.monotonic() + timeout_s
+  for thread in threading.enumerate():
+    if type(thread).__name__ == "_SignalingThread" and thread is not threading.current_thread():
+      try:
+        thread.join(max(0.0, deadline - time.monotonic()))
+      except Exception:  # pylint: disable=broad-except  (its join re-raises its failure)
+        pass
+
+
+class _OrbaxFailureLine(logging.Filter):
+  """Orbax logs a failed background save, each of its writer threads with a traceback; jzero
+  raises the cause itself in one message (:meth:`Checkpointer.wait_until_finished`). So Orbax's
+  error records about a directory a :class:`Checkpointer` writes are dropped, and its other error
+  records keep their one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno >= logging.ERROR and "orbax" in record.pathname:
+      message = record.getMessage()
+      if any(str(directory) in message for directory in _CHECKPOINTERS):
+        return False
+      record.exc_info, record.exc_text, record.stack_info = None, None, None
+    return True
+
+
+def _quiet_orbax_failures() -> None:
+  """Installs :class:`_OrbaxFailureLine` on the logger Orbax writes to (absl's), once."""
+  logger = logging.getLogger("absl")
+  if not any(isinstance(f, _OrbaxFailureLine) for f in logger.filters):
+    logger.addFilter(_OrbaxFailureLine())
 
 
 _CHECKPOINTERS: dict[Path, Checkpointer] = {}
 
 
-def _checkpointer(directory: str | os.PathLike, keep: int | None) -> Checkpointer:
-  path = Path(directory).absolute()
+def writer(directory: str | os.PathLike, keep: int | None = None) -> Checkpointer:
+  """This process's :class:`Checkpointer` of ``directory``, made (the directory created, checked
+  and claimed: :mod:`jzero.checkpoint.claim`) on first use and kept for the life of the process.
+  ``jzero.train.loop.init_or_resume`` calls it before anything else, so a second run given a
+  directory in use is refused at its start."""
+  path = layout.check_path(directory)
   ckpt = _CHECKPOINTERS.get(path)
   if ckpt is None:
     ckpt = _CHECKPOINTERS[path] = Checkpointer(path, keep=keep)
@@ -378,7 +498,7 @@ def save_checkpoint(plan: Plan, state: Any, resources: Resources, directory: str
         f"save_checkpoint({given}, ...): jzero saves the state you pass, first: "
         f"engine.save_checkpoint(state, directory, tag) (DeepSpeed's save_checkpoint(save_dir, "
         f"tag) saves the engine's own state; jzero's state is what train_step returned).")
-  return _checkpointer(directory, keep).save(plan, state, resources, tag, config=config, tx=tx,
+  return writer(directory, keep).save(plan, state, resources, tag, config=config, tx=tx,
                                              client_state=client_state, save_latest=save_latest)
 
 
@@ -427,4 +547,6 @@ def _finish_at_exit() -> None:
     except CheckpointError as e:
       print(f"jzero: error: {e}", file=sys.stderr, flush=True)
       sys.stdout.flush()
+      claim_lib.release(ckpt.directory)
       os._exit(1)
+    claim_lib.release(ckpt.directory)  # (a process that claimed nothing releases nothing)

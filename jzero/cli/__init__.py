@@ -22,6 +22,8 @@ present (:mod:`jzero.planning.aot`).
 into plain weights (DeepSpeed's ``zero_to_fp32``); ``jzero inspect CKPT`` describes one.
 ``jzero convert --from-deepspeed DIR --safetensors FILE`` is ``zero_to_fp32`` of a DeepSpeed
 checkpoint without torch; ``jzero inspect DIR`` describes a DeepSpeed checkpoint too.
+``jzero nvme-stores NVME_PATH [--reclaim]`` lists the NVMe tier's stores there and removes those
+of processes that are gone (:mod:`jzero.cli.nvme`).
 
 Bad input (config, mesh, data, checkpoint) is reported as one paragraph on stderr with exit status
 2, before any device work. A warning is printed as ``jzero: warning: MESSAGE``, or at the user's
@@ -39,14 +41,14 @@ import sysconfig
 import warnings
 from typing import Sequence
 
-from jzero.cli import aot, checkpoint, estimate, launch, plan, train
+from jzero.cli import aot, checkpoint, estimate, launch, nvme, plan, train
 from jzero.errors import JZeroError, JZeroWarning
 from jzero.runtime import logs
 
 __all__ = ["build_parser", "main", "format_warning"]
 
 #: The subcommands, in ``jzero --help``'s order: each module's ``add_parser(subparsers)``.
-COMMANDS = (train, launch, estimate, aot, plan, checkpoint)
+COMMANDS = (train, launch, estimate, aot, plan, checkpoint, nvme)
 
 
 def build_parser() -> argparse.ArgumentParser:

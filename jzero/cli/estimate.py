@@ -143,6 +143,25 @@ def _estimate_rows(args: argparse.Namespace) -> list[tuple[int, str | None, str 
   return rows
 
 
+def _print_deepspeed_host(rows: list) -> None:
+  """Host bytes per node as DeepSpeed's estimator counts them, beside jzero's, and why they
+  differ (:attr:`jzero.analysis.estimate.Estimate.deepspeed_host_per_node`)."""
+  compared = [(e, e.deepspeed_host_per_node) for e in rows]
+  compared = [(e, ds) for e, ds in compared if ds is not None]
+  if not compared:
+    return
+  per_node = rows[0].devices_per_node
+  print(f"host per node: jzero's state (host/process x {per_node}) and DeepSpeed's estimate (its "
+        f"1.5x buffer factor over the offloaded state or the fp32 model each process loads, "
+        f"4 B/param per process):")
+  for e, ds in compared:
+    print(f"  {e.name}: jzero {format_bytes(e.host_per_node)}, DeepSpeed {format_bytes(ds)}")
+  print("  jzero's figure is the state it creates in place (from a model factory or a Linen "
+        "module); a script that builds the model instance before initialize holds its fp32 "
+        "copy per process until the state is placed, and the host allocator needs headroom: "
+        "size host memory with the larger figure.")
+
+
 def run_estimate(args: argparse.Namespace) -> int:
   """``jzero estimate``: prints the per-device table and, with ``--budget``, which stage fits.
 
@@ -196,6 +215,7 @@ def run_estimate(args: argparse.Namespace) -> int:
           f"buffers per process, in host/process; the rest of the partition is on NVMe")
   print("per device (host and NVMe: per process; GB = 1e9 bytes):")
   print(format_estimates(rows))
+  _print_deepspeed_host(rows)
   if args.budget is not None:
     choice = recommend(params, args.budget, args.devices, args.nodes, headroom=args.headroom,
                        host_budget=args.host_budget, **common)

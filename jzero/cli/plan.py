@@ -83,6 +83,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                  "/local_nvme, DeepSpeed's tutorials')")
   o.add_argument("--report", default=None, help="also write the whole plan as JSON here")
   o.add_argument("--all", action="store_true", help="print every candidate (default: 40)")
+  o.add_argument("--advice", action=argparse.BooleanOptionalAction, default=True,
+                 help="where the chosen config overlaps under 90%% of its collective bytes on a "
+                      "GPU, compile its step again with each knob that would raise it and print "
+                      "what each gives (a compile each; default on, as jzero aot's)")
 
 
 def _model(args: argparse.Namespace):
@@ -150,7 +154,8 @@ def run_plan(args: argparse.Namespace) -> int:
                   slices=args.slices,
                   progress=lambda line: print(f"jzero plan: {line}", file=sys.stderr, flush=True))
   print(format_plan(plan, limit=None if args.all else 40))
-  _advise(plan)
+  if args.advice:
+    _advise(plan)
   if args.report:
     Path(args.report).write_text(json.dumps(plan.to_json(), indent=1))
   if plan.chosen is None:

@@ -17,12 +17,13 @@ import importlib.util
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
 from jzero.cli.processes import add_device_args, add_process_args, check_process_args, join
-from jzero.errors import DataError, JZeroError
+from jzero.errors import DataError, JZeroError, JZeroWarning
 from jzero.models.gpt import GPTConfig
 from jzero.tiers import where
 
@@ -144,6 +145,19 @@ def _job(args: argparse.Namespace) -> _Job:
   return job
 
 
+def _micro_batch(args: argparse.Namespace, config: Any) -> int | None:
+  """``--micro-batch``; without it, None (a config's "auto" is then derived from its
+  train_batch_size), or 4 with a warning when nothing else fixes the "auto"."""
+  if args.micro_batch is not None:
+    return args.micro_batch
+  if config.train_micro_batch_size_per_gpu == "auto" and config.train_batch_size in (None, "auto"):
+    warnings.warn('train_micro_batch_size_per_gpu is "auto" and train_batch_size does not fix '
+                  "it: using 4, jzero train's default; --micro-batch N sets it.", JZeroWarning,
+                  stacklevel=2)
+    return 4
+  return None
+
+
 def _check_loss_on_batches(engine: Any, job: _Job, sample: dict, model_spec: str) -> None:
   """Traces the loss on the model and a micro-batch of the data's shapes (nothing is computed):
   a model that cannot take these batches is one error naming both, before any device work."""
@@ -204,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("jzero").setLevel(logging.WARNING)
   config = Config.load(args.config)
   job = _job(args)
-  auto = {"micro_batch_size": args.micro_batch}
+  auto = {"micro_batch_size": _micro_batch(args, config)}
   if args.warmup_steps is not None:
     auto["warmup_num_steps"] = args.warmup_steps
   sample = job.corpus.batch(0, 1, seed=args.seed) if job.corpus is not None else job.dataset[0]
@@ -330,8 +344,9 @@ data (--data):
                       "the stdlib source)")
   t.add_argument("--seed", type=int, default=0,
                  help="seed of the initial parameters and of the data order (default 0)")
-  t.add_argument("--micro-batch", type=int, default=4,
-                 help="fills train_micro_batch_size_per_gpu when the config says 'auto'")
+  t.add_argument("--micro-batch", type=int, default=None,
+                 help="fills train_micro_batch_size_per_gpu when the config says 'auto' (without "
+                      "it: derived from train_batch_size, else 4 with a warning)")
   t.add_argument("--warmup-steps", type=int, default=None,
                  help="fills scheduler warmup_num_steps when the config says 'auto'")
   default = GPTConfig()

@@ -351,8 +351,21 @@ class DataTypesConfig(_Block):
   buffer_dtype: str | None = None
 
 
+def _finite_params(params: dict[str, Any]) -> dict[str, Any]:
+  """The raw ``params`` of an optimizer / scheduler block, refused when a number in them is NaN or
+  infinite: the config is written back as JSON (:meth:`jzero.config.Config.to_dict`), where such
+  a number would become null, and the optimizer would then report a missing number."""
+  for name, value in params.items():
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+      what = "finite numbers" if values is value else "a finite number"
+      raise ValueError(f"{name} must be {what}, got {show(value)}")
+  return params
+
+
 class OptimizerConfig(_LenientBlock):
-  """``optimizer``: ``type`` and ``params``, passed on raw to the optimizer (see jzero.train.optim)."""
+  """``optimizer``: ``type`` and ``params``, passed on raw to the optimizer (see jzero.train.optim,
+  which checks each parameter's type and range); a NaN or infinite number is refused here."""
 
   key = "optimizer"
   type: str
@@ -364,15 +377,18 @@ class OptimizerConfig(_LenientBlock):
     if "max_grad_norm" in params:
       raise ValueError("'max_grad_norm' is not supported as an optimizer parameter, please switch "
                        "to using the deepspeed parameter 'gradient_clipping'")
-    return params
+    return _finite_params(params)
 
 
 class SchedulerConfig(_LenientBlock):
-  """``scheduler``: ``type`` and ``params`` of a DeepSpeed LR schedule."""
+  """``scheduler``: ``type`` and ``params`` of a DeepSpeed LR schedule (a NaN or infinite number
+  refused as in :class:`OptimizerConfig`)."""
 
   key = "scheduler"
   type: str
   params: dict[str, Any] = Field(default_factory=dict)
+
+  _finite = field_validator("params")(classmethod(lambda cls, params: _finite_params(params)))
 
 
 class ActivationCheckpointingConfig(_LenientBlock):

@@ -11,10 +11,14 @@ the update applies (the delayed update).
   the non-finite skip, the clipping; placeholders of what a tier keeps outside the state.
 * :mod:`jzero.tiers.host_optimizer` -- ZeRO-Offload: master and optimizer state in host memory,
   updated streaming through the device or on the host.
+* :mod:`jzero.tiers.host_adam` -- Adam / AdamW on host numpy arrays, in place, over the cores
+  (DeepSpeed's CPU Adam; its numba loops :mod:`jzero.tiers.host_adam_kernel`); not yet called by
+  the step.
 * :mod:`jzero.tiers.host_params` -- stage-3 parameter partitions in host memory.
 * :mod:`jzero.tiers.nvme` -- ZeRO-Infinity's NVMe tier; its store :mod:`jzero.tiers.nvme_store`,
   parameter reads :mod:`jzero.tiers.nvme_params`, settings :mod:`jzero.tiers.nvme_settings`, the
-  store's contents outside a step :mod:`jzero.tiers.nvme_state`.
+  store's contents outside a step :mod:`jzero.tiers.nvme_state`, its run directories on disk (who
+  owns each, the stale ones, a failed write's message) :mod:`jzero.tiers.nvme_runs`.
 * :mod:`jzero.tiers.delayed` -- ZeRO-Offload's delayed parameter update: not a tier, a link of the
   update with its own carried state.
 * :mod:`jzero.tiers.where` -- what the built-in tiers' names in the plan mean.

@@ -26,13 +26,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
+from jzero.comm import layouts
 from jzero.tiers import nvme_settings, nvme_state, nvme_store, where
 from jzero.tiers.base import Tier, Update
+from jzero.tiers.host_optimizer import split_state
 from jzero.tiers.nvme_params import ParamSource
 from jzero.tiers.updates import shrink
 
-__all__ = ["NvmeTier", "NvmeUpdate"]
+__all__ = ["NvmeTier", "NvmeUpdate", "step_outputs", "step_output_specs"]
 
 PyTree = Any
 NVME = nvme_settings.NVME
@@ -150,7 +153,7 @@ class NvmeUpdate(Update):
     specs = self.inner.output_specs
     if not self.updates_state:
       return specs
-    return {**specs, NVME: nvme_store.step_output_specs(self.plan, self.tx)}
+    return {**specs, NVME: step_output_specs(self.plan, self.tx)}
 
   def update(self, grads: PyTree, state: Any, skip: Any = None,
              factor: jax.Array | None = None) -> tuple[Any, dict]:
@@ -158,7 +161,7 @@ class NvmeUpdate(Update):
       return self.inner.update(grads, state, skip, factor)
     # the clipping factor is applied in the store's update, as the device path applies it inside
     # its fused update (the same rounding)
-    handed = nvme_store.step_outputs(self.plan, state, grads, factor)
+    handed = step_outputs(self.plan, state, grads, factor)
     new, outputs = self.inner.update(shrink(self.plan, grads, self.nvme_leaves), state, skip,
                                      factor)
     return new, {**outputs, NVME: handed}
@@ -168,5 +171,37 @@ class NvmeUpdate(Update):
     if NVME in outputs:
       return self.store.update(state, metrics, outputs[NVME])
     if self.store.copies:
-      self.store.write_copies(state, metrics)
+      return self.store.write_copies(state, metrics)
     return state
+
+
+def step_outputs(plan: Any, state: Any, grads: PyTree, factor: jax.Array | None) -> dict:
+  """Inside the step's ``shard_map``: what :meth:`jzero.tiers.nvme_store.NvmeStore.update` needs
+  from the device (its module docstring): the NVMe leaves' fp32 gradients before clipping and the
+  clipping ``factor`` (the update multiplies, as the device path does inside its fused update: the
+  same rounding), fp32 training's master partitions, and the optimizer state's non-parameter
+  leaves before the update. The store never donates them: a failed write runs its update again
+  from them (:class:`jzero.errors.StepNotCommitted`)."""
+  nvme = [l for l in plan.leaf_list() if l.state_tier == NVME]
+  flat_g = dict(zip([l.path for l in plan.leaf_list()], jax.tree.leaves(grads)))
+  out = {"grads": {l.path: flat_g[l.path] for l in nvme},
+         "factor": jnp.ones((), jnp.float32) if factor is None else factor}
+  if not plan.has_master:  # (a param on the NVMe tier has its master in the store)
+    flat_p = dict(zip([l.path for l in plan.leaf_list()], jax.tree.leaves(state.params)))
+    out["master"] = {l.path: layouts.local_master(plan, l, flat_p[l.path]) for l in nvme
+                     if l.param_tier != NVME}
+  _, nodes, flags = split_state(state.opt_state, nvme_store.params_def(plan))
+  out["nodes"] = [n for n, f in zip(nodes, flags) if not f]
+  return out
+
+
+def step_output_specs(plan: Any, tx: optax.GradientTransformation) -> dict:
+  """Partition specs of :func:`step_outputs`."""
+  nvme = [l for l in plan.leaf_list() if l.state_tier == NVME]
+  specs = {"grads": {l.path: plan.state_spec(l) for l in nvme}, "factor": P()}
+  if not plan.has_master:
+    specs["master"] = {l.path: plan.state_spec(l) for l in nvme if l.param_tier != NVME}
+  abstract = jax.eval_shape(tx.init, plan.abstract_master())
+  _, nodes, flags = split_state(abstract, nvme_store.params_def(plan))
+  specs["nodes"] = [P() for f in flags if not f]
+  return specs

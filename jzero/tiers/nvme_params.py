@@ -223,6 +223,12 @@ class ParamReader:
         for r in range(rows.shape[0]):
           self._pending[(path, r)] = rows[r, e.offset:e.offset + e.numel].copy()
 
+  def discard(self) -> None:
+    """The store's write failed: the rows staged since its last commit go (their slot was not
+    committed); the cache keeps the committed values."""
+    with self._lock:
+      self._pending = {}
+
   def committed(self) -> None:
     """The store committed a slot: the staged rows become the cache; stale prefetches go."""
     with self._lock:

@@ -68,8 +68,13 @@ def _int(value: Any, default: int) -> int:
 
 def check_directory(path: str | os.PathLike, key: str = _KEY) -> Path:
   """``path`` as an absolute directory jzero can write and fsync in, created (with a warning) when
-  only its last component is missing; ConfigError (naming the config ``key``) otherwise."""
+  only its last component is missing; ConfigError (naming the config ``key``) otherwise -- also for a
+  path holding a backslash, which tensorstore would read as a separator."""
   path = Path(path).expanduser().absolute()
+  if "\\" in str(path):  # tensorstore's file kvstore reads it as a separator
+    raise ConfigError(f"{key}={path}: the path holds a backslash, which tensorstore reads as a "
+                      f"path separator (the store's files would land in "
+                      f"{str(path).replace(chr(92), '/')}); choose a directory without '\\'.")
   if not path.exists():
     if not path.parent.is_dir():
       raise ConfigError(f"{key}={path}: no such directory. Create it (mkdir -p {path}), ideally on "

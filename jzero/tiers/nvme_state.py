@@ -6,11 +6,12 @@ read back from disk after a crash.
 the full one) and writes them into the store (:func:`absorb`), so a checkpoint moves between tiers
 exactly. :func:`open_committed` reads a process's store directory from its files alone --
 what a crashed run left (see :mod:`jzero.tiers.nvme_store`, "Crash consistency"). The store's layout
-itself is :meth:`jzero.tiers.nvme_store.NvmeStore.with_arrays`.
+itself in a TrainState is :func:`with_arrays`.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 from pathlib import Path
@@ -19,9 +20,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jzero.tiers.nvme_store import FORMAT, MANIFEST, NvmeStoreError
+from jzero.tiers import where
+from jzero.tiers.host_optimizer import split_state
+from jzero.tiers.nvme_store import FORMAT, MANIFEST, NVME, NvmeStoreError
 
-__all__ = ["full_state", "absorb", "open_committed"]
+__all__ = ["full_state", "absorb", "with_arrays", "open_committed"]
 
 
 def full_state(plan: Any, store: Any, state: Any) -> Any:
@@ -32,7 +35,7 @@ def full_state(plan: Any, store: Any, state: Any) -> Any:
   arrays = store.read()
   dtype = plan.compute_dtype
   cast = jax.jit(lambda x: x.astype(dtype))
-  return store.with_arrays(state, lambda s: arrays[s.name], lambda s: cast(arrays[s.name]))
+  return with_arrays(store, state, lambda s: arrays[s.name], lambda s: cast(arrays[s.name]))
 
 
 def absorb(plan: Any, store: Any, state: Any) -> Any:
@@ -41,8 +44,37 @@ def absorb(plan: Any, store: Any, state: Any) -> Any:
   if store is None:
     return state
   store.write_state(state)
-  return store.with_arrays(state, lambda s: store.placeholder(s, np.float32),
-                           lambda s: store.placeholder(s, plan.compute_dtype))
+  return with_arrays(store, state, lambda s: store.placeholder(s, np.float32),
+                     lambda s: store.placeholder(s, plan.compute_dtype))
+
+
+def with_arrays(store: Any, state: Any, get: Any, get_param: Any) -> Any:
+  """``state`` with each NVMe leaf's master / optimizer node replaced by ``get(stored)``, and
+  each param the state holds as a placeholder by ``get_param(its stored master or copy)``: the
+  layout of ``store`` (a :class:`jzero.tiers.nvme_store.NvmeStore`) in a TrainState."""
+  plan = store.plan
+  by_leaf = collections.defaultdict(dict)
+  for s in store.stored:
+    by_leaf[s.leaf.path][s.node] = s
+  in_store = lambda l: l.state_tier == NVME  # (a param's copy: its master is in the state)
+  master = state.master
+  if plan.has_master:
+    master = plan.map(lambda l, x: get(by_leaf[l.path][-1]) if in_store(l) else x, master)
+  # params on the tier (jzero.tiers.nvme_params): the stored value in the compute dtype (the
+  # step's cast)
+  params = plan.map(lambda l, x: get_param(by_leaf[l.path][-1])
+                    if where.param_placeholder(plan, l) else x, state.params)
+  node_def, nodes, flags = split_state(state.opt_state, store.params_def)
+  new_nodes = []
+  for k, (node, f) in enumerate(zip(nodes, flags)):
+    if f:
+      j = store.param_nodes.index(k)
+      node = [get(by_leaf[l.path][j]) if in_store(l) else x
+              for l, x in zip(plan.leaf_list(), node)]
+      node = jax.tree.unflatten(store.params_def, node)
+    new_nodes.append(node)
+  return state._replace(params=params, master=master,
+                        opt_state=jax.tree.unflatten(node_def, new_nodes))
 
 
 def open_committed(directory: str | os.PathLike) -> tuple[int, dict[str, np.ndarray], dict]:

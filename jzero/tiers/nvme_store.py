@@ -18,8 +18,9 @@ the group's arrays (a leaf's master, then its optimizer moments) end to end, so 
 exactly the shards its devices hold, and the disk sees few large files instead of one small file
 per array and device (that layout measured 0.03 of the disk's raw write bandwidth, fsync per small
 file dominating; one file for all rows 0.42, bench/nvme.py). The directory
-is removed when the store is garbage-collected or the process exits normally; a killed process
-leaves it (see crash consistency). Paths are checked before any device work: a missing
+is removed when the store is garbage-collected or the process exits normally; a killed process, or
+one that ends on a step it could not write (below), leaves it, and the next store opened under the
+same ``nvme_path`` warns about it (:mod:`jzero.tiers.nvme_runs`). Paths are checked before any device work: a missing
 ``nvme_path``, a path that is not a writable directory (a probe file is written and fsync'ed), and,
 when the plan exists, too little free space for both slots (``shutil.disk_usage``) are a
 :class:`~jzero.errors.ConfigError` naming the path and the fix.
@@ -59,6 +60,17 @@ it back (or refuses clearly: no manifest -- killed before the first commit --, o
 missing files). Resuming training goes through checkpoints (below), as in DeepSpeed, whose swap
 files are scratch space too.
 
+**A write that fails** (a full disk, an I/O error; :func:`jzero.errors.describe_io_error` tells it
+from a bug) loses nothing. During a step the update waits for every read and write still in
+flight, drops what it staged for the parameter reader, leaves the manifest as it was -- the store
+still commits the previous step -- and raises :class:`~jzero.errors.StepNotCommitted` naming the
+path, the cause, the bytes a step writes and those free; the run directory is then kept at exit
+until a step commits. The jitted step's outputs are whole: the group update donates only what it
+read from the disk, never the gradients or fp32 training's masters. So the error's ``finish()``,
+once there is room, runs the update again from the committed slot and those outputs -- the same
+numbers bitwise -- and returns the step's state and metrics. Outside a step (the initial state, a
+restore) a failed write is an :class:`NvmeStoreError` naming the path and the cause.
+
 **Settings** (:mod:`jzero.tiers.nvme_settings`; DeepSpeed's names -> tensorstore):
 ``aio.queue_depth`` -> the context's ``file_io_concurrency`` limit (concurrent file operations) and
 the reading threads, ``aio.intra_op_parallelism`` -> ``data_copy_concurrency`` (threads copying /
@@ -84,11 +96,13 @@ NVMe bytes from the committed slot's files (per device: a file's size over its r
 master and optimizer by the layout) next to the estimator's ``nvme`` tier, and prints the process's
 store directory and its bytes on disk.
 
-**Why one module of over 500 lines.** The store's write, read and commit protocol is one piece:
-the two slots, the manifest that commits a step and the reads that trust it are correct only
-together -- a process killed in any phase must leave the last committed step readable
-(tests/checkpoint/test_kill_resume.py kills it in each one) -- so :class:`NvmeStore` is kept whole,
-with the few helpers the step and the NVMe parameter tier share.
+**Why one module of 700 lines.** The store's write, read and commit protocol is one piece: the
+two slots, the manifest that commits a step, the reads that trust it and what a failed write
+leaves are correct only together -- a process killed in any phase must leave the last committed
+step readable (tests/tiers/test_nvme.py kills it in each one), a failed write must leave it
+committed (tests/tiers/test_nvme_faults.py) -- so :class:`NvmeStore` is kept whole; what the step
+hands it is :mod:`jzero.tiers.nvme`'s, its layout in a TrainState :mod:`jzero.tiers.nvme_state`'s,
+its directories on disk :mod:`jzero.tiers.nvme_runs`'.
 """
 
 from __future__ import annotations
@@ -96,35 +110,31 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import functools
-import datetime
 import json
 import math
 import os
 import shutil
-import socket
-import uuid
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jzero.comm import layouts, program
-from jzero.errors import ConfigError, JZeroError
+from jzero.errors import (ConfigError, JZeroError, JZeroWarning, StepNotCommitted,
+                          describe_io_error)
 from jzero.tiers.nvme_settings import (IO_MODE, NVME, NvmeSettings, check_directory, io_context,
                                  settings_from_config)
-from jzero.tiers import where
+from jzero.tiers import nvme_runs, where
 from jzero.tiers.host_optimizer import split_state
 from jzero.tiers.nvme_params import ParamReader
 from jzero.tiers.updates import placeholder_shape
 
-__all__ = ["NVME", "NvmeSettings", "NvmeStoreError", "NvmeStore", "settings_from_config",
+__all__ = ["NVME", "NvmeSettings", "NvmeStoreError", "NvmeStore", "params_def", "settings_from_config",
            "check_directory", "IO_MODE", "io_context", "MANIFEST",
            "SLOTS", "FORMAT", "read_file_into"]
 
@@ -154,48 +164,12 @@ def read_file_into(path: str | os.PathLike, out: np.ndarray, offset: int = 0) ->
   return out
 
 
-def _params_def(plan: Any):
+def params_def(plan: Any) -> Any:
+  """The tree structure of ``plan``'s params (what the optimizer state's param-like nodes have)."""
   return jax.tree.structure(plan.map(lambda _: 0))
 
 
-def step_outputs(plan: Any, state: Any, grads: PyTree, factor: jax.Array | None) -> dict:
-  """Inside the step's ``shard_map``: what :meth:`NvmeStore.update` needs from the device (module
-  docstring): the NVMe leaves' fp32 gradients before clipping and the clipping ``factor`` (the
-  update multiplies, as the device path does inside its fused update: the same rounding), fp32
-  training's master partitions, and the optimizer state's non-parameter leaves before the
-  update."""
-  nvme = [l for l in plan.leaf_list() if l.state_tier == NVME]
-  flat_g = dict(zip([l.path for l in plan.leaf_list()], jax.tree.leaves(grads)))
-  out = {"grads": {l.path: flat_g[l.path] for l in nvme},
-         "factor": jnp.ones((), jnp.float32) if factor is None else factor}
-  if not plan.has_master:  # (a param on the NVMe tier has its master in the store)
-    flat_p = dict(zip([l.path for l in plan.leaf_list()], jax.tree.leaves(state.params)))
-    out["master"] = {l.path: layouts.local_master(plan, l, flat_p[l.path]) for l in nvme
-                     if l.param_tier != NVME}
-  _, nodes, flags = split_state(state.opt_state, _params_def(plan))
-  out["nodes"] = [n for n, f in zip(nodes, flags) if not f]
-  return out
-
-
-def step_output_specs(plan: Any, tx: optax.GradientTransformation) -> dict:
-  """Partition specs of :func:`step_outputs`."""
-  nvme = [l for l in plan.leaf_list() if l.state_tier == NVME]
-  specs = {"grads": {l.path: plan.state_spec(l) for l in nvme}, "factor": P()}
-  if not plan.has_master:
-    specs["master"] = {l.path: plan.state_spec(l) for l in nvme if l.param_tier != NVME}
-  abstract = jax.eval_shape(tx.init, plan.abstract_master())
-  _, nodes, flags = split_state(abstract, _params_def(plan))
-  specs["nodes"] = [P() for f in flags if not f]
-  return specs
-
-
 # -- the store -------------------------------------------------------------------------------------
-def _run_name() -> str:
-  now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-  host = socket.gethostname().split(".")[0] or "host"
-  return f"{host}-{os.getpid()}-{now}-{uuid.uuid4().hex[:12]}"
-
-
 def _fsync_dir(path: Path) -> None:
   fd = os.open(path, os.O_RDONLY)
   try:
@@ -262,9 +236,9 @@ class NvmeStore:
     self.copies = any(where.param_copy_on_nvme(l) for l in self.leaves)
     self._position = {l.path: i for i, l in enumerate(plan.leaf_list())}
     abstract = jax.eval_shape(tx.init, plan.abstract_master())
-    self._params_def = _params_def(plan)
-    self._node_def, _, self._flags = split_state(abstract, self._params_def)
-    self._param_nodes = [k for k, f in enumerate(self._flags) if f]
+    self.params_def = params_def(plan)
+    self._node_def, _, self._flags = split_state(abstract, self.params_def)
+    self.param_nodes = [k for k, f in enumerate(self._flags) if f]
     mesh = plan.mesh.mesh
     self.devices = sorted((d for d in mesh.devices.flat if d.process_index == jax.process_index()),
                           key=lambda d: d.id)
@@ -282,7 +256,7 @@ class NvmeStore:
         stores_state = l.state_tier == NVME
         names = ([(f"{pos:05d}.master", "master", -1)] if stores_master else []) + [
             (f"{pos:05d}.state{j}", f"state{j}", j)
-            for j in range(len(self._param_nodes) if stores_state else 0)]
+            for j in range(len(self.param_nodes) if stores_state else 0)]
         for name, what, node in names:
           stored.append(_Stored(name, l, what, node, g, offset, numel))
           offset += numel
@@ -292,17 +266,26 @@ class NvmeStore:
     # checks its buffers against the largest layer before anything is written
     self.reader = ParamReader(self) if where.params_on_nvme(plan) else None
     self.bytes_per_slot = len(self.devices) * sum(self.group_numel) * 4
+    stale = nvme_runs.stale_runs(settings.path)  # stores of gone processes (nvme_runs)
     free = shutil.disk_usage(settings.path).free
     if 2 * self.bytes_per_slot > free:
+      held = sum(r.bytes for r in stale)
+      reclaim = (f" ({held:,} bytes of it are held by {len(stale)} stores of gone processes: "
+                 f"`jzero nvme-stores {settings.path} --reclaim` removes them)" if stale else "")
       raise ConfigError(
           f"{settings.key}={settings.path}: the NVMe tier needs {2 * self.bytes_per_slot:,} bytes in this "
           f"process (two slots of {self.bytes_per_slot:,}: fp32 master and optimizer state of "
-          f"{len(self.leaves)} leaves), and the file system has {free:,} free. Free space there, "
-          f"point nvme_path at a larger drive, or lower offload_optimizer.ratio.")
-    self.run_directory = (settings.path / f"zero_stage_{plan.stage}" / _run_name())
+          f"{len(self.leaves)} leaves), and the file system has {free:,} free{reclaim}. Free "
+          f"space there, point nvme_path at a larger drive, or lower offload_optimizer.ratio.")
+    if stale:
+      warnings.warn(nvme_runs.describe_stale(settings.path, stale), JZeroWarning, stacklevel=2)
+    self.run_directory = (settings.path / f"zero_stage_{plan.stage}" / nvme_runs.run_name())
     self.directory = self.run_directory / f"process_{jax.process_index()}"
     self.directory.mkdir(parents=True, exist_ok=False)
-    self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.run_directory), True)
+    # removed at exit or garbage collection, unless a step that could not be written keeps it
+    self._kept = [False]
+    self._cleanup = weakref.finalize(self, nvme_runs.remove_unless_kept, str(self.run_directory),
+                                     self._kept)
     self._context = ts.Context(io_context(settings))
     self._io = concurrent.futures.ThreadPoolExecutor(max_workers=settings.queue_depth,
                                                      thread_name_prefix="jzero-nvme-read")
@@ -425,6 +408,7 @@ class NvmeStore:
                       for g in range(len(self.groups))]}
     _write_manifest(self.directory, doc)
     self.step, self.slot = int(step), slot
+    self._kept[0] = False  # consistent again: removed at exit
     if self.reader is not None:
       self.reader.committed()
 
@@ -449,17 +433,22 @@ class NvmeStore:
       index = {self.leaves[i].path: j for j, i in enumerate(group)}
       return {s.name: ms[index[s.leaf.path]] if s.node < 0 else states[s.node][index[s.leaf.path]]
               for s in self._members(g)}
-    self._write_slot(step, group_values)
+    self._outside_step(f"the initial state (step {step})",
+                       lambda: self._write_slot(step, group_values))
 
   def write_state(self, state: Any) -> None:
     """Writes a TrainState whose NVMe leaves hold real arrays (a restore) and commits its step."""
+    self._outside_step(f"the restored state (step {int(state.step)})",
+                       lambda: self._write_state(state))
+
+  def _write_state(self, state: Any) -> None:
     # the masters: fp32 training's are the params (stored here for the NVMe-tier params only)
     source = state.master if self.plan.has_master else state.params
     flat_m = dict(zip([l.path for l in self.plan.leaf_list()], jax.tree.leaves(source)))
-    _, nodes, _ = split_state(state.opt_state, self._params_def)
+    _, nodes, _ = split_state(state.opt_state, self.params_def)
     self._write_slot(int(state.step), lambda g: {
         s.name: flat_m[s.leaf.path] if s.node < 0
-        else nodes[self._param_nodes[s.node]][self._position[s.leaf.path]]
+        else nodes[self.param_nodes[s.node]][self._position[s.leaf.path]]
         for s in self._members(g)})
 
   def _write_slot(self, step: int, group_values: Any) -> None:
@@ -467,22 +456,84 @@ class NvmeStore:
     committed now (the first slot for a new store), then committed as ``step``."""
     slot = self._other if self.slot is not None else SLOTS[0]
     futures = []
-    for g in range(len(self.groups)):
-      rows = self._pack(g, group_values(g))
-      futures.append(self._write(slot, g, rows))
-      self._pending_rows(g, rows)
-    for f in futures:
-      f.result()
-    self._commit(step, slot)
+    try:
+      for g in range(len(self.groups)):
+        rows = self._pack(g, group_values(g))
+        futures.append(self._write(slot, g, rows))
+        self._pending_rows(g, rows)
+      for f in futures:
+        f.result()
+      self._commit(step, slot)
+    except BaseException:
+      self._abandon(futures)
+      raise
 
-  def write_copies(self, state: Any, metrics: dict) -> None:
+  def _abandon(self, futures: Any) -> None:
+    """After a failed write: every I/O still in flight is waited for (its error dropped: the
+    first one is being raised), so none lands after a retry's writes; the rows staged for the
+    parameter reader go (the slot they were written to is not committed)."""
+    for f in futures:
+      try:
+        f.result()
+      except Exception:  # pylint: disable=broad-except
+        pass
+    if self.reader is not None:
+      self.reader.discard()
+
+  def _outside_step(self, what: str, write: Any) -> None:
+    """``write()`` (a whole state into the store, outside a step); a disk's failure there is an
+    NvmeStoreError naming the path and the cause (nothing else changed: the source of the state --
+    the initial params, a checkpoint -- is where it was)."""
+    try:
+      write()
+    except Exception as e:  # pylint: disable=broad-except  (describe_io_error sorts it)
+      cause = describe_io_error(e)
+      if cause is None:
+        raise
+      raise NvmeStoreError(
+          f"the NVMe tier could not write {what} into {self.directory}: {cause}. It needs "
+          f"{self.bytes_per_slot:,} bytes there per slot (two slots); nothing else was changed. "
+          f"Free space there (or fix the disk) and try again.") from None
+
+  def _step_write(self, state: Any, metrics: dict, write: Any) -> Any:
+    """``write()``, the store's share of the step that made ``state``; a disk's failure there is a
+    :class:`~jzero.errors.StepNotCommitted` whose ``finish()`` runs ``write()`` again (the step's
+    outputs are kept whole for it: :meth:`_group_fn` donates only what it read from the disk),
+    and the run directory is kept at exit until a step commits."""
+    step, committed = int(state.step), (self.step, self.slot)
+    try:
+      return write()
+    except Exception as e:  # pylint: disable=broad-except  (describe_io_error sorts it)
+      cause = describe_io_error(e)
+      if cause is None:
+        raise
+    self._kept[0] = True
+
+    def finish() -> tuple[Any, dict]:
+      if (self.step, self.slot) != committed:
+        raise NvmeStoreError(
+            f"step {step} can no longer be finished: the NVMe store in {self.directory} has "
+            f"committed step {self.step} since (a restore or another step). Train on from the "
+            f"state that step belongs to.")
+      return self._step_write(state, metrics, write), metrics
+
+    raise StepNotCommitted(
+        nvme_runs.write_failure(self.directory, self.run_directory, self.settings.path, step,
+                                self.step, cause, self.bytes_per_slot),
+        step=step, committed=self.step, path=str(self.directory), finish=finish)
+
+  def write_copies(self, state: Any, metrics: dict) -> Any:
     """After a step whose params are copies on the tier (:func:`jzero.tiers.where.
     param_copy_on_nvme`): their new values, the state's masters, written to the other slot and
-    committed as the step (a skipped step commits the unchanged slot under the new step)."""
-    if bool(metrics["overflow"]):
-      self._commit(int(state.step), self.slot)
-    else:
-      self.write_state(state)
+    committed as the step (a skipped step commits the unchanged slot under the new step).
+    Returns ``state``; a failed write is a :class:`~jzero.errors.StepNotCommitted`."""
+    def write() -> Any:
+      if bool(metrics["overflow"]):
+        self._commit(int(state.step), self.slot)
+      else:
+        self._write_state(state)
+      return state
+    return self._step_write(state, metrics, write)
 
   def read(self) -> dict[str, jax.Array]:
     """The committed slot's arrays as global arrays laid out by the plan: name -> array."""
@@ -502,12 +553,15 @@ class NvmeStore:
     sspec = [plan.state_spec(l) for l in leaves]
     pspec = [plan.param_spec(l) for l in leaves]
     flags, node_def = self._flags, self._node_def
-    n_nodes = len(self._param_nodes)
+    n_nodes = len(self.param_nodes)
     n_other = len(flags) - n_nodes
 
     in_state = [l.param_tier != NVME for l in leaves]  # (the store keeps the others' params)
+    read = self._masters_read(g)
 
-    def body(g_list, factor, m_list, s_lists, others):
+    def body(g_list, factor, m_read, m_kept, s_lists, others):
+      it_r, it_k = iter(m_read), iter(m_kept)
+      m_list = [next(it_r) if r else next(it_k) for r in read]
       g_list = [g * factor for g in g_list]
       it_s, it_o = iter(s_lists), iter(others)
       state = jax.tree.unflatten(node_def, [next(it_s) if f else next(it_o) for f in flags])
@@ -519,28 +573,61 @@ class NvmeStore:
       return new_m, [n for n, f in zip(out, flags) if f], params
 
     pspec = [s for s, keep in zip(pspec, in_state) if keep]
-    in_specs = (sspec, P(), sspec, [sspec] * n_nodes, [P()] * n_other)
+    in_specs = (sspec, P(), [s for s, r in zip(sspec, read) if r],
+                [s for s, r in zip(sspec, read) if not r], [sspec] * n_nodes, [P()] * n_other)
+    # what was read from the disk is donated; the step's outputs (gradients, fp32 training's
+    # masters) are not: a failed write runs the group again from them (_step_write)
     fn = jax.jit(program.shard_map(plan, body, in_specs, (sspec, [sspec] * n_nodes, pspec)),
-                 donate_argnums=(0, 2, 3), compiler_options=program.compile_options(plan) or None)
+                 donate_argnums=(2, 4), compiler_options=program.compile_options(plan) or None)
     self._fns[g] = fn
     return fn
+
+  def _masters_read(self, g: int) -> list[bool]:
+    """Per leaf of group ``g``: whether its master is read from the store (else it is the step's
+    output, fp32 training's param)."""
+    stored = {s.leaf.path for s in self._members(g) if s.node < 0}
+    return [self.leaves[i].path in stored for i in self.groups[g]]
 
   def update(self, state: Any, metrics: dict, io: dict) -> Any:
     """The NVMe leaves' update after the jitted step (module docstring); returns the state with
     the NVMe leaves' new compute params (and, with hpZ, the secondary partitions refreshed from
-    them), after the step's writes are committed."""
+    them), after the step's writes are committed. A write that fails is a
+    :class:`~jzero.errors.StepNotCommitted` (:meth:`_step_write`): the committed step stays, and
+    its ``finish()`` runs this update again."""
+    return self._step_write(state, metrics, lambda: self._update(state, metrics, io))
+
+  def _update(self, state: Any, metrics: dict, io: dict) -> Any:
     settings, plan = self.settings, self.plan
     new_step = int(state.step)
     if bool(metrics["overflow"]):  # skipped step: the stored state is unchanged
       self._commit(new_step, self.slot)
       return state
     src, dst = self.slot, self._other
-    groups = self.groups
     ahead = settings.buffer_count - 1 if settings.pipeline_read else 0
     limit = settings.buffer_count if settings.pipeline_write else 0
     reads: dict[int, Any] = {}
     writes: collections.deque = collections.deque()  # commit futures, one per group
     new_params: dict[str, jax.Array] = {}
+    try:
+      self._update_groups(src, dst, io, reads, writes, new_params, ahead, limit)
+      self._commit(new_step, dst)
+    except BaseException:
+      self._abandon([*writes, *reads.values()])
+      raise
+    params = plan.map(lambda l, p: new_params.get(l.path, p), state.params)
+    state = state._replace(params=params)
+    if plan.zeropp.hpz > 1:  # the secondary partitions of the new params, as the step makes them
+      if self._refresh is None:
+        self._refresh = layouts.refresh_program(plan)
+      state = state._replace(secondary=self._refresh(params))
+    return state
+
+  def _update_groups(self, src: str, dst: str, io: dict, reads: dict, writes: Any,
+                     new_params: dict, ahead: int, limit: int) -> None:
+    """The sub-groups read from ``src``, updated and written to ``dst`` (``reads`` / ``writes``:
+    the futures in flight, which the caller waits for if this raises); the new compute params
+    into ``new_params``."""
+    groups = self.groups
     for g, group in enumerate(groups):
       for k in range(g, min(len(groups), g + 1 + ahead)):
         if k not in reads:
@@ -550,10 +637,11 @@ class NvmeStore:
       leaves = [self.leaves[i] for i in group]
       pos = [self._position[l.path] for l in leaves]
       g_list = [io["grads"][l.path] for l in leaves]
-      m_list = [data[f"{p:05d}.master"] if f"{p:05d}.master" in data else io["master"][l.path]
-                for p, l in zip(pos, leaves)]
-      s_lists = [[data[f"{p:05d}.state{j}"] for p in pos] for j in range(len(self._param_nodes))]
-      new_m, new_s, params = self._group_fn(g)(g_list, io["factor"], m_list, s_lists,
+      read = self._masters_read(g)
+      m_read = [data[f"{p:05d}.master"] for p, r in zip(pos, read) if r]
+      m_kept = [io["master"][l.path] for l, r in zip(leaves, read) if not r]
+      s_lists = [[data[f"{p:05d}.state{j}"] for p in pos] for j in range(len(self.param_nodes))]
+      new_m, new_s, params = self._group_fn(g)(g_list, io["factor"], m_read, m_kept, s_lists,
                                                io["nodes"])
       index = {l.path: j for j, l in enumerate(leaves)}
       values = {s.name: new_m[index[s.leaf.path]] if s.node < 0
@@ -567,43 +655,8 @@ class NvmeStore:
         writes.popleft().result()
     while writes:
       writes.popleft().result()
-    self._commit(new_step, dst)
-    params = plan.map(lambda l, p: new_params.get(l.path, p), state.params)
-    state = state._replace(params=params)
-    if plan.zeropp.hpz > 1:  # the secondary partitions of the new params, as the step makes them
-      if self._refresh is None:
-        self._refresh = layouts.refresh_program(plan)
-      state = state._replace(secondary=self._refresh(params))
-    return state
 
-  # -- the store's arrays in a TrainState (checkpoints, logical params: jzero.tiers.nvme_state) ----
-  def with_arrays(self, state: Any, get, get_param) -> Any:
-    """``state`` with each NVMe leaf's master / optimizer node replaced by ``get(stored)``, and
-    each param the state holds as a placeholder by ``get_param(its stored master or copy)``."""
-    plan = self.plan
-    by_leaf = collections.defaultdict(dict)
-    for s in self.stored:
-      by_leaf[s.leaf.path][s.node] = s
-    in_store = lambda l: l.state_tier == NVME  # (a param's copy: its master is in the state)
-    master = state.master
-    if plan.has_master:
-      master = plan.map(lambda l, x: get(by_leaf[l.path][-1]) if in_store(l) else x, master)
-    # params on the tier (jzero.tiers.nvme_params): the stored value in the compute dtype (the
-    # step's cast)
-    params = plan.map(lambda l, x: get_param(by_leaf[l.path][-1]) if where.param_placeholder(plan, l)
-                      else x, state.params)
-    node_def, nodes, flags = split_state(state.opt_state, self._params_def)
-    new_nodes = []
-    for k, (node, f) in enumerate(zip(nodes, flags)):
-      if f:
-        j = self._param_nodes.index(k)
-        node = [get(by_leaf[l.path][j]) if in_store(l) else x
-                for l, x in zip(plan.leaf_list(), node)]
-        node = jax.tree.unflatten(self._params_def, node)
-      new_nodes.append(node)
-    return state._replace(params=params, master=master,
-                          opt_state=jax.tree.unflatten(node_def, new_nodes))
-
+  # -- the store's arrays in a TrainState (jzero.tiers.nvme_state.with_arrays) ------------------
   def placeholder(self, s: _Stored, dtype: Any) -> jax.Array:
     """A 0-byte placeholder for the stored array ``s`` (its leaf's layout, shard dim 0)."""
     return jax.device_put(np.zeros(placeholder_shape(s.leaf), dtype), self._sharding[s.leaf.path])

@@ -3,7 +3,10 @@ resumable loop.
 
 * :mod:`jzero.train.initialize` -- :func:`jzero.initialize`: a config, a model and a loss into an
   :class:`Engine`.
-* :mod:`jzero.train.engine` -- :class:`Engine`: state creation, steps, evaluation, checkpoints.
+* :mod:`jzero.train.engine` -- :class:`Engine`: state creation, steps, evaluation;
+  :mod:`jzero.train.state_io` -- its states outside a step: read back, checkpoints, imports.
+* :mod:`jzero.train.deepspeed_engine` -- DeepSpeed's engine over jzero's (the 4-tuple's), and
+  :mod:`jzero.train.deepspeed_names` -- each name of DeepSpeed's ``DeepSpeedEngine`` in jzero.
 * :mod:`jzero.train.step` -- what one step computes; its update phase is the update chain the tiers
   compose (:mod:`jzero.tiers`).
 * :mod:`jzero.train.state` -- :class:`TrainState`.

@@ -1,32 +1,28 @@
 """The training engine: ``jzero.initialize(...)`` -> ``engine.init`` / ``engine.train_step``.
 
 The engine wires; it computes nothing of a step. It owns the configuration, the mesh, the plan
-(:meth:`Engine.init` makes it: the layout, then the tiers' placement), what the plan's tiers own
-at run time (:attr:`Engine.resources`, opened once per plan: the NVMe store) and the plan's
+(made once, :meth:`Engine.make_plan`: in ``initialize`` when it can be, else at ``init``), what
+the plan's tiers own at run time (:attr:`Engine.resources`: the NVMe store) and the plan's
 programs (:class:`jzero.train.programs.Programs`: one jitted step per step variant, built from the
 :class:`~jzero.train.step.StepParts` of :func:`jzero.train.setup.step_parts`). On the host it
 creates the train state in the plan's placement, shards and checks batches, runs the steps and
-the update's work after them, reports on them (:mod:`jzero.train.reporting`), evaluates, reads
-parameters back, and saves / restores checkpoints (:mod:`jzero.checkpoint`) -- handing each
-function the plan, the state and the resources, never itself.
+the update's work after them, reports on them (:mod:`jzero.train.reporting`) and evaluates; the
+state outside a step (read back, checkpoints, imports) is :class:`jzero.train.state_io.StateIO`'s.
+DeepSpeed's names are not the engine's: :mod:`jzero.train.deepspeed_engine` adapts them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
-from jzero import checkpoint
 from jzero.checkpoint.optax_import import host_or_mesh
-from jzero.analysis import memory_report as memory_report_lib
 from jzero.analysis.hlo import StepTiming
 from jzero.config import Config
 from jzero.config.blocks import DTYPES
@@ -40,14 +36,14 @@ from jzero.sharding.zeropp import ZeroPP
 from jzero.tiers import registry
 from jzero.tiers.base import Resources, Tier
 from jzero.tiers.delayed import DelayedUpdate, Variant
-from jzero.train import input_checks, monitor as monitor_lib, reporting, setup
-from jzero.train import state as state_lib
+from jzero.train import deepspeed_names, input_checks, monitor as monitor_lib, reporting, setup
 from jzero.train import step as step_lib
 from jzero.train.batches import Batches
 from jzero.train.precision import LossScaler
 from jzero.train.programs import Programs
 from jzero.train.step_runner import StepRunner
 from jzero.train.state import TrainState
+from jzero.train.state_io import StateIO
 
 if TYPE_CHECKING:  # annotations only
   from jzero.tiers.nvme_store import NvmeStore
@@ -57,7 +53,7 @@ __all__ = ["Engine"]
 PyTree = Any
 
 @dataclasses.dataclass
-class Engine:
+class Engine(StateIO):
   """A model, a loss, a resolved config and a mesh, compiled into ZeRO train steps.
 
   Create with :func:`initialize`. ``plan`` exists after :meth:`init`.
@@ -80,24 +76,26 @@ class Engine:
   # the config's tensorboard / csv_monitor / wandb writers (jzero.train.monitor), from initialize
   monitor: monitor_lib.Monitor = dataclasses.field(default_factory=monitor_lib.Monitor)
   tokens_per_sample: int | None = None  # tokens/s = samples/s x this (initialize's argument)
+  # DeepSpeed's 4-tuple, made when the engine is unpacked (jzero.initialize sets it)
+  unpack: Callable[[], tuple] | None = dataclasses.field(default=None, repr=False)
   # the delayed parameter update (jzero.tiers.delayed), from the config; None when it is off
   delayed: DelayedUpdate | None = dataclasses.field(init=False, default=None, repr=False)
   # what the plan's tiers own at run time, by tier name (jzero.tiers.base.Resources)
   resources: Resources = dataclasses.field(default_factory=dict, init=False, repr=False)
-  _resources_of: Plan | None = dataclasses.field(default=None, repr=False)  # their plan
+  _opened: bool = dataclasses.field(default=False, repr=False)  # the resources are open
   _built: Programs | None = dataclasses.field(default=None, repr=False)  # the plan's programs
   _batches: Batches | None = dataclasses.field(default=None, repr=False)
-  _runner: StepRunner | None = dataclasses.field(default=None, repr=False)
+  runner: StepRunner | None = dataclasses.field(default=None, repr=False)  # the host's step driver
 
   def __post_init__(self):
     here = [d for d in self.mesh.mesh.devices.flat if d.process_index == jax.process_index()]
     self._batches = Batches(self.config, self.mesh)
     self.delayed = DelayedUpdate.from_config(self.config)
-    self._runner = StepRunner(reporting.StepReporter(
+    self.runner = StepRunner(reporting.StepReporter(
         self.config, here, DTYPES[self.config.precision], self.monitor, self.tokens_per_sample,
         self.schedule))
 
-  # -- the config's numbers, DeepSpeed's engine shapes -------------------------------------------
+  # -- the config's numbers; DeepSpeed's 4-tuple -----------------------------------------------
   @property
   def global_batch_size(self) -> int:
     return self.config.train_batch_size
@@ -112,34 +110,30 @@ class Engine:
 
   def __iter__(self):
     """``engine, optimizer, dataloader, lr_scheduler = jzero.initialize(...)``: DeepSpeed's
-    4-tuple (the optax transformation, ``training_dataloader`` and the schedule ``step -> lr``)."""
-    return iter((self, self.tx, self.training_dataloader, self.schedule))
+    4-tuple, its engine the adapter :class:`jzero.train.deepspeed_engine.DeepSpeedEngine` over
+    this one (``unpack``, from :func:`jzero.initialize`)."""
+    if self.unpack is None:
+      raise JZeroError("DeepSpeed's 4-tuple comes from jzero.initialize(...); this engine was "
+                       "made directly.")
+    return iter(self.unpack())
 
-  @property
-  def module(self) -> Any:
-    """The model as given to :func:`initialize` (an NNX factory's module has abstract shapes)."""
-    return self.model.module
+  __call__ = refuse_deepspeed_call("engine(batch)")
 
-  @property
-  def global_steps(self) -> int:
-    """Optimizer steps taken (DeepSpeed's ``engine.global_steps``), skipped ones included: the
-    step number of the last state :meth:`train_step` returned (0 before the first)."""
-    return self._runner.step or 0
-
-  def get_lr(self) -> list[float]:
-    """DeepSpeed's ``engine.get_lr()``, one per param group (jzero has one): the learning rate the
-    next step uses, :meth:`jzero.train.reporting.StepReporter.next_lr`."""
-    return [self._runner.reporter.next_lr()]
-
-  # DeepSpeed's loss = engine(batch); engine.backward(loss); engine.step(): one call here
-  __call__ = forward = refuse_deepspeed_call("engine(batch)")
-  backward = refuse_deepspeed_call("engine.backward(loss)")
-  step = refuse_deepspeed_call("engine.step()")
+  def __getattr__(self, name: str) -> Any:  # only names not found otherwise
+    if name in deepspeed_names.NAMES:
+      row = deepspeed_names.NAMES[name]
+      raise JZeroError(
+          f"engine.{name}: a name of DeepSpeed's engine, not of jzero.Engine. DeepSpeed's engine "
+          f"is the first of initialize's 4-tuple (engine, optimizer, _, lr_scheduler = "
+          f"jzero.initialize(...)); there it {'is refused' if row.status == 'refused' else 'works'}"
+          f": {row.note}. jzero's engine trains with state, metrics = engine.train_step(state, "
+          f"batch).")
+    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
   @property
   def timings(self) -> list[StepTiming]:
     """``wall_clock_breakdown``: each step's forward+backward and update times."""
-    return self._runner.reporter.timings
+    return self.runner.reporter.timings
 
   # -- the plan, the tiers, the step's parts -------------------------------------------------------
   def _require_plan(self) -> Plan:
@@ -156,25 +150,24 @@ class Engine:
 
   @property
   def nvme_store(self) -> NvmeStore | None:
-    """The NVMe tier's store (its resource, :mod:`jzero.tiers.nvme_store`): its directory, files
-    and bytes; None without it."""
+    """The NVMe tier's store (:mod:`jzero.tiers.nvme_store`; None without it)."""
     return self.resources.get("nvme")
 
   def _open(self) -> Resources:
-    """What the plan's tiers own at run time (:meth:`jzero.tiers.base.Tier.open`), opened once
-    per plan, before its first state."""
-    plan = self._require_plan()
-    if self._resources_of is not plan:
-      self.resources = registry.open_resources(self.tiers, plan, self.config, self.tx)
-      self._resources_of = plan
+    """What the plan's tiers own at run time (:meth:`jzero.tiers.base.Tier.open`), opened once,
+    before the first state (the plan, once made, is the engine's for good)."""
+    if not self._opened:
+      self.resources = registry.open_resources(self.tiers, self._require_plan(), self.config,
+                                               self.tx)
+      self._opened = True
     return self.resources
 
   def _programs(self) -> Programs:
-    """The programs of the current plan (:mod:`jzero.train.programs`), made once per plan."""
-    if self._built is None or self._built.parts.plan is not self._require_plan():
+    """The plan's programs (:mod:`jzero.train.programs`), made once."""
+    if self._built is None:
       self._built = Programs(setup.step_parts(
-          self.plan, self.config, self.model, self.loss_fn, self.tx, self.schedule, self.scaler,
-          self.delayed, self._open()))
+          self._require_plan(), self.config, self.model, self.loss_fn, self.tx, self.schedule,
+          self.scaler, self.delayed, self._open()))
     return self._built
 
   @property
@@ -202,7 +195,7 @@ class Engine:
     """Stage 3's (largest group gathered at once, elements gathered at the start): the plan's
     (:meth:`jzero.sharding.plan.Plan.gathered_working_set`), the largest group as the model
     really runs once measured from a ``state`` and ``batch`` (a unit inside the model's own
-    ``nn.scan`` gathers one layer's slice per call; :func:`jzero.train.step.gathered_groups`)."""
+    ``nn.scan`` gathers one layer's slice per call; :func:`jzero.train.programs.gathered_groups`)."""
     largest, upfront = self._require_plan().gathered_working_set()
     if self.plan.stage != 3:
       return largest, upfront
@@ -210,8 +203,9 @@ class Engine:
     return (max(groups, default=0) if groups is not None else largest), upfront
 
   def make_plan(self, sample_batch: Any = None) -> Plan:
-    """The engine's plan, made from the config and the model if it has none yet (as
-    :meth:`init` makes it; ``sample_batch``: for Linen models, as there)."""
+    """The engine's plan, made once from the config and the model (``sample_batch``: a Linen
+    model's, as :meth:`init` takes it): :func:`jzero.initialize` makes it when it can (an NNX
+    model, or a sample batch), else :meth:`init` or a restore."""
     if self.plan is None:
       self.plan = setup.plan_from_config(self.config, self.mesh, self.model, self.stacked_layers,
                                          self.zeropp, jax.random.key(0), sample_batch, self.tx)
@@ -257,10 +251,7 @@ class Engine:
       model_state: start from this model state (``{collection: tree}``, e.g. a flax run's
         ``{"batch_stats": ...}``) instead of the model's initial one; arrays as ``params``.
     """
-    self._runner.step = None  # a new state starts its own step count
-    if self.plan is None:
-      self.plan = setup.plan_from_config(self.config, self.mesh, self.model, self.stacked_layers,
-                                         self.zeropp, rng, sample_batch, self.tx)
+    self.make_plan(sample_batch)
     parts = self._programs().parts  # the tiers' resources opened first
     devices = list(self.mesh.mesh.devices.flat)
     rng = host_or_mesh(rng, devices, "rng")
@@ -271,7 +262,7 @@ class Engine:
     state = setup.initial_state(self.plan, self.model, parts.update, self.scaler, parts.tiers,
                                 parts.resources, self.state_shardings(), rng, sample_batch,
                                 params, model_state)
-    return self.with_secondary(state)
+    return self.runner.start(self.with_secondary(state), self.delayed)
 
   def with_secondary(self, state: TrainState) -> TrainState:
     """``state`` with its hpZ secondary partitions computed from its params -- by the code the
@@ -317,8 +308,8 @@ class Engine:
   def variant_for(self, state: TrainState) -> Variant | None:
     """The step variant ``state`` would run with next (e.g. the delayed update's prime step,
     ``Variant.PRIME``, for a state that carries no gradient; None: the plain step)."""
-    step = self._runner.step
-    return self._runner.variant(self.delayed, state,
+    step = self.runner.step
+    return self.runner.variant(self.delayed, state,
                                 step if step is not None else int(state.step))
 
   @property
@@ -328,14 +319,11 @@ class Engine:
     return self._built.variants if self._built is not None else ()
 
   def jitted_step(self, batch: PyTree, variant: Variant | None = None):
-    """The jitted (not yet compiled) fused step of ``variant``, to lower or ``jax.export``
-    with a state of this engine: ``engine.jitted_step(batch).lower(state, batch)``.
-
-    Without the delayed update there is one step. With it, the default is the step any state
-    :meth:`init` or a restore returns runs (``Variant.READ``: it reads the carried gradient's
-    flag); :meth:`compile_step` compiles the steady step the engine runs, and
-    :meth:`lowerable` labels a state for another variant's step (the variant is part of the
-    state's tree structure: :class:`jzero.tiers.delayed.DelayedGrads`)."""
+    """The jitted (not yet compiled) fused step of ``variant``, to lower or ``jax.export``:
+    ``engine.jitted_step(batch).lower(state, batch)``. With the delayed update the default is the
+    step a new or restored state runs (``Variant.READ``: it reads the carried gradient's flag);
+    :meth:`compile_step` compiles the steady one, :meth:`lowerable` labels a state for another
+    variant (part of its tree structure: :class:`jzero.tiers.delayed.DelayedGrads`)."""
     self._batches.check(batch, self._tracer())
     if variant is None and self.delayed is not None:
       variant = Variant.READ
@@ -345,7 +333,7 @@ class Engine:
   def steady_variant(self) -> Variant | None:
     """The variant of the step the engine runs once a delayed update applies a gradient every
     step (None without the delayed update)."""
-    return self._runner.variant(self.delayed, None, None)
+    return self.runner.variant(self.delayed, None, None)
 
   def lowerable(self, state: TrainState, variant: Variant | None) -> TrainState:
     """``state`` labelled for the step :meth:`jitted_step` returns for ``variant``; ``state``
@@ -368,30 +356,24 @@ class Engine:
   def train_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
     """One optimizer step on a global batch (leading dim ``train_batch_size``). Donates ``state``.
 
-    Every ``steps_per_print`` steps the step's metrics are logged (logger ``jzero``) with the
-    throughput since the last log. With ``wall_clock_breakdown`` the step runs as two jits,
-    forward+backward+reduction then the update, each timed to completion; the timings are
-    appended to ``engine.timings`` and logged with the metrics. With a monitor in the config
-    (``tensorboard``, ``csv_monitor``, ``wandb``) every step's metrics are written to it.
-
-    Several processes: a collective that fails because a peer is gone is a JZeroError that says
-    so; a preemption the script does not poll for raises :class:`jzero.Preempted` after the save
-    (:meth:`reached_preemption`).
-    """
+    Every ``steps_per_print`` steps the metrics and the throughput are logged (logger ``jzero``);
+    with ``wall_clock_breakdown`` the step runs as two jits (forward+backward+reduction, the
+    update), each timed into ``engine.timings``; the config's monitors get every step's metrics.
+    Several processes: a peer gone is a JZeroError saying so; a preemption the script does not
+    poll for raises :class:`jzero.Preempted` after the save (:meth:`reached_preemption`)."""
     with distributed.explained_peer_loss():
       self._batches.check(batch, self._tracer())
       self.check_live(state, "train_step")
-      return self._runner.run(self._programs(), not self.config.wall_clock_breakdown,
+      return self.runner.run(self._programs(), not self.config.wall_clock_breakdown,
                               state, batch, self.memory_report, self.save_checkpoint,
                               self.wait_for_checkpoints)
 
   def throughput(self, step_seconds: float) -> monitor_lib.Throughput:
-    """What steps of ``step_seconds`` each make per second -- samples, tokens (with
-    ``tokens_per_sample``), model FLOPs utilization -- for the step variant that ran last. The
-    FLOPs are read once per variant from its compiled program (:mod:`jzero.analysis.flops`),
-    lowered again from its abstract arguments: XLA's compilation cache returns the program that
-    ran, except for a step with host callbacks (the NVMe tiers), which compiles once more."""
-    return self._runner.reporter.throughput(step_seconds)
+    """Samples, tokens (with ``tokens_per_sample``) and model FLOPs utilization per second of
+    steps of ``step_seconds``, for the variant that ran last; its FLOPs read once from its program
+    lowered again (:mod:`jzero.analysis.flops`; XLA's cache returns the one that ran, except with
+    host callbacks, the NVMe tiers, which compile once more)."""
+    return self.runner.reporter.throughput(step_seconds)
 
   def reached_preemption(self, step: int) -> bool:
     """True on every process at the same ``step`` once any process got SIGTERM (a preemption):
@@ -401,17 +383,12 @@ class Engine:
     return distributed.should_stop(step)
 
   def eval_loss(self, state: TrainState, batch: PyTree) -> float | tuple[float, dict]:
-    """Mean loss of ``batch`` (leading dim a multiple of the data-parallel size), no update.
-
-    Returns what the loss returns, averaged over the batch: a float, or ``(loss, aux)`` with each
-    aux value a float. Evaluation, as ``model.eval()`` in PyTorch: an NNX model is called in its
-    eval mode (Dropout deterministic, for this call only), and a loss with an ``rng`` parameter
-    gets ``rng=None`` (a Linen model's dropout is off when the loss passes
-    ``deterministic=rng is None``, docs/getting-started.md). BatchNorm normalises by the
-    running statistics of ``state.model_state`` (NNX: ``use_running_average=True`` by
-    ``model.eval()``; Linen: when the loss calls the model with ``train=rng is not None``, as
-    flax's ResNet takes it) and evaluation leaves them as they are.
-    """
+    """Mean loss of ``batch`` (leading dim a multiple of the data-parallel size), no update: a
+    float, or ``(loss, aux)`` with each aux value a float. As ``model.eval()`` in PyTorch: an NNX
+    model runs in eval mode (this call only), a loss with an ``rng`` parameter gets ``rng=None``
+    (Linen: dropout off by ``deterministic=rng is None``, docs/getting-started.md), BatchNorm
+    normalises by ``state.model_state``'s running statistics (NNX: ``model.eval()``; Linen: the
+    loss's ``train=rng is not None``, as flax's ResNet) and leaves them as they are."""
     self._require_plan()
     self.check_live(state, "eval_loss")
     self._batches.check_eval(batch, self._tracer())
@@ -421,104 +398,3 @@ class Engine:
       return float(loss)
     return float(loss), jax.tree.map(lambda a: np.asarray(a).item() if np.ndim(a) == 0
                                      else np.asarray(a), aux)
-
-  # -- the state read back, with what the tiers hold outside it -----------------------------------
-  def logical_params(self, state: TrainState, dtype: Any = jnp.float32) -> PyTree:
-    """Parameters in the model's own shapes (padding removed), replicated, in ``dtype``: the fp32
-    master in mixed precision, the params themselves in fp32."""
-    self.check_live(state, "logical_params")
-    return state_lib.logical_params(self._require_plan(), self.full_state(state), dtype)
-
-  def full_state(self, state: TrainState) -> TrainState:
-    """``state`` with the arrays the tiers hold outside it read in (the NVMe store's masters,
-    optimizer state and params, laid out by the plan): what checkpoints save."""
-    plan = self._require_plan()
-    return registry.full_state(self.tiers, plan, self._open(), state)
-
-  # -- checkpoints (jzero.checkpoint) -------------------------------------------------------------
-  def save_checkpoint(self, state: TrainState, directory: str | Path | None = None,
-                      tag: str | int | None = None, *, client_state: dict | None = None,
-                      keep: int | None = None, save_latest: bool = True) -> str:
-    """DeepSpeed's ``save_checkpoint(save_dir, tag, client_state, save_latest)`` with the state
-    passed first: an asynchronous sharded save of ``state`` as ``directory/<tag>`` (default tag:
-    its step); returns the tag (:func:`jzero.checkpoint.save_checkpoint`)."""
-    if hasattr(state, "opt_state"):  # (a DeepSpeed-style call is refused by the checkpoint)
-      self.check_live(state, "save_checkpoint")
-    tag = checkpoint.save_checkpoint(self.plan, state, self.resources, directory, tag,
-                                     config=self.config, tx=self.tx, keep=keep,
-                                     client_state=client_state, save_latest=save_latest)
-    self._runner.preemption.saved = (Path(directory), int(tag) if str(tag).isdigit() else None)
-    return tag
-
-  def load_checkpoint(self, directory: str | Path, tag: str | int | None = None, *,
-                      params_only: bool = False, sample_batch: Any = None,
-                      with_client_state: bool = False) -> Any:
-    """A checkpoint of any stage / device count in this engine's placement: the TrainState, or
-    ``(state, client_state)`` (:func:`jzero.checkpoint.load_checkpoint`; the plan is made if
-    the engine has none)."""
-    self._runner.step = None  # read from the restored state at its first step
-    target = self.abstract_state(sample_batch)
-    out = checkpoint.load_checkpoint(self.plan, target, self._open(), directory, tag,
-                                     config=self.config, tx=self.tx, scaler=self.scaler,
-                                     delayed=self.delayed, params_only=params_only,
-                                     with_client_state=with_client_state)
-    if with_client_state:
-      return self.with_secondary(out[0]), out[1]
-    return self.with_secondary(out)
-
-  def import_deepspeed(self, ds: Any, convert: Callable[[dict], PyTree], *,
-                       rng: jax.Array | None = None, sample_batch: Any = None) -> TrainState:
-    """A DeepSpeed run's checkpoint ``ds`` continued in this engine's plan
-    (:func:`jzero.checkpoint.import_deepspeed`)."""
-    self._runner.step = None  # read from the imported state at its first step
-    target = self.abstract_state(sample_batch)
-    return self.with_secondary(checkpoint.import_deepspeed(
-        self.plan, target, self._open(), ds, convert, model=self.model, config=self.config,
-        tx=self.tx, scaler=self.scaler, delayed=self.delayed, rng=rng, sample_batch=sample_batch))
-
-  def import_optax(self, params: PyTree, opt_state: PyTree, *, step: int | None = None,
-                   rng: jax.Array | None = None, sample_batch: Any = None,
-                   **collections: PyTree) -> TrainState:
-    """A plain Flax + optax run continued in this engine's plan, at any stage and device count:
-    its parameters and optax state (matched to ``engine.tx``'s up to stateless stages), laid out
-    and sharded by the plan (:func:`jzero.checkpoint.import_optax`). Its Orbax checkpoint:
-    ``engine.import_optax(**checkpoint.read_optax(directory))``."""
-    self._runner.step = None  # read from the imported state at its first step
-    target = self.abstract_state(sample_batch)
-    return self.with_secondary(checkpoint.import_optax(
-        self.plan, target, self._open(), params, opt_state, model=self.model, tx=self.tx,
-        scaler=self.scaler, delayed=self.delayed, step=step, rng=rng, sample_batch=sample_batch,
-        **collections))
-
-  def load_weights(self, path: str | Path, *, sample_batch: Any = None) -> PyTree:
-    """Plain weights (safetensors, a Hugging Face index, a params-only Orbax checkpoint) as a
-    params tree for :meth:`init`'s ``params=``, placed by the plan, each process reading only what
-    its devices hold (:func:`jzero.checkpoint.load_weights`; the plan is made if needed)."""
-    return checkpoint.load_weights(self.make_plan(sample_batch), self.model, path,
-                                   sample_batch=sample_batch)
-
-  def load_model_state(self, path: str | Path, *, sample_batch: Any = None) -> dict:
-    """The model state (BatchNorm's statistics) of plain weights that hold it, for :meth:`init`'s
-    ``model_state=`` (:func:`jzero.checkpoint.load_model_state`)."""
-    return checkpoint.load_model_state(self.model, path, sample_batch=sample_batch)
-
-  def wait_for_checkpoints(self) -> None:
-    """Blocks until every pending save is finalized (``latest`` moved)."""
-    checkpoint.wait_until_finished()
-
-  def memory_report(self, state: TrainState, batch: PyTree = None):
-    """Measured per-device bytes next to the estimator's prediction
-    (:mod:`jzero.analysis.memory_report`)."""
-    plan = self._require_plan()
-    # compiled first: tracing the step tells the gathered working set as the model really runs
-    compiled = self.compile_step(state, batch) if batch is not None else None
-    return memory_report_lib.memory_report(plan, state, self._open(), config=self.config,
-                                           tx=self.tx, compiled=compiled,
-                                           gathered=self.gathered_working_set(state, batch))
-
-  def bind(self, params: PyTree, model_state: PyTree = None) -> Any:
-    """The user's model built from logical params (e.g. :meth:`logical_params`) and, for a model
-    with state, ``model_state`` (``state.model_state``), for evaluation on the host: BatchNorm
-    statistics of the batch it is called with are that batch's own."""
-    return self.model.bind(params, model_state=model_state)
-

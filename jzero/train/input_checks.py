@@ -15,7 +15,7 @@ from jzero.errors import ConfigError, DataError, JZeroError
 from jzero.sharding.plan import Plan, flatten_paths
 
 __all__ = ["check_params", "check_model_state", "check_live", "check_arrays", "check_batch",
-           "check_new_shapes", "check_input_ids"]
+           "check_new_shapes", "check_input_ids", "IGNORE_INDEX", "explain_trace_error"]
 
 PyTree = Any
 
@@ -136,11 +136,16 @@ def check_new_shapes(batch: PyTree, seen: list[dict[str, tuple]],
   seen.append(shapes)
 
 
+#: torch's ``CrossEntropyLoss(ignore_index=-100)``, which Hugging Face's collators put in labels:
+#: the one negative id :func:`check_input_ids` lets through.
+IGNORE_INDEX = -100
+
+
 def check_input_ids(plan: Plan, batch: PyTree) -> None:
-  """Host batches only (one max per integer leaf, no device read): ids past the rows of the
-  model's largest embedding table (a param named ``embedding``, NNX's and Linen's)."""
-  rows = [leaf.shape[0] for leaf in plan.leaf_list()
-          if leaf.path.rsplit("/", 1)[-1] == "embedding" and len(leaf.shape) == 2]
+  """Host batches only (one pass per integer leaf, no device read): negative ids (but
+  :data:`IGNORE_INDEX`) and ids past the rows of the model's largest embedding table (a param
+  named ``embedding``, NNX's and Linen's)."""
+  rows = _embedding_rows(plan)
   if not rows:
     return
   limit = max(rows)
@@ -148,10 +153,54 @@ def check_input_ids(plan: Plan, batch: PyTree) -> None:
     if isinstance(x, jax.Array) or not np.size(x):
       continue
     x = np.asarray(x)
-    if np.issubdtype(x.dtype, np.integer) and (top := int(x.max())) >= limit:
+    if not np.issubdtype(x.dtype, np.integer):
+      continue
+    negative = x[(x < 0) & (x != IGNORE_INDEX)]
+    if negative.size:
+      raise DataError(
+          f"batch leaf {jax.tree_util.keystr(path) or 'batch'} holds the id {int(negative.min())}, "
+          f"but ids index the model's embedding table from 0 (ids 0..{limit - 1}): JAX wraps a "
+          f"negative index to another row instead of failing, so the step would train on "
+          f"another token. Map padding or ignored positions to a valid id and mask them in the "
+          f"loss ({IGNORE_INDEX}, torch's ignore_index, is let through for labels), or set "
+          f"engine.check_input_ids = False if this leaf does not index an embedding.")
+    if (top := int(x.max())) >= limit:
       raise DataError(
           f"batch leaf {jax.tree_util.keystr(path) or 'batch'} holds the id {top}, but the "
           f"model's largest embedding table has {limit} rows (ids 0..{limit - 1}): a lookup "
           f"out of range gives NaN and the step would be skipped. Match the tokenizer's "
           f"vocabulary to the model's vocab size, or set engine.check_input_ids = False if "
           f"this leaf does not index an embedding.")
+
+
+def _embedding_rows(plan: Plan) -> list[int]:
+  """Rows of the model's embedding tables (params named ``embedding``, NNX's and Linen's)."""
+  return [leaf.shape[0] for leaf in plan.leaf_list()
+          if leaf.path.rsplit("/", 1)[-1] == "embedding" and len(leaf.shape) == 2]
+
+
+def explain_trace_error(plan: Plan, batch: PyTree, trace: Callable[[PyTree], Any],
+                        error: BaseException) -> None:
+  """A step failed before it ran (``error``, raised while it was traced, so the state was not
+  donated): when the model alone fails on ``batch`` too (``trace(batch)``, the loss traced
+  abstractly), raises a DataError naming the batch's leaves -- their shapes and dtypes -- and the
+  model's own message; returns otherwise (the caller re-raises ``error``). Float token ids are
+  the common case: flax's embedding says only "Input type must be an integer"."""
+  try:
+    trace(batch)
+  except JZeroError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (the model's own error, quoted)
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    shown = "; ".join(f"{keystr(path) or 'batch'}: {np.dtype(x.dtype).name} "
+                      f"{tuple(np.shape(x))}" for path, x in leaves)
+    floats = [keystr(path) or "batch" for path, x in leaves
+              if np.issubdtype(np.dtype(x.dtype), np.floating)]
+    hint = ""
+    if floats and _embedding_rows(plan):
+      hint = (f" If {', '.join(floats)} holds token ids, give integers (np.int32): the model's "
+              f"embedding table looks ids up by index.")
+    cause = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    raise DataError(
+        f"the model cannot take this batch ({type(e).__name__}: {cause}); its leaves are {shown}."
+        f"{hint} Nothing was computed and the state passed in is still usable.") from None

@@ -34,6 +34,7 @@ import jax
 
 from jzero import checkpoint
 from jzero.errors import JZeroError
+from jzero.runtime import distributed
 from jzero.train.engine import Engine
 from jzero.train.monitor import Throughput
 from jzero.train.precision import MIN_SCALE_ERROR
@@ -84,9 +85,15 @@ def init_or_resume(engine: Engine, rng: jax.Array, checkpoint_dir: str | Path | 
   """A fresh state (:meth:`Engine.init`), or the latest checkpoint in ``checkpoint_dir`` when
   there is one; returns ``(state, step it is at)``.
 
+  The directory is claimed for this run first (:func:`jzero.checkpoint.writer`): one that another
+  run saves into, or that cannot be written, is refused before any device work.
+
   Raises:
     JZeroError: ``require`` and no checkpoint to resume from.
+    CheckpointError: ``checkpoint_dir`` in use by another run, or not writable.
   """
+  if checkpoint_dir:
+    checkpoint.writer(checkpoint_dir)
   latest = checkpoint.latest_step(checkpoint_dir) if checkpoint_dir else None
   if require and latest is None:
     raise JZeroError(f"--resume: no checkpoint in --checkpoint-dir {checkpoint_dir!r} to "
@@ -131,8 +138,9 @@ def train_loop(engine: Engine, state: TrainState, batch_at: Callable[[int], Any]
     for step in bar:
       batch = batch_at(step)
       t0 = time.perf_counter()
-      result.state, metrics = engine.train_step(result.state, batch)  # logs every steps_per_print
-      loss = float(metrics["loss"])  # waits for the step
+      with distributed.explained_peer_loss():  # a peer lost shows when the loss is read, too
+        result.state, metrics = engine.train_step(result.state, batch)  # logs every steps_per_print
+        loss = float(metrics["loss"])  # waits for the step
       result.step_times.append(time.perf_counter() - t0)
       if bool(metrics["min_scale_overflow"]):
         raise JZeroError(f"step {step + 1}: {MIN_SCALE_ERROR} (fp16 overflow with the loss scale "

@@ -15,7 +15,8 @@ and write what DeepSpeed writes, where it writes it, so that dashboards and scri
 * ``lr`` is the learning rate the *next* step uses, as DeepSpeed logs it: its engine's ``step()``
   writes ``get_lr()`` after ``_take_model_step`` has called ``lr_scheduler.step()``, so the event
   at k x ``train_batch_size`` samples is step k+1's lr -- and after a skipped fp16 step, which
-  does not step the scheduler, step k's own (:meth:`jzero.Engine.get_lr` returns the same);
+  does not step the scheduler, step k's own (DeepSpeed's engine over jzero's,
+  :meth:`jzero.train.deepspeed_engine.DeepSpeedEngine.get_lr`, returns the same);
 * TensorBoard: one event file (written with tensorboardX; TensorBoard reads it) in
   ``output_path/job_name``, on disk after every step; the config as the text ``DeepSpeed/config``;
 * CSV: in ``output_path/job_name``, one file per metric named after its tag

@@ -42,22 +42,36 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 from jzero.config.blocks import Flag, number
 from jzero.config.messages import show
 from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
+from jzero.tiers.host_adam import HostAdamSettings
 
-__all__ = ["Schedule", "build_schedule", "build_optimizer"]
+__all__ = ["Schedule", "build_schedule", "build_optimizer", "host_adam_settings"]
 
 Schedule = Callable[[jax.Array | int], jax.Array]
 
 # -- each type's params: pydantic models with DeepSpeed's (or torch's) defaults -----------------------
 
 Real = Annotated[float, number(False)]
-MaybeReal = Annotated[float | None, number(False, nullable=True)]
 Integer = Annotated[int, number(True)]
-Betas = tuple[Real, Real]
+# torch.optim's own checks ("Invalid learning rate", "Invalid beta parameter at index 0", ...),
+# which DeepSpeed's fused optimizers skip: a negative rate trains uphill, a beta of 1 or more
+# makes the moments grow without bound
+NonNegative = Annotated[float, number(False, lo=0)]
+MaybeNonNegative = Annotated[float | None, number(False, lo=0, nullable=True)]
+
+
+def _below_one(value: float) -> float:
+  if value >= 1:
+    raise ValueError(f"must be in [0, 1) (a moment's decay rate), got {show(value)}")
+  return value
+
+
+Beta = Annotated[float, number(False, lo=0), AfterValidator(_below_one)]
+Betas = tuple[Beta, Beta]
 
 
 class _Params(BaseModel):
@@ -67,10 +81,10 @@ class _Params(BaseModel):
 class AdamParams(_Params):
   """FusedAdam's (and torch.optim.Adam / AdamW's) parameters."""
 
-  lr: Real = 1e-3
+  lr: NonNegative = 1e-3
   betas: Betas = (0.9, 0.999)
-  eps: Real = 1e-8
-  weight_decay: Real = 0.0
+  eps: NonNegative = 1e-8
+  weight_decay: NonNegative = 0.0
   bias_correction: Flag = True
   adam_w_mode: Flag = True
   amsgrad: Flag = False
@@ -81,25 +95,25 @@ class AdamParams(_Params):
 class LionParams(_Params):
   """DeepSpeed's FusedLion / DeepSpeedCPULion parameters."""
 
-  lr: Real = 1e-3
+  lr: NonNegative = 1e-3
   betas: Betas = (0.9, 0.999)
-  weight_decay: Real = 0.0
+  weight_decay: NonNegative = 0.0
   set_grad_none: Flag = True
 
 
 class SGDParams(_Params):
   """torch.optim.SGD's parameters (DeepSpeed looks the type up by its exact name)."""
 
-  lr: Real = 1e-3
-  momentum: Real = 0.0
+  lr: NonNegative = 1e-3
+  momentum: NonNegative = 0.0
   dampening: Real = 0.0
-  weight_decay: Real = 0.0
+  weight_decay: NonNegative = 0.0
   nesterov: Flag = False
 
 
 class WarmupLRParams(_Params):
-  warmup_min_lr: Real = 0.0
-  warmup_max_lr: MaybeReal = None  # the optimizer's lr (DeepSpeed >= 0.17.2)
+  warmup_min_lr: NonNegative = 0.0
+  warmup_max_lr: MaybeNonNegative = None  # the optimizer's lr (DeepSpeed >= 0.17.2)
   warmup_num_steps: Integer = 1000
   warmup_type: str = "log"
   last_batch_iteration: Integer = -1
@@ -107,7 +121,7 @@ class WarmupLRParams(_Params):
 
 class WarmupDecayLRParams(WarmupLRParams):
   total_num_steps: Integer  # required
-  warmup_max_lr: MaybeReal = 0.001
+  warmup_max_lr: MaybeNonNegative = 0.001
 
 
 class WarmupCosineLRParams(_Params):
@@ -120,7 +134,7 @@ class WarmupCosineLRParams(_Params):
 
 
 class LRRangeTestParams(_Params):
-  lr_range_test_min_lr: Real = 1e-3
+  lr_range_test_min_lr: NonNegative = 1e-3
   lr_range_test_step_size: Integer = 2000
   lr_range_test_step_rate: Real = 1.0
   lr_range_test_staircase: Flag = False
@@ -144,18 +158,27 @@ def _read_params(block: dict, section: str, model: type[_Params]) -> _Params:
   except ValidationError as error:
     known = list(model.model_fields)
     lines = []
+    given = dict(block.get("params") or {})
     for problem in error.errors():
       name = f"{section}.params.{'.'.join(str(part) for part in problem['loc'])}"
-      if problem["type"] == "extra_forbidden":
+      field = str(problem["loc"][0]) if problem["loc"] else ""
+      if problem["type"] in ("too_long", "too_short") or (
+          len(problem["loc"]) > 1 and problem["type"] == "missing"):
+        # a pair given with one number or three (betas: [0.9])
+        lines.append(f"{section}.params.{field}: expected two numbers (e.g. [0.9, 0.999]), got "
+                     f"{show(given.get(field))}; give exactly two.")
+      elif problem["type"] == "extra_forbidden":
         close = difflib.get_close_matches(str(problem["loc"][0]), known, n=1)
         hint = f' Did you mean "{close[0]}"?' if close else ""
         lines.append(f'{name}: unknown parameter for {section} type "{block["type"]}".{hint} '
                      f"Valid parameters: {', '.join(known)}.")
       elif problem["type"] == "missing":
-        lines.append(f'{name}: required by {section} type "{block["type"]}" but missing; add it '
-                     f"(for a HF Trainer config, the total number of optimizer steps of the run).")
+        what = (" (for a HF Trainer config, the total number of optimizer steps of the run)"
+                if field == "total_num_steps" else "")
+        lines.append(f'{name}: required by {section} type "{block["type"]}" but missing; add '
+                     f"it{what}.")
       elif problem["type"] == "value_error":
-        lines.append(f"{name}: {problem['ctx']['error']}; set one.")
+        lines.append(f"{name}: {problem['ctx']['error']}; fix it.")
       elif problem["type"].startswith(("float", "int")):  # e.g. an "auto" left unresolved
         expected = "a number" if problem["type"].startswith("float") else "an integer"
         lines.append(f"{name}: expected {expected}, got {show(problem['input'])}; set one.")
@@ -268,7 +291,8 @@ def build_schedule(scheduler: dict | None, base_lr: float) -> Schedule:
   return warmup
 
 
-def _adam(params: AdamParams, decoupled: bool) -> list[optax.GradientTransformation]:
+def _check_adam(params: AdamParams) -> None:
+  """Refuses the Adam settings jzero does not implement."""
   if params.amsgrad:
     raise NotSupportedError(
       "optimizer.params.amsgrad: true is not supported (DeepSpeed's default FusedAdam refuses it "
@@ -280,6 +304,10 @@ def _adam(params: AdamParams, decoupled: bool) -> list[optax.GradientTransformat
       "optimizer.params.bias_correction: false is not supported (optax's Adam always corrects "
       "the moment bias); remove it or set it to true."
     )
+
+
+def _adam(params: AdamParams, decoupled: bool) -> list[optax.GradientTransformation]:
+  _check_adam(params)
   adam = optax.scale_by_adam(*params.betas, params.eps)
   decay = optax.add_decayed_weights(params.weight_decay)
   # Decoupled (FusedAdam adam_w_mode, torch AdamW): p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd p).
@@ -312,6 +340,37 @@ def _sgd(params: SGDParams) -> list[optax.GradientTransformation]:
   return stages
 
 
+def _kind(optimizer: dict) -> str:
+  """The optimizer block's type as :data:`_OPTIMIZER_PARAMS` names it (DeepSpeed lower-cases its
+  own optimizer names, not torch's)."""
+  name = optimizer.get("type")
+  if isinstance(name, str) and name.lower() in ("adam", "adamw", "lion"):
+    return name.lower()
+  if name not in _OPTIMIZER_PARAMS:
+    raise NotSupportedError(
+      f"optimizer.type: {name!r} is not supported by jzero; the supported types are Adam, AdamW, "
+      f"Lion (any case, as in DeepSpeed) and SGD (exact case, as torch.optim names it). Use one "
+      f"of them, or pass an optax optimizer to jzero.initialize(optimizer=...)."
+    )
+  return name
+
+
+def host_adam_settings(optimizer: dict) -> HostAdamSettings | None:
+  """The settings of the fast host step (:class:`jzero.tiers.host_adam.HostAdam`) for the
+  config's ``optimizer`` block (free of "auto"): Adam and AdamW have one, and it computes what
+  :func:`build_optimizer`'s transformation computes, bit for bit on XLA:CPU; None for Lion and
+  SGD, which keep the optax update. The learning rate and its schedule stay with the caller."""
+  kind = _kind(optimizer)
+  if kind not in ("adam", "adamw"):
+    return None
+  params = _read_params(optimizer, "optimizer", AdamParams)
+  _check_adam(params)
+  return HostAdamSettings(betas=tuple(params.betas), eps=params.eps,
+                          weight_decay=params.weight_decay,
+                          adam_w_mode=kind == "adamw" or params.adam_w_mode,
+                          bias_correction=params.bias_correction)
+
+
 def build_optimizer(
   optimizer: dict | None, scheduler: dict | None
 ) -> tuple[optax.GradientTransformation, Schedule]:
@@ -331,16 +390,7 @@ def build_optimizer(
       'optimizer: the config has no "optimizer" block; add one (e.g. {"type": "AdamW", "params": '
       '{"lr": 1e-4}}) or pass an optax optimizer to jzero.initialize(optimizer=...).'
     )
-  name = optimizer.get("type")
-  kind = name
-  if isinstance(name, str) and name.lower() in ("adam", "adamw", "lion"):
-    kind = name.lower()  # DeepSpeed lower-cases its own optimizer names, not torch's
-  if kind not in _OPTIMIZER_PARAMS:
-    raise NotSupportedError(
-      f"optimizer.type: {name!r} is not supported by jzero; the supported types are Adam, AdamW, "
-      f"Lion (any case, as in DeepSpeed) and SGD (exact case, as torch.optim names it). Use one "
-      f"of them, or pass an optax optimizer to jzero.initialize(optimizer=...)."
-    )
+  kind = _kind(optimizer)
   if "max_grad_norm" in (optimizer.get("params") or {}):
     raise ConfigError(
       "optimizer.params.max_grad_norm: 'max_grad_norm' is not supported as an optimizer "

@@ -70,12 +70,20 @@ class StepReporter:
     so the next step's is known only once it runs -- or the config's ``lr`` before it; NaN
     without one."""
     if self.schedule is not None:
-      return float(self.schedule(0 if self._applied is None else self._applied()))
+      return float(self.schedule(self.applied()))
     if self._last_lr is not None:
       return float(self._last_lr)
     optimizer = self.config.optimizer
     lr = optimizer.params.get("lr") if optimizer is not None else None
     return float("nan") if lr is None else float(lr)
+
+  def applied(self) -> int:
+    """The updates the last state has applied: the schedule's count (0 before any state)."""
+    return 0 if self._applied is None else self._applied()
+
+  def resumed(self, applied: Callable[[], int]) -> None:
+    """A new or restored state is next; ``applied()`` reads its applied updates."""
+    self._applied, self._last_lr = applied, None
 
   def running(self, key: Any, compiled: bool, lowerings: Callable[[], list]) -> None:
     """The step variant ``key`` is about to run (``compiled``: it was just built);

@@ -1,18 +1,13 @@
-"""One ZeRO train step, as a function: :func:`build_step` takes what the step needs and returns
-the jitted step (MaxText's ``train_step(model, config, state_shardings, state, data)`` shape).
+"""One ZeRO train step on one device's blocks: what the model sees (:func:`bind`), forward,
+backward and the gradients' reduction (:func:`local_grads`). :mod:`jzero.train.programs` jits it
+(``jit(shard_map(...))``, :func:`jzero.train.programs.build_step`).
 
 What the step reads is explicit: :class:`StepParts` -- the plan, the model adapter, the loss, the
-optax transformation and schedule, the loss scaler, the active tiers and what they own at run time
-(:data:`jzero.tiers.base.Resources`), the update chain they compose, the delayed update and the
-config's numbers (:class:`StepSettings`). The step is a function of its state and batch: the
-delayed update's variant is in the state (:class:`jzero.tiers.delayed.DelayedGrads`), and tracing
-writes nothing outside the step (the groups stage 3 gathers are measured by tracing the forward
-pass on its own, :func:`gathered_groups`).
-
-One optimizer step is one ``jax.jit`` whose body is a ``shard_map`` over the whole mesh, with the
-plan's shardings as the jit's in/out shardings and the train state donated. Inside, every
-collective is explicit (:mod:`jzero.comm.collectives`), so the compiled HLO moves exactly the
-bytes ZeRO says it should:
+optax transformation, its state's layout and schedule, the loss scaler, the active tiers and what
+they own at run time (:data:`jzero.tiers.base.Resources`), the update chain they compose, the
+delayed update and the config's numbers (:class:`StepSettings`). The step is a function of its
+state and batch: the delayed update's variant is in the state
+(:class:`jzero.tiers.delayed.DelayedGrads`).
 
 1. For each micro-batch (``lax.scan`` over ``gradient_accumulation_steps``): forward and backward
    on the device's slice of the batch (:func:`local_grads`). Stage-3 partitioned params are
@@ -22,9 +17,12 @@ bytes ZeRO says it should:
    keeps a partition elsewhere (host memory, NVMe) hands it to the gather as a
    :class:`~jzero.comm.zero_param.PartitionSource`, and its gradient lands in a device slot.
 2. Stage 0 all-reduces the accumulated gradient, stage 1 reduce-scatters it.
-3. The update phase (:func:`jzero.train.update.local_update`): overflow / non-finite skip, unscale,
-   the global norm from partitions, DeepSpeed's clipping, the optax update on each device's
-   partition of the fp32 master, the stage's gathers back to compute params, the tiers' hooks.
+3. The update phase (:mod:`jzero.train.update`): overflow / non-finite skip, unscale, the global
+   norm from partitions, DeepSpeed's clipping, the optax update in its view, the stage's gathers
+   back to compute params, the tiers' hooks.
+
+A frozen leaf (:attr:`jzero.sharding.plan.LeafPlan.frozen`) is handed to the model as a constant:
+no gradient of it is computed or reduced.
 
 The loss of a micro-batch is each device's mean over its slice, divided by the data-parallel size
 and by ``gradient_accumulation_steps`` before the backward pass, so the summed gradient is the
@@ -50,24 +48,23 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
-from jzero.comm import collectives, program
+from jzero.comm import collectives
 from jzero.comm.zero_param import ZeroParam, one_pass
-from jzero.errors import JZeroError, JZeroWarning
+from jzero.errors import JZeroWarning
 from jzero.modeling.layer_scan import LayerPolicy, engine_context
 from jzero.modeling.model_adapter import ModelAdapter
 from jzero.modeling.model_state import explain_unbound_axis
-from jzero.sharding.opt_layout import OptLayout, View
+from jzero.sharding.opt_layout import OptLayout
 from jzero.sharding.plan import LeafPlan, Plan
 from jzero.tiers.base import Resources, Tier, Update
 from jzero.tiers.delayed import DelayedUpdate
-from jzero.train import aux_metrics, update as update_lib
+from jzero.train import aux_metrics
 from jzero.train.precision import LossScaler
 from jzero.train.state import TrainState
 
-__all__ = ["StepParts", "StepSettings", "build_eval", "build_split_step", "build_step",
-           "gathered_groups", "takes_rng", "trace_loss"]
+__all__ = ["StepParts", "StepSettings", "bind", "grad_targets", "local_grads", "takes_rng",
+           "trace_loss"]
 
 PyTree = Any
 
@@ -313,136 +310,3 @@ def trace_loss(parts: StepParts, batch: PyTree) -> None:
   loss = lambda p, s, mb: parts.call_loss(parts.model.bind(p, model_state=s, rng=None), mb,
                                           jax.random.key(0))
   jax.eval_shape(loss, params, model_state, micro)
-
-
-def gathered_groups(parts: StepParts, specs: TrainState, state: Any, batch: PyTree) -> tuple:
-  """The full-parameter elements of each group stage 3 gathers together in the step's forward
-  pass as the model really runs (:class:`jzero.modeling.layer_scan.TraceLog`: a scanned layer, a
-  unit's call -- one layer's slice per call inside a model's own ``nn.scan``), measured by tracing
-  one micro-batch's forward pass abstractly (``state`` and ``batch``: arrays or
-  ShapeDtypeStructs with the step's ``specs``); no device work. A pure function: the traced
-  forward returns one empty-valued array per group, whose length is the group's size."""
-  plan, settings = parts.plan, parts.settings
-
-  def forward(state, batch):
-    mb = jax.tree.map(lambda x: x[:settings.micro_batch_size], batch)
-    rng = jax.random.wrap_key_data(state.rng)  # a training pass's key (its value is not read)
-    with engine_context(settings.layer_policy) as log, one_pass():
-      model = bind(parts, grad_targets(parts, state.params), state.params, state.secondary,
-                   state.model_state, rng)
-      parts.call_loss(model, mb, rng)
-    return tuple(jnp.zeros((n,), jnp.int8) for n in log.gathered)
-
-  batch_specs = jax.tree.map(lambda _: plan.batch_spec(), batch)
-  local = program.shard_map(plan, forward, (specs, batch_specs), P())
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch))
-  return tuple(x.shape[0] for x in jax.eval_shape(local, *abstract))
-
-
-# -- jit(shard_map(...)) ---------------------------------------------------------------------------
-def _jit(plan: Plan, state_kinds: TrainState, fn, in_specs: tuple, out_specs: Any,
-         donate: tuple[int, ...], per_device: bool = True):
-  """jit(shard_map(fn)) with the plan's shardings as the jit's in/out shardings (TrainState
-  arguments and results with their memory kinds ``state_kinds``); ``per_device`` False: ``fn``
-  is a function of global arrays already (it calls its own ``shard_map``)."""
-  kinds = lambda specs: tuple(state_kinds if isinstance(s, TrainState) else None for s in specs)
-  out = out_specs if isinstance(out_specs, tuple) else (out_specs,)
-  out_shardings = plan.shardings(out, kinds(out))
-  body = program.shard_map(plan, fn, in_specs, out_specs) if per_device else fn
-  return jax.jit(body, in_shardings=plan.shardings(in_specs, kinds(in_specs)),
-                 out_shardings=out_shardings if isinstance(out_specs, tuple) else out_shardings[0],
-                 donate_argnums=donate, compiler_options=program.compile_options(plan) or None)
-
-
-def _out_specs(parts: StepParts, specs: TrainState) -> tuple:
-  """(state, metrics, outputs) specs; outputs: what the update's work after the step reads."""
-  return (specs, P(), parts.update.output_specs)
-
-
-def _grad_specs(plan: Plan) -> PyTree:
-  """Specs of the reduced gradients (state layout; None for a frozen leaf, which has none)."""
-  return plan.map(lambda l: None if l.frozen else plan.state_spec(l))
-
-
-def _whole_update(parts: StepParts, specs: TrainState):
-  """The update phase in the whole view (:mod:`jzero.sharding.opt_layout`): the reduction of the
-  gradients on each device's blocks, then the update chain on global arrays --
-  ``(state, grads, loss, aux, model_state) -> (state, metrics, outputs)``."""
-  plan = parts.plan
-  reduce = program.shard_map(plan, functools.partial(update_lib.reduce_grads, parts),
-                             (specs, _grad_specs(plan)), (_grad_specs(plan), P(), P()))
-
-  def update(state, grads, loss, aux, model_state):
-    grads, grad_norm, overflow = reduce(state, grads)
-    return update_lib.apply_update(parts, state._replace(model_state=model_state), grads,
-                                   grad_norm, overflow, loss, aux)
-  return update
-
-
-def build_step(parts: StepParts, specs: TrainState, kinds: TrainState, batch: PyTree):
-  """The fused step ``(state, batch) -> (state, metrics, outputs)``, jitted with the state's
-  ``specs`` and memory ``kinds`` (with the delayed update, of one variant: the state's) and the
-  state donated; ``outputs``: what the update hands out of the jit for its work after it. In the
-  partition view one ``shard_map`` is the whole step; in the whole view the gradients leave it
-  and the update runs on global arrays (:func:`_whole_update`)."""
-  plan = parts.plan
-  batch_specs = jax.tree.map(lambda _: plan.batch_spec(), batch)
-  if parts.opt.view is View.PARTITION:
-    def local_step(state, batch):
-      grads, loss, aux, model_state = local_grads(parts, state, batch)
-      return update_lib.local_update(parts, state._replace(model_state=model_state), grads,
-                                     loss, aux)
-    return _jit(plan, kinds, local_step, (specs, batch_specs), _out_specs(parts, specs),
-                donate=(0,))
-
-  grads_of = program.shard_map(plan, functools.partial(local_grads, parts), (specs, batch_specs),
-                               (_grad_specs(plan), P(), P(), P()))
-  update = _whole_update(parts, specs)
-
-  def step(state, batch):
-    return update(state, *grads_of(state, batch))
-  return _jit(plan, kinds, step, (specs, batch_specs), _out_specs(parts, specs), donate=(0,),
-              per_device=False)
-
-
-def build_split_step(parts: StepParts, specs: TrainState, kinds: TrainState,
-                     batch: PyTree) -> tuple[Any, Any]:
-  """The step as two jits -- forward+backward+reduction, then the update -- for timing them."""
-  plan = parts.plan
-  batch_specs = jax.tree.map(lambda _: plan.batch_spec(), batch)
-  grad_specs = _grad_specs(plan)
-  grads = _jit(plan, kinds, functools.partial(local_grads, parts), (specs, batch_specs),
-               (grad_specs, P(), P(), P()), donate=())
-  in_specs = (specs, grad_specs, P(), P(), P())
-  if parts.opt.view is View.WHOLE:
-    update = _jit(plan, kinds, _whole_update(parts, specs), in_specs, _out_specs(parts, specs),
-                  donate=(0,), per_device=False)
-    return grads, update
-
-  def local_update(state, grads, loss, aux, model_state):
-    return update_lib.local_update(parts, state._replace(model_state=model_state), grads, loss,
-                                   aux)
-
-  update = _jit(plan, kinds, local_update, in_specs, _out_specs(parts, specs), donate=(0,))
-  return grads, update
-
-
-def build_eval(parts: StepParts):
-  """``(params, secondary, model_state, batch) -> (mean loss, mean aux)`` with no update: the
-  model in its evaluation mode (BatchNorm on the running statistics of ``model_state``, which stay
-  as they are) and a loss with an ``rng`` parameter given ``rng=None``."""
-  plan = parts.plan
-
-  def local_loss(params, secondary, model_state, mb):
-    with engine_context(LayerPolicy()), one_pass():
-      model = parts.model.evaluating(bind(parts, grad_targets(parts, params), params, secondary,
-                                          model_state, None))
-      out = parts.call_loss(model, mb, None)
-    loss, aux = aux_metrics.split_loss(out)
-    if aux is not None:
-      aux = jax.tree.map(lambda x: x[None], aux_metrics.mark(aux, jax.tree.leaves(mb)[0].shape[0]))
-      aux = aux_metrics.over_devices(aux_metrics.over_micro_batches(aux), plan.mesh.batch_axes)
-    return lax.pmean(loss.astype(jnp.float32), plan.mesh.batch_axes), aux
-
-  specs = (plan.param_specs(), plan.secondary_specs(), P(), plan.batch_spec())
-  return jax.jit(program.shard_map(plan, local_loss, specs, P()))

@@ -8,6 +8,12 @@ report on it
 (:class:`jzero.train.reporting.StepReporter`), and across processes the preemption save
 (:class:`jzero.train.preemption.PreemptionWatch`). The engine owns one runner; the programs are its
 argument.
+
+A step that fails while it is traced -- nothing ran, the state is not donated -- on a batch the
+model cannot take (float token ids) is a DataError naming the batch's leaves
+(:func:`jzero.train.input_checks.explain_trace_error`). A step a tier could not write
+(:class:`jzero.errors.StepNotCommitted`) is not counted: the step count is read again from the
+state its ``finish()`` returns.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jzero.train import reporting
+from jzero.errors import JZeroError, StepNotCommitted
+from jzero.train import input_checks, reporting
+from jzero.train.step import trace_loss
 from jzero.train.update import applied_updates
 from jzero.train.preemption import PreemptionWatch
 from jzero.train.programs import Programs
@@ -43,6 +51,14 @@ class StepRunner:
     and ``step`` None: the steady step)."""
     return delayed.variant(state, step, fused) if delayed is not None else None
 
+  def start(self, state: Any, delayed: Any) -> Any:
+    """``state``, a state the engine just made or restored, as the next one: its step count and
+    the updates it has applied (the lr the next step uses) read now, so that they are the
+    state's before its first step."""
+    self.step = int(state.step)
+    self.reporter.resumed(_applied_updates(state, delayed))
+    return state
+
   def run(self, programs: Programs, fused: bool, state: Any, batch: PyTree,
           memory_report: Callable[[Any], Any], save: Callable[[Any, Any], Any],
           wait: Callable[[], None]) -> tuple[Any, dict]:
@@ -56,17 +72,28 @@ class StepRunner:
     if delayed is not None:
       state = delayed.labelled(state, variant)
     built = programs.has(variant, fused)
-
-    if not fused:
-      grads_fn, update_fn = programs.split(batch, variant)
-      state, metrics = self.reporter.timed(("split", variant), not built, grads_fn, update_fn,
-                                           update.after, self.step + 1, state, batch)
-    else:
-      fn = programs.fused(batch, variant)
-      lowering = lambda: [(fn, reporting.abstract_arguments((state, batch)))]
-      self.reporter.running(("fused", variant), not built, lowering)
-      state, metrics, outputs = fn(state, batch)
-      state = update.after(state, metrics, outputs)  # e.g. the NVMe store's update of its leaves
+    given = state
+    try:
+      if not fused:
+        grads_fn, update_fn = programs.split(batch, variant)
+        state, metrics = self.reporter.timed(("split", variant), not built, grads_fn, update_fn,
+                                             update.after, self.step + 1, state, batch)
+      else:
+        fn = programs.fused(batch, variant)
+        lowering = lambda: [(fn, reporting.abstract_arguments((state, batch)))]
+        self.reporter.running(("fused", variant), not built, lowering)
+        state, metrics, outputs = fn(state, batch)
+        state = update.after(state, metrics, outputs)  # e.g. the NVMe store's update of its leaves
+    except StepNotCommitted:
+      self.step = None  # the state its finish() returns is read at the next step
+      raise
+    except Exception as e:  # pylint: disable=broad-except  (explained or re-raised)
+      if not built and not isinstance(e, JZeroError) and not any(
+          getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(given)):
+        # failed while the step was traced (nothing ran): a batch the model cannot take
+        input_checks.explain_trace_error(programs.parts.plan, batch,
+                                         lambda b: trace_loss(programs.parts, b), e)
+      raise
     self.step += 1
     self.reporter.after_step(self.step, metrics, lambda: memory_report(state),
                              _applied_updates(state, delayed))

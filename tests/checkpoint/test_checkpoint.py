@@ -235,7 +235,7 @@ def wide_checkpoint(tmp_path_factory):
   engine = wide_engine()
   state = engine.init(jax.random.key(0))
   engine.save_checkpoint(state, directory, 1)
-  checkpoint.wait_until_finished()
+  checkpoint.writer(directory).close()  # done writing: the subprocesses below save there
   return directory, {p: np.asarray(x) for p, x in flat(engine.logical_params(state)).items()}
 
 
@@ -343,7 +343,7 @@ def test_16bit_weights_written_at_save_and_keep_last(tmp_path):
   state = _place(engine, truth)
   for step in (1, 2, 3, 4):
     engine.save_checkpoint(state, tmp_path, step, keep=2)
-  checkpoint.wait_until_finished()
+  checkpoint.writer(tmp_path).close()  # waits, and releases the directory (its lock file goes)
   assert checkpoint.all_tags(tmp_path) == ["3", "4"] and checkpoint.latest_tag(tmp_path) == "4"
   assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4", "latest"]
   w16 = checkpoint.read_weights(tmp_path / "4" / checkpoint.WEIGHTS16)

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import jzero
 from jzero import cli
+from jzero.config import Config
 from jzero.errors import JZeroWarning
 from zero_testing import free_port
 
@@ -303,3 +307,51 @@ def test_offload_config_trains_and_predicts_host_bytes_per_process_before_traini
   assert before and per_device, out.stdout
   assert out.stdout.index(before[0]) < out.stdout.index("loss: start")
   assert abs(_bytes(before[1]) / (8 * _bytes(per_device[1])) - 1) < 0.01
+
+
+# --- issue 47: DeepSpeed's host figures, jzero plan --no-advice, no silent micro-batch "auto" -----
+
+
+@pytest.mark.parametrize("stage, optimizer, param, per_node, nodes, deepspeed", [
+    # DeepSpeed 0.19.8's estimate_zero{2,3}_model_states_mem_needs(1.5e9, ..., zero_init=False)
+    (2, "cpu", None, 8, 1, 72_000_000_000), (2, "cpu", None, 8, 2, 144_000_000_000),
+    (2, None, None, 4, 4, 36_000_000_000), (2, "cpu", None, 4, 4, 144_000_000_000),
+    (3, "cpu", "cpu", 8, 2, 72_000_000_000), (3, "cpu", None, 4, 4, 36_000_000_000),
+    (3, None, None, 8, 1, 72_000_000_000)])
+def test_deepspeeds_host_figure_is_its_estimators(stage, optimizer, param, per_node, nodes,
+                                                  deepspeed):
+  from jzero.analysis.estimate import estimate  # noqa: PLC0415
+  est = estimate(1_500_000_000, stage, per_node, nodes, offload_optimizer=optimizer,
+                 offload_param=param)
+  assert est.deepspeed_host_per_node == pytest.approx(deepspeed, rel=1e-12)
+  assert est.host_per_node < deepspeed  # jzero's state alone: the difference is printed
+  assert estimate(1e9, 3, 8, offload_optimizer="nvme").deepspeed_host_per_node is None
+
+
+def test_estimate_prints_deepspeeds_host_figure_and_why_it_differs():
+  out = _jzero("estimate", "--params", "1.5e9", "--devices", "8", "--offload-optimizer", "cpu")
+  assert out.returncode == 0, out.stderr
+  assert "ZeRO-2 + optimizer->cpu: jzero 21.00 GB, DeepSpeed 72.00 GB" in out.stdout
+  assert "fp32 copy per process" in out.stdout and "size host memory with the larger" in out.stdout
+
+
+def test_plan_advice_can_be_turned_off(monkeypatch, tmp_path):
+  from jzero.cli import plan as plan_cli  # noqa: PLC0415
+  advised = []
+  monkeypatch.setattr(plan_cli, "_advise", advised.append)
+  common = ["plan", "--model", "default", "--compile-top", "0", "--out", str(tmp_path / "p.json")]
+  assert cli.main(common + ["--no-advice"]) in (0, 1) and advised == []
+  assert cli.main(common) in (0, 1) and len(advised) == 1
+
+
+def test_train_micro_batch_auto_is_never_filled_in_silence():
+  from jzero.cli.train import _micro_batch  # noqa: PLC0415
+  auto = Config.load({"train_micro_batch_size_per_gpu": "auto"})
+  with pytest.warns(jzero.JZeroWarning, match=r'"auto" .* using 4, jzero train\'s default; '
+                    r"--micro-batch N sets it"):
+    assert _micro_batch(argparse.Namespace(micro_batch=None), auto) == 4
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert _micro_batch(argparse.Namespace(micro_batch=2), auto) == 2
+    fixed = Config.load({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto"})
+    assert _micro_batch(argparse.Namespace(micro_batch=None), fixed) is None  # derived from 16

@@ -203,3 +203,97 @@ def test_a_later_batch_of_another_feature_width_names_the_leaf_and_both_shapes(k
     _one_paragraph(message)
   state, metrics = engine.train_step(state, engine.shard_batch(batch(4, 16)))
   assert np.isfinite(float(metrics["loss"]))
+
+
+# -- issue 48: what the config or a batch can carry, checked -------------------------------------
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"lr": -0.01}, "optimizer.params.lr: must be >= 0, got -0.01"),
+    ({"eps": -1}, "optimizer.params.eps: must be >= 0, got -1"),
+    ({"weight_decay": -0.1}, "optimizer.params.weight_decay: must be >= 0, got -0.1"),
+    ({"betas": [1.5, 0.999]}, "optimizer.params.betas.0: must be in [0, 1) (a moment's decay "
+                              "rate), got 1.5"),
+    ({"betas": [0.9, 1.0]}, "optimizer.params.betas.1: must be in [0, 1)"),
+    ({"betas": [0.9]}, "optimizer.params.betas: expected two numbers (e.g. [0.9, 0.999]), got "
+                       "[0.9]; give exactly two."),
+    ({"lr": float("nan")}, "optimizer.params: lr must be a finite number, got NaN"),
+    ({"lr": float("inf")}, "optimizer.params: lr must be a finite number, got Infinity"),
+    ({"betas": [0.9, float("nan")]}, "optimizer.params: betas must be finite numbers, got "
+                                     "[0.9, NaN]"),
+])
+def test_optimizer_hyperparameters_are_checked_as_torch_checks_them(params, message):
+  """Signs and ranges torch.optim refuses (DeepSpeed's fused optimizers train on with them); a
+  NaN is named as such (it was "expected a number, got null": the config is written back as
+  JSON first); a pair of betas with one number says so (it spoke of a HF Trainer's steps)."""
+  cfg = {**ds_config(2), "optimizer": {"type": "AdamW", "params": params}}
+  with pytest.raises(jzero.ConfigError) as e:
+    make_engine(cfg)
+  assert message in str(e.value), str(e.value)
+  assert "HF Trainer" not in str(e.value) and "null" not in str(e.value)
+
+
+def test_schedule_learning_rates_are_checked_too():
+  cfg = {**ds_config(2), "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": -1e-3}}}
+  with pytest.raises(jzero.ConfigError, match=r"scheduler.params.warmup_max_lr: must be >= 0"):
+    make_engine(cfg)
+
+
+class _Embedder(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.embed = nnx.Embed(16, 8, rngs=rngs)
+
+  def __call__(self, tokens):
+    return self.embed(tokens)
+
+
+def _embedding_loss(model, batch):
+  return jnp.mean(model(batch["tokens"]) ** 2)
+
+
+def test_token_ids_that_index_no_row_are_data_errors():
+  """A negative id (JAX wraps it to another row: the step trains on another token) is refused
+  naming the leaf, the id and the valid range; torch's ignore index -100 passes (labels); float
+  ids -- flax says only "Input type must be an integer" -- are a DataError naming the leaf and its
+  dtype, raised while the step is traced: the state given is not donated and trains on."""
+  engine = make_engine(2, _Embedder, _embedding_loss)
+  state = engine.init(jax.random.key(0))
+  tokens = np.ones((8, 4), np.int32)
+  with pytest.raises(jzero.DataError) as e:
+    engine.shard_batch({"tokens": np.where(tokens > 0, -5, 0)})
+  assert ("batch leaf ['tokens'] holds the id -5, but ids index the model's embedding table from "
+          "0 (ids 0..15)") in str(e.value)
+  _one_paragraph(str(e.value))
+  from jzero.train import input_checks
+  input_checks.check_input_ids(engine.plan, {"labels": np.full((8, 4), -100, np.int32)})
+  with pytest.raises(jzero.DataError) as e:
+    engine.train_step(state, engine.shard_batch({"tokens": tokens.astype(np.float32)}))
+  message = str(e.value)
+  assert ("the model cannot take this batch (ValueError: Input type must be an integer or "
+          "unsigned integer.); its leaves are ['tokens']: float32 (8, 4). If ['tokens'] holds "
+          "token ids, give integers (np.int32)") in message, message
+  assert "the state passed in is still usable" in message
+  _one_paragraph(message)
+  state, metrics = engine.train_step(state, engine.shard_batch({"tokens": tokens}))
+  assert np.isfinite(float(metrics["loss"]))
+
+
+def test_a_lost_peer_seen_when_the_loop_reads_the_loss_is_explained(monkeypatch):
+  """With several processes the step runs asynchronously: a peer lost during it shows when
+  train_loop reads the loss, outside train_step -- that raw Gloo error is the jzero one too."""
+  from jzero.train.loop import train_loop
+
+  class Lost:
+    def __float__(self):
+      raise jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed: [pair.cc:538] Read "
+                                       "error [127.0.0.1]:4804: Connection reset by peer")
+
+  class Engine:
+    def train_step(self, state, batch):
+      return state, {"loss": Lost()}
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(jzero.JZeroError, match=r"process 0: a collective failed, most likely "
+                                             r"because another process of the job is gone") as e:
+    train_loop(Engine(), None, lambda step: None, 3, progress=False)
+  assert isinstance(e.value.__cause__, jax.errors.JaxRuntimeError)

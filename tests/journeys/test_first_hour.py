@@ -122,28 +122,37 @@ def test_eval_loss_of_a_plain_loss_is_a_float():
 
 
 def test_deepspeed_call_shapes(tmp_path):
-  """DeepSpeed's 4-tuple, ``module``, ``global_steps`` and ``get_lr()`` work; forward / backward /
-  step and DeepSpeed's ``save_checkpoint(dir, tag=...)`` are errors that show jzero's call."""
+  """DeepSpeed's 4-tuple is an engine that holds the state: its loop, ``module``, ``global_steps``
+  and ``get_lr()`` work, and its steps are jzero's ``train_step`` exactly; jzero's own engine
+  refuses DeepSpeed's calls, naming the 4-tuple and ``train_step``
+  (tests/train/test_deepspeed_engine.py has every name)."""
   config = {**_config(2), "scheduler": {"type": "WarmupLR", "params": {
       "warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}}}
-  engine, optimizer, dataloader, scheduler = jzero.initialize(DropoutNet, classify, config)
-  assert isinstance(engine, jzero.Engine) and optimizer is engine.tx and dataloader is None
-  assert isinstance(engine.module, DropoutNet)
+  jzero_engine = jzero.initialize(DropoutNet, classify, config)
+  engine, optimizer, dataloader, scheduler = jzero_engine
+  assert engine.jzero_engine is jzero_engine and optimizer.tx is jzero_engine.tx
+  assert dataloader is None
   assert engine.global_steps == 0 and engine.get_lr() == [float(scheduler(0))]
-  state = engine.init(jax.random.key(0), _batch(0))
   for step in range(3):
-    state, metrics = engine.train_step(state, engine.shard_batch(_batch(step)))
-  assert engine.global_steps == 3 == int(state.step)
+    loss = engine(_batch(step))
+    engine.backward(loss)
+    engine.step()
+  assert isinstance(engine.module, DropoutNet)
+  assert engine.global_steps == 3 == int(engine.state.step)
   # the lr the next step uses, as DeepSpeed's get_lr() after step(): the schedule at count 3
   assert engine.get_lr() == [float(scheduler(3))] and 0 < engine.get_lr()[0] < 1e-2
-  assert engine.get_lr()[0] > float(metrics["lr"])  # warming up: the next step's is larger
 
-  for call in (lambda: engine(_batch(0)), lambda: engine.forward(_batch(0)),
-               lambda: engine.backward(metrics["loss"]), lambda: engine.step()):
+  plain = jzero.initialize(DropoutNet, classify, config)
+  state = plain.init(jax.random.key(0))
+  for step in range(3):
+    state, metrics = plain.train_step(state, plain.shard_batch(_batch(step)))
+  assert float(metrics["loss"]) == loss.item()
+  for call in (lambda: plain(_batch(0)), lambda: plain.backward(metrics["loss"]),
+               lambda: plain.step()):
     with pytest.raises(JZeroError, match=r"state, metrics = engine\.train_step\(state, batch\)"):
       call()
   with pytest.raises(JZeroError, match=r"engine\.save_checkpoint\(state, directory, tag\)"):
-    engine.save_checkpoint(str(tmp_path), tag="x")
+    plain.save_checkpoint(str(tmp_path), tag="x")
   assert not any(tmp_path.iterdir())
 
 

@@ -52,9 +52,11 @@ def test_save_failing_at_exit_is_one_line_and_status_1(tmp_path):
   done = _scenario("save-fails-at-exit", "ckpt", cwd=tmp_path)
   assert done.returncode == 1
   errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
-  assert errors == [f"jzero: error: saving checkpoint '1' to {tmp_path / 'ckpt'} failed: OSError: "
-                    f"[Errno 28] No space left on device"], done.stderr[-3000:]
+  assert errors == [f"jzero: error: saving checkpoint '1' to {tmp_path / 'ckpt'} failed: No space "
+                    f"left on device; nothing of it was kept. The checkpoints saved before are "
+                    f"intact: []."], done.stderr[-3000:]
   assert checkpoint.latest_tag(tmp_path / "ckpt") is None
+  assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == []  # the failed save's too
 
 
 def test_reusing_a_donated_state_raises_and_the_process_survives(tmp_path):

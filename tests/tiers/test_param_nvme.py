@@ -27,9 +27,12 @@ import jax
 import numpy as np
 import pytest
 
-from jzero.errors import ConfigError, JZeroWarning
+import jzero
+from jzero.errors import ConfigError
+from jzero.models import lm_loss
 from jzero.tiers import nvme_params
-from zero_testing import SAME_MATH, SMALL, batches, ds_config, make_engine, max_relative_diff
+from zero_testing import (SAME_MATH, SMALL, batches, ds_config, gpt_factory, make_engine,
+                          max_relative_diff)
 
 N = 8
 STEPS = 20
@@ -189,18 +192,17 @@ def test_param_nvme_settings_are_checked_before_any_device_work(tmp_path):
 def test_shipped_infinity_config_says_its_offload_moves_nothing_on_a_small_model(tmp_path):
   """configs/ds_zero3_infinity.json on the small GPT: every leaf is under the default
   stage3_param_persistence_threshold (1e5), so every parameter persists on the device and the NVMe
-  store gets none. engine.init says so, with the numbers, at the user's line (it was silent)."""
+  store gets none. initialize, which builds the plan, says so, with the numbers, at the user's line
+  (it was silent)."""
   cfg = json.loads((Path(__file__).parents[2] / "configs" / "ds_zero3_infinity.json").read_text())
   cfg["zero_optimization"]["offload_param"]["nvme_path"] = str(tmp_path)
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", JZeroWarning)  # the config's keys without effect here
-    engine = make_engine(cfg)
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")
-    engine.init(jax.random.key(0))
+    engine = jzero.initialize(gpt_factory(SMALL), lm_loss, cfg)
+  engine.init(jax.random.key(0))
   leaves = engine.plan.leaf_list()
   total = sum(l.numel for l in leaves)
-  said = [w for w in record if "offload_param" in str(w.message)]
+  said = [w for w in record if str(w.message).startswith("offload_param (device")]
   assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in record]
   assert str(said[0].message) == (
       f"offload_param (device: nvme) moves 0 of the model's {total:,} parameters (0%) to the NVMe "

@@ -118,7 +118,8 @@ def test_lr_is_the_next_steps_as_deepspeed_logs_it(tmp_path):
   """DeepSpeed's engine writes ``get_lr()`` after ``lr_scheduler.step()``: the lr event at k x
   train_batch_size samples is the lr step k+1 uses, and after a skipped fp16 step (no scheduler
   step) step k's own. Step 2's batch holds a token past the vocabulary (a NaN loss: skipped);
-  each event is checked against the lr the next step reports using, and engine.get_lr()."""
+  each event is checked against the lr the next step reports using, and get_lr() of DeepSpeed's
+  engine over this one (the 4-tuple's first)."""
   warmup = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
                                            "warmup_num_steps": 10, "warmup_type": "linear"}}
   engine = _engine(scheduler=warmup, fp16={"enabled": True, "initial_scale_power": 8},
@@ -128,12 +129,13 @@ def test_lr_is_the_next_steps_as_deepspeed_logs_it(tmp_path):
   data[1] = {**data[1], "tokens": data[1]["tokens"].copy()}
   data[1]["tokens"][0, 3] = TINY.vocab_size + 44
   state, used, skipped, next_lr = engine.init(jax.random.key(0)), [], [], []
-  assert engine.get_lr() == [pytest.approx(float(engine.schedule(0)))]
+  deepspeed_engine, *_ = engine
+  assert deepspeed_engine.get_lr() == [pytest.approx(float(engine.schedule(0)))]
   for batch in data:
     state, metrics = engine.train_step(state, engine.shard_batch(batch))
     used.append(float(metrics["lr"]))
     skipped.append(bool(metrics["overflow"]))
-    next_lr.append(engine.get_lr()[0])
+    next_lr.append(deepspeed_engine.get_lr()[0])
   assert skipped == [False, True, False, False]
   logged = _csv_rows(tmp_path / "lr", "Train/Samples/lr")[1]
   assert [samples for samples, _ in logged] == [8, 16, 24, 32]
