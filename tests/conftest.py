@@ -28,6 +28,8 @@ import inspect
 import os
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # the module docstring says why
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
@@ -100,7 +102,22 @@ LONGEST_FIRST = [
 ]
 
 
+#: The slow tier (``-m slow``; the fast tier, ``-m "not slow"``, is the rest: tests/README.md):
+#: the longest files above and the others whose tests each build engines of several configs or
+#: start processes. A new file is fast until it is listed here.
+SLOW = frozenset(LONGEST_FIRST) | {
+    "journeys/test_deepspeed_scripts.py", "journeys/test_first_hour.py",
+    "journeys/test_migration.py", "journeys/test_errors.py", "runtime/test_multiprocess.py",
+    "train/test_client_optimizers.py", "train/test_precision.py", "train/test_loop.py",
+    "train/test_deepspeed_engine.py", "tiers/test_param_offload.py", "tiers/test_nvme_faults.py",
+    "checkpoint/test_checkpoint_faults.py", "kernels/test_mosaic.py", "comm/test_param_array.py",
+}
+
+
 def pytest_collection_modifyitems(config, items):
   tests = Path(__file__).parent
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))
+  for item in items:
+    if item.path.relative_to(tests).as_posix() in SLOW:
+      item.add_marker(pytest.mark.slow)
