@@ -8,30 +8,14 @@ dominates and O0 compiles about a third faster; float results round as another C
 would, which every bound allows for (tests/isa_matrix.sh runs the float-sensitive tests at the
 default level too). Subprocess tests inherit the flag through the environment. Set XLA_FLAGS with
 any ``--xla_backend_optimization_level`` to choose another level.
-
-One compile per program: the suite builds many engines whose programs are the same (one config in
-several tests, the init and gather programs of every engine of one model), and JAX caches compiled
-programs per jitted function, so each engine would compile them again. :func:`_share_executables`
-keeps, in each test process, every XLA executable under JAX's own persistent-cache key (the module
-without its debug locations, the devices, the compile options, the backend, jaxlib's version and
-the XLA flags) and hands the same executable to a later compile of that key. Nothing is serialized:
-JAX's persistent compilation cache stays off (here and, through the environment, in the workers
-tests start), because jaxlib 0.10's CPU executables read back from it can deadlock in a collective
--- 7 of 8 devices waiting in an all-gather inside a while loop for the 8th, then "Fatal Python
-error: Aborted" or a segmentation fault -- in a third to a half of the runs of a ZeRO-2 step, though its HLO
-is the freshly compiled one's. Tracing and lowering still happen per engine; only XLA's compile is
-shared.
 """
 
-import collections
-import inspect
 import os
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # the module docstring says why
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_backend_optimization_level=0").strip()
@@ -40,47 +24,6 @@ import jzero  # noqa: E402,F401  (first: it imports JAX without the CUDA plugin'
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
-
-#: Executables kept per test process (the most recently used): a file's engines share programs with
-#: each other, rarely with a file run long before.
-SHARED_EXECUTABLES = 256
-
-
-def _share_executables() -> None:
-  """Wraps JAX's compile step (``compiler.compile_or_get_cached``, which every jit and AOT compile
-  calls) so a module compiled before in this process gets the executable compiled then (module
-  docstring). Programs with host callbacks or a PGLE profile compile as before; where this JAX's
-  compile step or cache key differ from what this expects, nothing is wrapped."""
-  from jax._src import compilation_cache, compiler  # pylint: disable=import-outside-toplevel
-  compile_or_get_cached = compiler.compile_or_get_cached
-  expected = ["backend", "computation", "devices", "compile_options", "host_callbacks"]
-  if list(inspect.signature(compile_or_get_cached).parameters)[:5] != expected:
-    return
-  executables: collections.OrderedDict[str, object] = collections.OrderedDict()
-
-  def shared(backend, computation, devices, compile_options, host_callbacks, *args, **kwargs):
-    profiled = kwargs.get("pgle_profiler", args[1] if len(args) > 1 else None) is not None
-    key = None
-    if not host_callbacks and not profiled:
-      try:
-        key = compilation_cache.get_cache_key(computation, devices, compile_options, backend)
-      except Exception:  # pylint: disable=broad-except  (a module JAX cannot key compiles as usual)
-        key = None
-    if key in executables:
-      executables.move_to_end(key)
-      return executables[key]
-    executable = compile_or_get_cached(backend, computation, devices, compile_options,
-                                       host_callbacks, *args, **kwargs)
-    if key is not None:
-      executables[key] = executable
-      if len(executables) > SHARED_EXECUTABLES:
-        executables.popitem(last=False)
-    return executable
-
-  compiler.compile_or_get_cached = shared
-
-
-_share_executables()
 
 
 # The files that take longest, longest first (measured: 2 CPU cores, --durations=0). `--dist
