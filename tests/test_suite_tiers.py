@@ -1,13 +1,13 @@
 """The suite's two tiers (tests/README.md): the fast tier (``-m "not slow"``) holds a test of every
 subpackage of jzero -- a test file in a folder of tests/ (the root's files name the packages
-for other reasons), outside conftest's SLOW list, that imports it."""
+for other reasons), outside suite_tiers.SLOW, that imports it."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from conftest import SLOW
+from suite_tiers import SLOW
 
 TESTS = Path(__file__).parent
 PACKAGE = TESTS.parent / "jzero"
