@@ -13,6 +13,8 @@ any ``--xla_backend_optimization_level`` to choose another level.
 import os
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -24,26 +26,13 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 
-# The files that take longest, longest first (measured: 2 CPU cores, --durations=0). `--dist
-# loadfile` hands whole files to the workers in collection order (`--no-loadscope-reorder` keeps
-# it), so the long files start first and the short ones fill in at the end: the two workers finish
-# together. A file not listed runs after these, in its usual order.
-LONGEST_FIRST = [
-    "train/test_engine.py", "comm/test_collective_order.py", "modeling/test_gather_units.py",
-    "tiers/test_param_nvme.py", "modeling/test_hf_models.py", "comm/test_zeropp.py",
-    "journeys/test_user_script.py", "modeling/test_model_state.py",
-    "checkpoint/test_checkpoint.py", "checkpoint/test_optax_interop.py", "journeys/test_notebooks.py", "runtime/test_launch.py",
-    "planning/test_aot.py", "planning/test_plan_search.py", "docs/test_snippets.py",
-    "analysis/test_comm_volume.py", "planning/test_overlap.py", "planning/test_aot_tpu.py",
-    "cli/test_cli.py",
-    "tiers/test_offload.py", "tiers/test_delayed_update.py", "journeys/test_trust.py",
-    "checkpoint/test_kill_resume.py", "checkpoint/test_deepspeed_checkpoint.py",
-    "train/test_fp32_skip.py", "tiers/test_nvme.py", "train/test_monitor.py",
-    "modeling/test_activation_offload.py",
-]
+from suite_tiers import LONGEST_FIRST, SLOW  # noqa: E402  (no JAX: the tier test reads it too)
 
 
 def pytest_collection_modifyitems(config, items):
   tests = Path(__file__).parent
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(), len(rank)))
+  for item in items:
+    if item.path.relative_to(tests).as_posix() in SLOW:
+      item.add_marker(pytest.mark.slow)
