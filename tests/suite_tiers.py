@@ -7,7 +7,8 @@ tiers."""
 # it), so the long files start first and the short ones fill in at the end: the two workers finish
 # together. A file not listed runs after these, in its usual order.
 LONGEST_FIRST = [
-    "train/test_engine.py", "comm/test_collective_order.py", "modeling/test_gather_units.py",
+    "train/test_engine.py", "comm/test_collective_order.py", "train/test_client_optimizers.py",
+    "modeling/test_gather_units.py", "tiers/test_host_step.py",
     "tiers/test_param_nvme.py", "modeling/test_hf_models.py", "comm/test_zeropp.py",
     "journeys/test_user_script.py", "modeling/test_model_state.py",
     "checkpoint/test_checkpoint.py", "checkpoint/test_optax_interop.py", "journeys/test_notebooks.py", "runtime/test_launch.py",
@@ -27,7 +28,7 @@ LONGEST_FIRST = [
 SLOW = frozenset(LONGEST_FIRST) | {
     "journeys/test_deepspeed_scripts.py", "journeys/test_first_hour.py",
     "journeys/test_migration.py", "journeys/test_errors.py", "runtime/test_multiprocess.py",
-    "train/test_client_optimizers.py", "train/test_precision.py", "train/test_loop.py",
+    "train/test_precision.py", "train/test_loop.py",
     "train/test_deepspeed_engine.py", "tiers/test_param_offload.py", "tiers/test_nvme_faults.py",
     "checkpoint/test_checkpoint_faults.py", "kernels/test_mosaic.py", "comm/test_param_array.py",
 }
