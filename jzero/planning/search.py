@@ -157,7 +157,8 @@ class Plan:
 
   @property
   def what_would_help(self) -> str:
-    """When nothing fits: the :attr:`remedies` as a sentence, or that none was found."""
+    """The :attr:`remedies` as a sentence, or that none was found (for a plan where nothing
+    fits)."""
     if not self.remedies:
       return (f"By the same arithmetic, no more host memory or NVMe, no batch of one sequence "
               f"per device and no more nodes (up to {MORE_NODES} times as many) would make one "
