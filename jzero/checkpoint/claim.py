@@ -26,12 +26,12 @@ import json
 import os
 import socket
 import sys
-import tempfile
 import threading
 import time
 import warnings
 from pathlib import Path
 
+from jzero.disk import write_probe_error
 from jzero.errors import CheckpointError, JZeroWarning
 
 __all__ = ["LOCK_FILE", "claim", "release", "check_writable"]
@@ -68,18 +68,11 @@ def _cannot_write(path: Path, error: OSError) -> CheckpointError:
 
 
 def check_writable(directory: Path) -> None:
-  """A small file written, fsync'ed and removed in ``directory``; a CheckpointError naming the
-  cause (read-only, full, no permission) if that fails."""
-  try:
-    fd, probe = tempfile.mkstemp(prefix=".jzero-probe-", dir=directory)
-    try:
-      os.write(fd, b"\0" * 4096)
-      os.fsync(fd)
-    finally:
-      os.close(fd)
-      os.unlink(probe)
-  except OSError as e:
-    raise _cannot_write(directory, e) from None
+  """A CheckpointError naming the cause (read-only, full, no permission) if ``directory`` does
+  not take a write (:func:`jzero.disk.write_probe_error`)."""
+  error = write_probe_error(directory)
+  if error is not None:
+    raise _cannot_write(directory, error)
 
 
 def _holder(lock: Path) -> str:

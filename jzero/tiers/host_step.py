@@ -163,7 +163,8 @@ class HostStepTier(Tier):
   def open(cls, plan: Any, config: Any, tx: optax.GradientTransformation) -> Any:
     """The store; the train layer hands it the optimizer's settings
     (:meth:`~jzero.tiers.host_store.HostStore.configure`) before the update chain is made."""
-    return host_store.HostStore(plan, OptLayout.of(plan, tx))
+    leaves = [l for l in plan.leaf_list() if cls.holds_state(plan, l)]
+    return host_store.HostStore(plan, OptLayout.of(plan, tx), leaves)
 
   @classmethod
   def grad_target(cls, plan: Any, leaf: Any, p: jax.Array) -> jax.Array | None:

@@ -46,11 +46,10 @@ _ROLE = {"mu": "m", "nu": "v"}  # optax scale_by_adam's moments -> the kernel's 
 class HostStore:
   """The host leaves' partitions and their update (module docstring)."""
 
-  def __init__(self, plan: Any, opt: Any):
-    from jzero.tiers.host_step import HOST_STEP  # noqa: PLC0415  (the tier imports this module)
-
+  def __init__(self, plan: Any, opt: Any, leaves: list):
+    """``leaves``: the plan's leaves the host step updates (the tier chooses them)."""
     self.plan, self.opt = plan, opt
-    self.leaves = [l for l in plan.leaf_list() if l.state_tier == HOST_STEP]
+    self.leaves = list(leaves)
     self.paths = frozenset(l.path for l in self.leaves)
     me = jax.process_index()
     self.devices = [d for d in plan.mesh.mesh.devices.flat if d.process_index == me]

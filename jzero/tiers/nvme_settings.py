@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 from jzero.config.messages import user_stacklevel
+from jzero.disk import write_probe_error
 from jzero.errors import ConfigError, JZeroWarning
 
 __all__ = ["NVME", "NvmeSettings", "settings_from_config", "check_directory", "IO_MODE",
@@ -93,18 +93,11 @@ def check_directory(path: str | os.PathLike, key: str = _KEY) -> Path:
   if not path.is_dir():
     raise ConfigError(f"{key}={path} is not a directory; point nvme_path at a directory on the "
                       f"NVMe drive.")
-  try:
-    fd, probe = tempfile.mkstemp(prefix=".jzero-nvme-probe-", dir=path)
-    try:
-      os.write(fd, b"\0" * 4096)
-      os.fsync(fd)
-    finally:
-      os.close(fd)
-      os.unlink(probe)
-  except OSError as e:
-    raise ConfigError(f"{key}={path} is not writable ({e.strerror or e}): jzero keeps the "
+  error = write_probe_error(path)
+  if error is not None:
+    raise ConfigError(f"{key}={path} is not writable ({error.strerror or error}): jzero keeps the "
                       f"NVMe tier there. Make it writable for this user (chmod / chown, or "
-                      f"remount it read-write) or point nvme_path at a writable directory.") from None
+                      f"remount it read-write) or point nvme_path at a writable directory.")
   return path
 
 
