@@ -136,7 +136,9 @@ def test_10b_on_one_rtx_3090_is_planned_cold_with_adam_on_the_host(tmp_path):
   chosen = plan.chosen
   assert chosen.status == "fits" and chosen.compiled is not None and not chosen.compiled.cached
   assert chosen.device_from == MODEL and chosen.candidate.offload_update == STREAMED_UPDATE
-  assert plan.search.stop == "proven" and plan.search.compiled == 1
+  # one compile ends the search: the only candidate predicted to fit ("exhausted") or the first
+  # of several ("proven")
+  assert plan.search.stop in ("proven", "exhausted") and plan.search.compiled == 1
   assert chosen.device_bytes == estimated(chosen.candidate, plan.job, plan.hardware).device_bytes
   assert chosen.resources.source == "compiled"
 
