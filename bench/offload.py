@@ -6,11 +6,14 @@
 
 A GPT (``--model``: a :data:`jzero.models.gpt.PRESETS` name, default the 6.4M-parameter default
 model; ``--seq-len`` shortens its sequences) at ``--micro-batch`` sequences per device with
-``offload_optimizer`` off, ``update: stream`` and ``update: host``, each update mode with
+``offload_optimizer`` off, ``update: stream``, ``update: host`` and ``update: cpu_adam`` (the
+gradients leave the device in the backward pass, Adam runs on the host's cores after the jit:
+:mod:`jzero.tiers.host_step`), each update mode with
 ``delayed_update: true`` (ZeRO-Offload's delayed parameter update, :mod:`jzero.tiers.delayed`: the
 update of step t-1's gradient runs in the same step as step t's forward and backward, which XLA
 may overlap; the first, prime step is a warm-up step, so the timed steps are the steady ones), and
-at stage 3 the parameters in host memory (``offload_param: cpu``, alone and with the host update).
+at stage 3 the parameters in host memory (``offload_param: cpu``, alone and with the host and
+cpu_adam updates).
 Each mode is compiled and warmed up for two steps, then the modes' steps are timed round-robin (one
 step of each in turn, each blocked until ready) so every ratio compares runs under the same machine
 load; ``--sequential`` times each mode's steps before the next mode is built instead (one state
@@ -49,11 +52,16 @@ MODES = {
                                                       "delayed_update": True}},
     "host + delayed update": {"offload_optimizer": {"device": "cpu", "update": "host",
                                                     "delayed_update": True}},
+    "cpu_adam": {"offload_optimizer": {"device": "cpu", "update": "cpu_adam"}},
+    "cpu_adam + delayed update": {"offload_optimizer": {"device": "cpu", "update": "cpu_adam",
+                                                        "delayed_update": True}},
     "params cpu": {"offload_param": {"device": "cpu"}},
     "params cpu + host": {"offload_param": {"device": "cpu"},
                           "offload_optimizer": {"device": "cpu", "update": "host"}},
+    "params cpu + cpu_adam": {"offload_param": {"device": "cpu"},
+                              "offload_optimizer": {"device": "cpu", "update": "cpu_adam"}},
 }
-STAGE_3_ONLY = ("params cpu", "params cpu + host")
+STAGE_3_ONLY = ("params cpu", "params cpu + host", "params cpu + cpu_adam")
 
 
 def _parse() -> argparse.Namespace:
@@ -86,12 +94,16 @@ def _config(args: argparse.Namespace, change: dict) -> dict:
 
 
 def _state_bytes(run: dict) -> dict:
-  from jzero.analysis.memory_report import live_bytes  # noqa: PLC0415
+  """Master + optimizer-state bytes of the first device by memory kind (the live arrays and what a
+  tier holds outside them: cpu_adam's numpy store, the NVMe files), and the carried gradient's."""
+  from jzero.analysis.memory_report import live_bytes, state_report  # noqa: PLC0415
 
-  device = run["engine"].mesh.mesh.devices.flat[0]
+  engine = run["engine"]
+  device = engine.mesh.mesh.devices.flat[0]
+  report = state_report(engine.plan, run["state"], engine.resources)
   out: dict = {}
-  for part in (run["state"].master, run["state"].opt_state):
-    for kind, n in live_bytes(part, device).items():
+  for category in ("master", "optimizer"):
+    for kind, n in report[category].items():
       out[kind] = out.get(kind, 0) + n
   carried = run["state"].delayed
   out["carried"] = sum(live_bytes(carried.grads, device).values()) if carried is not None else 0
