@@ -53,6 +53,22 @@ class SlotTarget(abc.ABC):
     """``partition``, ``stored`` and ``source`` for the ZeroParam of a leaf whose device value
     is ``value`` (a stage-3 partition) or None (a replicated parameter's gradient slot)."""
 
+  # gradient accumulation (the step's scan over micro-batches): the slot's gradient summed where
+  # the tier keeps it
+  @abc.abstractmethod
+  def accumulator(self, dtype: Any) -> SlotTarget:
+    """A zero sum of this slot's gradients, accumulated in ``dtype`` (called on the abstract
+    shape of one micro-batch's gradient)."""
+
+  @abc.abstractmethod
+  def add(self, micro: SlotTarget) -> SlotTarget:
+    """This sum plus one micro-batch's gradient."""
+
+  @abc.abstractmethod
+  def summed(self) -> SlotTarget:
+    """The finished sum, with what the step reads from it (its sum of squares) made for the
+    sum rather than for a micro-batch."""
+
 
 @dataclasses.dataclass(eq=False)
 class ZeroParam(ArrayBehaviour):

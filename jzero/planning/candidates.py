@@ -260,9 +260,9 @@ def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...
         opts, params, zeropp, checkpointing, micro_batches):
       if plus and param:  # ZeRO++ gathers device-resident partitions
         continue
-      if update == STREAMED_UPDATE and (per_device // mb != 1 or plus or param == "nvme"):
-        continue  # what the engine's host Adam runs: one micro-batch's gradient per step, a mesh
-        # of ZeRO axes only, params on the device or in host memory
+      if update == STREAMED_UPDATE and (plus or param == "nvme"):
+        continue  # what the engine's host Adam runs: a mesh of ZeRO axes only, params on the
+        # device or in host memory
       out.append(Candidate(stage, mb, per_device // mb, ckpt, opt, ratio, param, plus, update))
   return out
 

@@ -29,11 +29,14 @@ is skipped out of the jit and leaves their placeholders as they are. After the j
 path does, with the step's learning rate) and uploads the new compute params (stage 1/2: the
 partitions, then one all-gather).
 
-**Limits, refused at initialize with a message** (:func:`check_update`). One micro-batch per
-step (gradient accumulation sums the
-micro-batches' gradients on the device: ``update: stream`` does that), a mesh whose data-parallel
-axes are all ZeRO axes (no replicas of a partition), the config's Adam or AdamW (a client optax
-transformation or another optimizer keeps the ``stream`` / ``host`` modes).
+**Gradient accumulation** (``gradient_accumulation_steps`` > 1), as DeepSpeed's offload does it:
+a slot's sum over the micro-batches lives in host memory, in the device path's accumulation
+dtype, each micro-batch's partition added to it by the host as it arrives
+(:meth:`HostSlot.add`); the sum's norm is taken from the sum, on the host (:meth:`HostSlot.summed`).
+
+**Limits, refused at initialize with a message** (:func:`check_update`): a mesh whose
+data-parallel axes are all ZeRO axes (no replicas of a partition), the config's Adam or AdamW (a
+client optax transformation or another optimizer keeps the ``stream`` / ``host`` modes).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from jzero.sharding.opt_layout import OptLayout
 from jzero.tiers import host_store
 from jzero.tiers.base import Tier, Update
 from jzero.tiers.delayed import Variant
-from jzero.tiers.host_optimizer import to_host
+from jzero.tiers.host_optimizer import on_host, to_device, to_host
 from jzero.tiers.updates import placeholder_shape
 
 __all__ = ["HOST_STEP", "INTO_HOST", "HostSlot", "HostStepTier", "HostStepUpdate", "into_host",
@@ -67,7 +70,7 @@ HOST_STEP = "host_step"
 
 def check_update(config: Any, *, client_optimizer: bool, replica_axes: tuple) -> None:
   """A config that names ``offload_optimizer.update: cpu_adam`` where the host step cannot run it
-  -- it needs the config's Adam or AdamW, one micro-batch per step and a mesh without replicas --
+  -- it needs the config's Adam or AdamW and a mesh without replicas --
   is refused, naming each reason. Before any device work. (``device: cpu`` without an update
   keeps :data:`jzero.tiers.host_optimizer.DEFAULT_UPDATE`: docs/offload.md says when that
   changes.)"""
@@ -75,13 +78,10 @@ def check_update(config: Any, *, client_optimizer: bool, replica_axes: tuple) ->
   if block is None or block.update != CPU_ADAM:
     return
   kind = str(getattr(config.optimizer, "type", "")).lower()
-  gas = config.gradient_accumulation_steps
   reasons = [why for why, bad in (
       ("a client optax optimizer (it needs the config's Adam or AdamW block)", client_optimizer),
       (f"optimizer {config.optimizer.type if config.optimizer else None} (it runs Adam or AdamW)",
        not client_optimizer and kind not in ("adam", "adamw")),
-      (f"gradient_accumulation_steps={gas} (it takes one micro-batch's gradient per step, as it "
-       f"leaves the device; the streamed update accumulates on the device)", gas != 1),
       (f"the mesh's replica axes {replica_axes} (every device must hold its own partition of the "
        f"optimizer state)", bool(replica_axes)),
   ) if bad]
@@ -138,6 +138,22 @@ class HostSlot(SlotTarget):
 
   def zero_param_args(self, value: jax.Array | None) -> dict:
     return {"partition": self.grad, "stored": (value, self.norm), "source": INTO_HOST}
+
+  # gradient accumulation: the sum stays in host memory, added by the host (the device path's
+  # accumulation dtype, so the sum is the one the device would hold), and its norm is taken from
+  # the sum on the host -- a sum of the micro-batches' tokens would be the wrong norm
+  def accumulator(self, dtype: Any) -> HostSlot:
+    return HostSlot(grad=to_host(jnp.zeros(self.grad.shape, dtype)),
+                    norm=jnp.zeros(self.norm.shape, jnp.float32))
+
+  def add(self, micro: HostSlot) -> HostSlot:
+    grad = on_host(lambda total, g: total + g.astype(total.dtype), self.grad, micro.grad)
+    return HostSlot(grad=grad, norm=self.norm)
+
+  def summed(self) -> HostSlot:
+    per_layer = lambda g: jnp.sum(jnp.square(g.astype(jnp.float32)),  # noqa: E731
+                                  axis=tuple(range(1, g.ndim)))
+    return HostSlot(grad=self.grad, norm=to_device(on_host(per_layer, self.grad)))
 
 
 class HostStepTier(Tier):

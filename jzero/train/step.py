@@ -286,16 +286,22 @@ def local_grads(parts: StepParts, state: TrainState, batch: PyTree):
                                                   state.model_state)
     aux = jax.tree.map(lambda x: x[None], aux)  # stacked over the one micro-batch
   else:
+    slot = lambda x: isinstance(x, SlotTarget)  # noqa: E731  (a tier's: summed where it is)
+    add = lambda total, g: total.add(g) if slot(total) else total + g  # noqa: E731
+
     def accumulate(carry, xs):
       acc, model_state = carry
       (loss, aux, grads), model_state = micro_grads(*xs, model_state)
-      return (jax.tree.map(jnp.add, acc, (loss, grads)), model_state), aux
+      return (jax.tree.map(add, acc, (loss, grads), is_leaf=slot), model_state), aux
 
     first = jax.tree.map(lambda x: x[0], micro_batches)
     loss_grads = jax.eval_shape(micro_grads, first, 0, state.model_state)[0]
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss_grads[0], loss_grads[2]))
+    zeros = jax.tree.map(lambda s: s.accumulator(plan.grad_accum_dtype) if slot(s)
+                         else jnp.zeros(s.shape, s.dtype), (loss_grads[0], loss_grads[2]),
+                         is_leaf=slot)
     ((loss, grads), model_state), aux = lax.scan(
         accumulate, (zeros, state.model_state), (micro_batches, jnp.arange(gas)))
+    grads = jax.tree.map(lambda g: g.summed() if slot(g) else g, grads, is_leaf=slot)
     loss = loss / gas
   mean = lambda x: lax.pmean(x, axes.batch_axes)
   grads = plan.map(functools.partial(_reduce_final, plan), grads)

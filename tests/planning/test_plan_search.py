@@ -81,8 +81,8 @@ def _estimate_says(plan, capsys):
 
 def test_the_seeds_offload_questions_fit_with_the_gradients_streamed_to_the_host(capsys):
   """Issue 46's questions by arithmetic: 10B on one RTX 3090 with 256 GB of host memory and 13B
-  with ZeRO-2 on 8 A100-40GB (one sequence per device) fit once the gradients leave the device in the backward pass and
-  Adam runs on the host ("cpu_adam"); `jzero estimate` prices the chosen configuration at the same
+  with ZeRO-2 on 8 A100-40GB (at the default batch, accumulating on the host) fit once the
+  gradients leave the device in the backward pass and Adam runs on the host ("cpu_adam"); `jzero estimate` prices the chosen configuration at the same
   bytes. 1T on 2 x 8 A100-80GB with 1.5 TB of host memory and 28 TB of NVMe per node needs the
   host Adam with the optimizer state on NVMe, which the engine does not run yet: the planner does
   not offer it, and nothing fits."""
@@ -99,15 +99,13 @@ def test_the_seeds_offload_questions_fit_with_the_gradients_streamed_to_the_host
   # ZeRO-2 keeps the 10B's bf16 params (20.94 GB) and a layer's working set: over 21.52 GB
   zero2 = min(_rows(ten, stage=2), key=lambda r: r.device_bytes)
   assert zero2.status == "pruned" and zero2.parts["state"] == pytest.approx(2 * psi, rel=1e-3)
-  # the engine's host Adam takes one micro-batch per step: at the default global batch (4
-  # sequences per device) its one-micro-batch candidate's activations are over memory, so the
-  # question fits at one sequence per device (issue 46: accumulation on the host comes next)
-  assert plan_for(13e9, gpu="a100-40gb", devices=8, stages=(2,), compile=False).chosen is None
-  thirteen = plan_for(13e9, gpu="a100-40gb", devices=8, stages=(2,), compile=False,
-                      global_batch=8)
+  # at the default global batch (4 sequences per device) one micro-batch's activations are over
+  # memory: the host Adam with its gradients accumulated in host memory fits, 2 x 2
+  thirteen = plan_for(13e9, gpu="a100-40gb", devices=8, stages=(2,), compile=False)
   c = thirteen.chosen.candidate
   assert (c.stage, c.offload_update, c.micro_batch, c.gradient_accumulation) == (
-      2, STREAMED_UPDATE, 1, 1)
+      2, STREAMED_UPDATE, 2, 2)
+  assert thirteen.chosen.device_bytes <= thirteen.usable
   # the streamed update keeps the gradient partition and its fp32 update on the device: too big
   stream = [r for r in thirteen.rows if r.candidate.offload_optimizer == "cpu"
             and r.candidate.offload_update is None]
@@ -200,10 +198,11 @@ def test_candidates_cover_the_issue_and_zeropp_only_across_nodes():
   assert {(c.offload_optimizer, c.offload_ratio) for c in one if c.stage in (1, 2)} == {
       (None, 1.0), ("cpu", 1.0), ("nvme", 1.0)}
   # ZeRO-Offload's schedule (gradients off the device in the backward pass, Adam on the host) on
-  # the host tier, whole, in stages 1-3, at one micro-batch per step (what the engine runs); the
-  # host tier's other candidates name the streamed update
+  # the host tier, whole, in stages 1-3, at every micro-batch split (the sum accumulated in host
+  # memory); the host tier's other candidates name the streamed update
   assert {(c.stage, c.offload_optimizer, c.offload_ratio, c.gradient_accumulation) for c in one
-          if c.offload_update == STREAMED_UPDATE} == {(s, "cpu", 1.0, 1) for s in (1, 2, 3)}
+          if c.offload_update == STREAMED_UPDATE} == {(s, "cpu", 1.0, gas) for s in (1, 2, 3)
+                                                      for gas in (1, 2, 4)}
   assert {c.offload_update for c in one if c.offload_optimizer == "cpu"} == {
       None, STREAMED_UPDATE}
   assert not any(c.offload_param for c in one if c.stage != 3)

@@ -134,8 +134,25 @@ def test_checkpoint_round_trips_across_tiers(tmp_path):
   np.testing.assert_array_equal(resumed_losses, straight_losses)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_accumulation_on_the_host_equals_no_offload(stage):
+  """gradient_accumulation_steps 2: the micro-batches' partitions summed in host memory, the
+  norm from the sum (clipping at 1.0 is active here); the same losses and parameters as the same
+  stage and accumulation without offload (fp32, SAME_MATH), and the step's accumulator in host
+  memory (no device buffer of the sum)."""
+  data = tuple(batches(SMALL.seq_len, 2 * N, STEPS))
+  engine = make_engine(ds_config(stage, gas=2, offload_optimizer=CPU_ADAM))
+  _, params, losses = _train(engine, data=data)
+  _, ref_params, ref_losses = _train(make_engine(ds_config(stage, gas=2)), data=data)
+  for got, want in zip(params, ref_params):
+    assert max_relative_diff(got, want) <= SAME_MATH
+  assert np.max(np.abs(losses - ref_losses) / ref_losses) <= SAME_MATH
+  hlo = engine.jitted_step(engine.shard_batch(data[0])).lower(
+      engine.init(jax.random.key(0)), engine.shard_batch(data[0])).as_text()
+  assert "_xla_compute_type = \"host\"" in hlo  # the sum is added by the host
+
+
 @pytest.mark.parametrize("extra,kwargs,match", [
-    ({"gas": 2}, {}, "gradient_accumulation_steps=2"),
     ({}, {"optimizer": optax.sgd(1e-2)}, "a client optax optimizer"),
 ])
 def test_cpu_adam_refuses_what_it_cannot_run(extra, kwargs, match):
