@@ -36,7 +36,9 @@ dtype, each micro-batch's partition added to it by the host as it arrives
 
 **Limits, refused at initialize with a message** (:func:`check_update`): a mesh whose
 data-parallel axes are all ZeRO axes (no replicas of a partition), the config's Adam or AdamW (a
-client optax transformation or another optimizer keeps the ``stream`` / ``host`` modes).
+client optax transformation or another optimizer keeps the ``stream`` / ``host`` modes), and on
+TPU one micro-batch per step (libtpu aborts compiling the host's sum inside the micro-batch loop:
+"host vs. host").
 """
 
 from __future__ import annotations
@@ -68,22 +70,27 @@ PyTree = Any
 HOST_STEP = "host_step"
 
 
-def check_update(config: Any, *, client_optimizer: bool, replica_axes: tuple) -> None:
+def check_update(config: Any, *, client_optimizer: bool, replica_axes: tuple,
+                 platform: str) -> None:
   """A config that names ``offload_optimizer.update: cpu_adam`` where the host step cannot run it
-  -- it needs the config's Adam or AdamW and a mesh without replicas --
-  is refused, naming each reason. Before any device work. (``device: cpu`` without an update
+  -- it needs the config's Adam or AdamW, a mesh without replicas and, on TPU, one micro-batch
+  per step -- is refused, naming each reason. Before any device work. (``device: cpu`` without an update
   keeps :data:`jzero.tiers.host_optimizer.DEFAULT_UPDATE`: docs/offload.md says when that
   changes.)"""
   block = config.zero_optimization.offload_optimizer
   if block is None or block.update != CPU_ADAM:
     return
   kind = str(getattr(config.optimizer, "type", "")).lower()
+  gas = config.gradient_accumulation_steps
   reasons = [why for why, bad in (
       ("a client optax optimizer (it needs the config's Adam or AdamW block)", client_optimizer),
       (f"optimizer {config.optimizer.type if config.optimizer else None} (it runs Adam or AdamW)",
        not client_optimizer and kind not in ("adam", "adamw")),
       (f"the mesh's replica axes {replica_axes} (every device must hold its own partition of the "
        f"optimizer state)", bool(replica_axes)),
+      (f"gradient_accumulation_steps={gas} on TPU (libtpu's compiler aborts on the host's sum "
+       f"inside the loop over micro-batches; one micro-batch per step runs)",
+       platform == "tpu" and gas > 1),
   ) if bad]
   if reasons:
     raise ConfigError(

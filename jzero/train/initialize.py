@@ -142,7 +142,8 @@ def initialize(model: Any = None, loss_fn: Callable[..., Any] | None = None,
                     total_num_steps=total_num_steps, auto_values=auto_values)
   zmesh, zeropp = zpp.resolve(cfg.zero_optimization, zmesh, default_mesh=mesh is None)
   host_step.check_update(cfg, client_optimizer=optimizer is not None,
-                         replica_axes=zmesh.replica_axes)
+                         replica_axes=zmesh.replica_axes,
+                         platform=zmesh.mesh.devices.flat[0].platform)
   if delayed.enabled(cfg.zero_optimization) and cfg.precision == "fp32":
     warnings.warn(
         "offload_optimizer.delayed_update in fp32: a step whose gradient is not finite (NaN / "

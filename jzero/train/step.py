@@ -292,6 +292,11 @@ def local_grads(parts: StepParts, state: TrainState, batch: PyTree):
     def accumulate(carry, xs):
       acc, model_state = carry
       (loss, aux, grads), model_state = micro_grads(*xs, model_state)
+      # the barrier keeps XLA's while-loop reduce-scatter motion off the sum: libtpu's pass fails
+      # a RET_CHECK on this loop (the layer scan's reduce-scatters inside the micro-batch scan),
+      # and moving the reduction after the loop is not the per-micro-batch reduction jzero runs
+      grads = jax.tree.map(lambda g: g if slot(g) else lax.optimization_barrier(g), grads,
+                           is_leaf=slot)
       return (jax.tree.map(add, acc, (loss, grads), is_leaf=slot), model_state), aux
 
     first = jax.tree.map(lambda x: x[0], micro_batches)
