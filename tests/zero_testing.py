@@ -77,8 +77,8 @@ def ds_config(stage: int, *, micro: int = 1, gas: int = 1, precision: str = "fp3
                     "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
       "zero_optimization": {"stage": stage, **zero},
   }
-  if precision == "bf16":
-    cfg["bf16"] = {"enabled": True}
+  if precision in ("bf16", "fp16"):
+    cfg[precision] = {"enabled": True}
   return cfg
 
 

@@ -111,7 +111,13 @@ def _into_host_fwd(slot, norm, value):
 
 
 def _into_host_bwd(dtype_of, ct):
-  return (to_host(ct.astype(dtype_of.dtype)), jnp.sum(jnp.square(ct.astype(jnp.float32))), None)
+  sent = ct.astype(dtype_of.dtype)  # the norm is the sent value's, as the device path's is
+  return to_host(sent), sum_of_squares(sent), None
+
+
+def sum_of_squares(g: jax.Array, axis: Any = None) -> jax.Array:
+  """A gradient's sum of squares in fp32 (over ``axis``; None: all), what the global norm adds."""
+  return jnp.sum(jnp.square(g.astype(jnp.float32)), axis=axis)
 
 
 into_host.defvjp(_into_host_fwd, _into_host_bwd)
@@ -158,8 +164,7 @@ class HostSlot(SlotTarget):
     return HostSlot(grad=grad, norm=self.norm)
 
   def summed(self) -> HostSlot:
-    per_layer = lambda g: jnp.sum(jnp.square(g.astype(jnp.float32)),  # noqa: E731
-                                  axis=tuple(range(1, g.ndim)))
+    per_layer = lambda g: sum_of_squares(g, axis=tuple(range(1, g.ndim)))  # noqa: E731
     return HostSlot(grad=self.grad, norm=to_device(on_host(per_layer, self.grad)))
 
 
@@ -241,8 +246,9 @@ class HostStepTier(Tier):
 
 class HostStepUpdate(Update):
   """The host step's link of the update chain (module docstring): inside the jit it hands the
-  host leaves' gradients out (stage 1: sent to host memory here) with the loss scale, the clipping
-  factor and the skip flag, and gives the links below placeholders for them; after the jit the
+  host leaves' gradients out (stage 1: sent to host memory here) with the loss scale each still
+  carries (a slot's: the step's; one unscaled on the device path: 1), the clipping factor and the
+  skip flag, and gives the links below placeholders for them; after the jit the
   store updates them and uploads their new params."""
 
   def __init__(self, inner: Update, plan: Any, store: Any):
@@ -255,7 +261,8 @@ class HostStepUpdate(Update):
     plan = self.plan
     grads = {l.path: plan.state_spec(l) for l in plan.leaf_list() if l.path in self.leaves}
     return {**self.inner.output_specs,
-            HOST_STEP: {"grads": grads, "factor": P(), "scale": P(), "skip": P()}}
+            HOST_STEP: {"grads": grads, "factor": P(), "scale": dict.fromkeys(grads, P()),
+                        "skip": P()}}
 
   @property
   def output_kinds(self) -> dict:
@@ -267,8 +274,16 @@ class HostStepUpdate(Update):
              factor: jax.Array | None = None) -> tuple[Any, dict]:
     plan = self.plan
     mine = lambda l: l.path in self.leaves  # noqa: E731
-    handed = {l.path: (g.grad if isinstance(g, HostSlot) else to_host(g))
-              for l, g in zip(plan.leaf_list(), plan.flat(grads)) if mine(l)}
+    # a slot's gradient left the device in the backward, still loss-scaled (the step unscaled its
+    # norm only); a leaf on the device path was unscaled with the others: the store divides each
+    # by its own scale
+    scale, one = state.loss_scale.scale, jnp.ones((), jnp.float32)
+    handed, scales = {}, {}
+    for l, g in zip(plan.leaf_list(), plan.flat(grads)):
+      if mine(l):
+        slot = isinstance(g, HostSlot)
+        handed[l.path] = g.grad if slot else to_host(g)
+        scales[l.path] = scale if slot else one
     # the links below see 0-byte placeholders for them (only the shard dimension is split, and
     # it has size 0: the local shape is the global one)
     inner_grads = plan.map(lambda l, g: jnp.zeros(placeholder_shape(l), jnp.float32) if mine(l)
@@ -276,8 +291,8 @@ class HostStepUpdate(Update):
     new, outputs = self.inner.update(inner_grads, state, skip, factor)
     flag = jnp.zeros((), bool) if skip is None or skip is False else jnp.asarray(skip)
     return new, {**outputs, HOST_STEP: {
-        "grads": handed, "factor": jnp.ones((), jnp.float32) if factor is None else factor,
-        "scale": state.loss_scale.scale, "skip": flag}}
+        "grads": handed, "factor": one if factor is None else factor, "scale": scales,
+        "skip": flag}}
 
   def after(self, state: Any, metrics: dict, outputs: dict) -> Any:
     state = self.inner.after(state, metrics, outputs)

@@ -115,7 +115,8 @@ class HostStore:
   # -- the step ------------------------------------------------------------------------------
   def update(self, state: Any, metrics: dict, handed: dict) -> Any:
     """After a jitted step: the host leaves updated from ``handed`` (their gradients in host
-    memory, ``factor``, ``scale``, ``skip``) with the step's learning rate, and ``state``'s
+    memory, ``factor``, ``scale`` -- by leaf: the loss scale each gradient still carries --,
+    ``skip``) with the step's learning rate, and ``state``'s
     params of them replaced by the new ones (module docstring)."""
     self.wait()
     if not self._apply(metrics, handed):
@@ -151,16 +152,16 @@ class HostStore:
     del metrics
     if bool(np.asarray(handed["skip"])):
       return False
-    scale = np.float32(np.asarray(handed["scale"]))
     factor = np.float32(np.asarray(handed["factor"]))
     lr = float(np.asarray(self._schedule(np.int32(self.count))))
     ps, ms, vs, gs, outs = [], [], [], [], []
     for leaf in self.leaves:
       grad = handed["grads"][leaf.path]
+      scale = np.float32(np.asarray(handed["scale"][leaf.path]))
       for shard in grad.addressable_shards:
         buffers = self.arrays[leaf.path][shard.device]
         g = np.asarray(shard.data).astype(np.float32)
-        np.divide(g, scale, out=g)
+        np.divide(g, scale, out=g)  # the loss scale this leaf's gradient still carries
         np.multiply(g, factor, out=g)
         ps.append(buffers["p"])
         ms.append(buffers["m"])
