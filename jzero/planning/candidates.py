@@ -229,7 +229,8 @@ class Candidate:
 def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...] = (0, 1, 2, 3),
                micro_batches: tuple[int, ...] | None = None,
                offload_tiers: tuple[str, ...] | None = None,
-               checkpointing: tuple[str, ...] = CHECKPOINTING) -> list[Candidate]:
+               checkpointing: tuple[str, ...] = CHECKPOINTING,
+               host_sum_in_loop: bool = True) -> list[Candidate]:
   """Every valid candidate for ``job`` on ``devices`` (in all) over ``nodes``.
 
   Micro-batches: the powers of two that divide the sequences per device (default), each with the
@@ -237,6 +238,9 @@ def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...
   ``offload_tiers`` are the ``device`` values offload may use (None: every registered tier's,
   :func:`jzero.tiers.registry.devices`; ``()``: no offload variants);
   ``checkpointing`` the activation checkpointing choices (:data:`CHECKPOINTING`).
+  ``host_sum_in_loop``: the target compiles the host Adam's sum of micro-batches in host memory
+  (False on TPU, where jzero refuses it: :func:`jzero.tiers.host_step.check_update`): without
+  it the host Adam's candidates run one micro-batch per step.
   """
   if job.global_batch < 1 or job.global_batch % devices:
     raise ConfigError(f"--global-batch {job.global_batch}: the global batch must be a positive "
@@ -260,9 +264,10 @@ def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...
         opts, params, zeropp, checkpointing, micro_batches):
       if plus and param:  # ZeRO++ gathers device-resident partitions
         continue
-      if update == STREAMED_UPDATE and (plus or param == "nvme"):
+      if update == STREAMED_UPDATE and (plus or param == "nvme" or (
+          per_device // mb > 1 and not host_sum_in_loop)):
         continue  # what the engine's host Adam runs: a mesh of ZeRO axes only, params on the
-        # device or in host memory
+        # device or in host memory, accumulation where the target compiles it
       out.append(Candidate(stage, mb, per_device // mb, ckpt, opt, ratio, param, plus, update))
   return out
 

@@ -342,8 +342,9 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
             **({} if base_config is None else {"base_config": base_config}))
   leaves, act_bytes = _leaves(gpt), activation_bytes_of(gpt, precision)
   priced = []
-  for cand in candidates(job, n, hardware.nodes, stages=stages, micro_batches=micro_batches,
-                         offload_tiers=offload_tiers, checkpointing=checkpointing):
+  narrow = dict(stages=stages, micro_batches=micro_batches, offload_tiers=offload_tiers,
+                checkpointing=checkpointing, host_sum_in_loop=not target.startswith("tpu:"))
+  for cand in candidates(job, n, hardware.nodes, **narrow):
     e = estimated(cand, job, hardware, leaves, act_bytes)
     problem = _fit_problem(e.device_bytes, e.host_bytes, e.nvme_bytes, hardware, margin,
                            "estimate")
@@ -366,8 +367,6 @@ def plan_for(model: Any = "default", *, gpu: str | None = "h100", devices: int =
   log = dataclasses.replace(log, untried=untried)
   helps = None
   if not any(r.status in ("fits", "not compiled") for r in rows):
-    narrow = dict(stages=stages, micro_batches=micro_batches, offload_tiers=offload_tiers,
-                  checkpointing=checkpointing)
     helps = remedies(job, hardware, margin, leaves, act_bytes,
                      nodes="slices" if target.startswith("tpu:") else "nodes", **narrow)
   return Plan(job=job, hardware=hardware, target=target, margin=margin, rows=rows, search=log,

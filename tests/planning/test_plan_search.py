@@ -205,6 +205,11 @@ def test_candidates_cover_the_issue_and_zeropp_only_across_nodes():
                                                       for gas in (1, 2, 4)}
   assert {c.offload_update for c in one if c.offload_optimizer == "cpu"} == {
       None, STREAMED_UPDATE}
+  # a TPU target: one micro-batch per step (jzero refuses the host's sum in the loop there)
+  tpu = candidates(job, 8, host_sum_in_loop=False)
+  assert {c.gradient_accumulation for c in tpu if c.offload_update == STREAMED_UPDATE} == {1}
+  assert set(one) - set(tpu) == {c for c in one if c.offload_update == STREAMED_UPDATE
+                                 and c.gradient_accumulation > 1}
   assert not any(c.offload_param for c in one if c.stage != 3)
   for c in one:  # every candidate is a config jzero takes
     config = Config.load(c.deepspeed_config(job, 8))
