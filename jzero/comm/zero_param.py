@@ -24,7 +24,7 @@ from jzero.comm import collectives, zeropp
 from jzero.comm.param_array import ArrayBehaviour
 from jzero.errors import JZeroError
 
-__all__ = ["PartitionSource", "Pass", "SlotTarget", "ZeroParam", "one_pass", "read_sources",
+__all__ = ["PartitionSource", "Pass", "SlotTarget", "ZeroParam", "is_slot", "one_pass", "read_sources",
            "record_unit_inputs"]
 
 Axes = tuple[str, ...]
@@ -68,6 +68,11 @@ class SlotTarget(abc.ABC):
   def summed(self) -> SlotTarget:
     """The finished sum, with what the step reads from it (its sum of squares) made for the
     sum rather than for a micro-batch."""
+
+
+def is_slot(x: Any) -> bool:
+  """``x`` is a :class:`SlotTarget` (the ``is_leaf`` of a gradient tree that may hold slots)."""
+  return isinstance(x, SlotTarget)
 
 
 @dataclasses.dataclass(eq=False)

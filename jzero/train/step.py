@@ -50,7 +50,7 @@ import optax
 from jax import lax
 
 from jzero.comm import collectives
-from jzero.comm.zero_param import SlotTarget, ZeroParam, one_pass
+from jzero.comm.zero_param import SlotTarget, ZeroParam, is_slot, one_pass
 from jzero.errors import JZeroWarning
 from jzero.modeling.layer_scan import LayerPolicy, engine_context
 from jzero.modeling.model_adapter import ModelAdapter
@@ -286,8 +286,7 @@ def local_grads(parts: StepParts, state: TrainState, batch: PyTree):
                                                   state.model_state)
     aux = jax.tree.map(lambda x: x[None], aux)  # stacked over the one micro-batch
   else:
-    slot = lambda x: isinstance(x, SlotTarget)  # noqa: E731  (a tier's: summed where it is)
-    add = lambda total, g: total.add(g) if slot(total) else total + g  # noqa: E731
+    add = lambda total, g: total.add(g) if is_slot(total) else total + g  # noqa: E731
 
     def accumulate(carry, xs):
       acc, model_state = carry
@@ -295,18 +294,18 @@ def local_grads(parts: StepParts, state: TrainState, batch: PyTree):
       # the barrier keeps XLA's while-loop reduce-scatter motion off the sum: libtpu's pass fails
       # a RET_CHECK on this loop (the layer scan's reduce-scatters inside the micro-batch scan),
       # and moving the reduction after the loop is not the per-micro-batch reduction jzero runs
-      grads = jax.tree.map(lambda g: g if slot(g) else lax.optimization_barrier(g), grads,
-                           is_leaf=slot)
-      return (jax.tree.map(add, acc, (loss, grads), is_leaf=slot), model_state), aux
+      grads = jax.tree.map(lambda g: g if is_slot(g) else lax.optimization_barrier(g), grads,
+                           is_leaf=is_slot)
+      return (jax.tree.map(add, acc, (loss, grads), is_leaf=is_slot), model_state), aux
 
     first = jax.tree.map(lambda x: x[0], micro_batches)
     loss_grads = jax.eval_shape(micro_grads, first, 0, state.model_state)[0]
-    zeros = jax.tree.map(lambda s: s.accumulator(plan.grad_accum_dtype) if slot(s)
+    zeros = jax.tree.map(lambda s: s.accumulator(plan.grad_accum_dtype) if is_slot(s)
                          else jnp.zeros(s.shape, s.dtype), (loss_grads[0], loss_grads[2]),
-                         is_leaf=slot)
+                         is_leaf=is_slot)
     ((loss, grads), model_state), aux = lax.scan(
         accumulate, (zeros, state.model_state), (micro_batches, jnp.arange(gas)))
-    grads = jax.tree.map(lambda g: g.summed() if slot(g) else g, grads, is_leaf=slot)
+    grads = jax.tree.map(lambda g: g.summed() if is_slot(g) else g, grads, is_leaf=is_slot)
     loss = loss / gas
   mean = lambda x: lax.pmean(x, axes.batch_axes)
   grads = plan.map(functools.partial(_reduce_final, plan), grads)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jzero.comm.zero_param import SlotTarget
+from jzero.comm.zero_param import SlotTarget, is_slot
 from jzero.train import aux_metrics
 from jzero.train.precision import has_overflow
 from jzero.train.state import TrainState
@@ -59,14 +59,13 @@ def reduce_grads(parts: StepParts, state: TrainState,
   checks = settings.checks_overflow
   # a tier's slot (SlotTarget: the gradient in host memory) brings its sum of squares, unscaled
   # here; its gradient is unscaled where it is updated
-  slots = lambda g: isinstance(g, SlotTarget)  # noqa: E731
-  on_device = [g for g in jax.tree.leaves(grads, is_leaf=slots) if not slots(g)]
+  on_device = [g for g in jax.tree.leaves(grads, is_leaf=is_slot) if not is_slot(g)]
   if checks:
-    norms = [g.norm for g in jax.tree.leaves(grads, is_leaf=slots) if slots(g)]
+    norms = [g.norm for g in jax.tree.leaves(grads, is_leaf=is_slot) if is_slot(g)]
     found = has_overflow(on_device) | has_overflow(norms)
     overflow = lax.psum(found.astype(jnp.int32), axes.zero_axes) > 0
-  grads = jax.tree.map(lambda g: dataclasses.replace(g, norm=g.norm / scale ** 2) if slots(g)
-                       else g / scale, grads, is_leaf=slots)
+  grads = jax.tree.map(lambda g: dataclasses.replace(g, norm=g.norm / scale ** 2) if is_slot(g)
+                       else g / scale, grads, is_leaf=is_slot)
   grad_norm = global_norm(parts, grads)
   if settings.precision == "fp32" and (delayed is None or delayed.checks_finite(state.delayed)):
     overflow = jnp.logical_not(jnp.isfinite(grad_norm))  # a NaN or inf anywhere: norm not finite
