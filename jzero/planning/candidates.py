@@ -266,8 +266,9 @@ def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...
         continue
       if update == STREAMED_UPDATE and (plus or param == "nvme" or (
           per_device // mb > 1 and not host_sum_in_loop)):
-        continue  # what the engine's host Adam runs: a mesh of ZeRO axes only, params on the
-        # device or in host memory, accumulation where the target compiles it
+        continue  # the host Adam where its memory model is checked: no ZeRO++, params on the
+        # device or in host memory (the engine runs it beside params on NVMe and with qwZ / qgZ
+        # too: tests/tiers/test_host_step.py), accumulation where the target compiles it
       out.append(Candidate(stage, mb, per_device // mb, ckpt, opt, ratio, param, plus, update))
   return out
 
