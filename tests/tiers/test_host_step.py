@@ -18,8 +18,9 @@ import numpy as np
 import optax
 import pytest
 
+from jzero.config import Config
 from jzero.errors import ConfigError
-from jzero.tiers.host_step import HOST_STEP
+from jzero.tiers.host_step import HOST_STEP, check_update
 from zero_testing import SAME_MATH, SMALL, batches, ds_config, make_engine, max_relative_diff
 
 N = 8
@@ -205,3 +206,21 @@ def test_cpu_adam_refuses_what_it_cannot_run(extra, kwargs, match):
   """At initialize, naming the reason and the streamed update."""
   with pytest.raises(ConfigError, match=match):
     make_engine(ds_config(2, offload_optimizer=CPU_ADAM, **extra), **kwargs)
+
+
+@pytest.mark.parametrize("change,given,match", [
+    ({}, {"client_optimizer": True}, "a client optax optimizer"),
+    ({"optimizer": {"type": "Lion", "params": {"lr": 1e-4}}}, {}, "optimizer Lion"),
+    ({}, {"replica_axes": ("replica",)}, "the mesh's replica axes"),
+    ({"gradient_accumulation_steps": 2}, {"platform": "tpu"},
+     "gradient_accumulation_steps=2 on TPU"),
+])
+def test_check_update_names_each_reason(change, given, match):
+  """The refusals as a unit (no engine): each names its reason and the streamed update; the same
+  config runs where nothing is named (accumulation off TPU included)."""
+  config = Config.load({**ds_config(2, offload_optimizer=CPU_ADAM), **change})
+  where = {"client_optimizer": False, "replica_axes": (), "platform": "cpu"}
+  with pytest.raises(ConfigError, match=f"{match}.*update: stream"):
+    check_update(config, **{**where, **given})
+  if "optimizer" not in change:
+    check_update(config, **where)
