@@ -1,4 +1,4 @@
-"""Benchmark: the offload steps' HBM compiled for a TPU slice without a TPU, beside the memory model.
+"""Benchmark: the offload steps' HBM, compiled for a TPU slice without a TPU, beside the model.
 
   python bench/tpu_offload_memory.py [--model 1.3b] [--layers 4] [--micro-batch 4] [--tpu v5e]
       [--topology 2x4]

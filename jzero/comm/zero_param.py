@@ -24,8 +24,8 @@ from jzero.comm import collectives, zeropp
 from jzero.comm.param_array import ArrayBehaviour
 from jzero.errors import JZeroError
 
-__all__ = ["PartitionSource", "Pass", "SlotTarget", "ZeroParam", "is_slot", "one_pass", "read_sources",
-           "record_unit_inputs"]
+__all__ = ["PartitionSource", "Pass", "SlotTarget", "ZeroParam", "is_slot", "one_pass",
+           "read_sources", "record_unit_inputs"]
 
 Axes = tuple[str, ...]
 

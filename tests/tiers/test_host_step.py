@@ -3,10 +3,11 @@ gradients leave the device as the backward produces them, Adam runs on the host 
 
 Exactness against the same stage without offload (fp32: SAME_MATH; bf16 and fp16: the first
 step's master and every loss, then the master within what a compute param rounded the other way
-costs), with gradient accumulation (stages 1-3, fp16 with params in host memory), the delayed update one step late (equal to the streamed update's delayed
-run), where the state lives (the store's numpy buffers, 0-byte placeholders in the train state,
-the gradients handed out in host memory), checkpoints across tiers and the refusals. Small model, 3 steps.
-"""
+costs), with gradient accumulation (stages 1-3, fp16 with params in host memory), beside params on
+NVMe and ZeRO++, the delayed update one step late (equal to the streamed update's delayed run),
+where the state lives (the store's numpy buffers, 0-byte placeholders in the train state, the
+gradients handed out in host memory), checkpoints across tiers and the refusals. Small model, 3
+steps."""
 
 from __future__ import annotations
 
