@@ -46,6 +46,14 @@ def _train(engine, state=None, data=None):
   return state, params, np.array(losses)
 
 
+def _assert_matches(params, losses, ref_params, ref_losses, steps: int | None = None) -> None:
+  """Every loss, and the master after each of the first ``steps`` steps (None: every step),
+  within SAME_MATH of the reference run's."""
+  for got, want in zip(params[:steps], ref_params):
+    assert max_relative_diff(got, want) <= SAME_MATH
+  assert np.max(np.abs(losses - ref_losses) / ref_losses) <= SAME_MATH
+
+
 @functools.lru_cache(maxsize=None)
 def _baseline(stage: int, precision: str = "fp32", **offload_optimizer):
   zero = {"offload_optimizer": offload_optimizer} if offload_optimizer else {}
@@ -61,10 +69,7 @@ def test_fp32_cpu_adam_equals_no_offload(stage):
   partitions out in host memory."""
   engine = make_engine(ds_config(stage, offload_optimizer=CPU_ADAM))
   state, params, losses = _train(engine)
-  ref_params, ref_losses = _baseline(stage)
-  for got, want in zip(params, ref_params):
-    assert max_relative_diff(got, want) <= SAME_MATH
-  assert np.max(np.abs(losses - ref_losses) / ref_losses) <= SAME_MATH
+  _assert_matches(params, losses, *_baseline(stage))
   assert all(x.size == 0 for x in jax.tree.leaves(state.opt_state) if x.ndim)
   numel = sum(l.numel for l in engine.plan.leaf_list())
   report = engine.memory_report(state)
@@ -98,8 +103,7 @@ def test_mixed_precision_cpu_adam_is_the_step_without_offload(precision, stage):
   _, params, losses = _train(make_engine(ds_config(stage, precision=precision,
                                                    offload_optimizer=CPU_ADAM)))
   ref_params, ref_losses = _baseline(stage, precision)
-  assert max_relative_diff(params[0], ref_params[0]) <= SAME_MATH
-  assert np.max(np.abs(losses - ref_losses) / ref_losses) <= SAME_MATH
+  _assert_matches(params, losses, ref_params, ref_losses, steps=1)
   assert max_relative_diff(params[-1], ref_params[-1]) <= (1e-5 if precision == "bf16" else 1e-4)
 
 
@@ -143,11 +147,9 @@ def test_cpu_adam_beside_the_nvme_params_and_zeropp_equals_the_device_update(cas
                          mesh=NODE2X4)
     reference = make_engine(ds_config(3, precision="bf16", **zeropp), mesh=NODE2X4)
   _, params, losses = _train(engine)
-  ref_params, ref_losses = _baseline(3) if reference is None else _train(reference)[1:]
-  compared = params if reference is None else params[:1]  # bf16: the first step (docstring)
-  for got, want in zip(compared, ref_params):
-    assert max_relative_diff(got, want) <= SAME_MATH
-  assert np.max(np.abs(losses - ref_losses) / ref_losses) <= SAME_MATH
+  reference_run = _baseline(3) if reference is None else _train(reference)[1:]
+  _assert_matches(params, losses, *reference_run,
+                  steps=None if reference is None else 1)  # bf16: the first step (docstring)
 
 
 def test_checkpoint_round_trips_across_tiers(tmp_path):
@@ -189,10 +191,8 @@ def test_gradient_accumulation_on_the_host_equals_no_offload(stage, precision, o
   _, params, losses = _train(engine, data=data)
   _, ref_params, ref_losses = _train(make_engine(ds_config(stage, gas=2, precision=precision)),
                                      data=data)
-  compared = params if precision == "fp32" else params[:1]  # 16-bit: the first step (above)
-  for got, want in zip(compared, ref_params):
-    assert max_relative_diff(got, want) <= SAME_MATH
-  assert np.max(np.abs(losses - ref_losses) / ref_losses) <= SAME_MATH
+  _assert_matches(params, losses, ref_params, ref_losses,
+                  steps=None if precision == "fp32" else 1)  # 16-bit: the first step (above)
   hlo = engine.jitted_step(engine.shard_batch(data[0])).lower(
       engine.init(jax.random.key(0)), engine.shard_batch(data[0])).as_text()
   # stages 2-3: the slots' sum is added by the host; stage 1 sums its full local gradient on the
