@@ -526,20 +526,11 @@ def activation_bytes(micro_batch: int, seq_len: int, hidden: int, layers: int, h
   return layers * per_layer * bytes_per_element / 2
 
 
+# (stage, offload_optimizer, offload_param) the recommendation tries after plain stages 0-3, least
+# offload first, each with the engine's default update (for the config's Adam, device: cpu streams
+# the gradients to the host: the least device memory of any update)
 _OFFLOAD_VARIANTS = ((2, "cpu", None), (3, "cpu", None), (3, "cpu", "cpu"), (3, "nvme", "cpu"),
                      (3, "nvme", "nvme"))
-
-
-def _offload_variants() -> list[tuple[int, str, str | None, str | None]]:
-  """(stage, offload_optimizer, offload_param, update) the recommendation tries, least offload
-  first: each of :data:`_OFFLOAD_VARIANTS` with the engine's default update, then with the
-  gradients streamed to the host where that is not the default."""
-  out = []
-  for stage, opt, param in _OFFLOAD_VARIANTS:
-    out.append((stage, opt, param, None))
-    if update_memory.default_update(opt) != CPU_ADAM:
-      out.append((stage, opt, param, CPU_ADAM))
-  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -598,10 +589,10 @@ def recommend(params: float | Sequence[ParamShape], budget: float, devices: int 
   """
   usable = budget * (1 - headroom)
   host_usable = math.inf if host_budget is None else host_budget * (1 - headroom)
-  candidates = [(s, None, None, None) for s in range(4)] + _offload_variants()
-  for stage, opt, param, update in candidates:
+  candidates = [(s, None, None) for s in range(4)] + list(_OFFLOAD_VARIANTS)
+  for stage, opt, param in candidates:
     est = estimate(params, stage, devices, nodes, offload_optimizer=opt, offload_param=param,
-                   offload_update=update, **kwargs)
+                   **kwargs)
     if est.device_total <= usable and est.host_per_node <= host_usable:
       return Recommendation(budget, headroom, est, None)
   zero3 = estimate(params, 3, devices, nodes, **kwargs)

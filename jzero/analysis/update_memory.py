@@ -11,7 +11,8 @@ Per process, with Ψ/N the partition's elements, g / p bytes per gradient / comp
 of optimizer state per param, and ``share`` the offloaded fraction:
 
 * **no offload** -- the gradients as the stage lays them out, on the device.
-* ``"stream"`` (the host tier's default today) and a registered tier's own update -- the
+* ``"stream"`` (``device: cpu`` with a client optimizer or another optimizer than Adam) and a
+  registered tier's own update -- the
   gradients stay on the device, the update streams the host state through it one leaf at a time
   (:mod:`jzero.tiers.host_optimizer`); nothing of the gradient is on the host.
 * ``"host"`` -- the same on the device; the host computation also reads the fp32 gradient
@@ -44,25 +45,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from jzero.config.blocks import CPU_ADAM
+from jzero.config.blocks import CPU_ADAM, STREAM
 from jzero.errors import ConfigError
 
 __all__ = ["CPU_ADAM", "STREAM", "HOST", "STORE", "TIER", "default_update", "streams_gradients",
            "in_flight_elements", "place_update", "upload_bytes", "host_gradient_bytes"]
 
-STREAM, HOST = "stream", "host"  # jzero.tiers.host_optimizer's update modes
+HOST = "host"  # jzero.tiers.host_optimizer's update modes: STREAM and HOST
 STORE = "store"  # the NVMe store's own update (jzero.tiers.nvme_store)
 TIER = "tier"  # a registered tier's own update (its Tier.estimate says it all)
 
 
 def default_update(offload_optimizer: str | None) -> str | None:
-  """The update the engine runs for ``offload_optimizer.device`` when the config names none (None:
-  no optimizer offload). The host tier's is :data:`jzero.tiers.host_optimizer.DEFAULT_UPDATE`."""
-  from jzero.tiers.host_optimizer import DEFAULT_UPDATE  # noqa: PLC0415
-
+  """The update the engine runs for ``offload_optimizer.device`` when the config names none, with
+  the config's Adam (None: no optimizer offload): ``device: cpu`` runs the host step
+  (:data:`CPU_ADAM`; :func:`jzero.tiers.host_step.resolve_update` says where it falls back to
+  :data:`STREAM`), as DeepSpeed runs its CPU Adam and counts the gradients on the host."""
   if not offload_optimizer:
     return None
-  return {"cpu": DEFAULT_UPDATE, "nvme": STORE}.get(offload_optimizer, TIER)
+  return {"cpu": CPU_ADAM, "nvme": STORE}.get(offload_optimizer, TIER)
 
 
 def streams_gradients(update: str | None) -> bool:

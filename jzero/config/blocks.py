@@ -35,6 +35,11 @@ CPU_ADAM = "cpu_adam"
 schedule -- each layer's reduced gradient partition leaves the device in the backward pass, the
 optimizer step runs on the host's cores outside the jitted step, the new 16-bit params are
 uploaded. Its memory model: :mod:`jzero.analysis.update_memory`."""
+STREAM = "stream"
+"""``offload_optimizer.update: "stream"`` (jzero's key): the optimizer state in host memory, updated
+on the device one leaf at a time inside the step (:mod:`jzero.tiers.host_optimizer`): what
+``device: cpu`` runs where the host step cannot (a client optax optimizer, another optimizer
+than Adam / AdamW, a mesh with replicas: :func:`jzero.tiers.host_step.update_refusals`)."""
 OffloadUpdate = Literal["stream", "host", "cpu_adam"]
 """The values of ``offload_optimizer.update`` (:mod:`jzero.tiers.host_optimizer`'s modes and
 :data:`CPU_ADAM`)."""
@@ -193,7 +198,7 @@ class OffloadOptimizerConfig(_Block):
   cpuadam_cores_perc: AutoFraction = 0.8
   # jzero's own key (not DeepSpeed's): how the host-resident state is updated
   # (jzero.tiers.host_optimizer).
-  update: OffloadUpdate | None = None  # None: jzero.tiers.host_optimizer.DEFAULT_UPDATE
+  update: OffloadUpdate | None = None  # None: chosen at initialize (host_step.resolve_update)
   # jzero's own key: ZeRO-Offload's one-step delayed parameter update (jzero.tiers.delayed).
   delayed_update: Flag = False
   # jzero's own key: plain steps before the delayed update starts (the paper's warm-up).

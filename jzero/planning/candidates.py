@@ -34,7 +34,7 @@ from typing import Any
 
 from jzero.analysis import estimate as est
 from jzero.analysis import update_memory
-from jzero.config.blocks import CPU_ADAM
+from jzero.config.blocks import CPU_ADAM, STREAM
 from jzero.errors import ConfigError
 from jzero.planning.cost import Hardware, Resources
 from jzero.sharding import quantization
@@ -42,13 +42,9 @@ from jzero.tiers import registry
 
 __all__ = ["Job", "Candidate", "candidates", "estimated", "Estimated", "gpt_for_params",
            "param_buffer_size",
-           "CHECKPOINTING", "DEFAULT_NVME_PATH", "STREAMED_UPDATE"]
+           "CHECKPOINTING", "DEFAULT_NVME_PATH"]
 
 CHECKPOINTING = ("none", "block", "offload")  # activation checkpointing choices
-# The update of the candidates whose gradients leave the device in the backward pass and whose
-# Adam runs on the host (ZeRO-Offload's schedule, jzero.analysis.update_memory): written into
-# their config as offload_optimizer.update -- the one place the planner names it.
-STREAMED_UPDATE = CPU_ADAM
 DEFAULT_NVME_PATH = "/local_nvme"  # DeepSpeed's tutorials' nvme_path: change it to your drive
 QWZ = "qwz"  # a Candidate.zeropp part: qwZ by DeepSpeed's strategy; "qwz-<name>" by another
 _BUFFER_COUNT = 5  # offload_param.buffer_count, DeepSpeed's default
@@ -59,16 +55,18 @@ _BASE_CONFIG = {"gradient_clipping": 1.0, "steps_per_print": 10,
 
 def _optimizer_offloads() -> list[tuple[str | None, float, str | None]]:
   """(offload_optimizer device, ratio, update) choices: none, then each registered tier's value
-  whole and, for a tier that honours a ratio (:attr:`jzero.tiers.base.Tier.partial`), half, with
-  the engine's default update; and the host tier whole with the gradients streamed to the host
-  (:data:`STREAMED_UPDATE`, which the engine runs with the host tier only)."""
+  whole with the engine's default update (``device: cpu``: the host's Adam, the gradients
+  streamed to the host in the backward pass) and, for a tier that honours a ratio
+  (:attr:`jzero.tiers.base.Tier.partial`), half; the host tier whole and half with the update
+  on the device (``update: stream``, written into the config)."""
   out: list[tuple[str | None, float, str | None]] = [(None, 1.0, None)]
   for value in registry.devices("offload_optimizer"):
     out.append((value, 1.0, None))
+    update = STREAM if update_memory.default_update(value) == CPU_ADAM else None
+    if update:
+      out.append((value, 1.0, update))
     if registry.answering("offload_optimizer", value).partial:
-      out.append((value, 0.5, None))
-    if value == "cpu" and update_memory.default_update(value) != STREAMED_UPDATE:
-      out.append((value, 1.0, STREAMED_UPDATE))
+      out.append((value, 0.5, update))
   return out
 
 
@@ -167,7 +165,7 @@ class Candidate:
   @property
   def name(self) -> str:
     """'ZeRO-3 +hpZ+qwZ opt->cpu(0.5) param->nvme ckpt=block mb 2x4' (another qwZ strategy than
-    DeepSpeed's: '+qwZ(int4)'; an update named in the config: 'opt->cpu[cpu_adam]')."""
+    DeepSpeed's: '+qwZ(int4)'; an update named in the config: 'opt->cpu[stream]')."""
     parts = ["DDP" if self.stage == 0 else f"ZeRO-{self.stage}"]
     parts += [f"+qwZ({p[len(QWZ) + 1:]})" if p.startswith(QWZ + "-")
               else f"+{p[:-1]}{p[-1].upper()}" for p in self.zeropp]
@@ -264,7 +262,8 @@ def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...
         opts, params, zeropp, checkpointing, micro_batches):
       if plus and param:  # ZeRO++ gathers device-resident partitions
         continue
-      if update == STREAMED_UPDATE and (plus or param == "nvme" or (
+      host_adam = (update or update_memory.default_update(opt)) == CPU_ADAM
+      if host_adam and (plus or param == "nvme" or (
           per_device // mb > 1 and not host_sum_in_loop)):
         continue  # the host Adam where its memory model is checked: no ZeRO++, params on the
         # device or in host memory (the engine runs it beside params on NVMe and with qwZ / qgZ

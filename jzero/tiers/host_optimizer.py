@@ -1,6 +1,8 @@
 """ZeRO-Offload: the fp32 master and optimizer state in host memory, updated leaf by leaf.
 
-``zero_optimization.offload_optimizer.device: "cpu"`` (stages 1-3) gives every chosen leaf's
+``zero_optimization.offload_optimizer.device: "cpu"`` (stages 1-3) with ``update: "stream"`` or
+``"host"`` -- what ``device: cpu`` runs where the host step (:mod:`jzero.tiers.host_step`, the
+default for the config's Adam) cannot: :func:`jzero.tiers.host_step.resolve_update` -- gives every chosen leaf's
 optimizer state -- and, in bf16 / fp16 training, its fp32 master -- the *host tier* of the plan
 (:attr:`jzero.sharding.plan.LeafPlan.state_tier`): the arrays keep the plan's partitioning, and
 their sharding carries the memory kind ``pinned_host`` (``pin_memory: false``: ``unpinned_host``).
@@ -14,8 +16,7 @@ would overshoot is skipped and smaller ones are tried), so ``ratio: 1`` moves ev
 largest matrices move first.
 
 **The update** (:func:`apply_update`), inside the train step's ``shard_map``, in one of two modes
-(``offload_optimizer.update``, a jzero key; unset is :data:`DEFAULT_UPDATE`, picked from
-``bench/offload.py``'s numbers):
+(``offload_optimizer.update``, a jzero key):
 
 * ``"stream"``: one *group* at a time (one parameter leaf per group), the group's host state is
   brought to the device (``jax.device_put(x, jax.memory.Space.Device)`` inside the jit), updated
@@ -56,6 +57,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jzero.config.blocks import CPU_ADAM, STREAM
 from jzero.errors import ConfigError, JZeroWarning
 from jzero.sharding.opt_layout import View
 from jzero.sharding.planner import Placement
@@ -63,14 +65,12 @@ from jzero.tiers import where
 from jzero.tiers.base import Tier, Update
 from jzero.tiers.updates import DeviceUpdate
 
-__all__ = ["DEFAULT_UPDATE", "UPDATE_MODES", "OffloadSettings", "settings_from_config",
+__all__ = ["UPDATE_MODES", "OffloadSettings", "settings_from_config",
            "choose_offloaded", "apply_update", "on_host", "to_device", "to_host", "split_state",
            "HostOptimizerTier", "HostUpdate"]
 
 PyTree = Any
-UPDATE_MODES = ("stream", "host", "cpu_adam")
-# Picked from bench/offload.py on the default job (8 simulated CPU devices): see docs/benchmarks.md.
-DEFAULT_UPDATE = "stream"
+UPDATE_MODES = (STREAM, "host", CPU_ADAM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +87,7 @@ class OffloadSettings:
 
   ratio: float = 0.0
   memory_kind: str = "pinned_host"
-  update: str = DEFAULT_UPDATE
+  update: str = STREAM
   tier: str = "host"
 
 
@@ -110,7 +110,9 @@ def settings_from_config(zero: Any) -> OffloadSettings:
     raise ConfigError(f"zero_optimization.offload_optimizer.ratio={ratio}: give a fraction in "
                       f"(0, 1] of the parameters whose optimizer state goes to the host.")
   pinned = block.pin_memory in (True, "auto")
-  update = block.update or DEFAULT_UPDATE
+  # unset only in a config no engine resolved: initialize writes the update it runs
+  # (jzero.tiers.host_step.resolve_update)
+  update = block.update or STREAM
   if update == "cpu_adam" and block.device != "cpu":
     raise ConfigError(f"zero_optimization.offload_optimizer.update: cpu_adam runs the optimizer on "
                       f"the host's cores: it needs device: cpu, got {block.device!r}.")

@@ -1,7 +1,9 @@
 """ZeRO-Offload's optimizer step on the host, as DeepSpeed schedules it: gradients leave the device
 as the backward produces them, Adam runs on the host's cores outside the step, the new 16-bit
-parameters go back (``offload_optimizer: {"device": "cpu", "update": "cpu_adam"}``; the tier is
-chosen by :func:`jzero.tiers.host_optimizer.settings_from_config`).
+parameters go back. ``offload_optimizer: {"device": "cpu"}`` runs it wherever it can run the
+config (:func:`resolve_update`, at initialize; ``update: "cpu_adam"`` asks for it and is refused
+where it cannot run; ``update: "stream"`` keeps the optimizer state's update on the device); the
+tier is chosen by :func:`jzero.tiers.host_optimizer.settings_from_config`.
 
 **Where things live.** The chosen leaves' fp32 master and Adam moments live in host memory as numpy
 arrays, one partition per device, in the tier's :class:`~jzero.tiers.host_store.HostStore` (the
@@ -34,7 +36,8 @@ a slot's sum over the micro-batches lives in host memory, in the device path's a
 dtype, each micro-batch's partition added to it by the host as it arrives
 (:meth:`HostSlot.add`); the sum's norm is taken from the sum, on the host (:meth:`HostSlot.summed`).
 
-**Limits, refused at initialize with a message** (:func:`check_update`): a mesh whose
+**Limits** (:func:`update_refusals`; an explicit ``update: cpu_adam`` is refused with them at
+initialize, an unset update falls back to ``stream`` and the log says why): a mesh whose
 data-parallel axes are all ZeRO axes (no replicas of a partition), the config's Adam or AdamW (a
 client optax transformation or another optimizer keeps the ``stream`` / ``host`` modes), and on
 TPU one micro-batch per step (libtpu aborts compiling the host's sum inside the micro-batch loop:
@@ -52,7 +55,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jzero.comm.zero_param import SlotTarget
-from jzero.config.blocks import CPU_ADAM
+from jzero.config.blocks import CPU_ADAM, STREAM
 from jzero.errors import ConfigError
 from jzero.sharding.opt_layout import OptLayout
 from jzero.tiers import host_store
@@ -62,7 +65,7 @@ from jzero.tiers.host_optimizer import on_host, to_device, to_host
 from jzero.tiers.updates import placeholder_shape
 
 __all__ = ["HOST_STEP", "INTO_HOST", "HostSlot", "HostStepTier", "HostStepUpdate", "into_host",
-           "check_update"]
+           "update_refusals", "check_update", "resolve_update"]
 
 PyTree = Any
 
@@ -70,19 +73,14 @@ PyTree = Any
 HOST_STEP = "host_step"
 
 
-def check_update(config: Any, *, client_optimizer: bool, replica_axes: tuple,
-                 platform: str) -> None:
-  """A config that names ``offload_optimizer.update: cpu_adam`` where the host step cannot run it
-  -- it needs the config's Adam or AdamW, a mesh without replicas and, on TPU, one micro-batch
-  per step -- is refused, naming each reason. Before any device work. (``device: cpu`` without an update
-  keeps :data:`jzero.tiers.host_optimizer.DEFAULT_UPDATE`: docs/offload.md says when that
-  changes.)"""
-  block = config.zero_optimization.offload_optimizer
-  if block is None or block.update != CPU_ADAM:
-    return
+def update_refusals(config: Any, *, client_optimizer: bool, replica_axes: tuple,
+                    platform: str) -> list[str]:
+  """What keeps the host step (``update: cpu_adam``) from running a config, one reason each
+  (empty: it runs): it needs the config's Adam or AdamW, a mesh without replicas of a partition
+  and, on TPU, one micro-batch per step."""
   kind = str(getattr(config.optimizer, "type", "")).lower()
   gas = config.gradient_accumulation_steps
-  reasons = [why for why, bad in (
+  return [why for why, bad in (
       ("a client optax optimizer (it needs the config's Adam or AdamW block)", client_optimizer),
       (f"optimizer {config.optimizer.type if config.optimizer else None} (it runs Adam or AdamW)",
        not client_optimizer and kind not in ("adam", "adamw")),
@@ -92,10 +90,40 @@ def check_update(config: Any, *, client_optimizer: bool, replica_axes: tuple,
        f"inside the loop over micro-batches; one micro-batch per step runs)",
        platform == "tpu" and gas > 1),
   ) if bad]
+
+
+def check_update(config: Any, *, client_optimizer: bool, replica_axes: tuple,
+                 platform: str) -> None:
+  """A config that names ``offload_optimizer.update: cpu_adam`` where the host step cannot run it
+  (:func:`update_refusals`) is refused, naming each reason. Before any device work."""
+  block = config.zero_optimization.offload_optimizer
+  if block is None or block.update != CPU_ADAM:
+    return
+  reasons = update_refusals(config, client_optimizer=client_optimizer,
+                            replica_axes=replica_axes, platform=platform)
   if reasons:
     raise ConfigError(
         "zero_optimization.offload_optimizer.update: cpu_adam (Adam on the host's cores) cannot "
         f"run with {'; '.join(reasons)}. Use update: stream, or change what is named.")
+
+
+def resolve_update(config: Any, *, client_optimizer: bool, replica_axes: tuple,
+                   platform: str) -> tuple[Any, list[str] | None]:
+  """``offload_optimizer: {device: cpu}`` without an ``update``, as DeepSpeed runs it: the host
+  step (``cpu_adam``, DeepSpeed's CPU Adam's schedule) where it can run the config
+  (:func:`update_refusals`), else the streamed update (``stream``: the optimizer's state in host
+  memory, updated on the device one leaf at a time). -> (the config with the update written in,
+  the reasons it streams -- empty: the host step runs --; None: nothing was left to choose, and
+  the config is as given)."""
+  block = config.zero_optimization.offload_optimizer
+  if block is None or block.device != "cpu" or block.update is not None:
+    return config, None
+  reasons = update_refusals(config, client_optimizer=client_optimizer,
+                            replica_axes=replica_axes, platform=platform)
+  chosen = STREAM if reasons else CPU_ADAM
+  zero = config.zero_optimization.model_copy(
+      update={"offload_optimizer": block.model_copy(update={"update": chosen})})
+  return config.model_copy(update={"zero_optimization": zero}), reasons
 
 
 @jax.custom_vjp

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -25,6 +26,7 @@ from jzero.config.messages import user_stacklevel
 from jzero.errors import ConfigError, JZeroWarning, NotSupportedError
 from jzero.runtime.data import DataLoader
 from jzero.runtime import logs
+from jzero.runtime.logs import LOGGER
 from jzero.runtime.distributed import init_distributed
 from jzero.sharding.mesh import MeshSpec, ZeroMesh
 from jzero.tiers import delayed, host_step, nvme_settings, registry
@@ -35,6 +37,8 @@ from jzero.train.deepspeed_engine import DeepSpeedEngine
 from jzero.train.optim import build_optimizer, plain_block
 from jzero.train.precision import LossScaler
 __all__ = ["initialize", "add_config_arguments", "deepspeed_tuple", "model_output_loss"]
+
+logger = logging.getLogger(LOGGER)
 
 
 def _as_mesh(mesh: Any) -> ZeroMesh:
@@ -141,9 +145,12 @@ def initialize(model: Any = None, loss_fn: Callable[..., Any] | None = None,
   cfg = given.resolve(dp_world_size=zmesh.dp_size, hidden_size=hidden_size or adapter.hidden_size,
                     total_num_steps=total_num_steps, auto_values=auto_values)
   zmesh, zeropp = zpp.resolve(cfg.zero_optimization, zmesh, default_mesh=mesh is None)
-  host_step.check_update(cfg, client_optimizer=optimizer is not None,
-                         replica_axes=zmesh.replica_axes,
-                         platform=zmesh.mesh.devices.flat[0].platform)
+  context = dict(client_optimizer=optimizer is not None, replica_axes=zmesh.replica_axes,
+                 platform=zmesh.mesh.devices.flat[0].platform)
+  host_step.check_update(cfg, **context)
+  cfg, streamed_because = host_step.resolve_update(cfg, **context)
+  if streamed_because is not None:
+    _log_offload_update(streamed_because)
   if delayed.enabled(cfg.zero_optimization) and cfg.precision == "fp32":
     warnings.warn(
         "offload_optimizer.delayed_update in fp32: a step whose gradient is not finite (NaN / "
@@ -327,6 +334,19 @@ def _check_model_parameters(model_parameters: Any, engine: Engine) -> None:
         f"values, the model has {len(model)} of {sum(model):,}. jzero optimizes every parameter "
         f"of the model: pass them all (nnx.state(model, nnx.Param)) or none; to keep some fixed, "
         f"give optimizer=optax.multi_transform(...) with optax.set_to_zero() for them.")
+
+
+def _log_offload_update(streamed_because: list[str]) -> None:
+  """One line for ``offload_optimizer: {device: cpu}`` without an ``update``: which update runs
+  (:func:`jzero.tiers.host_step.resolve_update`) and, for the streamed one, why."""
+  if streamed_because:
+    logger.info("offload_optimizer: the optimizer state in host memory, updated on the device a "
+                "leaf at a time (update: stream): the host's Adam (update: cpu_adam) does not "
+                "run with %s.", "; ".join(streamed_because))
+  else:
+    logger.info("offload_optimizer: gradients to host memory in the backward pass, Adam on the "
+                "host's cores (update: cpu_adam, DeepSpeed's CPU Adam); update: stream keeps "
+                "the update on the device.")
 
 
 def _warn_gpu_only_knobs(given: Any, zero: Any, mesh: ZeroMesh) -> None:
