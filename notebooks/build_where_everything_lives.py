@@ -12,15 +12,19 @@ ZeRO-Offload and ZeRO-Infinity move model states off the accelerator. Three swit
 `zero_optimization` control this:
 
 * `offload_optimizer: {"device": "cpu"}` puts the fp32 master weights and the optimizer state
-  (Adam's two moments) in pinned host memory;
+  (Adam's two moments) in host memory. For the config's Adam or AdamW it runs DeepSpeed's
+  schedule: each gradient partition leaves the device as the backward pass produces it, Adam
+  runs on the host's cores over numpy arrays, and the new 16-bit parameters are uploaded
+  (`update: cpu_adam`); with a client optax optimizer, or parameters on NVMe, the state lives in
+  pinned host memory arrays of the train state and is updated on the device (`update: stream`);
 * `offload_param: {"device": "cpu"}` (stage 3 only) puts the partitioned compute parameters
   there too, and brings them to the device one layer or unit at a time for their gathers;
 * `offload_optimizer: {"device": "nvme", "nvme_path": ...}` puts master and moments in files on a
   disk (the NVMe tier), and `offload_param: {"device": "nvme", ...}` (stage 3, ZeRO-Infinity) the
   partitioned parameters too: each layer's partitions are read from the files inside the step,
   through a host cache of `max_in_cpu` elements. With `offload_optimizer: {"device": "cpu"}`
-  beside it (ZeRO-Infinity's headline config) master and moments stay in host memory and the
-  files hold a copy of each parameter.
+  beside it (ZeRO-Infinity's headline config) master and moments stay in pinned host memory and
+  the files hold a copy of each parameter.
 
 This notebook answers the question for a small MLP in bf16 with ZeRO stage 3 on 8 simulated CPU
 devices. It shows where each leaf lives (the engine's plan, next to the memory kind of the live
@@ -109,8 +113,9 @@ for name, offload in MODES.items():
 The plan gives every leaf a `param_tier` (where its compute parameter lives between steps) and a
 `state_tier` (where its fp32 master and optimizer moments live). Each tier is checked against the
 live arrays' `sharding.memory_kind`. JAX calls device memory `device` and page-locked host memory
-`pinned_host`. A leaf on the NVMe tier keeps only a 0-byte placeholder in the train state (the
-same tree, with its shard dimension of size 0), and its numbers are in the store's files.
+`pinned_host`. A leaf whose state the host Adam updates (`host_step`) or the NVMe tier stores
+keeps only a 0-byte placeholder in the train state (the same tree, with its shard dimension of
+size 0): its numbers are in the host Adam's numpy arrays, or in the store's files.
 
 On this machine the "device" is the CPU too, so device and pinned host memory are the same RAM
 under two names. On a GPU they are HBM and the host's DRAM, across PCIe."""),
@@ -157,8 +162,8 @@ for name in MODES:
         assert param_kind == {"host": "pinned_host", "nvme": "0-byte placeholder"
                               }.get(param_tier, "device")
         expected_state = {"no offload": ("device", "device"),
-                          "optimizer -> cpu": ("host", "pinned_host"),
-                          "params + optimizer -> cpu": ("host", "pinned_host"),
+                          "optimizer -> cpu": ("host_step", "0-byte placeholder"),
+                          "params + optimizer -> cpu": ("host_step", "0-byte placeholder"),
                           "params -> nvme, optimizer -> cpu": ("host", "pinned_host")
                           }.get(name, ("nvme", "0-byte placeholder"))
         assert (leaf.state_tier, state_kind) == (expected_state[0], {expected_state[1]})
@@ -190,8 +195,9 @@ print(f"N = {n} devices, Psi = {psi:,} parameters: {partitioned:,} partitioned, 
 
 def expected(name):
     \"\"\"Bytes per device by category and memory kind, from the arithmetic above.\"\"\"
-    state_kind = {"no offload": "device", "optimizer -> cpu": "pinned_host",
-                  "params + optimizer -> cpu": "pinned_host", "params -> nvme, optimizer -> cpu": "pinned_host"
+    # the host Adam's numpy arrays are pageable host memory (unpinned_host)
+    state_kind = {"no offload": "device", "optimizer -> cpu": "unpinned_host",
+                  "params + optimizer -> cpu": "unpinned_host", "params -> nvme, optimizer -> cpu": "pinned_host"
                   }.get(name, "nvme")
     params = {"params + optimizer -> cpu": {"device": 2 * persistent,
                                             "pinned_host": 2 * partitioned // n},
@@ -219,7 +225,7 @@ print("bytes per category and tier as the arithmetic says, in every mode; the sa
       "but the two with parameters on NVMe (no bf16 copy beside the masters, or an fp32 copy)")
 
 tiers = [("device", "device", "tab:blue"), ("pinned_host", "pinned host", "tab:orange"),
-         ("nvme", "NVMe (files)", "tab:green")]
+         ("unpinned_host", "host (numpy)", "tab:purple"), ("nvme", "NVMe (files)", "tab:green")]
 rows = []
 for name, report in reports.items():
     per_tier = {kind: sum(report.measured[c].get(kind, 0) for c in report.categories)

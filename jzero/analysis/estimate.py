@@ -90,7 +90,7 @@ import jax
 
 from jzero.analysis import update_memory
 from jzero.analysis.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
-from jzero.config.blocks import CPU_ADAM, DTYPES
+from jzero.config.blocks import DTYPES
 from jzero.errors import ConfigError
 from jzero.sharding.plan import path_str
 from jzero.tiers import registry
@@ -291,13 +291,14 @@ class Estimate:
 
   @property
   def name(self) -> str:
-    """'DDP (stage 0)', 'ZeRO-2', 'ZeRO-3 + optimizer->cpu, params->nvme', ..."""
+    """'DDP (stage 0)', 'ZeRO-2', 'ZeRO-3 + optimizer->cpu, params->nvme', ...; an update other
+    than the engine's default for the tier named: 'ZeRO-2 + optimizer->cpu (stream)'."""
     name = "DDP (stage 0)" if self.stage == 0 else f"ZeRO-{self.stage}"
     if self.hpz > 1:
       name += f" + hpZ({self.hpz})"
     optimizer = self.offload_optimizer
-    if optimizer and self.update == CPU_ADAM:
-      optimizer += f" ({CPU_ADAM})"
+    if optimizer and self.update != update_memory.default_update(optimizer):
+      optimizer += f" ({self.update})"
     moved = [f"{what}->{where}" for what, where in
              (("optimizer", optimizer), ("params", self.offload_param)) if where]
     return f"{name} + {', '.join(moved)}" if moved else name
@@ -526,11 +527,22 @@ def activation_bytes(micro_batch: int, seq_len: int, hidden: int, layers: int, h
   return layers * per_layer * bytes_per_element / 2
 
 
-# (stage, offload_optimizer, offload_param) the recommendation tries after plain stages 0-3, least
-# offload first, each with the engine's default update (for the config's Adam, device: cpu streams
-# the gradients to the host: the least device memory of any update)
 _OFFLOAD_VARIANTS = ((2, "cpu", None), (3, "cpu", None), (3, "cpu", "cpu"), (3, "nvme", "cpu"),
                      (3, "nvme", "nvme"))
+
+
+def _offload_variants() -> list[tuple[int, str, str | None, str | None]]:
+  """(stage, offload_optimizer, offload_param, update) the recommendation tries after plain
+  stages 0-3, least offload first: each of :data:`_OFFLOAD_VARIANTS` with the engine's default
+  update (for the config's Adam, ``device: cpu`` sends the gradients to the host: the least
+  device memory), then for ``device: cpu`` the streamed update, which holds less in host memory
+  (no gradient, no new params there)."""
+  out = []
+  for stage, opt, param in _OFFLOAD_VARIANTS:
+    out.append((stage, opt, param, None))
+    if opt == "cpu":
+      out.append((stage, opt, param, update_memory.STREAM))
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -589,10 +601,10 @@ def recommend(params: float | Sequence[ParamShape], budget: float, devices: int 
   """
   usable = budget * (1 - headroom)
   host_usable = math.inf if host_budget is None else host_budget * (1 - headroom)
-  candidates = [(s, None, None) for s in range(4)] + list(_OFFLOAD_VARIANTS)
-  for stage, opt, param in candidates:
+  candidates = [(s, None, None, None) for s in range(4)] + _offload_variants()
+  for stage, opt, param, update in candidates:
     est = estimate(params, stage, devices, nodes, offload_optimizer=opt, offload_param=param,
-                   **kwargs)
+                   offload_update=update, **kwargs)
     if est.device_total <= usable and est.host_per_node <= host_usable:
       return Recommendation(budget, headroom, est, None)
   zero3 = estimate(params, 3, devices, nodes, **kwargs)

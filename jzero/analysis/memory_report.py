@@ -249,7 +249,10 @@ def memory_report(plan: Plan, state: Any, resources: Resources, *, config: Any, 
   if optimizer_tier is None and others:
     name, offloaded = others.most_common(1)[0]
     optimizer_tier = registry.value_of("offload_optimizer", name)
+  block = zero.offload_optimizer
   est = estimate(leaves, plan.stage, plan.mesh.zero_size, offload_optimizer=optimizer_tier,
+                 # the update the engine runs (initialize resolved it: jzero.tiers.host_step)
+                 offload_update=block.update if optimizer_tier == "cpu" and block else None,
                  offload_param=("nvme" if where.params_on_nvme(plan) else
                                 "cpu" if where.param_offloads(plan) else None),
                  param_cache_elements=cached,

@@ -25,7 +25,6 @@ from typing import Any, Callable
 from jzero.cli.processes import add_device_args, add_process_args, check_process_args, join
 from jzero.errors import DataError, JZeroError, JZeroWarning
 from jzero.models.gpt import GPTConfig
-from jzero.tiers import where
 
 __all__ = ["add_parser", "run"]
 
@@ -249,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
   if start:
     say(f"jzero: resumed from {args.checkpoint_dir} at step {start}")
   plan = engine.plan
-  if where.uses_host(plan) or where.uses_nvme_store(plan):  # offload: what this process holds, before training
+  # offload (any tier's): what this process holds, before training
+  if any(l.state_tier != "device" or l.param_tier != "device" for l in plan.leaf_list()):
     est, local = engine.memory_report(state).estimate, jax.local_device_count()
     tiers = [f"{tier} {format_bytes(est.tier_total(tier) * local)}"
              for tier in ("host", "nvme") if est.tier_total(tier)]

@@ -447,6 +447,11 @@ class HostUpdate(DeviceUpdate):
 
   def store(self, params: PyTree, master: PyTree) -> PyTree:
     plan = self.plan
-    # fp32 training: the new param of a param in host memory is the master, already back there
-    return plan.map(lambda l, p, m: p if not where.param_in_host_memory(plan, l) else
-                    m if not plan.has_master else to_host(p), params, master)
+    # fp32 training: the new param of a param in host memory is the master, already back there --
+    # unless a tier holds the leaf's state (its master is a placeholder here: the tier's update
+    # writes the new param after the step)
+    def stored(l, p, m):
+      if not where.param_in_host_memory(plan, l):
+        return p
+      return m if not plan.has_master and l.path not in self.held.state else to_host(p)
+    return plan.map(stored, params, master)

@@ -112,17 +112,23 @@ def resolve_update(config: Any, *, client_optimizer: bool, replica_axes: tuple,
   """``offload_optimizer: {device: cpu}`` without an ``update``, as DeepSpeed runs it: the host
   step (``cpu_adam``, DeepSpeed's CPU Adam's schedule) where it can run the config
   (:func:`update_refusals`), else the streamed update (``stream``: the optimizer's state in host
-  memory, updated on the device one leaf at a time). -> (the config with the update written in,
-  the reasons it streams -- empty: the host step runs --; None: nothing was left to choose, and
-  the config is as given)."""
-  block = config.zero_optimization.offload_optimizer
+  memory, updated on the device one leaf at a time), which is also what keeps the state of
+  parameters on NVMe in host memory, as the config asks (beside the host step, the NVMe store
+  keeps their state with them). -> (the config with the update written in, the reasons it
+  streams -- empty: the host step runs --; None: nothing was left to choose, and the config is
+  as given)."""
+  zero = config.zero_optimization
+  block = zero.offload_optimizer
   if block is None or block.device != "cpu" or block.update is not None:
     return config, None
   reasons = update_refusals(config, client_optimizer=client_optimizer,
                             replica_axes=replica_axes, platform=platform)
+  if zero.offload_param is not None and zero.offload_param.device == "nvme":
+    reasons.append("offload_param.device: nvme (the host's Adam leaves the optimizer state of "
+                   "parameters on NVMe in the NVMe store; the streamed update keeps it in host "
+                   "memory, where the config puts it)")
   chosen = STREAM if reasons else CPU_ADAM
-  zero = config.zero_optimization.model_copy(
-      update={"offload_optimizer": block.model_copy(update={"update": chosen})})
+  zero = zero.model_copy(update={"offload_optimizer": block.model_copy(update={"update": chosen})})
   return config.model_copy(update={"zero_optimization": zero}), reasons
 
 

@@ -181,16 +181,20 @@ class HostStore:
     shape = plan.state_shape(leaf)
     per_device = self.arrays[leaf.path]
     # a copy of each buffer (may_alias=False): the store updates its buffers in place
-    arrays = [jax.device_put(np.asarray(per_device[d][name], dtype), d, may_alias=False)
+    arrays = [jax.device_put(np.asarray(per_device[d][name], dtype),
+                             jax.sharding.SingleDeviceSharding(d, memory_kind=sharding.memory_kind),
+                             may_alias=False)
               for d in sharding.addressable_devices_indices_map(shape)]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
   def _upload(self, params: PyTree) -> PyTree:
-    """``params`` with the host leaves' new compute params (stage 3: the partitions; stages 1/2:
-    all-gathered)."""
+    """``params`` with the host leaves' new compute params (stage 3: the partitions, in the
+    param's memory -- host memory with ``offload_param: cpu``; stages 1/2: all-gathered)."""
     plan = self.plan
     name = "out" if plan.has_master else "p"
-    new = {l.path: self._partitions(l, name, plan.compute_dtype, plan.memory_kind())
+    new = {l.path: self._partitions(l, name, plan.compute_dtype,
+                                    plan.param_memory_kind(l) if l.param_partitioned
+                                    else plan.memory_kind())
            for l in self.leaves}
     replicated = [l for l in self.leaves if not l.param_partitioned]
     if replicated:

@@ -69,7 +69,8 @@ def test_categories_follow_the_partitioning():
 def test_optimizer_offload_moves_the_optimizer_state_and_the_update_places_the_gradients():
   """The tier's rule moves the optimizer state; where the gradients are is the update's
   (jzero/analysis/update_memory.py; tests/analysis/test_update_memory.py has every mode): the
-  streamed update, the host tier's default, keeps the gradient partition on the device."""
+  streamed update keeps the gradient partition on the device, the host Adam (device: cpu's
+  default) sends it to the host."""
   zero2 = estimate(7e9, 2, 8, offload_optimizer="cpu", offload_update="stream")
   assert zero2.bytes["device"] == {"params": 14 * GB, "grads": 1.75 * GB, "optimizer": 0}
   assert zero2.bytes["host"] == {"params": 0, "grads": 0, "optimizer": 10.5 * GB}
@@ -79,7 +80,7 @@ def test_optimizer_offload_moves_the_optimizer_state_and_the_update_places_the_g
   assert zero1.model_states == 28 * GB and zero1.tier_total("host") == 10.5 * GB
   # ZeRO-Offload's schedule: the gradients leave the device (DeepSpeed's 2Ψ there), the host holds
   # the arriving gradient partition and the new params beside the optimizer state
-  adam = estimate(7e9, 2, 8, offload_optimizer="cpu", offload_update="cpu_adam")
+  adam = estimate(7e9, 2, 8, offload_optimizer="cpu")
   assert adam.bytes["device"] == {"params": 14 * GB, "grads": 0, "optimizer": 0}
   assert adam.bytes["host"] == {"params": 1.75 * GB, "grads": 1.75 * GB, "optimizer": 10.5 * GB}
   zero3 = estimate(7e9, 3, 8, offload_optimizer="nvme")  # the NVMe store's own update
@@ -105,7 +106,8 @@ def test_param_offload_leaves_only_persistent_params_on_the_device():
   # before its buffer factor of 1.5
   assert estimate(7e9, 3, 8, 2, offload_optimizer="cpu", offload_param="cpu",
                   offload_update="cpu_adam").host_per_node == 18 * 7e9 / 2
-  assert infinity.name == "ZeRO-3 + optimizer->cpu (cpu_adam), params->nvme"
+  assert infinity.name == "ZeRO-3 + optimizer->cpu, params->nvme"
+  assert persistent.name == "ZeRO-3 + optimizer->cpu (stream), params->cpu"
 
 
 def test_params_on_nvme_keep_max_in_cpu_and_the_staging_buffers_on_the_host():
@@ -189,12 +191,15 @@ def test_recommend_smallest_stage_that_fits_with_headroom(budget, name):
 def test_recommend_headroom_and_host_budget():
   assert estimator.recommend(7e9, 15 * GB, 8, headroom=0).choice.name == "ZeRO-3"  # 14 GB
   assert estimator.recommend(7e9, 15 * GB, 8).choice.name == "ZeRO-3 + optimizer->cpu"  # 13.5 usable
-  # 10.8 GB usable: ZeRO-2 keeps its 14 GB of params; ZeRO-3 + optimizer->cpu (the streamed
-  # update, gradients on the device: 3.5 GB) needs 84 GB of host per node, the host Adam 112 GB
-  # (it holds the gradient and the new params there too); the optimizer on NVMe with the params
-  # on the host leaves (2 + 2)Ψ/N x 8 = 28 GB there and the update group (12 B x 875M) x 8
-  assert estimator.recommend(7e9, 12 * GB, 8, host_budget=100 * GB).choice.name == (
+  # 10.8 GB usable: ZeRO-2 keeps its 14 GB of params; ZeRO-3 + optimizer->cpu needs 112 GB of
+  # host per node with the host Adam (it holds the gradient and the new params there too) and
+  # 84 GB with the streamed update (gradients on the device: 3.5 GB), the one that fits 90 GB
+  # (100 less 10%); the optimizer on NVMe with the params on the host leaves (2 + 2)Ψ/N x 8 =
+  # 28 GB there and the update group (12 B x 875M) x 8
+  assert estimator.recommend(7e9, 12 * GB, 8, host_budget=125 * GB).choice.name == (
       "ZeRO-3 + optimizer->cpu")
+  assert estimator.recommend(7e9, 12 * GB, 8, host_budget=100 * GB).choice.name == (
+      "ZeRO-3 + optimizer->cpu (stream)")
   rec = estimator.recommend(7e9, 12 * GB, 8, host_budget=80 * GB)
   assert rec.choice is None
 
@@ -293,7 +298,7 @@ def test_cli_offload_budget_and_model(capsys):
   out = _run("--params 7B --offload-optimizer cpu --offload-update stream --budget 12GB", capsys)
   assert "ZeRO-2 + optimizer->cpu" in out and "10.50 GB" in out and "84.00 GB" in out
   assert "DDP (stage 0)" in out and "ZeRO-1 + optimizer->cpu" in out
-  assert "which stage? ZeRO-3 + optimizer->cpu fits" in out
+  assert "which stage? ZeRO-3 + optimizer->cpu fits" in out  # the host Adam: the default
   out = _run("--model default --stage 3 --precision fp32 --micro-batch 4", capsys)
   assert "6,394,368 params" in out and "627,200 params replicated" in out
   assert "activations" in out and "K = 8 B/param" in out

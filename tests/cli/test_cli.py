@@ -333,11 +333,11 @@ def test_estimate_prints_deepspeeds_host_figure_and_why_it_differs():
                "--offload-update", "stream")
   assert out.returncode == 0, out.stderr
   # the streamed update: the optimizer state alone on the host (12 B x 1.5e9 per node)
-  assert "ZeRO-2 + optimizer->cpu: jzero 18.00 GB, DeepSpeed 72.00 GB" in out.stdout
-  adam = _jzero("estimate", "--params", "1.5e9", "--devices", "8", "--offload-optimizer", "cpu",
-                "--offload-update", "cpu_adam")
-  # Adam on the host: the arriving gradient and the new params beside it, (12 + 2 + 2) B x 1.5e9
-  assert "ZeRO-2 + optimizer->cpu (cpu_adam): jzero 24.00 GB, DeepSpeed 72.00 GB" in adam.stdout
+  assert "ZeRO-2 + optimizer->cpu (stream): jzero 18.00 GB, DeepSpeed 72.00 GB" in out.stdout
+  adam = _jzero("estimate", "--params", "1.5e9", "--devices", "8", "--offload-optimizer", "cpu")
+  # Adam on the host (what device: cpu runs for the config's Adam): the arriving gradient and
+  # the new params beside it, (12 + 2 + 2) B x 1.5e9
+  assert "ZeRO-2 + optimizer->cpu: jzero 24.00 GB, DeepSpeed 72.00 GB" in adam.stdout
   assert "fp32 copy per process" in out.stdout and "size host memory with the larger" in out.stdout
 
 

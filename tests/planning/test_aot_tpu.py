@@ -19,7 +19,7 @@ from jzero.analysis.hlo import parameter_bytes
 from jzero.errors import ConfigError, JZeroError
 from jzero.models.gpt import preset
 from jzero.planning import aot, aot_report, plan_for, tpu_specs
-from jzero.planning.candidates import STREAMED_UPDATE
+from jzero.config.blocks import STREAM
 from jzero.runtime import quiet_start
 
 needs_libtpu = pytest.mark.skipif(
@@ -92,7 +92,8 @@ def test_stage3_shards_state_eightfold_and_overlaps_some_gathers():
 
 @needs_libtpu
 def test_optimizer_offload_compiles_with_host_memory_kinds():
-  r = _compile("offload", stage=2, offload_optimizer={"device": "cpu", "pin_memory": True})
+  r = _compile("offload", stage=2,
+               offload_optimizer={"device": "cpu", "pin_memory": True, "update": "stream"})
   # the fp32 master and Adam's moments are arguments in host memory (pinned_host), the bf16
   # params in HBM; together, less tiles and batch, the plan's bytes
   host = r.state["master"] + r.state["optimizer"]
@@ -110,7 +111,7 @@ def test_a_tpu_plan_compiles_host_offload_as_it_is(tmp_path):
                   micro_batches=(2,), checkpointing=("none",), compile_top=10, cache_dir=tmp_path,
                   global_batch=16)
   rows = {(r.candidate.offload_optimizer, r.candidate.offload_update): r for r in plan.rows}
-  plain, stream, adam = rows[None, None], rows["cpu", None], rows["cpu", STREAMED_UPDATE]
+  plain, stream, adam = rows[None, None], rows["cpu", STREAM], rows["cpu", None]
   assert plan.search.compiled == 3  # three programs: no twin shared
   assert stream.device_from == "compiled" and stream.device_bytes == stream.compiled.peak
   # the streamed update brings a leaf's master and moments into HBM: more than without offload

@@ -16,10 +16,11 @@ from deepspeed_fields import problems
 from jzero import cli
 from jzero.analysis.tables import format_bytes
 from jzero.config import Config
+from jzero.config.blocks import CPU_ADAM, STREAM
 from jzero.errors import ConfigError
 from jzero.models import GPTConfig
 from jzero.planning import plan_for
-from jzero.planning.candidates import (STREAMED_UPDATE, Candidate, Job, candidates, estimated,
+from jzero.planning.candidates import (Candidate, Job, candidates, estimated,
                                        gpt_for_params)
 from jzero.planning.cost import Resources, cpu_hardware, gpu_hardware, predict
 from jzero.planning.plan_report import (estimate_command, format_plan, search_line, stage_lines,
@@ -73,7 +74,7 @@ def _estimate_says(plan, capsys):
   assert cli.main(shlex.split(command)[1:]) == 0
   out = capsys.readouterr().out
   line, = [line for line in out.splitlines()
-           if line.startswith("  ZeRO") and "host" in line and "(cpu_adam)" in line]
+           if line.startswith("  ZeRO") and "host" in line and "optimizer->cpu" in line]
   device = line.split(": ", 1)[1].split(" (", 1)[0]
   host = line.rsplit("host ", 1)[1].removesuffix("/node")
   return device, host
@@ -88,8 +89,7 @@ def test_the_seeds_offload_questions_fit_with_the_gradients_streamed_to_the_host
   not offer it, and nothing fits."""
   ten = plan_for(10e9, gpu="rtx3090", devices=1, host_memory=256e9, compile=False)
   c = ten.chosen.candidate
-  assert (c.stage, c.offload_optimizer, c.offload_update, c.offload_param) == (
-      3, "cpu", STREAMED_UPDATE, "cpu")
+  assert (c.stage, c.offload_optimizer, c.update, c.offload_param) == (3, "cpu", CPU_ADAM, "cpu")
   psi = ten.job.model.num_params()
   assert ten.chosen.device_bytes <= ten.usable
   # per node: params, new params, the arriving bf16 gradient, master and moments (18Ψ), and
@@ -103,23 +103,22 @@ def test_the_seeds_offload_questions_fit_with_the_gradients_streamed_to_the_host
   # memory: the host Adam with its gradients accumulated in host memory fits, 2 x 2
   thirteen = plan_for(13e9, gpu="a100-40gb", devices=8, stages=(2,), compile=False)
   c = thirteen.chosen.candidate
-  assert (c.stage, c.offload_update, c.micro_batch, c.gradient_accumulation) == (
-      2, STREAMED_UPDATE, 2, 2)
+  assert (c.stage, c.update, c.micro_batch, c.gradient_accumulation) == (2, CPU_ADAM, 2, 2)
   assert thirteen.chosen.device_bytes <= thirteen.usable
   # the streamed update keeps the gradient partition and its fp32 update on the device: too big
   stream = [r for r in thirteen.rows if r.candidate.offload_optimizer == "cpu"
-            and r.candidate.offload_update is None]
+            and r.candidate.offload_update == STREAM]
   assert stream and all(r.status == "pruned" for r in stream)
   trillion = plan_for(1e12, gpu="a100", devices=8, nodes=2, host_memory=1.5e12, nvme_bytes=28e12,
                       compile=False)
   assert trillion.chosen is None
-  assert not _rows(trillion, offload_optimizer="nvme", offload_update=STREAMED_UPDATE)
+  assert not [r for r in trillion.rows if r.candidate.update == CPU_ADAM
+              and r.candidate.offload_optimizer == "nvme"]
   # the optimizer in host memory needs 12 B x 1e12 / 2 nodes = 6 TB per node: more than 1.5 TB
   host_opt = _rows(trillion, offload_optimizer="cpu", offload_ratio=1.0, offload_param="nvme")
   assert host_opt and all("host" in r.reason and r.host_bytes > 6e12 for r in host_opt)
-  for plan in (ten, thirteen):
-    assert problems(plan.deepspeed_config()) == [
-        "zero_optimization.offload_optimizer.update: not a field of DeepSpeed's config"]
+  for plan in (ten, thirteen):  # the host Adam is what device: cpu runs: DeepSpeed's own config
+    assert problems(plan.deepspeed_config()) == []
     device, host = _estimate_says(plan, capsys)
     assert (device, host) == (format_bytes(plan.chosen.device_bytes),
                               format_bytes(plan.chosen.host_bytes))
@@ -133,7 +132,7 @@ def test_10b_on_one_rtx_3090_is_planned_cold_with_adam_on_the_host(tmp_path):
   plan = plan_for(10e9, gpu="rtx3090", devices=1, host_memory=256e9, cache_dir=tmp_path)
   chosen = plan.chosen
   assert chosen.status == "fits" and chosen.compiled is not None and not chosen.compiled.cached
-  assert chosen.device_from == MODEL and chosen.candidate.offload_update == STREAMED_UPDATE
+  assert chosen.device_from == MODEL and chosen.candidate.update == CPU_ADAM
   # one compile ends the search: the only candidate predicted to fit ("exhausted") or the first
   # of several ("proven")
   assert plan.search.stop in ("proven", "exhausted") and plan.search.compiled == 1
@@ -197,25 +196,26 @@ def test_candidates_cover_the_issue_and_zeropp_only_across_nodes():
   # a partial offload is stage 3's only (DeepSpeed's rule, which jzero's config enforces)
   assert {(c.offload_optimizer, c.offload_ratio) for c in one if c.stage in (1, 2)} == {
       (None, 1.0), ("cpu", 1.0), ("nvme", 1.0)}
-  # ZeRO-Offload's schedule (gradients off the device in the backward pass, Adam on the host) on
-  # the host tier, whole, in stages 1-3, at every micro-batch split (the sum accumulated in host
-  # memory); the host tier's other candidates name the streamed update
+  # ZeRO-Offload's schedule (gradients off the device in the backward pass, Adam on the host:
+  # what device: cpu runs for the config's Adam) on the host tier, whole, in stages 1-3, at every
+  # micro-batch split (the sum accumulated in host memory); the host tier's other candidates, whole
+  # and partial, name the streamed update
   assert {(c.stage, c.offload_optimizer, c.offload_ratio, c.gradient_accumulation) for c in one
-          if c.offload_update == STREAMED_UPDATE} == {(s, "cpu", 1.0, gas) for s in (1, 2, 3)
-                                                      for gas in (1, 2, 4)}
-  assert {c.offload_update for c in one if c.offload_optimizer == "cpu"} == {
-      None, STREAMED_UPDATE}
+          if c.update == CPU_ADAM} == {(s, "cpu", 1.0, gas) for s in (1, 2, 3)
+                                       for gas in (1, 2, 4)}
+  assert {(c.offload_update, c.offload_ratio) for c in one if c.offload_optimizer == "cpu"} == {
+      (None, 1.0), (STREAM, 1.0), (STREAM, 0.5)}
   # a TPU target: one micro-batch per step (jzero refuses the host's sum in the loop there)
   tpu = candidates(job, 8, host_sum_in_loop=False)
-  assert {c.gradient_accumulation for c in tpu if c.offload_update == STREAMED_UPDATE} == {1}
-  assert set(one) - set(tpu) == {c for c in one if c.offload_update == STREAMED_UPDATE
+  assert {c.gradient_accumulation for c in tpu if c.update == CPU_ADAM} == {1}
+  assert set(one) - set(tpu) == {c for c in one if c.update == CPU_ADAM
                                  and c.gradient_accumulation > 1}
   assert not any(c.offload_param for c in one if c.stage != 3)
   for c in one:  # every candidate is a config jzero takes
     config = Config.load(c.deepspeed_config(job, 8))
-    if c.offload_update == STREAMED_UPDATE:
-      assert config.zero_optimization.offload_optimizer.update == STREAMED_UPDATE
-      assert "[cpu_adam]" in c.name
+    if c.offload_optimizer == "cpu":  # the update named where it is not the default
+      assert config.zero_optimization.offload_optimizer.update == c.offload_update
+      assert ("[stream]" in c.name) == (c.offload_update == STREAM)
     config.check_supported()
   two = candidates(job, 16, nodes=2, micro_batches=(2,))
   assert {c.zeropp for c in two if c.stage == 3} >= {("hpz",), ("qwz", "qgz")}
@@ -281,9 +281,9 @@ def test_gpu_target_compiles_the_device_twin_of_an_offload_candidate(tmp_path):
                   cache_dir=tmp_path, global_batch=32)
   plain, = _rows(plan, checkpointing="none", offload_optimizer=None, offload_param=None)
   offload, = _rows(plan, checkpointing="none", offload_optimizer="cpu", offload_ratio=1.0,
-                   offload_param=None, offload_update=None)
+                   offload_param=None, offload_update=STREAM)
   adam, = _rows(plan, checkpointing="none", offload_optimizer="cpu", offload_param=None,
-                offload_update=STREAMED_UPDATE)
+                offload_update=None)
   assert plain.compiled and offload.compiled is plain.compiled  # one compile: the same twin
   assert adam.compiled is plain.compiled
   assert plan.search.compiled == 1 and plain.device_from == "compiled"

@@ -1,5 +1,6 @@
-"""ZeRO-Offload's CPU Adam schedule (jzero.tiers.host_step, ``offload_optimizer.update: cpu_adam``):
-gradients leave the device as the backward produces them, Adam runs on the host after the step.
+"""ZeRO-Offload's CPU Adam schedule (jzero.tiers.host_step; what ``offload_optimizer.device: cpu``
+runs): gradients leave the device as the backward produces them, Adam runs on the host after the
+step.
 
 Exactness against the same stage without offload (fp32: SAME_MATH; bf16 and fp16: the first
 step's master and every loss, then the master within what a compute param rounded the other way
@@ -21,7 +22,8 @@ import pytest
 
 from jzero.config import Config
 from jzero.errors import ConfigError
-from jzero.tiers.host_step import HOST_STEP, check_update
+from jzero.sharding.plan import flatten_paths
+from jzero.tiers.host_step import HOST_STEP, check_update, resolve_update
 from zero_testing import SAME_MATH, SMALL, batches, ds_config, make_engine, max_relative_diff
 
 N = 8
@@ -83,10 +85,23 @@ def test_fp32_cpu_adam_equals_no_offload(stage):
 
 
 def test_with_params_in_host_memory_stage3_equals_no_offload():
-  """ZeRO-3 with offload_param cpu and the host Adam (what `jzero plan` chooses for 10B on one
-  RTX 3090): the same losses and parameters as stage 3 without offload (fp32, SAME_MATH)."""
-  engine = make_engine(ds_config(3, offload_optimizer=CPU_ADAM, offload_param={"device": "cpu"}))
-  _, params, losses = _train(engine)
+  """ZeRO-3 with both offloads as a DeepSpeed config writes them (``{"device": "cpu"}``, no jzero
+  key: what `jzero plan` chooses for 10B on one RTX 3090) runs the host Adam -- the engine's
+  config says so, the plan puts every partitioned leaf's state in its tier -- with the same
+  losses and parameters as stage 3 without offload (fp32, SAME_MATH). A persistence threshold
+  of 1,000 elements partitions the small model's layers (the default keeps them whole), so
+  their params live in host memory and the host's new params are written back there."""
+  engine = make_engine(ds_config(3, stage3_param_persistence_threshold=1000,
+                                 offload_optimizer={"device": "cpu"},
+                                 offload_param={"device": "cpu"}))
+  assert engine.config.zero_optimization.offload_optimizer.update == "cpu_adam"
+  plan = engine.make_plan()
+  assert {l.state_tier for l in plan.leaf_list() if l.state_partitioned} == {HOST_STEP}
+  in_host = [l.path for l in plan.leaf_list() if l.param_tier == "host"]
+  assert "blocks/qkv/kernel" in in_host
+  state, params, losses = _train(engine)
+  kinds = {p: x.sharding.memory_kind for p, x in flatten_paths(state.params).items()}
+  assert {kinds[p] for p in in_host} == {"pinned_host"}
   ref_params, ref_losses = _baseline(3)
   assert max_relative_diff(params[-1], ref_params[-1]) <= SAME_MATH
   assert np.max(np.abs(losses - ref_losses) / ref_losses) <= SAME_MATH
@@ -128,11 +143,11 @@ def test_delayed_update_on_the_host_is_one_step_late(stage, gas):
   assert host_engine._open()[HOST_STEP].count == len(data)
 
 
-@pytest.mark.parametrize("case", ["params on NVMe", "qwZ + qgZ"])
+@pytest.mark.parametrize("case", ["params on NVMe", "qwZ + qgZ", "hpZ"])
 def test_cpu_adam_beside_the_nvme_params_and_zeropp_equals_the_device_update(case, tmp_path):
   """The host Adam beside the tiers and collectives it composes with: stage 3 with the params on
-  NVMe (fp32, against stage 3 without offload), and ZeRO++'s quantized weights and gradients on a
-  node x local mesh (bf16; no hpZ, so every device keeps its own partition), against the same
+  NVMe (fp32, against stage 3 without offload), and on a node x local mesh ZeRO++'s quantized
+  weights and gradients, or hpZ's secondary partition over a node (bf16), against the same
   ZeRO++ config with the device's update. Every loss within SAME_MATH, and every step's master in
   fp32, the first step's in bf16: after it a master a float rounding away rounds a compute param
   the other way, and qwZ's block quantization carries that to the block (measured 1.6e-4 after
@@ -142,7 +157,8 @@ def test_cpu_adam_beside_the_nvme_params_and_zeropp_equals_the_device_update(cas
                        offload_param={"device": "nvme", "nvme_path": str(tmp_path)})
     engine, reference = make_engine(config), None
   else:
-    zeropp = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
+    zeropp = ({"zero_hpz_partition_size": 4} if case == "hpZ" else
+              {"zero_quantized_weights": True, "zero_quantized_gradients": True})
     engine = make_engine(ds_config(3, precision="bf16", offload_optimizer=CPU_ADAM, **zeropp),
                          mesh=NODE2X4)
     reference = make_engine(ds_config(3, precision="bf16", **zeropp), mesh=NODE2X4)
@@ -225,3 +241,31 @@ def test_check_update_names_each_reason(change, given, match):
     check_update(config, **{**where, **given})
   if "optimizer" not in change:
     check_update(config, **where)
+
+
+@pytest.mark.parametrize("change,given,match", [
+    ({}, {}, None),
+    ({}, {"client_optimizer": True}, "a client optax optimizer"),
+    ({"optimizer": {"type": "Lion", "params": {"lr": 1e-4}}}, {}, "optimizer Lion"),
+    ({}, {"replica_axes": ("replica",)}, "the mesh's replica axes"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                            "offload_param": {"device": "nvme", "nvme_path": "/nvme"}}}, {},
+     "offload_param.device: nvme"),
+])
+def test_device_cpu_alone_runs_the_host_adam_where_it_can(change, given, match):
+  """``offload_optimizer: {device: cpu}`` without an update (a DeepSpeed config): the host Adam
+  where the config allows it, else the streamed update with the reason (params on NVMe: the
+  streamed update keeps their optimizer state in host memory, as the config says); an update
+  the config names, and a config without optimizer offload, as they are (a unit: no engine)."""
+  where = {"client_optimizer": False, "replica_axes": (), "platform": "cpu", **given}
+  config = Config.load({**ds_config(2, offload_optimizer={"device": "cpu"}), **change})
+  resolved, streamed_because = resolve_update(config, **where)
+  update = resolved.zero_optimization.offload_optimizer.update
+  if match is None:
+    assert (update, streamed_because) == ("cpu_adam", [])
+  else:
+    assert update == "stream" and any(match in why for why in streamed_because)
+  for unchanged in (ds_config(2, offload_optimizer={"device": "cpu", "update": "stream"}),
+                    ds_config(2)):
+    config = Config.load(unchanged)
+    assert resolve_update(config, **where) == (config, None)

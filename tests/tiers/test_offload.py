@@ -1,4 +1,5 @@
-"""ZeRO-Offload (jzero.tiers.host_optimizer): optimizer state and fp32 master in host memory.
+"""ZeRO-Offload's state tier (jzero.tiers.host_optimizer: ``update: stream`` / ``host``): optimizer
+state and fp32 master in host memory, updated on the device or by XLA's host computation.
 
 Exactness against the same stage without offload (fp32: <= 1e-6 relative), placement from the live
 arrays' memory kinds, donation (the donated state's buffers are deleted), the CUDA export's host
@@ -31,7 +32,10 @@ def _data():
 
 
 def _engine(stage: int, precision: str = "fp32", offload: bool = True, **offload_optimizer):
-  zero = {"offload_optimizer": {"device": "cpu", **offload_optimizer}} if offload else {}
+  """This file's tier's engine: the streamed update unless ``update`` says "host" (``device: cpu``
+  alone runs the host Adam for the config's AdamW: tests/tiers/test_host_step.py)."""
+  offload_optimizer = {"device": "cpu", "update": "stream", **offload_optimizer}
+  zero = {"offload_optimizer": offload_optimizer} if offload else {}
   return make_engine(ds_config(stage, precision=precision, **zero))
 
 
@@ -153,7 +157,7 @@ def test_partial_offload_bf16_stage3_unpinned_and_memory_report():
   report = engine.memory_report(state)
   measured_host = sum(report.measured[c].get("unpinned_host", 0) for c in ("master", "optimizer"))
   assert measured_host == pytest.approx(report.estimate.bytes["host"]["optimizer"], rel=1e-3)
-  assert report.estimate.name == "ZeRO-3 + optimizer->cpu"
+  assert report.estimate.name == "ZeRO-3 + optimizer->cpu (stream)"
   assert report.ratio() == pytest.approx(1.0, abs=1e-3)
 
 
