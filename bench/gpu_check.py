@@ -95,7 +95,13 @@ VARIANTS = {
     "stage 0 fp32": (None, 0.0, {"zero_optimization": {"stage": 0}}),
     "stage 3 fp32": ("stage 0 fp32", 0.0, {}),
     "stage 3 bf16": (None, 0.0, {"bf16": {"enabled": True}}),
-    "stage 3 bf16, optimizer cpu": ("stage 3 bf16", 0.0, {
+    "stage 3 bf16, optimizer cpu, streamed": ("stage 3 bf16", 0.0, {
+        "bf16": {"enabled": True},
+        "zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": True,
+                                                    "update": "stream"}}}),
+    # device: cpu as DeepSpeed configs write it: the host Adam (numpy on the host's cores), whose
+    # float math is not the GPU's either
+    "stage 3 bf16, optimizer cpu": ("stage 3 bf16", 1e-3, {
         "bf16": {"enabled": True},
         "zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": True}}}),
     # the update runs on the host's CPU (XLA:CPU), whose float math is not the GPU's: the same

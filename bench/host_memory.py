@@ -31,10 +31,11 @@ from pathlib import Path
 # mode -> (stage, zero_optimization additions)
 MODES = {
     "ZeRO-2, no offload": (2, {}),
-    "ZeRO-2, optimizer -> cpu": (2, {"offload_optimizer": {"device": "cpu"}}),
+    "ZeRO-2, optimizer -> cpu": (2, {"offload_optimizer": {"device": "cpu", "update": "stream"}}),
     "ZeRO-3, no offload": (3, {"stage3_param_persistence_threshold": 0}),
     "ZeRO-3, optimizer + params -> cpu": (3, {"stage3_param_persistence_threshold": 0,
-                                              "offload_optimizer": {"device": "cpu"},
+                                              "offload_optimizer": {"device": "cpu",
+                                                                    "update": "stream"},
                                               "offload_param": {"device": "cpu"}}),
 }
 STATE_CATEGORIES = ("params", "master", "optimizer")

@@ -81,10 +81,10 @@ def _matrix(nvme: str) -> dict[str, dict]:
       3, precision="bf16", **threshold, zero_quantized_weights=True, zero_hpz_partition_size=4,
       zero_quantized_gradients=True)
   m["stage 2 delayed update fp32"] = _config(
-      2, offload_optimizer={"device": "cpu", "delayed_update": True})
+      2, offload_optimizer={"device": "cpu", "update": "stream", "delayed_update": True})
   m["stage 3 delayed update warmup fp16"] = _config(
-      3, precision="fp16", offload_optimizer={"device": "cpu", "delayed_update": True,
-                                              "delayed_update_warmup": 1})
+      3, precision="fp16", offload_optimizer={"device": "cpu", "update": "stream",
+                                              "delayed_update": True, "delayed_update_warmup": 1})
   m["stage 3 activation checkpointing"] = {
       **_config(3), "activation_checkpointing": {"partition_activations": True}}
   m["stage 3 cpu checkpointing bf16"] = {

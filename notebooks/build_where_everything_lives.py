@@ -197,8 +197,8 @@ def expected(name):
     \"\"\"Bytes per device by category and memory kind, from the arithmetic above.\"\"\"
     # the host Adam's numpy arrays are pageable host memory (unpinned_host)
     state_kind = {"no offload": "device", "optimizer -> cpu": "unpinned_host",
-                  "params + optimizer -> cpu": "unpinned_host", "params -> nvme, optimizer -> cpu": "pinned_host"
-                  }.get(name, "nvme")
+                  "params + optimizer -> cpu": "unpinned_host",
+                  "params -> nvme, optimizer -> cpu": "pinned_host"}.get(name, "nvme")
     params = {"params + optimizer -> cpu": {"device": 2 * persistent,
                                             "pinned_host": 2 * partitioned // n},
               # on NVMe beside its state the parameter is its fp32 master (counted there); with

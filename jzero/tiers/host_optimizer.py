@@ -2,12 +2,12 @@
 
 ``zero_optimization.offload_optimizer.device: "cpu"`` (stages 1-3) with ``update: "stream"`` or
 ``"host"`` -- what ``device: cpu`` runs where the host step (:mod:`jzero.tiers.host_step`, the
-default for the config's Adam) cannot: :func:`jzero.tiers.host_step.resolve_update` -- gives every chosen leaf's
-optimizer state -- and, in bf16 / fp16 training, its fp32 master -- the *host tier* of the plan
-(:attr:`jzero.sharding.plan.LeafPlan.state_tier`): the arrays keep the plan's partitioning, and
-their sharding carries the memory kind ``pinned_host`` (``pin_memory: false``: ``unpinned_host``).
-Compute params and gradients stay on the device. Scalars that are not per-parameter (Adam's step
-count) stay on the device, as do 0-d parameters' states.
+default for the config's Adam) does not: :func:`jzero.tiers.host_step.resolve_update` -- gives
+every chosen leaf's optimizer state -- and, in bf16 / fp16 training, its fp32 master -- the
+*host tier* of the plan (:attr:`jzero.sharding.plan.LeafPlan.state_tier`): the arrays keep the
+plan's partitioning, and their sharding carries the memory kind ``pinned_host`` (``pin_memory:
+false``: ``unpinned_host``). Compute params and gradients stay on the device. Scalars that are not
+per-parameter (Adam's step count) stay on the device, as do 0-d parameters' states.
 
 **Which leaves** (:func:`choose_offloaded`). ``offload_optimizer.ratio`` is DeepSpeed's partial
 offload: the fraction of the parameters whose optimizer state goes to the host. The plan takes

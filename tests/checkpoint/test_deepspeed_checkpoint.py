@@ -193,13 +193,22 @@ def test_resumed_run_continues_deepspeeds_losses(name, stage, devices):
     np.testing.assert_allclose(losses, reference, rtol=0, atol=bf16_bound())
 
 
-def test_resumes_into_an_offloaded_plan():
-  """ZeRO-Offload: the moments are placed in host memory, where the plan keeps them."""
+@pytest.mark.parametrize("update", ["cpu_adam", "stream"])
+def test_resumes_into_an_offloaded_plan(update):
+  """ZeRO-Offload (its config's ``device: cpu``: the host Adam; and the streamed update): the
+  moments are placed in host memory, where the plan keeps them -- the host Adam's numpy store
+  (the train state holds placeholders), or the state's pinned_host arrays -- and the run goes on
+  with DeepSpeed's losses."""
   name = "zero2_fp32_w2"
-  engine = _engine(name, 2, 2, {"offload_optimizer": {"device": "cpu"}})
+  engine = _engine(name, 2, 2, {"offload_optimizer": {"device": "cpu", "update": update}})
   state = engine.import_deepspeed(checkpoint.read_deepspeed(DATA / name / "checkpoint"), convert)
-  assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state[0].mu)} == {
-      "pinned_host"}
+  mu = jax.tree.leaves(state.opt_state[0].mu)
+  if update == "stream":
+    assert {x.sharding.memory_kind for x in mu} == {"pinned_host"}
+  else:
+    assert all(x.size == 0 for x in mu)
+    stored = jax.tree.leaves(engine.full_state(state).opt_state[0].mu)
+    assert sum(x.size for x in stored) == sum(l.numel for l in engine.plan.leaf_list())
   np.testing.assert_allclose(_continue(engine, state, name), _losses(name)[SAVED_AT:],
                              rtol=FP32_RTOL, atol=0)
 

@@ -156,13 +156,15 @@ def test_checkpoints_move_between_the_nvme_tier_and_no_offload(variant, precisio
 
 
 def test_delayed_update_with_params_on_nvme_equals_it_without(tmp_path):
-  """The delayed parameter update (optimizer on cpu) with the params on NVMe: the store's copies
-  are written from the delayed masters, and 6 steps give the losses and parameters of the delayed
-  update with the params on the device."""
+  """The delayed parameter update (optimizer on cpu, streamed: what device: cpu runs beside
+  params on NVMe) with the params on NVMe: the store's copies are written from the delayed
+  masters, and 6 steps give the losses and parameters of the same delayed update with the params
+  on the device."""
   def run(**offload_param):
     engine = make_engine(ds_config(
         3, stage3_param_persistence_threshold=THRESHOLD,
-        offload_optimizer={"device": "cpu", "delayed_update": True}, **offload_param))
+        offload_optimizer={"device": "cpu", "update": "stream", "delayed_update": True},
+        **offload_param))
     return _train(engine, steps=6)
   _, params, losses = run(offload_param={"device": "nvme", "nvme_path": str(tmp_path)})
   _, ref_params, ref_losses = run()
