@@ -297,7 +297,7 @@ class Estimate:
     if self.hpz > 1:
       name += f" + hpZ({self.hpz})"
     optimizer = self.offload_optimizer
-    if optimizer and self.update != update_memory.default_update(optimizer):
+    if optimizer and self.update != update_memory.default_update(optimizer, self.offload_param):
       optimizer += f" ({self.update})"
     moved = [f"{what}->{where}" for what, where in
              (("optimizer", optimizer), ("params", self.offload_param)) if where]
@@ -429,7 +429,7 @@ def estimate(params: float | Sequence[ParamShape], stage: int, devices: int = 1,
   if hpz > 1 and stage != 3:
     raise ConfigError(f"hpz_partition_size={hpz} needs ZeRO stage 3 (ZeRO++), got stage {stage}.")
   n, g, k = devices * nodes, param_bytes if grad_bytes is None else grad_bytes, optimizer_bytes
-  update = offload_update if offload_update else update_memory.default_update(offload_optimizer)
+  update = offload_update or update_memory.default_update(offload_optimizer, offload_param)
   if update and not offload_optimizer:
     raise ConfigError(f"offload_update={update!r} needs offload_optimizer.")
   if isinstance(params, (int, float)):

@@ -56,14 +56,17 @@ STORE = "store"  # the NVMe store's own update (jzero.tiers.nvme_store)
 TIER = "tier"  # a registered tier's own update (its Tier.estimate says it all)
 
 
-def default_update(offload_optimizer: str | None) -> str | None:
+def default_update(offload_optimizer: str | None, offload_param: str | None = None) -> str | None:
   """The update the engine runs for ``offload_optimizer.device`` when the config names none, with
   the config's Adam (None: no optimizer offload): ``device: cpu`` runs the host step
-  (:data:`CPU_ADAM`; :func:`jzero.tiers.host_step.resolve_update` says where it falls back to
-  :data:`STREAM`), as DeepSpeed runs its CPU Adam and counts the gradients on the host."""
+  (:data:`CPU_ADAM`), as DeepSpeed runs its CPU Adam and counts the gradients on the host -- beside
+  params on NVMe the streamed update (:data:`STREAM`), which keeps their state in host memory
+  (:func:`jzero.tiers.host_step.resolve_update`, which also names what else streams)."""
   if not offload_optimizer:
     return None
-  return {"cpu": CPU_ADAM, "nvme": STORE}.get(offload_optimizer, TIER)
+  if offload_optimizer == "cpu":
+    return STREAM if offload_param == "nvme" else CPU_ADAM
+  return {"nvme": STORE}.get(offload_optimizer, TIER)
 
 
 def streams_gradients(update: str | None) -> bool:

@@ -152,7 +152,8 @@ class Candidate:
   @property
   def update(self) -> str | None:
     """The optimizer offload's update (:mod:`jzero.analysis.update_memory`), None without one."""
-    return self.offload_update or update_memory.default_update(self.offload_optimizer)
+    return self.offload_update or update_memory.default_update(self.offload_optimizer,
+                                                                self.offload_param)
 
   @property
   def quantized_weights(self) -> str | None:
@@ -262,12 +263,15 @@ def candidates(job: Job, devices: int, nodes: int = 1, *, stages: tuple[int, ...
         opts, params, zeropp, checkpointing, micro_batches):
       if plus and param:  # ZeRO++ gathers device-resident partitions
         continue
-      host_adam = (update or update_memory.default_update(opt)) == CPU_ADAM
-      if host_adam and (plus or param == "nvme" or (
+      default = update_memory.default_update(opt, param)
+      if update is not None and update == default and ratio == 1:
+        continue  # the default's candidate (the streamed update beside NVMe params)
+      if (update or default) == CPU_ADAM and (plus or (
           per_device // mb > 1 and not host_sum_in_loop)):
-        continue  # the host Adam where its memory model is checked: no ZeRO++, params on the
-        # device or in host memory (the engine runs it beside params on NVMe and with qwZ / qgZ
-        # too: tests/tiers/test_host_step.py), accumulation where the target compiles it
+        continue  # the host Adam where its memory model is checked: no ZeRO++ (the engine
+        # runs it with qwZ / qgZ / hpZ too: tests/tiers/test_host_step.py), params on the device
+        # or in host memory (device: cpu beside params on NVMe streams), accumulation where the
+        # target compiles it
       out.append(Candidate(stage, mb, per_device // mb, ckpt, opt, ratio, param, plus, update))
   return out
 

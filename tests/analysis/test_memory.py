@@ -106,7 +106,8 @@ def test_param_offload_leaves_only_persistent_params_on_the_device():
   # before its buffer factor of 1.5
   assert estimate(7e9, 3, 8, 2, offload_optimizer="cpu", offload_param="cpu",
                   offload_update="cpu_adam").host_per_node == 18 * 7e9 / 2
-  assert infinity.name == "ZeRO-3 + optimizer->cpu, params->nvme"
+  # named: beside params on NVMe, device: cpu alone streams (as the engine resolves it)
+  assert infinity.name == "ZeRO-3 + optimizer->cpu (cpu_adam), params->nvme"
   assert persistent.name == "ZeRO-3 + optimizer->cpu (stream), params->cpu"
 
 

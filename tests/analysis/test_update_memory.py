@@ -27,6 +27,8 @@ def test_the_default_update_is_the_engines():
   and the estimator assumes it, as DeepSpeed's estimator assumes its CPU Adam."""
   assert update_memory.default_update(None) is None
   assert update_memory.default_update("cpu") == update_memory.CPU_ADAM
+  assert update_memory.default_update("cpu", "cpu") == update_memory.CPU_ADAM
+  assert update_memory.default_update("cpu", "nvme") == update_memory.STREAM  # as the engine's
   assert update_memory.default_update("nvme") == "store"
   assert _est(offload_optimizer="cpu").update == update_memory.CPU_ADAM
   assert _est().update is None
