@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jzero.analysis import update_memory
 from jzero.comm.zero_param import SlotTarget
 from jzero.config.blocks import CPU_ADAM, STREAM
 from jzero.errors import ConfigError
@@ -123,7 +124,8 @@ def resolve_update(config: Any, *, client_optimizer: bool, replica_axes: tuple,
     return config, None
   reasons = update_refusals(config, client_optimizer=client_optimizer,
                             replica_axes=replica_axes, platform=platform)
-  if zero.offload_param is not None and zero.offload_param.device == "nvme":
+  param = zero.offload_param.device if zero.offload_param is not None else None
+  if update_memory.default_update(block.device, param) != CPU_ADAM:  # the estimator's rule
     reasons.append("offload_param.device: nvme (the host's Adam leaves the optimizer state of "
                    "parameters on NVMe in the NVMe store; the streamed update keeps it in host "
                    "memory, where the config puts it)")

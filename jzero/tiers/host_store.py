@@ -180,13 +180,13 @@ class HostStore:
     sharding = plan.sharding(plan.state_spec(leaf), kind)
     shape = plan.state_shape(leaf)
     per_device = self.arrays[leaf.path]
-    # a numpy copy of each buffer: the store updates its buffers in place, and device_put does
-    # not finish reading its source when it returns (may_alias=False alone raced with the delayed
-    # update's thread, which updates them right after the upload: stage 3's uploaded partitions
-    # took some of the next update -- nondeterministic losses, 0.3% after 3 steps)
+    # a numpy copy of each buffer, the device array's own (it may alias it): the store updates
+    # its buffers in place, and device_put does not finish reading its source when it returns
+    # (device_put(buffer, may_alias=False) raced with the delayed update's thread, which updates
+    # them right after the upload: stage 3's uploaded partitions took some of the next update --
+    # nondeterministic losses, 0.3% after 3 steps)
     arrays = [jax.device_put(np.array(per_device[d][name], dtype, copy=True),
-                             jax.sharding.SingleDeviceSharding(d, memory_kind=sharding.memory_kind),
-                             may_alias=False)
+                             jax.sharding.SingleDeviceSharding(d, memory_kind=sharding.memory_kind))
               for d in sharding.addressable_devices_indices_map(shape)]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
