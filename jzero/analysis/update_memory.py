@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jzero.config.blocks import CPU_ADAM, STREAM
+from jzero.config.blocks import CPU_ADAM, STREAM, cpu_offload_update
 from jzero.errors import ConfigError
 
 __all__ = ["CPU_ADAM", "STREAM", "HOST", "STORE", "TIER", "default_update", "streams_gradients",
@@ -65,7 +65,7 @@ def default_update(offload_optimizer: str | None, offload_param: str | None = No
   if not offload_optimizer:
     return None
   if offload_optimizer == "cpu":
-    return STREAM if offload_param == "nvme" else CPU_ADAM
+    return cpu_offload_update(offload_param)
   return {"nvme": STORE}.get(offload_optimizer, TIER)
 
 

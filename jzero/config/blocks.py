@@ -20,7 +20,7 @@ __all__ = ["Auto", "DType", "DTYPES", "Flag", "AutoFlag", "Size", "AutoSize", "A
            "OffloadParamConfig", "OffloadOptimizerConfig", "LeafModuleConfig", "ZeroConfig", "Fp16Config", "Bf16Config",
            "DataTypesConfig", "OptimizerConfig", "SchedulerConfig",
            "ActivationCheckpointingConfig", "AioConfig", "CheckpointConfig", "TensorBoardConfig",
-           "CsvMonitorConfig", "WandbConfig", "CometConfig", "TrackioConfig", "CPU_ADAM",
+           "CsvMonitorConfig", "WandbConfig", "CometConfig", "TrackioConfig", "CPU_ADAM", "cpu_offload_update",
            "OffloadUpdate"]
 
 Auto = Literal["auto"]
@@ -40,6 +40,18 @@ STREAM = "stream"
 on the device one leaf at a time inside the step (:mod:`jzero.tiers.host_optimizer`): what
 ``device: cpu`` runs where the host step cannot (a client optax optimizer, another optimizer
 than Adam / AdamW, a mesh with replicas: :func:`jzero.tiers.host_step.update_refusals`)."""
+
+
+def cpu_offload_update(offload_param: str | None) -> str:
+  """The update ``offload_optimizer: {device: cpu}`` runs when the config names none and the host
+  step can run the rest of it: :data:`CPU_ADAM`, as DeepSpeed runs its CPU Adam -- beside params on
+  NVMe :data:`STREAM`, which keeps their optimizer state in host memory where the config puts it
+  (the host step would leave it in the NVMe store with them). One rule for the engine
+  (:func:`jzero.tiers.host_step.resolve_update`) and the estimator
+  (:func:`jzero.analysis.update_memory.default_update`)."""
+  return STREAM if offload_param == "nvme" else CPU_ADAM
+
+
 OffloadUpdate = Literal["stream", "host", "cpu_adam"]
 """The values of ``offload_optimizer.update`` (:mod:`jzero.tiers.host_optimizer`'s modes and
 :data:`CPU_ADAM`)."""

@@ -54,9 +54,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jzero.analysis import update_memory
 from jzero.comm.zero_param import SlotTarget
-from jzero.config.blocks import CPU_ADAM, STREAM
+from jzero.config.blocks import CPU_ADAM, STREAM, cpu_offload_update
 from jzero.errors import ConfigError
 from jzero.sharding.opt_layout import OptLayout
 from jzero.tiers import host_store
@@ -125,7 +124,7 @@ def resolve_update(config: Any, *, client_optimizer: bool, replica_axes: tuple,
   reasons = update_refusals(config, client_optimizer=client_optimizer,
                             replica_axes=replica_axes, platform=platform)
   param = zero.offload_param.device if zero.offload_param is not None else None
-  if update_memory.default_update(block.device, param) != CPU_ADAM:  # the estimator's rule
+  if cpu_offload_update(param) != CPU_ADAM:
     reasons.append("offload_param.device: nvme (the host's Adam leaves the optimizer state of "
                    "parameters on NVMe in the NVMe store; the streamed update keeps it in host "
                    "memory, where the config puts it)")
