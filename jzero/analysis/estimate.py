@@ -535,14 +535,9 @@ def _offload_variants() -> list[tuple[int, str, str | None, str | None]]:
   """(stage, offload_optimizer, offload_param, update) the recommendation tries after plain
   stages 0-3, least offload first: each of :data:`_OFFLOAD_VARIANTS` with the engine's default
   update (for the config's Adam, ``device: cpu`` sends the gradients to the host: the least
-  device memory), then for ``device: cpu`` the streamed update, which holds less in host memory
-  (no gradient, no new params there)."""
-  out = []
-  for stage, opt, param in _OFFLOAD_VARIANTS:
-    out.append((stage, opt, param, None))
-    if opt == "cpu":
-      out.append((stage, opt, param, update_memory.STREAM))
-  return out
+  device memory), then the others of :func:`jzero.analysis.update_memory.update_choices`."""
+  return [(stage, opt, param, update) for stage, opt, param in _OFFLOAD_VARIANTS
+          for update in update_memory.update_choices(opt)]
 
 
 @dataclasses.dataclass(frozen=True)

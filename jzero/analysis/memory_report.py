@@ -21,15 +21,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jzero.analysis import update_memory
 from jzero.analysis.estimate import CATEGORIES, Estimate, estimate
 from jzero.analysis.tables import byte_cell, format_bytes, html_table, require_pyplot, text_table
 from jzero.comm import program
 from jzero.sharding.plan import Plan
 from jzero.tiers import registry, where
 from jzero.tiers.base import Resources
+from jzero.tiers.host_step import HOST_STEP
 from jzero.tiers.nvme_params import host_bytes_bound
 
-__all__ = ["REPORT_CATEGORIES", "live_bytes", "state_report", "CompiledMemory", "MemoryReport",
+__all__ = ["REPORT_CATEGORIES", "live_bytes", "state_report", "plan_gradient_bytes", "CompiledMemory", "MemoryReport",
            "memory_report", "report_rows", "format_memory_report"]
 
 
@@ -66,12 +68,9 @@ def state_report(plan: Plan, state: Any, resources: Resources) -> dict[str, dict
   files, from its resource in ``resources``).
   """
   device = plan.mesh.mesh.devices.flat[0]
-  itemsize = jnp.dtype(plan.compute_dtype).itemsize
-  grads = sum(plan.local_numel(l, l.grad_partitioned) for l in plan.leaf_list()
-              if not l.frozen) * itemsize
   report = {
       "params": live_bytes(state.params, device),
-      "grads": {"device": grads},
+      "grads": plan_gradient_bytes(plan, delayed=getattr(state, "delayed", None) is not None),
       "master": live_bytes(state.master, device),
       "optimizer": live_bytes(state.opt_state, device),
   }
@@ -84,6 +83,30 @@ def state_report(plan: Plan, state: Any, resources: Resources) -> dict[str, dict
   if getattr(state, "delayed", None) is not None:  # the carried gradient (jzero.tiers.delayed)
     report["delayed_grads"] = live_bytes(state.delayed.grads, device)
   return report
+
+
+def plan_gradient_bytes(plan: Plan, *, delayed: bool = False) -> dict[str, int]:
+  """The step's gradient bytes on the first device, counted from the plan (the report's
+  "grads (plan)" row), by memory kind: as the stage lays them out on the device -- except the
+  leaves the host step updates (:mod:`jzero.tiers.host_step`), whose gradient leaves the device
+  in the backward pass: stage 1 reduces their full local gradient at the end, stages 2/3 hold one
+  layer of them in flight (:func:`jzero.analysis.update_memory.in_flight_elements`), and their
+  reduced partitions arrive in pinned host memory (two with the delayed update)."""
+  trained = [l for l in plan.leaf_list() if not l.frozen]
+  streamed = [l for l in trained if l.state_tier == HOST_STEP]
+  on_device = sum(plan.local_numel(l, l.grad_partitioned) for l in trained
+                  if l.state_tier != HOST_STEP)
+  if plan.stage < 2:
+    on_device += sum(plan.local_numel(l, False) for l in streamed)
+  else:
+    on_device += update_memory.in_flight_elements(
+        sum(l.layer_numel for l in streamed if l.stacked),
+        sum(l.numel for l in streamed if not l.stacked), plan.mesh.zero_size)
+  out = {"device": round(on_device * jnp.dtype(plan.compute_dtype).itemsize)}
+  if streamed:
+    host = sum(plan.local_numel(l, True) for l in streamed) * (2 if delayed else 1)
+    out["pinned_host"] = host * jnp.dtype(plan.comm_dtype).itemsize
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,8 +306,9 @@ def memory_report(plan: Plan, state: Any, resources: Resources, *, config: Any, 
                "optimizer": per_k * opt_k + replicated}
   if est.hpz > 1:
     predicted["secondary"] = est.bytes["device"]["secondary"]
-  if "delayed_grads" in est.bytes["device"]:
-    predicted["delayed_grads"] = est.bytes["device"]["delayed_grads"]
+  if getattr(state, "delayed", None) is not None:  # the host step carries its leaves' gradient on
+    # the host (counted in grads): the state's carried gradient holds the others'
+    predicted["delayed_grads"] = est.bytes["device"].get("delayed_grads", 0.0)
   notes = ()
   if reader is not None:
     held = ("fp32 copy, written after each update (counted in params; the master and "
@@ -335,8 +359,10 @@ def report_rows(report: MemoryReport) -> tuple[str, list[str], list[list[str]], 
     notes.append("predicted per tier (estimator): " + ", ".join(
         f"{tier} {format_bytes(est.tier_total(tier))}" for tier in est.bytes
         if est.tier_total(tier)) + " (per device's share: a process holds the shares of its "
-        "local devices; the host gradient share is the estimator's DeepSpeed-style copy, a "
-        "temporary in jzero)")
+        "local devices" + ("; the gradients on the host: the reduced partitions the host's "
+                           "Adam reads, a temporary of the step" if any(
+                               est.bytes[t].get("grads") for t in est.bytes if t != "device")
+                           else "") + ")")
   if est.gathered:
     source = "traced step" if report.compiled is not None else "plan"
     notes.append(f"ZeRO-3 gathered working set ({source}): {format_bytes(est.gathered)} -- the "

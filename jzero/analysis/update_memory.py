@@ -48,7 +48,8 @@ from typing import Any
 from jzero.config.blocks import CPU_ADAM, STREAM, cpu_offload_update
 from jzero.errors import ConfigError
 
-__all__ = ["CPU_ADAM", "STREAM", "HOST", "STORE", "TIER", "default_update", "streams_gradients",
+__all__ = ["CPU_ADAM", "STREAM", "HOST", "STORE", "TIER", "default_update", "update_choices",
+           "streams_gradients",
            "in_flight_elements", "place_update", "upload_bytes", "host_gradient_bytes"]
 
 HOST = "host"  # jzero.tiers.host_optimizer's update modes: STREAM and HOST
@@ -67,6 +68,14 @@ def default_update(offload_optimizer: str | None, offload_param: str | None = No
   if offload_optimizer == "cpu":
     return cpu_offload_update(offload_param)
   return {"nvme": STORE}.get(offload_optimizer, TIER)
+
+
+def update_choices(offload_optimizer: str | None) -> tuple[str | None, ...]:
+  """The updates ``jzero plan`` and the estimator's recommendation try for an optimizer offload,
+  in order: the engine's default (None: not written into the config), then -- where that is the
+  host's Adam -- the streamed update, which holds less in host memory (no gradient, no new params
+  there)."""
+  return (None, STREAM) if default_update(offload_optimizer) == CPU_ADAM else (None,)
 
 
 def streams_gradients(update: str | None) -> bool:

@@ -34,7 +34,7 @@ from typing import Any
 
 from jzero.analysis import estimate as est
 from jzero.analysis import update_memory
-from jzero.config.blocks import CPU_ADAM, STREAM
+from jzero.config.blocks import CPU_ADAM
 from jzero.errors import ConfigError
 from jzero.planning.cost import Hardware, Resources
 from jzero.sharding import quantization
@@ -61,12 +61,10 @@ def _optimizer_offloads() -> list[tuple[str | None, float, str | None]]:
   on the device (``update: stream``, written into the config)."""
   out: list[tuple[str | None, float, str | None]] = [(None, 1.0, None)]
   for value in registry.devices("offload_optimizer"):
-    out.append((value, 1.0, None))
-    update = STREAM if update_memory.default_update(value) == CPU_ADAM else None
-    if update:
-      out.append((value, 1.0, update))
+    updates = update_memory.update_choices(value)
+    out += [(value, 1.0, update) for update in updates]
     if registry.answering("offload_optimizer", value).partial:
-      out.append((value, 0.5, update))
+      out.append((value, 0.5, updates[-1]))
   return out
 
 

@@ -277,14 +277,18 @@ class HostStore:
 
   # -- bytes ---------------------------------------------------------------------------------
   def bytes_per_device(self) -> dict[str, int]:
-    """One device's bytes in the store: "master" (fp32 master), "optimizer" (the moments)."""
+    """One device's bytes in the store: "master" (the fp32 master; in fp32 training the
+    partition is the param's, and counted as "params"), "params" (the new 16-bit partitions
+    written for the upload), "optimizer" (the moments)."""
     if not self.arrays or not self.devices:
       return {}
     first = self.devices[0]
-    master = sum(per[first]["p"].nbytes for per in self.arrays.values() if first in per)
-    moments = sum(per[first]["m"].nbytes + per[first]["v"].nbytes
-                  for per in self.arrays.values() if first in per)
-    return {"master": master, "optimizer": moments}
+    mine = [per[first] for per in self.arrays.values() if first in per]
+    fp32 = sum(b["p"].nbytes for b in mine)
+    return {"master": fp32 if self.plan.has_master else 0,
+            "params": sum(b["out"].nbytes for b in mine if "out" in b)
+                      + (0 if self.plan.has_master else fp32),
+            "optimizer": sum(b["m"].nbytes + b["v"].nbytes for b in mine)}
 
   def logical_bytes(self) -> dict[str, int]:
     """Global bytes of what the store holds, as the state's arrays would take them."""

@@ -56,6 +56,19 @@ def _assert_matches(params, losses, ref_params, ref_losses, steps: int | None = 
   assert np.max(np.abs(losses - ref_losses) / ref_losses) <= SAME_MATH
 
 
+def _assert_report_matches(engine, state) -> None:
+  """The memory report's rows equal the estimator's within 2%: the host store's buffers measured
+  (the fp32 partitions count as params in fp32 training, where they are the params; the 16-bit
+  upload buffers as params), the gradients counted from the plan where the host step keeps them
+  (in flight on the device, the partitions in pinned host memory)."""
+  report = engine.memory_report(state)
+  for name in report.categories:
+    if report.predicted[name] or report.measured_bytes(name):
+      assert report.ratio(name) == pytest.approx(1, abs=0.02), name
+  assert report.measured["grads"]["pinned_host"] > 0
+  assert report.ratio() == pytest.approx(1, abs=0.02)
+
+
 @functools.lru_cache(maxsize=None)
 def _baseline(stage: int, precision: str = "fp32", **offload_optimizer):
   zero = {"offload_optimizer": offload_optimizer} if offload_optimizer else {}
@@ -82,6 +95,7 @@ def test_fp32_cpu_adam_equals_no_offload(stage):
   out_kinds = engine.jitted_step(batch).lower(state, batch).compile().output_shardings
   handed = [s.memory_kind for s in jax.tree.leaves(out_kinds[-1][HOST_STEP]["grads"])]
   assert handed and set(handed) == {"pinned_host"}
+  _assert_report_matches(engine, state)
 
 
 def test_with_params_in_host_memory_stage3_equals_no_offload():
@@ -115,8 +129,9 @@ def test_mixed_precision_cpu_adam_is_the_step_without_offload(precision, stage):
   neighbouring 16-bit value, so the last step's master is compared within what that costs
   (measured: bf16 6e-8, fp16 2.3e-5 after 3 steps -- the fp16 gradient unscaled twice, a bug this
   test found, was 0.67)."""
-  _, params, losses = _train(make_engine(ds_config(stage, precision=precision,
-                                                   offload_optimizer=CPU_ADAM)))
+  engine = make_engine(ds_config(stage, precision=precision, offload_optimizer=CPU_ADAM))
+  state, params, losses = _train(engine)
+  _assert_report_matches(engine, state)
   ref_params, ref_losses = _baseline(stage, precision)
   _assert_matches(params, losses, ref_params, ref_losses, steps=1)
   assert max_relative_diff(params[-1], ref_params[-1]) <= (1e-5 if precision == "bf16" else 1e-4)
@@ -145,6 +160,7 @@ def test_delayed_update_on_the_host_is_one_step_late(stage, gas):
                   _train(make_engine(ds_config(stage, gas=gas)), data=data[:1])[1][0])
   assert max_relative_diff(host[0], plain_step_1) <= SAME_MATH
   assert host_engine._open()[HOST_STEP].count == len(data)
+  _assert_report_matches(host_engine, state)  # the carried partitions counted twice on the host
 
 
 @pytest.mark.parametrize("case", ["params on NVMe", "qwZ + qgZ", "hpZ"])
