@@ -111,6 +111,11 @@ class NumpyTier(Tier):
     return NumpyUpdate(inner, plan, tx, resource)
 
   @classmethod
+  def after_step(cls, plan: Any, config: Any, tx: optax.GradientTransformation,
+                 resource: NumpyStore) -> Any:
+    return NumpyAfterStep(plan, tx, resource)
+
+  @classmethod
   def full_state(cls, plan: Any, resource: NumpyStore, state: Any) -> Any:
     shardings = plan.shardings(OptLayout.of(plan, resource.tx).specs())
     return state._replace(opt_state=jax.device_put(resource.opt_state, shardings))
@@ -135,15 +140,14 @@ class NumpyTier(Tier):
 
 
 class NumpyUpdate(Update):
-  """The step hands every leaf's gradient (state layout) and the clipping factor out of the jit;
-  after it, master and state are updated from the store and the new params written."""
+  """The step hands every leaf's gradient (state layout) and the clipping factor out of the jit
+  (:class:`NumpyAfterStep` updates them after it)."""
 
   def __init__(self, inner: Update, plan: Any, tx: optax.GradientTransformation,
                store: NumpyStore):
     super().__init__(inner)
     self.plan, self.tx, self.store = plan, tx, store
     self.paths = frozenset(l.path for l in plan.leaf_list() if l.state_tier == NUMPY)
-    self._apply = None
 
   @property
   def output_specs(self) -> dict:
@@ -159,8 +163,17 @@ class NumpyUpdate(Update):
     one = jax.numpy.ones((), jax.numpy.float32)
     return new, {**outputs, NUMPY: {"grads": handed, "factor": one if factor is None else factor}}
 
-  def after(self, state: Any, metrics: dict, outputs: dict) -> Any:
-    state = self.inner.after(state, metrics, outputs)
+
+class NumpyAfterStep:
+  """After the jitted step: master and state updated from the store with the handed-out
+  gradients, the new params written (one jitted update on global arrays, made at the first
+  step)."""
+
+  def __init__(self, plan: Any, tx: optax.GradientTransformation, store: NumpyStore):
+    self.plan, self.tx, self.store = plan, tx, store
+    self._apply = None
+
+  def __call__(self, state: Any, metrics: dict, outputs: dict) -> Any:
     if bool(metrics["overflow"]):  # a skipped step: the stored state stays
       return state
     if self._apply is None:

@@ -26,16 +26,18 @@ explicitly: the plan, the resolved config, the optax transformation, and the tie
 * **Where a stored partition comes from in the forward pass** (:meth:`Tier.grad_target`,
   :meth:`Tier.gather_inputs`): a param kept in host memory or on NVMe is differentiated through a
   device slot and read when its gather runs.
-* **How the update runs**: :meth:`Tier.update` wraps the step's :class:`Update` (below).
+* **How the update runs**: :meth:`Tier.update` wraps the step's :class:`Update` (below);
+  :meth:`Tier.after_step` is its work on the host after the jitted step.
 * **The state outside a step**: what the tier keeps outside the arrays is written at init
   (:meth:`Tier.write_initial`), read into a full state for checkpoints (:meth:`Tier.full_state`)
   and taken back from one (:meth:`Tier.absorb`), and its bytes measured
   (:meth:`Tier.measured_bytes`, :meth:`Tier.held_bytes`).
 
 **The update** is a chain of optax-shaped links, each an :class:`Update`: ``init`` (the train
-state's fields it owns), ``update`` (inside the jitted step), and at most one host-side ``after``
-(after the jitted step). A link wraps the one it changes (``inner``) and overrides only what it
-changes. The registry composes the chain (:func:`jzero.tiers.registry.update`), outermost first::
+state's fields it owns) and ``update`` (inside the jitted step). A link wraps the one it changes
+(``inner``) and overrides only what it changes. What runs on the host after the jitted step is
+one explicit list, the tiers' :meth:`Tier.after_step` hooks in :data:`jzero.tiers.registry.TIERS`'
+order (:func:`jzero.tiers.registry.after_step`), each reading what its link handed out. The registry composes the chain (:func:`jzero.tiers.registry.update`), outermost first::
 
     tiers that take leaves out of the step (Tier.wraps == "step": the NVMe store's update)
       -> ClipByFactor -> DelayedUpdate (the delayed parameter update, when on)
@@ -48,18 +50,22 @@ changes. The registry composes the chain (:func:`jzero.tiers.registry.update`), 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import jax
 import optax
 
-__all__ = ["Resources", "Tier", "Update"]
+__all__ = ["AfterStep", "Resources", "Tier", "Update"]
 
 PyTree = Any
 
 #: What the active tiers own at run time, by tier name (e.g. ``{"nvme": NvmeStore}``): opened once
 #: per plan (:meth:`Tier.open`), handed to every hook that reads it.
 Resources = Mapping[str, Any]
+
+#: A tier's work on the host after a jitted step (:meth:`Tier.after_step`): (the state the step
+#: returned, its metrics, what the update chain handed out of the jit by name) -> the state.
+AfterStep = Callable[[Any, dict, dict], Any]
 
 
 class Update:
@@ -110,10 +116,6 @@ class Update:
     """
     return self.inner.update(grads, state, skip, factor)
 
-  def after(self, state: Any, metrics: dict, outputs: dict) -> Any:
-    """On the host, after the jitted step: the state after the work on :meth:`update`'s
-    ``outputs``."""
-    return self.inner.after(state, metrics, outputs)
 
 
 class Tier:
@@ -212,6 +214,14 @@ class Tier:
     nothing. ``elementwise``: ``tx`` is the config's optimizer (leaf by leaf updates are valid;
     a client optax transformation may couple leaves)."""
     return inner
+
+  @classmethod
+  def after_step(cls, plan: Any, config: Any, tx: optax.GradientTransformation,
+                 resource: Any) -> AfterStep | None:
+    """The tier's work on the host after each jitted step (None: none), made once per plan: the
+    update of the leaves whose gradients its :meth:`update` link handed out of the jit (under
+    its name in the step's outputs), e.g. the NVMe store's."""
+    return None
 
   # -- the state outside a step ----------------------------------------------------------------
   @classmethod

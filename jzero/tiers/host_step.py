@@ -256,6 +256,20 @@ class HostStepTier(Tier):
           "optimizer block to be Adam or AdamW. Use update: stream or host for another.")
     return HostStepUpdate(inner, plan, resource)
 
+  @classmethod
+  def after_step(cls, plan: Any, config: Any, tx: optax.GradientTransformation,
+                 resource: Any) -> Any:
+    """The store's host Adam over the handed-out partitions and the upload of the new params --
+    on its thread while the next step runs, with the delayed update past its warm-up."""
+    store = resource
+
+    def after(state: Any, metrics: dict, outputs: dict) -> Any:
+      carried = getattr(state, "delayed", None)
+      if carried is not None and carried.variant != Variant.WARMUP:
+        return store.update_delayed(state, metrics, outputs[HOST_STEP])
+      return store.update(state, metrics, outputs[HOST_STEP])
+    return after
+
   # -- outside a step ------------------------------------------------------------------------
   @classmethod
   def write_initial(cls, plan: Any, resource: Any, masters: dict[str, jax.Array]) -> None:
@@ -283,8 +297,8 @@ class HostStepUpdate(Update):
   """The host step's link of the update chain (module docstring): inside the jit it hands the
   host leaves' gradients out (stage 1: sent to host memory here) with the loss scale each still
   carries (a slot's: the step's; one unscaled on the device path: 1), the clipping factor and the
-  skip flag, and gives the links below placeholders for them; after the jit the
-  store updates them and uploads their new params."""
+  skip flag, and gives the links below placeholders for them; after the jit
+  (:meth:`HostStepTier.after_step`) the store updates them and uploads their new params."""
 
   def __init__(self, inner: Update, plan: Any, store: Any):
     super().__init__(inner)
@@ -329,10 +343,4 @@ class HostStepUpdate(Update):
         "grads": handed, "factor": one if factor is None else factor, "scale": scales,
         "skip": flag}}
 
-  def after(self, state: Any, metrics: dict, outputs: dict) -> Any:
-    state = self.inner.after(state, metrics, outputs)
-    carried = getattr(state, "delayed", None)
-    if carried is not None and carried.variant != Variant.WARMUP:
-      return self.store.update_delayed(state, metrics, outputs[HOST_STEP])
-    return self.store.update(state, metrics, outputs[HOST_STEP])
 

@@ -111,6 +111,21 @@ class NvmeTier(Tier):
              inner: Update, *, elementwise: bool) -> Update:
     return NvmeUpdate(inner, plan, tx, resource)
 
+  @classmethod
+  def after_step(cls, plan: Any, config: Any, tx: optax.GradientTransformation,
+                 resource: Any) -> Any:
+    """The store's update of its leaves from what the step handed out
+    (:meth:`jzero.tiers.nvme_store.NvmeStore.update`), or the params' new copies written."""
+    store = resource
+
+    def after(state: Any, metrics: dict, outputs: dict) -> Any:
+      if NVME in outputs:
+        return store.update(state, metrics, outputs[NVME])
+      if store.copies:
+        return store.write_copies(state, metrics)
+      return state
+    return after
+
   # -- outside a step ------------------------------------------------------------------------
   @classmethod
   def full_state(cls, plan: Any, resource: Any, state: Any) -> Any:
@@ -138,9 +153,9 @@ class NvmeTier(Tier):
 class NvmeUpdate(Update):
   """The update from and to the NVMe store (``store``), outside the step's clipping: the step
   hands out the NVMe leaves' unclipped gradients with the clipping factor (and what their update
-  reads) and keeps placeholders for them; after the jitted step the store updates its leaves
-  sub-group by sub-group and commits the step (:meth:`jzero.tiers.nvme_store.NvmeStore.update`),
-  or writes the params' new copies."""
+  reads) and keeps placeholders for them; after the jitted step (:meth:`NvmeTier.after_step`)
+  the store updates its leaves sub-group by sub-group and commits the step
+  (:meth:`jzero.tiers.nvme_store.NvmeStore.update`), or writes the params' new copies."""
 
   def __init__(self, inner: Update, plan: Any, tx: optax.GradientTransformation, store: Any):
     super().__init__(inner)
@@ -165,14 +180,6 @@ class NvmeUpdate(Update):
     new, outputs = self.inner.update(shrink(self.plan, grads, self.nvme_leaves), state, skip,
                                      factor)
     return new, {**outputs, NVME: handed}
-
-  def after(self, state: Any, metrics: dict, outputs: dict) -> Any:
-    state = self.inner.after(state, metrics, outputs)
-    if NVME in outputs:
-      return self.store.update(state, metrics, outputs[NVME])
-    if self.store.copies:
-      return self.store.write_copies(state, metrics)
-    return state
 
 
 def step_outputs(plan: Any, state: Any, grads: PyTree, factor: jax.Array | None) -> dict:

@@ -6,7 +6,7 @@ A new tier is one line here (or :func:`register`, from outside the package) plus
 Everything that depends on which tiers exist reads this tuple when it runs: the config's accepted
 ``device`` values (:func:`devices`, :func:`check_config`), the plan's placement
 (:func:`placement`), the resources (:func:`open_resources`), the step's update chain
-(:func:`update`), the state outside a step (:func:`full_state`, :func:`absorb`), the estimator's
+(:func:`update`) and the host's work after it (:func:`after_step`), the state outside a step (:func:`full_state`, :func:`absorb`), the estimator's
 offload rules and columns and the memory report's (:func:`answering`, :func:`columns`,
 :func:`value_of`), and ``jzero plan``'s candidates (:func:`devices`).
 The order matters where updates compose: the host tier replaces the device's update of what lives
@@ -25,7 +25,7 @@ from jzero.sharding.opt_layout import OptLayout
 from jzero.sharding.plan import Plan
 from jzero.sharding.planner import Placement
 from jzero.tiers import delayed as delayed_lib
-from jzero.tiers.base import Resources, Tier, Update
+from jzero.tiers.base import AfterStep, Resources, Tier, Update
 from jzero.tiers.host_optimizer import HostOptimizerTier
 from jzero.tiers.host_params import HostParamsTier
 from jzero.tiers.host_step import HostStepTier
@@ -34,7 +34,7 @@ from jzero.tiers.updates import ClipByFactor, DeviceUpdate, Held, SkipNonFinite
 
 __all__ = ["TIERS", "OFFLOAD_BLOCKS", "register", "unregister", "named", "value_of", "active",
            "answering", "check_config", "columns", "devices", "placement", "check_plan", "held",
-           "open_resources", "update", "write_initial", "kept", "full_state", "absorb"]
+           "open_resources", "update", "after_step", "write_initial", "kept", "full_state", "absorb"]
 
 TIERS: tuple[type[Tier], ...] = (
     HostOptimizerTier,
@@ -190,6 +190,14 @@ def update(tiers: tuple[type[Tier], ...], plan: Plan, config: Any,
     if tier.wraps == "step":
       chain = wrap(tier, chain)
   return chain
+
+
+def after_step(tiers: tuple[type[Tier], ...], plan: Plan, config: Any,
+               tx: optax.GradientTransformation, resources: Resources) -> tuple[AfterStep, ...]:
+  """The host's work after each jitted step: the tiers' :meth:`Tier.after_step` hooks, in
+  :data:`TIERS`' order (the step runs them one after another on the state it returned)."""
+  hooks = (t.after_step(plan, config, tx, resources.get(t.name)) for t in tiers)
+  return tuple(h for h in hooks if h is not None)
 
 
 def write_initial(tiers: tuple[type[Tier], ...], plan: Plan, resources: Resources,

@@ -139,9 +139,6 @@ class DeviceUpdate(Update):
     return state._replace(params=params, master=master, opt_state=opt_state,
                           secondary=secondary), {}
 
-  def after(self, state: Any, metrics: dict, outputs: dict) -> Any:
-    return state
-
   def per_device(self, fn: Any, in_specs: Any, out_specs: Any) -> Any:
     """``fn`` (one device's blocks) callable in this update's view
     (:func:`jzero.comm.program.per_device`)."""

@@ -114,7 +114,8 @@ def step_parts(plan: Plan, config: Config, model: ModelAdapter, loss_fn: Any,
   """What the step of ``plan`` computes with: the model, loss, optimizer (``schedule``: the
   config's, None for a client optax transformation) and loss scaler, the plan's tiers and their
   ``resources``, the update chain (:func:`jzero.tiers.registry.update`) with the delayed update
-  in it, and the config's numbers."""
+  in it, the host's work after the step (:func:`jzero.tiers.registry.after_step`), and the
+  config's numbers."""
   tiers = registry.active(plan)
   opt = OptLayout.of(plan, tx)
   if HOST_STEP in resources and schedule is not None:  # the host step runs the config's Adam
@@ -126,6 +127,7 @@ def step_parts(plan: Plan, config: Config, model: ModelAdapter, loss_fn: Any,
       tiers=tiers, resources=resources,
       update=registry.update(tiers, plan, config, tx, opt, resources,
                              elementwise=schedule is not None, delayed=delayed),
+      after_step=registry.after_step(tiers, plan, config, tx, resources),
       delayed=delayed,
       settings=step_lib.StepSettings.from_config(config, prefetch=plan.prefetch))
 

@@ -57,7 +57,7 @@ from jzero.modeling.model_adapter import ModelAdapter
 from jzero.modeling.model_state import explain_unbound_axis
 from jzero.sharding.opt_layout import OptLayout
 from jzero.sharding.plan import LeafPlan, Plan
-from jzero.tiers.base import Resources, Tier, Update
+from jzero.tiers.base import AfterStep, Resources, Tier, Update
 from jzero.tiers.delayed import DelayedUpdate
 from jzero.train import aux_metrics
 from jzero.train.precision import LossScaler
@@ -107,8 +107,15 @@ class StepParts:
   """Everything a step computes with. ``tiers``: the active tiers (classes), whose forward-pass
   hooks the step calls with their ``resources``; ``opt``: the optimizer state's layout and the
   view its update runs in (:class:`jzero.sharding.opt_layout.OptLayout`); ``update``: the update
-  chain (:func:`jzero.tiers.registry.update`); ``delayed``: the delayed parameter update, or
-  None."""
+  chain (:func:`jzero.tiers.registry.update`); ``after_step``: the host's work after the jitted
+  step, in order (:func:`jzero.tiers.registry.after_step`); ``delayed``: the delayed parameter
+  update, or None."""
+
+  def run_after_step(self, state: Any, metrics: dict, outputs: dict) -> Any:
+    """The :attr:`after_step` hooks, one after another, on the state the jitted step returned."""
+    for hook in self.after_step:
+      state = hook(state, metrics, outputs)
+    return state
 
   plan: Plan
   model: ModelAdapter
@@ -120,6 +127,7 @@ class StepParts:
   tiers: tuple[type[Tier], ...]
   resources: Resources
   update: Update
+  after_step: tuple[AfterStep, ...]
   delayed: DelayedUpdate | None
   settings: StepSettings
 

@@ -3,7 +3,7 @@
 Per ``train_step`` call, on the host: the step count (read from the state once, then counted), the
 step variant the delayed update asks for (:meth:`jzero.tiers.delayed.DelayedUpdate.variant`),
 written into the state, the fused step -- or with ``wall_clock_breakdown`` the two timed jits -- of
-that variant, the update's work after the jitted step (:meth:`jzero.tiers.base.Update.after`), the
+that variant, the tiers' work after the jitted step (:meth:`jzero.train.step.StepParts.run_after_step`), the
 report on it
 (:class:`jzero.train.reporting.StepReporter`), and across processes the preemption save
 (:class:`jzero.train.preemption.PreemptionWatch`). The engine owns one runner; the programs are its
@@ -65,7 +65,7 @@ class StepRunner:
     """One step of ``state`` on ``batch`` (in one jit, or the two timed ones when not
     ``fused``); ``memory_report(state)``, ``save(state, directory)`` and ``wait()``: the
     engine's, for the report and the preemption save."""
-    update, delayed = programs.parts.update, programs.parts.delayed
+    parts, delayed = programs.parts, programs.parts.delayed
     if self.step is None:
       self.step = int(state.step)
     variant = self.variant(delayed, state, self.step, fused=fused)
@@ -77,13 +77,13 @@ class StepRunner:
       if not fused:
         grads_fn, update_fn = programs.split(batch, variant)
         state, metrics = self.reporter.timed(("split", variant), not built, grads_fn, update_fn,
-                                             update.after, self.step + 1, state, batch)
+                                             parts.run_after_step, self.step + 1, state, batch)
       else:
         fn = programs.fused(batch, variant)
         lowering = lambda: [(fn, reporting.abstract_arguments((state, batch)))]
         self.reporter.running(("fused", variant), not built, lowering)
         state, metrics, outputs = fn(state, batch)
-        state = update.after(state, metrics, outputs)  # e.g. the NVMe store's update of its leaves
+        state = parts.run_after_step(state, metrics, outputs)  # e.g. the NVMe store's update
     except StepNotCommitted:
       self.step = None  # the state its finish() returns is read at the next step
       raise

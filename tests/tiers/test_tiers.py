@@ -35,13 +35,17 @@ class ClipFactorLog(Tier):
 
   @classmethod
   def update(cls, plan, config, tx, resource, inner, *, elementwise):
-    return FactorOut(inner, resource)
+    return FactorOut(inner)
+
+  @classmethod
+  def after_step(cls, plan, config, tx, resource):
+    return lambda state, metrics, outputs: (
+        resource.append(float(outputs[cls.name])) or state)
 
 
 class FactorOut(Update):
-  def __init__(self, inner, factors):
+  def __init__(self, inner):
     super().__init__(inner)
-    self.factors = factors
 
   @property
   def output_specs(self):
@@ -50,10 +54,6 @@ class FactorOut(Update):
   def update(self, grads, state, skip=None, factor=None):
     new, outputs = self.inner.update(grads, state, skip, factor)
     return new, {**outputs, ClipFactorLog.name: factor}
-
-  def after(self, state, metrics, outputs):
-    self.factors.append(float(outputs[ClipFactorLog.name]))
-    return self.inner.after(state, metrics, outputs)
 
 
 def _run(config, data):
