@@ -58,19 +58,22 @@ def live_bytes(tree: Any, device: jax.Device | None = None) -> dict[str, int]:
   return dict(out)
 
 
-def state_report(plan: Plan, state: Any, resources: Resources) -> dict[str, dict[str, int]]:
+def state_report(plan: Plan, state: Any, resources: Resources,
+                 gradient_accumulation: int = 1) -> dict[str, dict[str, int]]:
   """Bytes the first device of the plan's mesh holds: category -> memory kind -> bytes.
 
   Categories are :data:`REPORT_CATEGORIES`, plus "secondary" (ZeRO++ hpZ's copy) and
   "delayed_grads" (the delayed update's carried gradient) when the state has them; params, master,
   optimizer and secondary are measured from the live arrays, grads counted from the plan (``{}``
   where a category has no arrays; what a tier holds outside the arrays, such as the NVMe store's
-  files, from its resource in ``resources``).
+  files, from its resource in ``resources``); ``gradient_accumulation``: the config's micro-batches
+  per step (the host step sums them in the accumulation dtype).
   """
   device = plan.mesh.mesh.devices.flat[0]
   report = {
       "params": live_bytes(state.params, device),
-      "grads": plan_gradient_bytes(plan, delayed=getattr(state, "delayed", None) is not None),
+      "grads": plan_gradient_bytes(plan, delayed=getattr(state, "delayed", None) is not None,
+                                   accumulating=gradient_accumulation > 1),
       "master": live_bytes(state.master, device),
       "optimizer": live_bytes(state.opt_state, device),
   }
@@ -85,13 +88,15 @@ def state_report(plan: Plan, state: Any, resources: Resources) -> dict[str, dict
   return report
 
 
-def plan_gradient_bytes(plan: Plan, *, delayed: bool = False) -> dict[str, int]:
+def plan_gradient_bytes(plan: Plan, *, delayed: bool = False,
+                        accumulating: bool = False) -> dict[str, int]:
   """The step's gradient bytes on the first device, counted from the plan (the report's
   "grads (plan)" row), by memory kind: as the stage lays them out on the device -- except the
   leaves the host step updates (:mod:`jzero.tiers.host_step`), whose gradient leaves the device
   in the backward pass: stage 1 reduces their full local gradient at the end, stages 2/3 hold one
   layer of them in flight (:func:`jzero.analysis.update_memory.in_flight_elements`), and their
-  reduced partitions arrive in pinned host memory (two with the delayed update)."""
+  reduced partitions arrive in pinned host memory (two with the delayed update; summed in the
+  accumulation dtype when ``accumulating`` micro-batches)."""
   trained = [l for l in plan.leaf_list() if not l.frozen]
   streamed = [l for l in trained if l.state_tier == HOST_STEP]
   on_device = sum(plan.local_numel(l, l.grad_partitioned) for l in trained
@@ -105,7 +110,8 @@ def plan_gradient_bytes(plan: Plan, *, delayed: bool = False) -> dict[str, int]:
   out = {"device": round(on_device * jnp.dtype(plan.compute_dtype).itemsize)}
   if streamed:
     host = sum(plan.local_numel(l, True) for l in streamed) * (2 if delayed else 1)
-    out["pinned_host"] = host * jnp.dtype(plan.comm_dtype).itemsize
+    dtype = plan.grad_accum_dtype if accumulating else plan.comm_dtype
+    out["pinned_host"] = host * jnp.dtype(dtype).itemsize
   return out
 
 
@@ -276,6 +282,7 @@ def memory_report(plan: Plan, state: Any, resources: Resources, *, config: Any, 
   est = estimate(leaves, plan.stage, plan.mesh.zero_size, offload_optimizer=optimizer_tier,
                  # the update the engine runs (initialize resolved it: jzero.tiers.host_step)
                  offload_update=block.update if optimizer_tier == "cpu" and block else None,
+                 gradient_accumulation=config.gradient_accumulation_steps,
                  offload_param=("nvme" if where.params_on_nvme(plan) else
                                 "cpu" if where.param_offloads(plan) else None),
                  param_cache_elements=cached,
@@ -326,7 +333,8 @@ def memory_report(plan: Plan, state: Any, resources: Resources, *, config: Any, 
              f"{format_bytes(store.disk_bytes())} on disk (two slots and metadata), step "
              f"{store.step} committed in slot {store.slot}",)
   return MemoryReport(device=str(plan.mesh.mesh.devices.flat[0]),
-                      precision=config.precision, measured=state_report(plan, state, resources),
+                      precision=config.precision, measured=state_report(
+                          plan, state, resources, config.gradient_accumulation_steps),
                       predicted=predicted, estimate=est, optimizer_bytes=master_k + opt_k,
                       compiled=compiled_memory, prefetch=program.prefetches(plan), notes=notes)
 

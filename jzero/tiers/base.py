@@ -112,7 +112,9 @@ class Update:
       state: the train state the step started from.
       skip: None (apply), a traced bool (skip where true: the step's gradient was not finite),
         or ``True`` (skip: the old state, placed as the update places its results).
-      factor: the clipping factor not yet applied (None: no clipping, or applied already).
+      factor: the clipping factor, for the links outside the clipping (the tiers whose
+        :attr:`Tier.wraps` is "step": they hand it out with their leaves' unclipped gradients);
+        :class:`jzero.tiers.updates.ClipByFactor` applies it to the rest and hands None below.
     """
     return self.inner.update(grads, state, skip, factor)
 

@@ -117,8 +117,6 @@ class DeviceUpdate(Update):
   def update(self, grads: PyTree, state: Any, skip: Any = None,
              factor: jax.Array | None = None) -> tuple[Any, dict]:
     plan = self.plan
-    if factor is not None:
-      grads = jax.tree.map(lambda g: g * factor, grads)
     if skip is True:
       params, master, opt_state = self.unchanged(state.params, state.master, state.opt_state)
       return state._replace(params=params, master=master, opt_state=opt_state), {}

@@ -224,7 +224,8 @@ def test_gradient_accumulation_on_the_host_equals_no_offload(stage, precision, o
   extra = {"offload_param": offload_param} if offload_param else {}
   engine = make_engine(ds_config(stage, gas=2, precision=precision, offload_optimizer=CPU_ADAM,
                                  **extra))
-  _, params, losses = _train(engine, data=data)
+  state, params, losses = _train(engine, data=data)
+  _assert_report_matches(engine, state)  # the host's sums in the accumulation dtype
   _, ref_params, ref_losses = _train(make_engine(ds_config(stage, gas=2, precision=precision)),
                                      data=data)
   _assert_matches(params, losses, ref_params, ref_losses,
