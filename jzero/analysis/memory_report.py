@@ -31,8 +31,9 @@ from jzero.tiers.base import Resources
 from jzero.tiers.host_step import HOST_STEP
 from jzero.tiers.nvme_params import host_bytes_bound
 
-__all__ = ["REPORT_CATEGORIES", "live_bytes", "state_report", "plan_gradient_bytes", "CompiledMemory", "MemoryReport",
-           "memory_report", "report_rows", "format_memory_report"]
+__all__ = ["REPORT_CATEGORIES", "live_bytes", "state_report", "plan_gradient_bytes",
+           "CompiledMemory", "MemoryReport", "memory_report", "report_rows",
+           "format_memory_report"]
 
 
 # -- measured accounting ---------------------------------------------------------------------------

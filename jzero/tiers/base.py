@@ -37,7 +37,8 @@ explicitly: the plan, the resolved config, the optax transformation, and the tie
 state's fields it owns) and ``update`` (inside the jitted step). A link wraps the one it changes
 (``inner``) and overrides only what it changes. What runs on the host after the jitted step is
 one explicit list, the tiers' :meth:`Tier.after_step` hooks in :data:`jzero.tiers.registry.TIERS`'
-order (:func:`jzero.tiers.registry.after_step`), each reading what its link handed out. The registry composes the chain (:func:`jzero.tiers.registry.update`), outermost first::
+order (:func:`jzero.tiers.registry.after_step`), each reading what its link handed out. The
+registry composes the chain (:func:`jzero.tiers.registry.update`), outermost first::
 
     tiers that take leaves out of the step (Tier.wraps == "step": the NVMe store's update)
       -> ClipByFactor -> DelayedUpdate (the delayed parameter update, when on)
@@ -117,7 +118,6 @@ class Update:
         :class:`jzero.tiers.updates.ClipByFactor` applies it to the rest and hands None below.
     """
     return self.inner.update(grads, state, skip, factor)
-
 
 
 class Tier:

@@ -6,9 +6,10 @@ A new tier is one line here (or :func:`register`, from outside the package) plus
 Everything that depends on which tiers exist reads this tuple when it runs: the config's accepted
 ``device`` values (:func:`devices`, :func:`check_config`), the plan's placement
 (:func:`placement`), the resources (:func:`open_resources`), the step's update chain
-(:func:`update`) and the host's work after it (:func:`after_step`), the state outside a step (:func:`full_state`, :func:`absorb`), the estimator's
-offload rules and columns and the memory report's (:func:`answering`, :func:`columns`,
-:func:`value_of`), and ``jzero plan``'s candidates (:func:`devices`).
+(:func:`update`) and the host's work after it (:func:`after_step`), the state outside a step
+(:func:`full_state`, :func:`absorb`), the estimator's offload rules and columns and the memory
+report's (:func:`answering`, :func:`columns`, :func:`value_of`), and ``jzero plan``'s candidates
+(:func:`devices`).
 The order matters where updates compose: the host tier replaces the device's update of what lives
 in host memory; the NVMe tier's update, outside the step's clipping, takes its leaves out of it.
 """
@@ -34,7 +35,8 @@ from jzero.tiers.updates import ClipByFactor, DeviceUpdate, Held, SkipNonFinite
 
 __all__ = ["TIERS", "OFFLOAD_BLOCKS", "register", "unregister", "named", "value_of", "active",
            "answering", "check_config", "columns", "devices", "placement", "check_plan", "held",
-           "open_resources", "update", "after_step", "write_initial", "kept", "full_state", "absorb"]
+           "open_resources", "update", "after_step", "write_initial", "kept", "full_state",
+           "absorb"]
 
 TIERS: tuple[type[Tier], ...] = (
     HostOptimizerTier,

@@ -3,8 +3,8 @@
 Per ``train_step`` call, on the host: the step count (read from the state once, then counted), the
 step variant the delayed update asks for (:meth:`jzero.tiers.delayed.DelayedUpdate.variant`),
 written into the state, the fused step -- or with ``wall_clock_breakdown`` the two timed jits -- of
-that variant, the tiers' work after the jitted step (:meth:`jzero.train.step.StepParts.run_after_step`), the
-report on it
+that variant, the tiers' work after the jitted step
+(:meth:`jzero.train.step.StepParts.run_after_step`), the report on it
 (:class:`jzero.train.reporting.StepReporter`), and across processes the preemption save
 (:class:`jzero.train.preemption.PreemptionWatch`). The engine owns one runner; the programs are its
 argument.
