@@ -80,8 +80,8 @@ class Update:
   @property
   def skip_mode(self) -> str:
     """How a skipped step is written below the skip: "cond" -- a ``lax.cond`` whose skipping
-    branch is ``update(..., skip=True)`` (host-memory state cannot be selected elementwise on the
-    device, and fp16's overflow check keeps no second copy of the update); "select" -- one
+    branch is :meth:`skipped` (host-memory state cannot be selected elementwise on the device,
+    and fp16's overflow check keeps no second copy of the update); "select" -- one
     ``update(..., skip=flag)`` that selects the old state elementwise (a host computation cannot
     sit inside a conditional on the GPU)."""
     return self.inner.skip_mode
@@ -111,13 +111,19 @@ class Update:
     Args:
       grads: fp32 gradients in the state layout, unscaled.
       state: the train state the step started from.
-      skip: None (apply), a traced bool (skip where true: the step's gradient was not finite),
-        or ``True`` (skip: the old state, placed as the update places its results).
+      skip: None (apply) or a traced bool (skip where true: the step's gradient was not
+        finite); a step known to be skipped when it is traced is :meth:`skipped`.
       factor: the clipping factor, for the links outside the clipping (the tiers whose
         :attr:`Tier.wraps` is "step": they hand it out with their leaves' unclipped gradients);
         :class:`jzero.tiers.updates.ClipByFactor` applies it to the rest and hands None below.
     """
     return self.inner.update(grads, state, skip, factor)
+
+  def skipped(self, state: Any) -> tuple[Any, dict]:
+    """A skipped step's (train state, outputs) inside the jit: the old state, placed as
+    :meth:`update` places its results (a ``lax.cond``'s branches agree on memory spaces), and
+    outputs of :meth:`update`'s structure."""
+    return self.inner.skipped(state)
 
 
 class Tier:

@@ -6,7 +6,8 @@ state's arrays (:func:`shrink`).
 
 **The skip** is one mode of the chain, read from the links below it
 (:attr:`jzero.tiers.base.Update.skip_mode`): "cond" -- a ``lax.cond`` whose skipping branch is the
-update's ``skip=True`` (the old state, placed as the update places its results); "select" -- one
+links' :meth:`~jzero.tiers.base.Update.skipped` (the old state, placed as the update places its
+results); "select" -- one
 update with the flag, which selects the old state elementwise where it is true: the device update
 fuses the select into the optax update (:func:`_skippable_update`), the host update selects inside
 its host computation (XLA's GPU compiler rejects a host computation inside a conditional). The
@@ -74,7 +75,7 @@ class DeviceUpdate(Update):
   (:func:`jzero.comm.layouts.compute_param`: stage 1/2 all-gather, stage 3 casts its partition),
   then ZeRO++ hpZ's secondary partitions refreshed. A skipped step keeps the old master and
   optimizer state by an elementwise select fused into the update (:func:`_skippable_update`), or
-  (``skip=True``) returns them as they are.
+  returns them as they are (:meth:`skipped`).
 
   A frozen leaf (:attr:`jzero.sharding.plan.LeafPlan.frozen`) has no gradient and no master: the
   update sees a zero gradient and its param (upcast) as its master, and its param stays.
@@ -117,10 +118,7 @@ class DeviceUpdate(Update):
   def update(self, grads: PyTree, state: Any, skip: Any = None,
              factor: jax.Array | None = None) -> tuple[Any, dict]:
     plan = self.plan
-    if skip is True:
-      params, master, opt_state = self.unchanged(state.params, state.master, state.opt_state)
-      return state._replace(params=params, master=master, opt_state=opt_state), {}
-    keep = None if skip is None or skip is False else skip
+    keep = skip
     master = self.masters(state)
     grads = plan.map(lambda l, g, m: jnp.zeros_like(m) if l.frozen else g, grads, master)
     master, compute_from, opt_state = self.apply(grads, state.opt_state, master, keep)
@@ -136,6 +134,10 @@ class DeviceUpdate(Update):
     master = shrink(plan, master, self.held.state | plan.frozen_paths) if plan.has_master else None
     return state._replace(params=params, master=master, opt_state=opt_state,
                           secondary=secondary), {}
+
+  def skipped(self, state: Any) -> tuple[Any, dict]:
+    params, master, opt_state = self.unchanged(state.params, state.master, state.opt_state)
+    return state._replace(params=params, master=master, opt_state=opt_state), {}
 
   def per_device(self, fn: Any, in_specs: Any, out_specs: Any) -> Any:
     """``fn`` (one device's blocks) callable in this update's view
@@ -228,16 +230,16 @@ class SkipNonFinite(Update):
              factor: jax.Array | None = None) -> tuple[Any, dict]:
     inner = self.inner
     if skip is None or isinstance(skip, bool):
-      return inner.update(grads, state, True if skip else None, factor)
+      return inner.skipped(state) if skip else inner.update(grads, state, None, factor)
     if self.skip_mode == "select":
       return inner.update(grads, state, skip, factor)
 
-    def branch(skipped: bool | None):
-      new, outputs = inner.update(grads, state, skipped, factor)
+    def branch(skipped: bool):
+      new, outputs = inner.skipped(state) if skipped else inner.update(grads, state, None, factor)
       return (new.params, new.master, new.opt_state, new.secondary), outputs
 
     (params, master, opt_state, secondary), outputs = lax.cond(
-        skip, lambda _: branch(True), lambda _: branch(None), None)
+        skip, lambda _: branch(True), lambda _: branch(False), None)
     return state._replace(params=params, master=master, opt_state=opt_state,
                           secondary=secondary), outputs
 
