@@ -179,7 +179,13 @@ The expected figures follow from ZeRO's arithmetic. Ψ is the parameter count, a
 padding because every dimension here is a multiple of 8. Stage 3 splits the fp32 master (4 bytes
 per parameter), Adam's two fp32 moments (8 bytes) and the bf16 gradients (2 bytes) over the N = 8
 devices. It splits the bf16 parameters too (2 bytes), except the persistent leaves, which every
-device holds whole. Offloading moves those bytes between tiers without changing their number."""),
+device holds whole. Offloading moves those bytes between tiers without changing their number --
+except the host Adam's (the two `-> cpu` optimizer modes without NVMe params): its gradients leave
+the device in the backward pass, so the report counts them where the step has them, in flight on
+the device (a leaf outside a layer stack, as every leaf of this MLP is, whole: its matmul's
+backward produces it so) and its reduced partition in pinned host memory; and the host writes
+each new bf16 partition into a buffer of its own (host memory, 2 bytes per parameter / N) for the
+upload."""),
     new_code_cell("""reports = {name: engines[name].memory_report(states[name]) for name in MODES}
 display(reports["params + optimizer -> cpu"])
 
@@ -209,8 +215,12 @@ def expected(name):
     counts = sum(x.nbytes for x in jax.tree.leaves(states[name].opt_state) if x.ndim == 0)
     optimizer = {state_kind: 8 * psi // n}
     optimizer["device"] = optimizer.get("device", 0) + counts  # Adam's step count: on the device
-    return {"params": params, "grads": {"device": 2 * psi // n},
-            "master": {state_kind: 4 * psi // n}, "optimizer": optimizer}
+    grads = {"device": 2 * psi // n}
+    if state_kind == "unpinned_host":  # the host Adam (above)
+        grads = {"device": 2 * psi, "pinned_host": 2 * psi // n}
+        params = {**params, "unpinned_host": 2 * psi // n}
+    return {"params": params, "grads": grads, "master": {state_kind: 4 * psi // n},
+            "optimizer": optimizer}
 
 def nonzero(measured):  # drops the NVMe placeholders' 0 bytes on the device
     return {c: {k: v for k, v in kinds.items() if v} for c, kinds in measured.items()}
@@ -220,9 +230,12 @@ for name, report in reports.items():
     # the partitioned bf16 params: none with their NVMe masters, an fp32 copy with the state on
     # the host
     extra = {"params + optimizer -> nvme": -2, "params -> nvme, optimizer -> cpu": 2}.get(name, 0) * partitioned // n
+    if expected(name)["grads"].get("pinned_host"):  # the host Adam: gradients in flight, buffers
+        extra += 2 * psi - 2 * psi // n + 2 * psi // n + 2 * psi // n
     assert report.measured_bytes() == reports["no offload"].measured_bytes() + extra
 print("bytes per category and tier as the arithmetic says, in every mode; the same total in all "
-      "but the two with parameters on NVMe (no bf16 copy beside the masters, or an fp32 copy)")
+      "but the two with parameters on NVMe (no bf16 copy beside the masters, or an fp32 copy) "
+      "and the host Adam's two (gradients in flight, upload buffers)")
 
 tiers = [("device", "device", "tab:blue"), ("pinned_host", "pinned host", "tab:orange"),
          ("unpinned_host", "host (numpy)", "tab:purple"), ("nvme", "NVMe (files)", "tab:green")]
