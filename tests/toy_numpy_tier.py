@@ -108,7 +108,7 @@ class NumpyTier(Tier):
   @classmethod
   def update(cls, plan: Any, config: Any, tx: optax.GradientTransformation,
              resource: NumpyStore, inner: Update, *, elementwise: bool) -> Update:
-    return NumpyUpdate(inner, plan, tx, resource)
+    return NumpyUpdate(inner, plan)
 
   @classmethod
   def after_step(cls, plan: Any, config: Any, tx: optax.GradientTransformation,
@@ -143,10 +143,9 @@ class NumpyUpdate(Update):
   """The step hands every leaf's gradient (state layout) and the clipping factor out of the jit
   (:class:`NumpyAfterStep` updates them after it)."""
 
-  def __init__(self, inner: Update, plan: Any, tx: optax.GradientTransformation,
-               store: NumpyStore):
+  def __init__(self, inner: Update, plan: Any):
     super().__init__(inner)
-    self.plan, self.tx, self.store = plan, tx, store
+    self.plan = plan
     self.paths = frozenset(l.path for l in plan.leaf_list() if l.state_tier == NUMPY)
 
   @property

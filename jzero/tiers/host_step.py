@@ -254,7 +254,7 @@ class HostStepTier(Tier):
       raise ConfigError(
           "offload_optimizer.update: cpu_adam runs DeepSpeed's CPU Adam: it needs the config's "
           "optimizer block to be Adam or AdamW. Use update: stream or host for another.")
-    return HostStepUpdate(inner, plan, resource)
+    return HostStepUpdate(inner, plan)
 
   @classmethod
   def after_step(cls, plan: Any, config: Any, tx: optax.GradientTransformation,
@@ -300,9 +300,9 @@ class HostStepUpdate(Update):
   skip flag, and gives the links below placeholders for them; after the jit
   (:meth:`HostStepTier.after_step`) the store updates them and uploads their new params."""
 
-  def __init__(self, inner: Update, plan: Any, store: Any):
+  def __init__(self, inner: Update, plan: Any):
     super().__init__(inner)
-    self.plan, self.store = plan, store
+    self.plan = plan
     self.leaves = frozenset(l.path for l in plan.leaf_list() if l.state_tier == HOST_STEP)
 
   @property

@@ -109,7 +109,7 @@ class NvmeTier(Tier):
   @classmethod
   def update(cls, plan: Any, config: Any, tx: optax.GradientTransformation, resource: Any,
              inner: Update, *, elementwise: bool) -> Update:
-    return NvmeUpdate(inner, plan, tx, resource)
+    return NvmeUpdate(inner, plan, tx)
 
   @classmethod
   def after_step(cls, plan: Any, config: Any, tx: optax.GradientTransformation,
@@ -151,15 +151,15 @@ class NvmeTier(Tier):
 
 
 class NvmeUpdate(Update):
-  """The update from and to the NVMe store (``store``), outside the step's clipping: the step
+  """The update from and to the NVMe store, outside the step's clipping: the step
   hands out the NVMe leaves' unclipped gradients with the clipping factor (and what their update
   reads) and keeps placeholders for them; after the jitted step (:meth:`NvmeTier.after_step`)
   the store updates its leaves sub-group by sub-group and commits the step
   (:meth:`jzero.tiers.nvme_store.NvmeStore.update`), or writes the params' new copies."""
 
-  def __init__(self, inner: Update, plan: Any, tx: optax.GradientTransformation, store: Any):
+  def __init__(self, inner: Update, plan: Any, tx: optax.GradientTransformation):
     super().__init__(inner)
-    self.plan, self.tx, self.store = plan, tx, store
+    self.plan, self.tx = plan, tx
     self.updates_state = where.has_nvme(plan)  # else params (or their copies) only
     self.nvme_leaves = frozenset(l.path for l in plan.leaf_list() if l.state_tier == NVME)
 
